@@ -1,0 +1,50 @@
+"""`python -m vllm.kvwarm info [--json]`: what this build is and which hooks it has."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from vllm.kvwarm import build_record
+from vllm.kvwarm.capabilities import probe
+
+
+def _info(as_json: bool) -> int:
+    import vllm
+
+    record = build_record()
+    report = {"vllm_version": vllm.__version__, "build": record, "capabilities": probe()}
+    if as_json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    if record is None:
+        print(f"vLLM {vllm.__version__}: not a kvwarm build (no build record)")
+    else:
+        print(f"vLLM {record['version']} ({record['flavour']} flavour of {record['release']})")
+        print(f"  series digest   {record['series_digest']}")
+        print(f"  overlay digest  {record['overlay_digest']}")
+        print(f"  revision        {record['revision']}")
+        print(f"  built from      {record['upstream_wheel']}")
+    print("capabilities:")
+    width = max(len(name) for name in report["capabilities"])
+    for name, row in report["capabilities"].items():
+        state = {True: "yes", False: "no", None: "unknown"}[row["present"]]
+        note = f"  ({row['error']})" if "error" in row else ""
+        print(f"  {name:<{width}}  {state:<7}  {row['where']}{note}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="release, flavour, series digest and hooks of this build")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        return _info(args.json)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The build: fetch, check and apply the series, add the overlay, repack, validate."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from wheel.wheelfile import WheelFile
+
+from . import project
+from .apply import apply_series
+from .errors import BuildError
+from .fetch import fetch
+from .releases import Release
+from .repack import WheelName, repack
+from .series import read_series, series_folder
+
+
+def build_record(release: Release, flavour: str, overlay: dict[str, bytes], series_digest: str) -> dict:
+    wheel = release.flavour(flavour).wheel
+    return {
+        "schema": 1,
+        "release": release.version,
+        "flavour": flavour,
+        "version": release.patched_version,
+        "upstream_wheel": wheel.file,
+        "upstream_sha256": wheel.sha256,
+        "series_digest": series_digest,
+        "overlay_digest": project.digest_files(overlay),
+        "revision": project.revision(),
+    }
+
+
+def encode_record(record: dict) -> bytes:
+    return (json.dumps(record, indent=2, sort_keys=True) + "\n").encode()
+
+
+def output_name(release: Release, flavour: str) -> str:
+    source = WheelName.parse(release.flavour(flavour).wheel.file)
+    return WheelName(source.dist, release.patched_version, source.tag).filename
+
+
+def read_built_record(wheel: Path) -> dict | None:
+    try:
+        with WheelFile(wheel) as zf:
+            return json.loads(zf.read(project.BUILD_RECORD_PATH))
+    except Exception:  # a missing, partial or foreign wheel is simply not up to date
+        return None
+
+
+def build(
+    release: Release,
+    flavour: str,
+    cache: Path,
+    dist: Path = project.DIST,
+    validate=None,
+    log=print,
+    patches_root: Path = project.PATCHES,
+    overlay_root: Path = project.OVERLAY,
+) -> Path:
+    """Build into `dist` and return the wheel path.
+
+    The wheel is written and validated in a staging folder and moved into `dist` only when
+    everything passed, so a failed build leaves no wheel behind (an older one is kept).
+    `validate(wheel, upstream, record)` raises BuildError on a problem.
+    """
+    started = time.monotonic()
+    series = read_series(series_folder(patches_root, release.version))
+    overlay = project.overlay_files(overlay_root)
+    if not overlay:
+        raise BuildError(f"{overlay_root} is empty", "the overlay must provide vllm/kvwarm")
+    record = build_record(release, flavour, overlay, series.digest())
+    upstream = fetch(release.flavour(flavour).wheel, cache / "downloads", log=log)
+    log(f"applying {len(series.patches)} patch(es) from {series.folder}")
+    with WheelFile(upstream) as zf:
+        names = set(zf.namelist())
+        changed = apply_series(series, lambda p: zf.read(p) if p in names else None)
+    replacements = {p: d for p, d in changed.items() if p in names}
+    additions = {p: d for p, d in changed.items() if p not in names and d is not None}
+    clash = sorted(set(additions) & set(overlay))
+    if clash:
+        raise BuildError(f"both a patch and the overlay create {clash}", "keep the file in the overlay")
+    additions.update(overlay)
+    additions[project.BUILD_RECORD_PATH] = encode_record(record)
+
+    dist.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dist))
+    try:
+        log(f"repacking {upstream.name} as {output_name(release, flavour)}")
+        built = repack(upstream, staging, release.label, replacements, additions)
+        if validate is not None:
+            log("validating the built wheel")
+            validate(built, upstream, record)
+        final = dist / built.name
+        os.replace(built, final)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log(f"built {final} in {time.monotonic() - started:.1f} s")
+    return final

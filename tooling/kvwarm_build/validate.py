@@ -1,0 +1,103 @@
+"""Post-build validation: check what the wheel does, not that the build exited 0."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from wheel.wheelfile import WheelError, WheelFile
+
+from .errors import BuildError
+from .repack import WheelName
+from .venvs import layer_on_deps, venv_python
+
+_MARK = "KVWARM-PROBE "
+_PROBE = f"""
+import importlib.metadata as md, json, sys
+import vllm, vllm.kvwarm
+print({_MARK!r} + json.dumps({{
+    "dist_version": md.version(sys.argv[1]),
+    "vllm_version": vllm.__version__,
+    "record": vllm.kvwarm.build_record(),
+}}))
+"""
+
+
+def record_rows(wheel: Path) -> dict[str, str]:
+    """RECORD of a wheel as {path: hash}."""
+    with WheelFile(wheel) as zf:
+        text = zf.read(zf.record_path).decode()
+    return {row[0]: row[1] for row in csv.reader(io.StringIO(text)) if row}
+
+
+def record_problems(wheel: Path) -> list[str]:
+    """Every entry hashes to its RECORD row, and RECORD lists exactly the entries."""
+    problems = []
+    with WheelFile(wheel) as zf:
+        names = {i.filename for i in zf.infolist() if not i.is_dir()}
+        for name in sorted(names):
+            try:
+                zf.read(name)  # WheelFile checks the hash against RECORD while reading
+            except WheelError as err:
+                problems.append(f"{wheel.name}: {err}")
+    rows = set(record_rows(wheel))
+    for name in sorted(rows - names):
+        problems.append(f"{wheel.name}: RECORD lists {name}, which is not in the wheel")
+    return problems
+
+
+def compiled_problems(built: Path, upstream: Path) -> list[str]:
+    """Every compiled extension is byte-identical to the release's (same RECORD hash)."""
+    ours, theirs = record_rows(built), record_rows(upstream)
+    problems = []
+    for name in sorted({n for n in theirs if n.endswith(".so")} | {n for n in ours if n.endswith(".so")}):
+        if ours.get(name) != theirs.get(name):
+            problems.append(f"{built.name}: {name} differs from {upstream.name} (or is missing from one)")
+    return problems
+
+
+def import_problems(built: Path, dist: str, record: dict, deps_site: Path) -> list[str]:
+    """Install --no-deps into a throwaway venv; `import vllm` must report label and record."""
+    with tempfile.TemporaryDirectory(prefix="kvwarm-validate-") as tmp:
+        venv = Path(tmp) / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        python = venv_python(venv)
+        layer_on_deps(python, deps_site)  # brings torch and pip from the deps venv
+        install = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+             "--disable-pip-version-check", str(built)],
+            capture_output=True, text=True,
+        )
+        if install.returncode != 0:
+            return [f"pip install --no-deps {built.name} failed: {install.stderr.strip()[-2000:]}"]
+        probe = subprocess.run([str(python), "-c", _PROBE, dist], capture_output=True, text=True)
+    lines = [l for l in probe.stdout.splitlines() if l.startswith(_MARK)]
+    if probe.returncode != 0 or not lines:
+        return [f"import vllm from {built.name} failed:\n{probe.stderr.strip()[-3000:]}"]
+    seen = json.loads(lines[-1][len(_MARK):])
+    problems = []
+    version = WheelName.parse(built.name).version
+    for key in ("dist_version", "vllm_version"):
+        if seen[key] != version:
+            problems.append(f"{key} is {seen[key]!r}, expected {version!r}")
+    if record.get("version") != version:
+        problems.append(f"build record version {record.get('version')!r} is not the wheel's {version!r}")
+    if seen["record"] != record:
+        problems.append(f"vllm.kvwarm.build_record() is {seen['record']}, expected {record}")
+    return problems
+
+
+def validate(built: Path, upstream: Path, dist: str, record: dict, deps_site: Path | None) -> None:
+    problems = record_problems(built) + compiled_problems(built, upstream)
+    if not problems and deps_site is not None:
+        problems += import_problems(built, dist, record, deps_site)
+    if problems:
+        raise BuildError(
+            "validation of the built wheel failed:\n  " + "\n  ".join(problems),
+            "nothing was put in dist/; fix the cause above and build again",
+        )
