@@ -25,11 +25,12 @@ nox.options.error_on_missing_interpreters = True
 def _env(session: nox.Session) -> dict[str, str]:
     # One cache for downloads and venvs: KVWARM_CACHE_DIR if set (shared between
     # checkouts and CI runs), else nox's own cache dir.
-    return {"KVWARM_CACHE_DIR": os.environ.get("KVWARM_CACHE_DIR") or str(session.cache_dir)}
+    cache = os.environ.get("KVWARM_CACHE_DIR") or session.cache_dir
+    return {"KVWARM_CACHE_DIR": str(Path(cache).resolve())}
 
 
 def _tooling(session: nox.Session, *extra: str) -> None:
-    session.install("-q", ".", *extra)
+    session.install("-q", "-e", ".", *extra)
 
 
 def _kvwarm_build(session: nox.Session, *args: str, **kwargs):

@@ -19,7 +19,7 @@ def cache_dir(default: Path | None = None) -> Path:
     """KVWARM_CACHE_DIR if set (share downloads and venvs between checkouts), else
     the given default (nox's cache dir), else .nox/.cache in the project."""
     env = os.environ.get("KVWARM_CACHE_DIR")
-    return Path(env) if env else (default or ROOT / ".nox" / ".cache")
+    return (Path(env) if env else (default or ROOT / ".nox" / ".cache")).resolve()
 
 
 def revision() -> str:
