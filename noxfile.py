@@ -119,6 +119,6 @@ def tests(session: nox.Session) -> None:
     _tooling(session, "pytest", "hypothesis")
     session.run("pytest", "-q", "tests/tooling", env=_env(session))
     session.notify("lint-patches")
-    for release in RELEASES:
-        for kind in ("build", "unit", "upstream-tests"):
+    for kind in ("build", "upstream-tests", "unit"):
+        for release in RELEASES:
             session.notify(f"{kind}-{release['short']}")
