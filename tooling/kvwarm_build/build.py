@@ -18,6 +18,8 @@ from .fetch import fetch
 from .releases import Release
 from .repack import WheelName, repack
 from .series import read_series, series_folder
+from .validate import validate as validate_wheel
+from .venvs import ensure_deps_venv
 
 
 def build_record(release: Release, flavour: str, overlay: dict[str, bytes], series_digest: str) -> dict:
@@ -101,3 +103,25 @@ def build(
         shutil.rmtree(staging, ignore_errors=True)
     log(f"built {final} in {time.monotonic() - started:.1f} s")
     return final
+
+
+def current_record(release: Release, flavour: str) -> dict:
+    series = read_series(series_folder(project.PATCHES, release.version))
+    return build_record(release, flavour, project.overlay_files(), series.digest())
+
+
+def ensure_built(release: Release, flavour: str, cache: Path, dist: Path = project.DIST,
+                 if_stale: bool = False, check: bool = True, log=print) -> Path:
+    """Build and validate (unless check=False); with if_stale, reuse a wheel in `dist` that
+    was built from exactly the current inputs (same build record)."""
+    existing = dist / output_name(release, flavour)
+    if if_stale and existing.exists() and read_built_record(existing) == current_record(release, flavour):
+        log(f"{existing} is up to date")
+        return existing
+    checker = None
+    if check:
+        deps_site = ensure_deps_venv(cache, log=log)
+        dist_name = release.flavour(flavour).dist
+        checker = lambda wheel, upstream, record: validate_wheel(  # noqa: E731
+            wheel, upstream, dist_name, record, deps_site)
+    return build(release, flavour, cache, dist=dist, validate=checker, log=log)

@@ -8,13 +8,12 @@ import sys
 from pathlib import Path
 
 from . import project
-from .build import build, output_name, read_built_record, build_record, encode_record
+from .build import ensure_built, output_name
 from .errors import BuildError
 from .fetch import fetch
 from .maint import export_patches, lint, materialise, write_series
 from .releases import FLAVOURS, find_release, load_releases
 from .series import read_series, series_folder
-from .validate import validate
 from .venvs import current_python, ensure_deps_venv, layer_on_deps
 
 
@@ -32,25 +31,8 @@ def _cache(args) -> Path:
 
 def cmd_build(args) -> int:
     release = _release(args)
-    flavour = release.flavour(args.flavour)
-    cache = _cache(args)
-    if args.if_stale:
-        existing = args.dist / output_name(release, args.flavour)
-        series = read_series(series_folder(project.PATCHES, release.version))
-        want = build_record(release, args.flavour, project.overlay_files(), series.digest())
-        if existing.exists() and read_built_record(existing) == want:
-            _log(f"{existing} is up to date")
-            print(existing)
-            return 0
-    check = None
-    if not args.no_validate:
-        deps_site = ensure_deps_venv(cache, log=_log)
-
-        def check(wheel, upstream, record):
-            validate(wheel, upstream, flavour.dist, record, deps_site)
-
-    wheel = build(release, args.flavour, cache, dist=args.dist, validate=check, log=_log)
-    print(wheel)
+    print(ensure_built(release, args.flavour, _cache(args), dist=args.dist, if_stale=args.if_stale,
+                       check=not args.no_validate, log=_log))
     return 0
 
 

@@ -37,6 +37,7 @@ class Release:
     build: int
     sdist: Artifact
     flavours: dict[str, Flavour]
+    test_flavour: str  # what vLLM's own CPU tests run against
 
     @property
     def label(self) -> str:
@@ -97,7 +98,10 @@ def _parse_release(i: int, row: dict) -> Release:
     if "cuda" not in flavours:
         raise BuildError(f"{where}: no cuda flavour", "add [release.flavours.cuda]")
     sdist = _artifact(f"{where} sdist", _require(where, row, "sdist", dict), "file")
-    return Release(version, short, build, sdist, flavours)
+    test_flavour = row.get("test_flavour", "cuda")
+    if test_flavour not in flavours:
+        raise BuildError(f"{where}: test_flavour {test_flavour!r} is not one of its flavours", "fix test_flavour")
+    return Release(version, short, build, sdist, flavours, test_flavour)
 
 
 def load_releases(path: Path) -> list[Release]:
