@@ -241,6 +241,9 @@ def make(hub: Path, model_id: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    # transformers' image processors import torchvision; see the shim's docstring.
+    import _torchvision_shim  # noqa: F401  (this file's folder is sys.path[0])
+
     hub, ids = Path(argv[0]), argv[1:]
     unknown = [i for i in ids if i not in STANDINS]
     if unknown:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from wheel.wheelfile import WheelError, WheelFile
@@ -93,9 +94,13 @@ def import_problems(built: Path, dist: str, record: dict, deps_site: Path) -> li
 
 
 def validate(built: Path, upstream: Path, dist: str, record: dict, deps_site: Path | None) -> None:
-    problems = record_problems(built) + compiled_problems(built, upstream)
-    if not problems and deps_site is not None:
-        problems += import_problems(built, dist, record, deps_site)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # The install-and-import check runs in subprocesses: let it use the other core
+        # while this one re-reads the wheel.
+        imported = pool.submit(import_problems, built, dist, record, deps_site) if deps_site else None
+        problems = record_problems(built) + compiled_problems(built, upstream)
+        if imported is not None:
+            problems += imported.result()
     if problems:
         raise BuildError(
             "validation of the built wheel failed:\n  " + "\n  ".join(problems),

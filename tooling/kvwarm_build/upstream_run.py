@@ -1,0 +1,81 @@
+"""upstream-tests-X: vLLM's own CPU tests, stock release against patched build.
+
+One venv layered on the shared deps venv runs the suite twice: with the stock release wheel,
+then with the patched build of the same flavour. The stock results depend only on the
+release, the sdist and the stand-ins, so they are cached by those inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .build import ensure_built
+from .errors import BuildError
+from .fetch import fetch
+from .hf_standins import seed_hf_cache
+from .releases import Release
+from .upstream_tests import TEST_PATHS, compare, extract_tests, hub_ids, run_suite
+from .venvs import _pip, ensure_deps_venv, layer_on_deps, venv_python
+
+# What vLLM's tests import beyond the deps venv.
+TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib"]
+_STANDINS_VERSION_FILE = Path(__file__).with_name("_make_standins.py")
+
+
+def _test_venv(cache: Path, release: Release, deps_site: Path, log) -> Path:
+    venv = cache / "venvs" / f"upstream-tests-{release.version}"
+    python = venv_python(venv)
+    marker = venv / ".kvwarm-complete"
+    if not marker.exists():
+        log(f"creating {venv}")
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        layer_on_deps(python, deps_site)
+        _pip(python, *TEST_REQUIREMENTS, log=log)
+        marker.write_text("ok\n")
+    return python
+
+
+def _install(python: Path, wheel: Path, log) -> None:
+    _pip(python, "--no-deps", "--force-reinstall", str(wheel), log=log)
+
+
+def _stock_key(release: Release, flavour: str) -> str:
+    parts = [release.flavour(flavour).wheel.sha256, release.sdist.sha256, *TEST_PATHS,
+             hashlib.sha256(_STANDINS_VERSION_FILE.read_bytes()).hexdigest()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def run_upstream_tests(release: Release, cache: Path, dist: Path, log=print) -> int:
+    flavour = release.test_flavour
+    log(f"vLLM {release.version} own CPU tests ({', '.join(TEST_PATHS)}) on the {flavour} flavour")
+    sdist = fetch(release.sdist, cache / "downloads", log=log)
+    stock_wheel = fetch(release.flavour(flavour).wheel, cache / "downloads", log=log)
+    patched_wheel = ensure_built(release, flavour, cache, dist=dist, if_stale=True, log=log)
+    work = cache / "upstream" / release.version
+    tests_root = extract_tests(sdist, work / "src")
+    deps_site = ensure_deps_venv(cache, log=log)
+    python = _test_venv(cache, release, deps_site, log)
+    hf_home = cache / "upstream" / "hf"
+    seed_hf_cache(hf_home / "hub", hub_ids(tests_root, TEST_PATHS), str(python))
+
+    stock_cache = work / f"stock-{_stock_key(release, flavour)}.json"
+    if stock_cache.exists():
+        stock = json.loads(stock_cache.read_text())
+        log(f"stock results reused from {stock_cache}")
+    else:
+        log(f"running on stock {stock_wheel.name}")
+        _install(python, stock_wheel, log)
+        stock = run_suite(str(python), tests_root, work / "stock.xml", hf_home, TEST_PATHS)
+        stock_cache.write_text(json.dumps(stock, indent=0, sort_keys=True))
+    log(f"running on patched {patched_wheel.name}")
+    _install(python, patched_wheel, log)
+    patched = run_suite(str(python), tests_root, work / "patched.xml", hf_home, TEST_PATHS)
+    regressions, report = compare(stock, patched, f"stock {stock_wheel.name}", f"patched {patched_wheel.name}")
+    print(report, flush=True)
+    if not any(outcome == "passed" for outcome in stock.values()):
+        raise BuildError(f"no test passed on stock {release.version}", "the test setup is broken; see the log above")
+    return 1 if regressions else 0

