@@ -38,6 +38,7 @@ class Release:
     sdist: Artifact
     flavours: dict[str, Flavour]
     test_flavour: str  # what vLLM's own CPU tests run against
+    test_pins: tuple[str, ...]  # requirement pins for running vLLM's own tests
 
     @property
     def label(self) -> str:
@@ -101,7 +102,10 @@ def _parse_release(i: int, row: dict) -> Release:
     test_flavour = row.get("test_flavour", "cuda")
     if test_flavour not in flavours:
         raise BuildError(f"{where}: test_flavour {test_flavour!r} is not one of its flavours", "fix test_flavour")
-    return Release(version, short, build, sdist, flavours, test_flavour)
+    pins = row.get("test_pins", [])
+    if not isinstance(pins, list) or not all(isinstance(p, str) and p for p in pins):
+        raise BuildError(f"{where}: test_pins must be a list of requirement strings", "fix test_pins")
+    return Release(version, short, build, sdist, flavours, test_flavour, tuple(pins))
 
 
 def load_releases(path: Path) -> list[Release]:

