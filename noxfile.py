@@ -119,6 +119,8 @@ def tests(session: nox.Session) -> None:
     _tooling(session, "pytest", "hypothesis")
     session.run("pytest", "-q", "tests/tooling", env=_env(session))
     session.notify("lint-patches")
-    for kind in ("build", "upstream-tests", "unit"):
+    for release in RELEASES:
+        session.notify(f"build-{release['short']}", posargs=["--check-reproducible"])
+    for kind in ("upstream-tests", "unit"):
         for release in RELEASES:
             session.notify(f"{kind}-{release['short']}")

@@ -156,3 +156,21 @@ def test_installed_wheel_reports_label_and_record(tree):
     wrong = dict(record, series_digest="0" * 64)
     problems = import_problems(wheel, "vllm", wrong, deps)
     assert len(problems) == 1 and "build_record()" in problems[0]
+
+
+def test_reproducibility_check_passes_and_catches_a_difference(tree, monkeypatch):
+    from kvwarm_build import build as build_module
+
+    wheel = run_build(tree, validate=None)
+    release = find_release(load_releases(tree["root"] / "releases.toml"), VERSION)
+    original = build_module.build
+
+    def build_from_tree(*args, **kwargs):
+        kwargs.update(patches_root=tree["patches"], overlay_root=tree["overlay"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(build_module, "build", build_from_tree)
+    build_module.check_reproducible(release, "cuda", tree["cache"], wheel, log=lambda *_: None)
+    (tree["overlay"] / "vllm" / "kvwarm" / "extra.py").write_text("X = 1\n")
+    with pytest.raises(BuildError, match="differ: .*vllm/kvwarm/extra.py"):
+        build_module.check_reproducible(release, "cuda", tree["cache"], wheel, log=lambda *_: None)

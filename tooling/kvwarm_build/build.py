@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 from wheel.wheelfile import WheelFile
@@ -125,3 +126,21 @@ def ensure_built(release: Release, flavour: str, cache: Path, dist: Path = proje
         checker = lambda wheel, upstream, record: validate_wheel(  # noqa: E731
             wheel, upstream, dist_name, record, deps_site)
     return build(release, flavour, cache, dist=dist, validate=checker, log=log)
+
+
+def check_reproducible(release: Release, flavour: str, cache: Path, wheel: Path, log=print) -> None:
+    """Build again from the same inputs and require the very same bytes."""
+    log(f"rebuilding to check that {wheel.name} is reproducible")
+    with tempfile.TemporaryDirectory(prefix="kvwarm-repro-", dir=cache) as tmp:
+        again = build(release, flavour, cache, dist=Path(tmp), log=lambda *_: None)
+        if again.read_bytes() == wheel.read_bytes():
+            log("second build is byte-identical")
+            return
+        with zipfile.ZipFile(wheel) as first, zipfile.ZipFile(again) as second:
+            a = {i.filename: (i.CRC, i.date_time, i.external_attr) for i in first.infolist()}
+            b = {i.filename: (i.CRC, i.date_time, i.external_attr) for i in second.infolist()}
+    differing = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n)) or ["(entry order or zip metadata)"]
+    raise BuildError(
+        f"two builds of {wheel.name} from the same inputs differ: {', '.join(differing[:10])}",
+        "find what varies between runs (time, file modes, ordering) in kvwarm_build.repack",
+    )

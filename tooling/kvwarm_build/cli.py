@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from . import project
-from .build import ensure_built, output_name
+from .build import check_reproducible, ensure_built, output_name
 from .errors import BuildError
 from .fetch import fetch
 from .maint import export_patches, lint, materialise, write_series
@@ -31,8 +31,11 @@ def _cache(args) -> Path:
 
 def cmd_build(args) -> int:
     release = _release(args)
-    print(ensure_built(release, args.flavour, _cache(args), dist=args.dist, if_stale=args.if_stale,
-                       check=not args.no_validate, log=_log))
+    wheel = ensure_built(release, args.flavour, _cache(args), dist=args.dist, if_stale=args.if_stale,
+                         check=not args.no_validate, log=_log)
+    if args.check_reproducible:
+        check_reproducible(release, args.flavour, _cache(args), wheel, log=_log)
+    print(wheel)
     return 0
 
 
@@ -111,6 +114,7 @@ def parser() -> argparse.ArgumentParser:
     b = with_release("build", cmd_build, "build the patched wheel into dist/", flavour=True)
     b.add_argument("--if-stale", action="store_true", help="skip when dist/ has a wheel from the same inputs")
     b.add_argument("--no-validate", action="store_true", help="skip post-build validation (tests only)")
+    b.add_argument("--check-reproducible", action="store_true", help="build a second time and compare bytes")
     with_release("wheel-path", cmd_wheel_path, "print where the built wheel is", flavour=True)
     m = with_release("materialise", cmd_materialise, "pristine tree + series as commits in a git repo")
     m.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
