@@ -1,0 +1,164 @@
+"""Copy-on-write parity: 0.28.0's fork semantics, on every release this project builds.
+
+The same tests run against stock 0.28.0 and patched 0.25.1 (the CoW backport series);
+they name only vLLM's own attributes, never a version.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import attention_manager, in_use, make_request, make_scheduler, mamba_align_manager
+
+
+def borrow(pool, manager, owner: str, borrower: str) -> list:
+    """What a warm-up shadow does: share the owner's blocks by reference."""
+    blocks = list(manager.req_to_blocks[owner])
+    pool.touch([b for b in blocks if not b.is_null])
+    manager.req_to_blocks[borrower] = blocks
+    return blocks
+
+
+@pytest.mark.parametrize("make_manager", [attention_manager, mamba_align_manager])
+def test_apply_cow_retains_both_ends_until_released(pool, make_manager):
+    manager = make_manager(pool)
+    manager.allocate_new_blocks("chain", 40, 40)
+    baseline = in_use(pool)
+    blocks = borrow(pool, manager, "chain", "shadow")
+    source = blocks[2]
+    (fork,) = pool.get_new_blocks(1)
+    manager._apply_cow("shadow", 2, source, fork)
+    assert manager.req_to_blocks["shadow"][2] is fork
+    assert manager.req_to_blocks["chain"][2] is source
+    assert source.ref_cnt == 2  # the chain's + the shadow's touch, kept as the retention
+    assert fork.ref_cnt == 2  # the shadow's + one retention
+    pairs = manager.take_pending_cow_copies()
+    assert pairs == [(source, fork)]
+    assert manager.take_pending_cow_copies() == []  # drained
+    pool.free_blocks([block for pair in pairs for block in pair])  # the scheduler's release
+    assert source.ref_cnt == baseline[source.block_id] and fork.ref_cnt == 1
+    manager.free("shadow")
+    assert in_use(pool) == baseline
+    manager.free("chain")
+    assert in_use(pool) == {}
+    assert pool.reset_prefix_cache()
+
+
+def test_apply_cow_refuses_a_slot_that_does_not_hold_the_source(pool):
+    manager = attention_manager(pool)
+    manager.allocate_new_blocks("r", 40, 40)
+    (stranger,) = pool.get_new_blocks(1)
+    (fork,) = pool.get_new_blocks(1)
+    with pytest.raises(AssertionError):
+        manager._apply_cow("r", 1, stranger, fork)
+    assert manager.take_pending_cow_copies() == []
+
+
+def test_drain_order_across_groups(pool):
+    """Groups drain in manager order, pairs in the order they were forked."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    first, second = attention_manager(pool, 0), attention_manager(pool, 1)
+    for manager in (first, second):
+        manager.allocate_new_blocks("chain", 48, 48)
+        borrow(pool, manager, "chain", "shadow")
+    forks = []
+    for manager, idx in ((second, 0), (first, 2), (first, 1)):
+        (fork,) = pool.get_new_blocks(1)
+        manager._apply_cow("shadow", idx, manager.req_to_blocks["shadow"][idx], fork)
+        forks.append(fork)
+    pairs = first.take_pending_cow_copies() + second.take_pending_cow_copies()
+    assert [dst for _, dst in pairs] == [forks[1], forks[2], forks[0]]
+    copies = [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in pairs]
+    assert copies[0].src_block_id == first.req_to_blocks["chain"][2].block_id
+    assert copies[0] == (pairs[0][0].block_id, pairs[0][1].block_id)
+
+
+def _fork_running_tail(scheduler, request_id: str):
+    """Fork the last block of a scheduled request through its group's manager."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    table = manager.req_to_blocks[request_id]
+    source = table[-1]
+    scheduler.kv_cache_manager.block_pool.touch([source])  # the hit-ref a borrower holds
+    (fork,) = scheduler.kv_cache_manager.block_pool.get_new_blocks(1)
+    manager._apply_cow(request_id, len(table) - 1, source, fork)
+    return source, fork
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_schedule_puts_copies_on_its_output_and_releases_retentions(tmp_path, defer):
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    scheduler = make_scheduler(tmp_path, defer_block_free=defer)
+    request = make_request("r", 40)
+    scheduler.add_request(request)
+    first = scheduler.schedule()
+    assert first.num_scheduled_tokens == {"r": 40}
+    assert first.kv_cache_block_copies is None  # nothing forked: as stock
+    source, fork = _fork_running_tail(scheduler, "r")
+    assert (source.ref_cnt, fork.ref_cnt) == (2, 2)
+    scheduler.add_request(make_request("other", 20, token=9))  # a step that runs on the worker
+    second = scheduler.schedule()
+    assert second.num_scheduled_tokens == {"other": 20}
+    assert second.kv_cache_block_copies == [KVCacheBlockCopy(source.block_id, fork.block_id)]
+    if defer:
+        # Held until the step that runs the copy has been processed.
+        assert (source.ref_cnt, fork.ref_cnt) == (2, 2)
+        scheduler.processed_step_seq = scheduler.sched_step_seq
+        scheduler._drain_deferred_frees()
+    # The source had the request's block ref + the touch: back to 1 (its retention is gone
+    # and the request no longer holds it); the fork is owned by the request alone.
+    assert (source.ref_cnt, fork.ref_cnt) == (1, 1)
+    assert scheduler.schedule().kv_cache_block_copies is None  # drained
+    pool = scheduler.kv_cache_manager.block_pool
+    pool.free_blocks([source])  # the touch this test took stands in for a chain's ref
+    scheduler.finish_requests(["r", "other"], _finished_status())
+    if defer:
+        scheduler.processed_step_seq = scheduler.sched_step_seq
+        scheduler._drain_deferred_frees()
+    assert in_use(pool) == {}
+    assert scheduler.reset_prefix_cache()
+
+
+def _finished_status():
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus.FINISHED_ABORTED
+
+
+def test_scheduler_output_with_copies_pickles():
+    import pickle
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    output = SchedulerOutput.make_empty()
+    assert output.kv_cache_block_copies is None
+    output.kv_cache_block_copies = [KVCacheBlockCopy(3, 5)]
+    assert pickle.loads(pickle.dumps(output)).kv_cache_block_copies == [(3, 5)]
+
+
+def test_worker_copy_on_attention_pages_and_mamba_state_lists():
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+    num_blocks = 6
+    # Attention: blocks-first [num_blocks, 2, block, heads, dim].
+    attention = torch.randn(num_blocks, 2, 4, 1, 8)
+    # Mamba: one page per block holding a conv and a temporal state, two views of one storage.
+    page = torch.randn(num_blocks, 3 * 4 + 5 * 2)
+    conv = page[:, :12].view(num_blocks, 3, 4)
+    temporal = page[:, 12:].view(num_blocks, 5, 2)
+    before_attention, before_page = attention.clone(), page.clone()
+    # 4 is both a destination and a source: every copy reads the pages as they were, and a
+    # storage seen twice (the repeated attention entry) is copied once, or 5 would get 1.
+    copies = [KVCacheBlockCopy(1, 4), KVCacheBlockCopy(4, 5)]
+    copy_kv_cache_blocks_inplace([attention, [conv, temporal], attention], num_blocks, copies)
+    for src, dst in copies:
+        assert torch.equal(attention[dst], before_attention[src])
+        assert torch.equal(conv[dst], before_page[src, :12].view(3, 4))
+        assert torch.equal(temporal[dst], before_page[src, 12:].view(5, 2))
+    for untouched in (0, 1, 2, 3):
+        assert torch.equal(attention[untouched], before_attention[untouched])
+        assert torch.equal(page[untouched], before_page[untouched])
