@@ -20,7 +20,7 @@ def test_round_trip_is_byte_identical(tree, tmp_path):
     assert not (repo / "vllm/_C.abi3.so").exists()  # binaries stay out of the tree
     log = git(repo, "log", "--format=%s", "upstream..HEAD").split("\n")[:2]
     assert log == ["Add a new module", "Add a hook to helper_3"]
-    exported = export_patches(repo, folder)
+    exported = export_patches(repo)
     assert exported == {p.name: p.data() for p in series.patches}
     assert lint(folder, tree["wheel"]) == []
 
@@ -30,9 +30,9 @@ def test_edit_commit_export_updates_the_series(tree, tmp_path):
     repo = materialise(tree["wheel"], read_series(folder), tmp_path / "work", log=lambda *_: None)
     (repo / "vllm/version.py").write_text("from ._version import __version__\n")
     with pytest.raises(BuildError, match="uncommitted changes"):
-        export_patches(repo, folder)
+        export_patches(repo)
     git(repo, "commit", "-qam", "Third hook\n\nUpstream-Status: Pending\nOrigin: kvwarm\nDrop-When: never\n")
-    write_series(folder, export_patches(repo, folder))
+    write_series(folder, export_patches(repo))
     series = read_series(folder)
     assert [p.name for p in series.patches][-1] == "0003-Third-hook.patch"
     assert lint(folder, tree["wheel"]) == []

@@ -79,7 +79,7 @@ def cmd_materialise(args) -> int:
 def cmd_export(args) -> int:
     release = _release(args)
     dest = series_folder(project.PATCHES, release.version)
-    patches = export_patches(_work_tree(args, release), dest)
+    patches = export_patches(_work_tree(args, release))
     write_series(dest, patches)
     _log(f"exported {len(patches)} patch(es) into {dest}")
     return 0

@@ -18,7 +18,7 @@ from wheel.wheelfile import WheelFile
 
 from .apply import apply_series
 from .errors import BuildError
-from .series import Series, read_series
+from .series import Series, header_problems, read_series
 
 UPSTREAM_TAG = "upstream"
 EXPORT_FLAGS = [
@@ -88,7 +88,7 @@ def materialise(upstream: Path, series: Series, into: Path, force: bool = False,
     return into
 
 
-def export_patches(repo: Path, dest: Path) -> dict[str, bytes]:
+def export_patches(repo: Path) -> dict[str, bytes]:
     """format-patch upstream..HEAD of `repo` into {file name: bytes} (writes nothing)."""
     if not (repo / ".git").exists():
         raise BuildError(f"{repo} is not a materialised tree", "run the materialise session first")
@@ -100,21 +100,25 @@ def export_patches(repo: Path, dest: Path) -> dict[str, bytes]:
 
 
 def write_series(dest: Path, patches: dict[str, bytes]) -> None:
-    """Replace dest's patches and series with `patches`, all at once."""
+    """Make dest's patches and series exactly `patches` (the export's order).
+
+    New files are written before series names them and old ones go last, so an
+    interrupted export leaves a folder that lint reports, never a silent mix.
+    """
     dest.mkdir(parents=True, exist_ok=True)
-    for old in dest.glob("*.patch"):
-        if old.name not in patches:
-            old.unlink()
     for name, data in patches.items():
         (dest / name).write_bytes(data)
     (dest / "series").write_text("".join(f"{name}\n" for name in patches))
+    for old in dest.glob("*.patch"):
+        if old.name not in patches:
+            old.unlink()
 
 
 def stale_patches(upstream: Path, series: Series) -> list[str]:
     """Patches whose bytes differ from a fresh materialise + export of the same series."""
     with tempfile.TemporaryDirectory(prefix="kvwarm-roundtrip-") as tmp:
         repo = materialise(upstream, series, Path(tmp) / "tree", log=lambda *_: None)
-        fresh = export_patches(repo, Path(tmp))
+        fresh = export_patches(repo)
     committed = {p.name: p.data() for p in series.patches}
     problems = []
     for name in sorted(set(fresh) | set(committed)):
@@ -129,8 +133,6 @@ def stale_patches(upstream: Path, series: Series) -> list[str]:
 
 def lint(series_folder: Path, upstream: Path | None) -> list[str]:
     """All lint problems of one release's series; upstream=None skips the staleness check."""
-    from .series import header_problems
-
     try:
         series = read_series(series_folder)
     except BuildError as err:

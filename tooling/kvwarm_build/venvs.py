@@ -12,7 +12,6 @@ import hashlib
 import shutil
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 from .errors import BuildError
@@ -81,7 +80,3 @@ def layer_on_deps(python: Path, deps_site: Path) -> None:
 
 def current_python() -> Path:
     return Path(sys.executable)
-
-
-def current_site() -> Path:
-    return Path(sysconfig.get_paths()["purelib"])
