@@ -78,6 +78,8 @@ def _release_sessions(release: dict) -> None:
         # host memory needs it); 0.25.1 ignores it and the tests pass a DeviceConfig.
         env = {**_env(session), "VLLM_TARGET_DEVICE": "cpu"}
         session.run("pytest", "-q", *(session.posargs or ["tests/vllm"]), env=env)
+        if not session.posargs:
+            _kvwarm_build(session, "stock-check", "--release", short)
 
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)
     def bench(session: nox.Session) -> None:

@@ -30,6 +30,8 @@ def test_project_release_table_names_both_releases_and_flavours():
         assert release.flavours["cuda"].wheel.file.startswith(f"vllm-{release.version}-")
         assert release.sdist.file == f"vllm-{release.version}.tar.gz"
         assert (project.PATCHES / f"vllm-{release.version}" / "series").is_file()
+        for test_file in release.series_tests:
+            assert (project.ROOT / test_file).is_file(), test_file
 
 
 def test_unknown_release_lists_the_known_ones():

@@ -128,11 +128,13 @@ def _finished_status():
 
 
 def test_scheduler_output_with_copies_pickles():
+    import dataclasses
     import pickle
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.core.sched.output import SchedulerOutput
 
+    assert "kv_cache_block_copies" in {f.name for f in dataclasses.fields(SchedulerOutput)}
     output = SchedulerOutput.make_empty()
     assert output.kv_cache_block_copies is None
     output.kv_cache_block_copies = [KVCacheBlockCopy(3, 5)]

@@ -96,6 +96,12 @@ def cmd_upstream_tests(args) -> int:
     return run_upstream_tests(_release(args), _cache(args), args.dist, log=_log)
 
 
+def cmd_stock_check(args) -> int:
+    from .stock_check import check_series_tests_fail_on_stock
+
+    return check_series_tests_fail_on_stock(_release(args), _cache(args), log=_log)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvwarm-build", description=__doc__)
     p.add_argument("--releases", type=Path, default=project.RELEASES, help="the release table")
@@ -122,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     e = with_release("export", cmd_export, "re-export the tree's commits into patches/vllm-X.Y.Z")
     e.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
     with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
+    with_release("stock-check", cmd_stock_check, "series_tests must all fail on the stock wheel")
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)

@@ -39,6 +39,7 @@ class Release:
     flavours: dict[str, Flavour]
     test_flavour: str  # what vLLM's own CPU tests run against
     test_pins: tuple[str, ...]  # requirement pins for running vLLM's own tests
+    series_tests: tuple[str, ...]  # tests that must fail on the stock wheel
 
     @property
     def label(self) -> str:
@@ -103,9 +104,11 @@ def _parse_release(i: int, row: dict) -> Release:
     if test_flavour not in flavours:
         raise BuildError(f"{where}: test_flavour {test_flavour!r} is not one of its flavours", "fix test_flavour")
     pins = row.get("test_pins", [])
-    if not isinstance(pins, list) or not all(isinstance(p, str) and p for p in pins):
-        raise BuildError(f"{where}: test_pins must be a list of requirement strings", "fix test_pins")
-    return Release(version, short, build, sdist, flavours, test_flavour, tuple(pins))
+    series_tests = row.get("series_tests", [])
+    for name, value in (("test_pins", pins), ("series_tests", series_tests)):
+        if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
+            raise BuildError(f"{where}: {name} must be a list of strings", f"fix {name}")
+    return Release(version, short, build, sdist, flavours, test_flavour, tuple(pins), tuple(series_tests))
 
 
 def load_releases(path: Path) -> list[Release]:
