@@ -65,6 +65,8 @@ def test_malformed_release_table(tree, edit, expected):
 class _Index(http.server.BaseHTTPRequestHandler):
     files: dict[str, bytes] = {}
 
+    truncate_to: int | None = None  # send fewer bytes than Content-Length says
+
     def do_GET(self):
         name = self.path.strip("/").split("/")[-1]
         if self.path.endswith("/"):
@@ -78,7 +80,7 @@ class _Index(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        self.wfile.write(body if self.truncate_to is None or self.path.endswith("/") else body[: self.truncate_to])
 
     def log_message(self, *args):
         pass
@@ -117,6 +119,16 @@ def test_hash_mismatch_leaves_nothing_in_the_cache(index, tmp_path):
     art = _artifact(b"the real file")
     with pytest.raises(BuildError, match="sha256 mismatch for demo-1.0-py3-none-any.whl"):
         fetch(art, tmp_path, index=url, log=lambda *_: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_download_is_an_error_and_leaves_nothing(index, tmp_path, monkeypatch):
+    _, url = index
+    data = b"x" * 5000
+    _Index.files = {"demo-1.0-py3-none-any.whl": data}
+    monkeypatch.setattr(_Index, "truncate_to", 1000)
+    with pytest.raises(BuildError, match="after 1000 of 5000 bytes"):
+        fetch(_artifact(data), tmp_path, index=url, log=lambda *_: None)
     assert list(tmp_path.iterdir()) == []
 
 

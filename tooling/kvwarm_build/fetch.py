@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import os
 import urllib.error
@@ -67,7 +68,9 @@ def _download(url: str, dest: Path, artifact: Artifact, index: str, cache: Path,
                 if pct // 10 != shown // 10:
                     shown = pct
                     log(f"  {artifact.file}: {done >> 20} MiB" + (f" ({pct}%)" if total else ""))
-    except (urllib.error.URLError, OSError) as err:
+        if total and done != total:
+            raise OSError(f"connection ended after {done} of {total} bytes")
+    except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
         part.unlink(missing_ok=True)
         raise BuildError(
             f"download of {artifact.file} from {index} failed ({err})",
