@@ -94,7 +94,7 @@ def build(
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dist))
     try:
         log(f"repacking {upstream.name} as {output_name(release, flavour)}")
-        built = repack(upstream, staging, release.label, replacements, additions)
+        built = repack(upstream, staging, release.label, replacements, additions, log=log)
         if validate is not None:
             log("validating the built wheel")
             validate(built, upstream, record)

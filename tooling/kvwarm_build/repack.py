@@ -119,6 +119,7 @@ def repack(
     label: str,
     replacements: dict[str, bytes | None],
     additions: dict[str, bytes],
+    log=lambda message: None,
 ) -> Path:
     """Write the patched wheel into folder `out` and return its path.
 
@@ -140,8 +141,14 @@ def repack(
         # One fixed timestamp per release wheel: its newest entry's.
         date_time = max(i.date_time for i in infos)
         dist_info = [i for i in infos if i.filename.startswith(source.dist_info + "/")]
+        total = sum(i.file_size for i in infos)
+        done, shown = 0, 0
         with WheelFile(path, "w") as zout:
             for info in infos:
+                done += info.file_size
+                if done * 4 // total > shown:  # a line per quarter of the bytes
+                    shown = done * 4 // total
+                    log(f"  repacked {shown * 25}% of {total >> 20} MiB")
                 if info in dist_info or info.is_dir():
                     continue
                 name = info.filename
