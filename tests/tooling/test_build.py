@@ -53,10 +53,14 @@ def test_build_labels_retags_patches_and_records(tree):
     assert list(tree["dist"].iterdir()) == [wheel]  # no staging leftovers
 
 
-def test_two_builds_are_byte_identical(tree):
+def test_two_builds_are_byte_identical(tree, monkeypatch):
+    # Different wall clocks (and a stray SOURCE_DATE_EPOCH) must not reach the bytes.
+    monkeypatch.setattr("time.time", lambda: 1_000_000_000.0)
     first = run_build(tree)
     saved = first.read_bytes()
     first.unlink()
+    monkeypatch.setattr("time.time", lambda: 1_600_000_000.0)
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1234567890")
     assert run_build(tree).read_bytes() == saved
 
 

@@ -8,9 +8,12 @@ compression level. Same inputs therefore give a byte-identical wheel.
 
 from __future__ import annotations
 
+import calendar
+import os
 import re
 import stat
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +80,21 @@ def _entry(name: str, mode_source: int, date_time: tuple) -> zipfile.ZipInfo:
     return info
 
 
+@contextmanager
+def _source_date_epoch(date_time: tuple):
+    """WheelFile stamps the RECORD it writes on close from SOURCE_DATE_EPOCH, else from
+    the clock: pin it to the wheel's fixed timestamp while writing."""
+    saved = os.environ.get("SOURCE_DATE_EPOCH")
+    os.environ["SOURCE_DATE_EPOCH"] = str(calendar.timegm((*date_time, 0, 0, 0)))
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["SOURCE_DATE_EPOCH"]
+        else:
+            os.environ["SOURCE_DATE_EPOCH"] = saved
+
+
 def relabel_version_file(text: str, version: str, patched: str, label: str) -> str:
     """Point vllm/_version.py at the labelled version (setuptools-scm layout)."""
     new, n = re.subn(
@@ -140,10 +158,11 @@ def repack(
             )
         # One fixed timestamp per release wheel: its newest entry's.
         date_time = max(i.date_time for i in infos)
+
         dist_info = [i for i in infos if i.filename.startswith(source.dist_info + "/")]
         total = sum(i.file_size for i in infos)
         done, shown = 0, 0
-        with WheelFile(path, "w") as zout:
+        with _source_date_epoch(date_time), WheelFile(path, "w") as zout:
             for info in infos:
                 done += info.file_size
                 if done * 4 // total > shown:  # a line per quarter of the bytes
