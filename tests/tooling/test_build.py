@@ -178,3 +178,19 @@ def test_reproducibility_check_passes_and_catches_a_difference(tree, monkeypatch
     (tree["overlay"] / "vllm" / "kvwarm" / "extra.py").write_text("X = 1\n")
     with pytest.raises(BuildError, match="differ: .*vllm/kvwarm/extra.py"):
         build_module.check_reproducible(release, "cuda", tree["cache"], wheel, log=lambda *_: None)
+
+
+def test_layered_venv_is_reused_until_its_inputs_change(tmp_path):
+    from kvwarm_build.venvs import ensure_layered_venv, site_packages
+
+    deps, other = tmp_path / "deps", tmp_path / "other"
+    deps.mkdir(), other.mkdir()
+    messages = []
+    python = ensure_layered_venv(tmp_path / "v", deps, [], log=messages.append)
+    assert (site_packages(python) / "_kvwarm_deps.pth").read_text().strip() == str(deps)
+    (tmp_path / "v" / "mine").write_text("kept while the inputs stay the same")
+    ensure_layered_venv(tmp_path / "v", deps, [], log=messages.append)
+    assert (tmp_path / "v" / "mine").exists() and len(messages) == 1
+    ensure_layered_venv(tmp_path / "v", other, [], log=messages.append)
+    assert not (tmp_path / "v" / "mine").exists() and len(messages) == 2
+    assert (site_packages(python) / "_kvwarm_deps.pth").read_text().strip() == str(other)

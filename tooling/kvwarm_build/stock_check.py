@@ -7,10 +7,8 @@ catches a test that would pass anyway (one that checks nothing the series adds).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -19,26 +17,17 @@ from .errors import BuildError
 from .fetch import fetch
 from .releases import Release
 from .upstream_tests import parse_junit
-from .venvs import ensure_deps_venv, layer_on_deps, pip_install, venv_python
+from .venvs import ensure_deps_venv, ensure_layered_venv
 
 _TOOLS = ["pytest", "hypothesis"]
 
 
 def _stock_venv(release: Release, cache: Path, log) -> Path:
     wheel = fetch(release.flavour("cuda").wheel, cache / "downloads", log=log)
-    deps_site = ensure_deps_venv(cache, log=log)
-    venv = cache / "venvs" / f"stock-{release.version}-cuda"
-    python = venv_python(venv)
-    marker = venv / ".kvwarm-complete"
-    wanted = json.dumps([str(deps_site), release.flavour("cuda").wheel.sha256, *_TOOLS])
-    if not marker.exists() or marker.read_text() != wanted:
-        log(f"creating {venv} with the stock {wheel.name}")
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        layer_on_deps(python, deps_site)
-        pip_install(python, *_TOOLS, log=log)
-        pip_install(python, "--no-deps", str(wheel), log=log)
-        marker.write_text(wanted)  # last: a half-made venv is made again
-    return python
+    return ensure_layered_venv(
+        cache / "venvs" / f"stock-{release.version}-cuda", ensure_deps_venv(cache, log=log),
+        [_TOOLS, ["--no-deps", str(wheel)]], log=log,
+    )
 
 
 def check_series_tests_fail_on_stock(release: Release, cache: Path, log=print) -> int:

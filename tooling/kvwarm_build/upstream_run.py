@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from .build import ensure_built
@@ -21,24 +19,16 @@ from .releases import Release
 from .upstream_tests import (
     TEST_PATHS, TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, hub_ids, run_suite,
 )
-from .venvs import ensure_deps_venv, pip_install, layer_on_deps, venv_python
+from .venvs import ensure_deps_venv, ensure_layered_venv, pip_install
 
 _STANDINS_VERSION_FILE = Path(__file__).with_name("_make_standins.py")
 
 
 def _test_venv(cache: Path, release: Release, deps_site: Path, log) -> Path:
-    venv = cache / "venvs" / f"upstream-tests-{release.version}"
-    python = venv_python(venv)
-    marker = venv / ".kvwarm-complete"
-    wanted = json.dumps([str(deps_site), *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS])
-    if not marker.exists() or marker.read_text() != wanted:
-        log(f"creating {venv}")
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-        layer_on_deps(python, deps_site)
-        pip_install(python, *release.test_pins, *TEST_VENV_COMMON, log=log)
-        pip_install(python, "--no-deps", *TEST_VENV_NO_DEPS, log=log)
-        marker.write_text(wanted)  # last: a half-made venv is made again
-    return python
+    return ensure_layered_venv(
+        cache / "venvs" / f"upstream-tests-{release.version}", deps_site,
+        [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *TEST_VENV_NO_DEPS]], log=log,
+    )
 
 
 def _install(python: Path, wheel: Path, log) -> None:

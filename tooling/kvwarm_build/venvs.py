@@ -9,6 +9,7 @@ deps venv and installs only a vLLM wheel itself (`--no-deps`).
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -80,3 +81,24 @@ def layer_on_deps(python: Path, deps_site: Path) -> None:
 
 def current_python() -> Path:
     return Path(sys.executable)
+
+
+def ensure_layered_venv(venv: Path, deps_site: Path, installs: list[list[str]], log=print) -> Path:
+    """A venv on top of the deps venv with `installs` (pip argument lists) done in order.
+
+    Recreated whenever what it should hold changes; the marker is written last, so a
+    half-made venv is made again.
+    """
+    python = venv_python(venv)
+    marker = venv / _COMPLETE
+    wanted = json.dumps([str(deps_site), installs])
+    if marker.exists() and marker.read_text() == wanted:
+        return python
+    log(f"creating {venv}")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    layer_on_deps(python, deps_site)
+    for args in installs:
+        pip_install(python, *args, log=log)
+    marker.write_text(wanted)
+    return python
+
