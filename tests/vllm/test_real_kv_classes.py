@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import BLOCK_SIZE, attention_manager, in_use, mamba_align_manager
+from conftest import attention_manager, in_use, mamba_align_manager
 
 
 def test_block_pool_allocate_touch_free_reset(pool):
@@ -63,7 +63,3 @@ def test_align_mode_mamba_keeps_one_state_block_at_the_token_slot(pool):
     mamba.free("r")
     assert in_use(pool) == {}
     assert pool.reset_prefix_cache()
-
-
-def test_block_size_fixture_matches_the_pool(pool):
-    assert pool.hash_block_size == BLOCK_SIZE
