@@ -19,9 +19,12 @@ from .releases import Release
 from .upstream_tests import (
     TEST_PATHS, TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, hub_ids, run_suite,
 )
-from .venvs import ensure_deps_venv, ensure_layered_venv, pip_install
+from .venvs import deps_key, ensure_deps_venv, ensure_layered_venv, pip_install
 
-_STANDINS_VERSION_FILE = Path(__file__).with_name("_make_standins.py")
+# Files that shape a run besides the wheel and the tests: stand-in recipes, the
+# torchvision shim and the fixtures plugin run_suite installs.
+_RUN_INPUTS = [Path(__file__).with_name(n) for n in
+               ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py")]
 
 
 def _test_venv(cache: Path, release: Release, deps_site: Path, log) -> Path:
@@ -37,8 +40,8 @@ def _install(python: Path, wheel: Path, log) -> None:
 
 def _stock_key(release: Release, flavour: str) -> str:
     parts = [release.flavour(flavour).wheel.sha256, release.sdist.sha256, *TEST_PATHS,
-             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS,
-             hashlib.sha256(_STANDINS_VERSION_FILE.read_bytes()).hexdigest()]
+             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS, deps_key(),
+             *(hashlib.sha256(f.read_bytes()).hexdigest() for f in _RUN_INPUTS)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

@@ -31,7 +31,7 @@ NO_DEPS = ["xgrammar>=0.2.1,<1.0.0", "apache-tvm-ffi"]
 _COMPLETE = ".kvwarm-complete"
 
 
-def _key() -> str:
+def deps_key() -> str:
     return hashlib.sha256(repr((TORCH, DEPS, NO_DEPS, sys.version_info[:2])).encode()).hexdigest()[:12]
 
 
@@ -58,7 +58,7 @@ def site_packages(python: Path) -> Path:
 
 def ensure_deps_venv(cache: Path, log=print) -> Path:
     """The deps venv's site-packages, created on first use; a half-made one is redone."""
-    venv = cache / "venvs" / f"vllm-deps-{_key()}"
+    venv = cache / "venvs" / f"vllm-deps-{deps_key()}"
     if (venv / _COMPLETE).exists():
         return site_packages(venv_python(venv))
     if venv.exists():
@@ -70,7 +70,7 @@ def ensure_deps_venv(cache: Path, log=print) -> Path:
     pip_install(python, *TORCH, log=log)
     pip_install(python, *DEPS, log=log)
     pip_install(python, "--no-deps", *NO_DEPS, log=log)
-    (venv / _COMPLETE).write_text(_key() + "\n")
+    (venv / _COMPLETE).write_text(deps_key() + "\n")
     return site_packages(python)
 
 
