@@ -1,6 +1,6 @@
 """Sessions for building and testing patched vLLM releases, generated from releases.toml.
 
-Per release (short name S, e.g. 0.25):  build-S, unit-S, bench-S, upstream-tests-S,
+Per release (short name S, e.g. 0.25):  build-S, unit-S, engine-S, bench-S, upstream-tests-S,
 tree-S and export-S (maintainer round trip). Plus: tooling, lint-patches, tests (all of CI).
 The logic lives in the kvwarm_build package (tooling/); sessions only call it.
 """
@@ -37,10 +37,12 @@ def _kvwarm_build(session: nox.Session, *args: str, **kwargs):
     return session.run("kvwarm-build", *args, env=_env(session), **kwargs)
 
 
-def _install_patched(session: nox.Session, short: str, flavour: str = "cuda") -> None:
-    """This venv gets the shared deps (torch ...) and the patched wheel, built if stale."""
+def _install_patched(
+    session: nox.Session, short: str, flavour: str = "cuda", deps: tuple[str, ...] = ("layer-deps",),
+) -> None:
+    """This venv gets a shared deps venv (torch ...) and the patched wheel, built if stale."""
     _kvwarm_build(session, "build", "--release", short, "--flavour", flavour, "--if-stale")
-    _kvwarm_build(session, "layer-deps")
+    _kvwarm_build(session, *deps)
     wheel = _kvwarm_build(session, "wheel-path", "--release", short, "--flavour", flavour, silent=True)
     session.install("-q", "--no-deps", "--force-reinstall", wheel.strip())
 
@@ -81,6 +83,13 @@ def _release_sessions(release: dict) -> None:
         if not session.posargs:
             _kvwarm_build(session, "stock-check", "--release", short)
 
+    @nox.session(name=f"engine-{short}", tags=["engine"], default=False)
+    def engine(session: nox.Session) -> None:
+        """tests/engine on the real CPU engine of the patched cpu-flavour wheel."""
+        _tooling(session, "pytest")
+        _install_patched(session, short, flavour="cpu", deps=("layer-engine-deps", "--release", short))
+        session.run("pytest", "-q", *(session.posargs or ["tests/engine"]), env=_env(session))
+
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)
     def bench(session: nox.Session) -> None:
         """benchmarks/NAME.py inside this release's venv; `-- NAME` runs one."""
@@ -120,12 +129,12 @@ for _release in RELEASES:
 
 @nox.session(default=False)
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: tooling tests, lint, builds, unit and upstream tests per release."""
+    """Everything CI runs: tooling tests, lint, builds, upstream, unit and engine tests per release."""
     _tooling(session, "pytest", "hypothesis")
     session.run("pytest", "-q", "tests/tooling", env=_env(session))
     session.notify("lint-patches")
     for release in RELEASES:
         session.notify(f"build-{release['short']}", posargs=["--check-reproducible"])
-    for kind in ("upstream-tests", "unit"):
+    for kind in ("upstream-tests", "unit", "engine"):
         for release in RELEASES:
             session.notify(f"{kind}-{release['short']}")

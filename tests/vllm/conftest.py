@@ -1,100 +1,11 @@
-"""Helpers to build the real vLLM v1 KV-cache classes of the installed (patched) wheel."""
+"""Fixtures over the real vLLM classes; the builders live in real_kv.py."""
 
 from __future__ import annotations
 
 import pytest
-import torch
-
-from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-BLOCK_SIZE = 16
-
-
-def in_use(pool: BlockPool) -> dict[int, int]:
-    """{block_id: ref_cnt} of every block held by someone (the null block's count is not
-    maintained by vLLM, so it is left out)."""
-    return {b.block_id: b.ref_cnt for b in pool.blocks if b.ref_cnt and not b.is_null}
+from real_kv import BLOCK_SIZE, BlockPool
 
 
 @pytest.fixture
 def pool() -> BlockPool:
     return BlockPool(32, True, hash_block_size=BLOCK_SIZE)
-
-
-def attention_manager(pool: BlockPool, group: int = 0) -> FullAttentionManager:
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=torch.float32)
-    return FullAttentionManager(
-        spec, block_pool=pool, enable_caching=True, kv_cache_group_id=group,
-        scheduler_block_size=BLOCK_SIZE,
-    )
-
-
-def mamba_align_manager(pool: BlockPool, group: int = 1) -> MambaManager:
-    spec = MambaSpec(
-        block_size=BLOCK_SIZE, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
-        mamba_cache_mode="align",
-    )
-    return MambaManager(
-        spec, block_pool=pool, enable_caching=True, kv_cache_group_id=group,
-        scheduler_block_size=BLOCK_SIZE,
-    )
-
-
-def make_scheduler(tmp_path, num_blocks: int = 64, defer_block_free: bool = False):
-    """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded)."""
-    import json
-
-    from vllm.config import (
-        CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    model_dir = tmp_path / "tiny-llama"
-    model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 1024,
-        "torch_dtype": "float32",
-    }))
-    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
-            is_encoder_decoder=False, enable_chunked_prefill=True,
-        ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
-        device_config=DeviceConfig(device="cpu"),
-    )
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    scheduler = Scheduler(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=BLOCK_SIZE,
-        log_stats=False, structured_output_manager=StructuredOutputManager(vllm_config),
-    )
-    scheduler.defer_block_free = defer_block_free
-    return scheduler
-
-
-def make_request(request_id: str, num_tokens: int, token: int = 7):
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    params = SamplingParams(max_tokens=4, ignore_eos=True)
-    params.update_from_generation_config({}, 0)
-    return Request(
-        request_id=request_id, prompt_token_ids=[token] * num_tokens, sampling_params=params,
-        pooling_params=None, block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
-    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import attention_manager, in_use, make_request, make_scheduler, mamba_align_manager
+from real_kv import attention_manager, in_use, make_request, make_scheduler, mamba_align_manager
 
 
 def borrow(pool, manager, owner: str, borrower: str) -> list:
@@ -164,3 +164,16 @@ def test_worker_copy_on_attention_pages_and_mamba_state_lists():
     for untouched in (0, 1, 2, 3):
         assert torch.equal(attention[untouched], before_attention[untouched])
         assert torch.equal(page[untouched], before_page[untouched])
+
+
+def test_block_major_view_of_a_permuted_storage_is_accepted():
+    """What counts is the storage, not the dimension order: hybrid layouts re-stride
+    attention so blocks come first in memory while the tensor's shape does not."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+    num_blocks = 6
+    storage = torch.randn(num_blocks, 2, 4, 8)  # blocks first in memory
+    view = storage.permute(1, 0, 2, 3)  # shaped K/V-first, strided blocks-first
+    copy_kv_cache_blocks_inplace([view], num_blocks, [KVCacheBlockCopy(1, 4)])
+    assert torch.equal(storage[4], storage[1])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import attention_manager, in_use, mamba_align_manager
+from real_kv import attention_manager, in_use, mamba_align_manager
 
 
 def test_block_pool_allocate_touch_free_reset(pool):

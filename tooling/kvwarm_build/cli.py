@@ -90,6 +90,13 @@ def cmd_layer_deps(args) -> int:
     return 0
 
 
+def cmd_layer_engine_deps(args) -> int:
+    from .engine_venv import ensure_engine_deps
+
+    layer_on_deps(current_python(), ensure_engine_deps(_release(args), _cache(args), log=_log))
+    return 0
+
+
 def cmd_upstream_tests(args) -> int:
     from .upstream_run import run_upstream_tests
 
@@ -97,9 +104,9 @@ def cmd_upstream_tests(args) -> int:
 
 
 def cmd_stock_check(args) -> int:
-    from .stock_check import check_series_tests_fail_on_stock
+    from .stock_check import check_tests_on_stock
 
-    return check_series_tests_fail_on_stock(_release(args), _cache(args), log=_log)
+    return check_tests_on_stock(_release(args), _cache(args), log=_log)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -127,8 +134,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="recreate the tree, discarding its commits")
     e = with_release("export", cmd_export, "re-export the tree's commits into patches/vllm-X.Y.Z")
     e.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
+    with_release("layer-engine-deps", cmd_layer_engine_deps,
+                 "make this venv see the release's CPU engine dependency venv")
     with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
-    with_release("stock-check", cmd_stock_check, "series_tests must all fail on the stock wheel")
+    with_release("stock-check", cmd_stock_check, "on the stock wheel: series_tests must fail, stock_tests pass")
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)

@@ -28,6 +28,7 @@ class Flavour:
     wheel: Artifact
     torch: str
     image: str
+    engine_torch: str  # the torch the CPU engine runs on here (see engine_venv)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Release:
     test_flavour: str  # what vLLM's own CPU tests run against
     test_pins: tuple[str, ...]  # requirement pins for running vLLM's own tests
     series_tests: tuple[str, ...]  # tests that must fail on the stock wheel
+    stock_tests: tuple[str, ...] = ()  # tests that must pass on the stock wheel too
 
     @property
     def label(self) -> str:
@@ -90,12 +92,14 @@ def _parse_release(i: int, row: dict) -> Release:
         if name not in FLAVOURS:
             raise BuildError(f"{where}: unknown flavour {name!r}", f"flavours are {FLAVOURS}")
         fw = f"{where} flavour {name}"
+        torch = _require(fw, table, "torch", str)
         flavours[name] = Flavour(
             name=name,
             dist=_require(fw, table, "dist", str),
             wheel=_artifact(fw, table, "wheel"),
-            torch=_require(fw, table, "torch", str),
+            torch=torch,
             image=_require(fw, table, "image", str),
+            engine_torch=_require(fw, {"engine_torch": torch, **table}, "engine_torch", str),
         )
     if "cuda" not in flavours:
         raise BuildError(f"{where}: no cuda flavour", "add [release.flavours.cuda]")
@@ -105,10 +109,16 @@ def _parse_release(i: int, row: dict) -> Release:
         raise BuildError(f"{where}: test_flavour {test_flavour!r} is not one of its flavours", "fix test_flavour")
     pins = row.get("test_pins", [])
     series_tests = row.get("series_tests", [])
-    for name, value in (("test_pins", pins), ("series_tests", series_tests)):
+    stock_tests = row.get("stock_tests", [])
+    for name, value in (("test_pins", pins), ("series_tests", series_tests), ("stock_tests", stock_tests)):
         if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
             raise BuildError(f"{where}: {name} must be a list of strings", f"fix {name}")
-    return Release(version, short, build, sdist, flavours, test_flavour, tuple(pins), tuple(series_tests))
+    both = set(series_tests) & set(stock_tests)
+    if both:
+        raise BuildError(f"{where}: {sorted(both)} in both series_tests and stock_tests",
+                         "a test cannot both fail and pass on the stock wheel; keep it in one list")
+    return Release(version, short, build, sdist, flavours, test_flavour, tuple(pins),
+                   tuple(series_tests), tuple(stock_tests))
 
 
 def load_releases(path: Path) -> list[Release]:

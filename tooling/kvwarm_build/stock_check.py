@@ -1,8 +1,10 @@
-"""Series tests on the stock wheel: every one must fail there.
+"""Tests on the stock wheel: series tests must fail there, stock tests must pass.
 
 A release's `series_tests` (releases.toml) pass on the patched build only because of its
 series. Running them on the official wheel and seeing each one fail proves that, and
-catches a test that would pass anyway (one that checks nothing the series adds).
+catches a test that would pass anyway (one that checks nothing the series adds). Its
+`stock_tests` must pass on the official wheel as well: a parity suite for a backport is
+checked there against the upstream code it copies.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .venvs import ensure_deps_venv, ensure_layered_venv
 _TOOLS = ["pytest", "hypothesis"]
 
 
-def _stock_venv(release: Release, cache: Path, log) -> Path:
+def stock_venv(release: Release, cache: Path, log) -> Path:
     wheel = fetch(release.flavour("cuda").wheel, cache / "downloads", log=log)
     return ensure_layered_venv(
         cache / "venvs" / f"stock-{release.version}-cuda", ensure_deps_venv(cache, log=log),
@@ -30,28 +32,44 @@ def _stock_venv(release: Release, cache: Path, log) -> Path:
     )
 
 
-def check_series_tests_fail_on_stock(release: Release, cache: Path, log=print) -> int:
-    if not release.series_tests:
-        log(f"release {release.version} lists no series_tests")
-        return 0
-    python = _stock_venv(release, cache, log)
+def _outcomes_on_stock(release: Release, files: list[str], cache: Path, log) -> dict[str, str]:
+    python = stock_venv(release, cache, log)
     with tempfile.TemporaryDirectory(prefix="kvwarm-stock-") as tmp:
         junit = Path(tmp) / "stock.xml"
-        cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-               *release.series_tests]
-        log(f"series tests on stock {release.version} (each must fail): {' '.join(release.series_tests)}")
+        cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
         run = subprocess.run(cmd, cwd=project.ROOT, env=env, capture_output=True, text=True)
         if not junit.exists():
             raise BuildError(f"pytest on stock {release.version} left no report:\n{run.stdout[-2000:]}",
-                             "check the series_tests paths in releases.toml")
-        results = parse_junit(junit)
-    passing = sorted(t for t, status in results.items() if status == "passed")
-    if not results:
-        raise BuildError(f"no series test ran on stock {release.version}", "check series_tests")
-    if passing:
-        print(f"{len(passing)} series test(s) pass on stock {release.version}, so the series "
-              "is not what makes them pass:\n  " + "\n  ".join(passing), flush=True)
+                             "check the series_tests and stock_tests paths in releases.toml")
+        return parse_junit(junit)
+
+
+def _of_file(results: dict[str, str], file: str) -> dict[str, str]:
+    """The results of one test file (junit classnames are dotted module paths)."""
+    module = file.removesuffix(".py").replace("/", ".")
+    return {t: s for t, s in results.items() if t.split("::")[0] == module or t.startswith(module + ".")}
+
+
+def check_tests_on_stock(release: Release, cache: Path, log=print) -> int:
+    files = [*release.series_tests, *release.stock_tests]
+    if not files:
+        log(f"release {release.version} lists no series_tests or stock_tests")
+        return 0
+    log(f"on stock {release.version}: series tests must fail ({' '.join(release.series_tests) or '-'}), "
+        f"stock tests must pass ({' '.join(release.stock_tests) or '-'})")
+    results = _outcomes_on_stock(release, files, cache, log)
+    problems = []
+    for file in files:
+        mine = _of_file(results, file)
+        must_fail = file in release.series_tests
+        if not mine:
+            problems.append(f"{file}: no test ran")
+        wrong = sorted(t for t, status in mine.items() if (status == "passed") == must_fail)
+        problems += [f"{t}: {mine[t]}, but it must {'fail' if must_fail else 'pass'} on stock" for t in wrong]
+    if problems:
+        print(f"stock {release.version}:\n  " + "\n  ".join(problems), flush=True)
         return 1
-    print(f"stock {release.version}: all {len(results)} series tests fail, as they must", flush=True)
+    print(f"stock {release.version}: {len(results)} test(s) as expected "
+          "(series tests fail, stock tests pass)", flush=True)
     return 0

@@ -46,6 +46,15 @@ CAPABILITIES = (
         "the worker copies forked pages before the forward",
     ),
     Capability(
+        "adopt_blocks", "vllm.v1.core.single_type_kv_cache_manager",
+        "SingleTypeKVCacheManager.adopt_blocks",
+        "hook: a shadow takes a prebuilt block table with its cached-block count pinned",
+    ),
+    Capability(
+        "borrowed_kv", "vllm.v1.request", "Request.borrowed_kv",
+        "hook: a borrowed request's blocks are never hashed",
+    ),
+    Capability(
         "hashes_partial_tails", "vllm.v1.core.single_type_kv_cache_manager",
         "MambaManager._cache_partial_tail_block",
         "the release hashes partial state tails (in-place state hand-off needs an exemption)",

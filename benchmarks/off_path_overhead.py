@@ -1,0 +1,117 @@
+"""The patched scheduler with the warm-up off against the stock release's, on a real
+Scheduler on CPU driving synthetic decode requests for a few thousand steps.
+
+Runs inside a release venv (`nox -s bench-0.25 -- off_path_overhead`); the stock wheel's
+venv comes from the cache (made on first use). Each side runs in its own process, the
+two alternating; each run schedules the same request stream and prints its time and a
+digest of what it scheduled at every step. The digests must be equal (same scheduled
+tokens every step). Medians over the runs; the last line is the JSON result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parents[1] / "tests" / "vllm"))
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+STEPS, LIVE_REQUESTS, MAX_TOKENS, RUNS = 3000, 32, 200, 3
+TARGET_RATIO = 1.01
+
+
+def drive_scheduler() -> dict:
+    """One run: keep LIVE_REQUESTS requests going for STEPS steps; time schedule() +
+    update_from_output() and digest every step's scheduled tokens."""
+    from real_kv import make_request, make_scheduler
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    with tempfile.TemporaryDirectory() as tmp:
+        scheduler = make_scheduler(Path(tmp), num_blocks=2048, max_num_seqs=LIVE_REQUESTS)
+    next_id, digest, tokens = 0, hashlib.sha256(), 0
+
+    def add_request() -> None:
+        nonlocal next_id
+        request = make_request(f"r{next_id}", 16 + (next_id * 37) % 300, token=next_id % 200)
+        request.sampling_params.max_tokens = MAX_TOKENS
+        request.max_tokens = MAX_TOKENS
+        scheduler.add_request(request)
+        next_id += 1
+
+    for _ in range(LIVE_REQUESTS):
+        add_request()
+    started = time.perf_counter()
+    for _ in range(STEPS):
+        output = scheduler.schedule()
+        scheduled = sorted(output.num_scheduled_tokens.items())
+        digest.update(repr(scheduled).encode())
+        tokens += output.total_num_scheduled_tokens
+        req_ids = [rid for rid, _ in scheduled]
+        sampled = [
+            [1] if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_prompt_tokens else []
+            for rid in req_ids
+        ]
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+        outputs = scheduler.update_from_output(output, runner_output).values()
+        finished = sum(o.finish_reason is not None for batch in outputs for o in batch.outputs)
+        for _ in range(finished):
+            add_request()
+    elapsed = time.perf_counter() - started
+    return {"seconds": elapsed, "digest": digest.hexdigest(), "tokens": tokens, "requests": next_id}
+
+
+def run_side(python: str) -> dict:
+    out = subprocess.run([python, str(HERE), "--worker"], capture_output=True, text=True,
+                         env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"))
+    if out.returncode != 0:
+        sys.exit(f"benchmark worker under {python} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from kvwarm_build import project
+    from kvwarm_build.releases import find_release, load_releases
+    from kvwarm_build.stock_check import stock_venv
+
+    release = find_release(load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE", "0.25"))
+    stock = str(stock_venv(release, project.cache_dir(), log=print))
+    sides = {"stock": stock, "patched": sys.executable}
+    print(f"release {release.version}: {STEPS} steps, {LIVE_REQUESTS} live requests, "
+          f"{RUNS} alternating runs per side", flush=True)
+    results: dict[str, list[dict]] = {name: [] for name in sides}
+    for run in range(RUNS):
+        for name, python in sides.items():
+            result = run_side(python)
+            results[name].append(result)
+            print(f"  run {run + 1} {name}: {result['seconds']:.3f} s, {result['tokens']} tokens, "
+                  f"{result['requests']} requests", flush=True)
+    digests = {r["digest"] for rs in results.values() for r in rs}
+    if len(digests) != 1:
+        sys.exit("the patched scheduler scheduled different tokens than the stock one")
+    print("same scheduled tokens at every step in every run", flush=True)
+    ours = statistics.median(r["seconds"] for r in results["patched"])
+    baseline = statistics.median(r["seconds"] for r in results["stock"])
+    print(json.dumps({
+        "metric": f"off_path_scheduler_overhead_{release.short}", "value": round(ours, 3), "unit": "s",
+        "baseline": round(baseline, 3), "ratio": round(ours / baseline, 3),
+        "target": f"ratio <= {TARGET_RATIO:g}",
+    }))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--worker"]:
+        print(json.dumps(drive_scheduler()))
+    else:
+        main()

@@ -1,0 +1,57 @@
+"""Block counts for shadows: what one shadow takes privately, and the plan's worst case.
+
+A shadow at context `ctx` decodes `headroom` steady steps after its admission token, so it
+writes positions ctx .. ctx+headroom. Pure functions of the layout, the point and the
+state mode, so every data-parallel rank computes the same numbers.
+"""
+
+from __future__ import annotations
+
+from .layout import ATTENTION, STATE_ALIGN, GroupLayout
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def attention_private_blocks(ctx: int, headroom: int, block_size: int) -> int:
+    """The tail a shadow owns: from the block holding position ctx to the one holding
+    ctx+headroom; the ctx // block_size full blocks before it are shared."""
+    return cdiv(ctx + 1 + headroom, block_size) - ctx // block_size
+
+
+def state_private_blocks(ctx: int, headroom: int, block_size: int, copy: bool, speculative: int) -> int:
+    """A fork of the chain's state (copy mode), a blank block at every slot the steady
+    steps cross into, and the speculative scratch."""
+    crossings = (ctx + headroom) // block_size - (ctx - 1) // block_size
+    return int(copy) + crossings + speculative
+
+
+def shadow_private_blocks(layouts: list[GroupLayout], ctx: int, headroom: int, state_copy: bool) -> int:
+    """Free blocks one shadow needs, summed over its groups."""
+    total = 0
+    for group in layouts:
+        if group.kind == ATTENTION:
+            total += attention_private_blocks(ctx, headroom, group.block_size)
+        elif group.kind == STATE_ALIGN:
+            total += state_private_blocks(ctx, headroom, group.block_size, state_copy,
+                                          group.num_speculative_blocks)
+    return total
+
+
+def plan_tail_blocks(layouts: list[GroupLayout], repeats: int, state_copy: bool) -> int:
+    """Worst case of shadow_private_blocks over every ctx, for planning a rung before
+    its points are known (at least two steady steps of headroom are assumed)."""
+    span = max(2, repeats)
+    total = 0
+    for group in layouts:
+        if group.kind == ATTENTION:
+            total += 1 + cdiv(span, group.block_size)
+        elif group.kind == STATE_ALIGN:
+            total += int(state_copy) + cdiv(span + 1, group.block_size) + group.num_speculative_blocks
+    return total
+
+
+def pool_shortfall(need: int, free_blocks: int) -> int:
+    """How many blocks are missing for `need` private blocks (0 when they fit)."""
+    return max(0, need - free_blocks)
