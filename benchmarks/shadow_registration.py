@@ -34,7 +34,7 @@ def main() -> None:
     kvm = make_kv_cache_manager([BLOCK], num_blocks=1 + chain_blocks + 2 * BATCH,
                                 max_model_len=2 * chain_tokens)
     pool, manager = kvm.block_pool, kvm.coordinator.single_type_managers[0]
-    make_chain(kvm, "chain", chain_tokens)
+    chain = make_chain(kvm, "chain", chain_tokens)
     prefix = manager.req_to_blocks["chain"][: CTX // BLOCK]
     # Borrowed shadows are never hashed, so they need no block hasher.
     shadows = [make_request(f"shadow{i}", CTX + 1, hash_block_size=None) for i in range(BATCH)]
@@ -44,7 +44,7 @@ def main() -> None:
     def register_all() -> float:
         started = time.perf_counter()
         for shadow in shadows:
-            register_shadow(kvm, shadow, "chain", CTX, HEADROOM)
+            register_shadow(kvm, shadow, chain, CTX, HEADROOM)
         release_fork_retentions(kvm)
         elapsed = time.perf_counter() - started
         for shadow in shadows:

@@ -84,22 +84,26 @@ def make_scheduler(tmp_path, num_blocks: int = 64, defer_block_free: bool = Fals
 
 def make_kv_cache_manager(
     block_sizes: list[int], num_blocks: int = 64, enable_caching: bool = True, max_model_len: int = 8192,
+    state_groups: list[tuple[int, int, str]] = (), hash_block_size: int | None = None,
 ):
-    """A real KVCacheManager with one full-attention group per block size."""
+    """A real KVCacheManager: one full-attention group per block size, then one Mamba group
+    per (block size, speculative blocks, cache mode) in state_groups."""
     import math
 
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    groups = [
-        KVCacheGroupSpec([f"layer{i}"], FullAttentionSpec(
-            block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32))
-        for i, bs in enumerate(block_sizes)
-    ]
+    specs = [FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32)
+             for bs in block_sizes]
+    specs += [MambaSpec(block_size=bs, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
+                        mamba_cache_mode=mode, num_speculative_blocks=spec)
+              for bs, spec, mode in state_groups]
+    groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    sizes = [spec.block_size for spec in specs]
     return KVCacheManager(
-        kv_cache_config=config, max_model_len=max_model_len, scheduler_block_size=math.lcm(*block_sizes),
-        hash_block_size=math.gcd(*block_sizes), enable_caching=enable_caching,
+        kv_cache_config=config, max_model_len=max_model_len, scheduler_block_size=math.lcm(*sizes),
+        hash_block_size=hash_block_size or math.gcd(*sizes), enable_caching=enable_caching,
     )
 
 

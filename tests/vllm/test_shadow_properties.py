@@ -1,9 +1,10 @@
 """Random shadow lifecycles on the real KV-cache classes, with failures injected.
 
 Each example builds a real KVCacheManager (one to three attention groups of random block
-sizes), prefills a chain, registers a few shadows (CoW or zero-fill, random contexts and
-headroom) while one call of the pool or a manager may be made to fail, then releases
-everything. After every registration attempt and at the end the invariants must hold:
+sizes, or one or two next to an align-mode state group with 0 or 1 speculative blocks),
+prefills a chain, registers a few shadows (attention tails forked or zero-filled, state
+by copy or in place, random contexts and headroom, crossing state slots or not) while one
+call of the pool or a manager may be made to fail, then releases everything. After every registration attempt and at the end the invariants must hold:
 a failed registration leaves no trace, a successful one has the planned tables, and the
 pool returns to its baseline, with the null block never queued and reset_prefix_cache()
 succeeding.
@@ -20,10 +21,12 @@ from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from vllm.kvwarm.arithmetic import attention_private_blocks, cdiv
+from vllm.kvwarm.arithmetic import cdiv, shadow_private_blocks
+from vllm.kvwarm.layout import ATTENTION, STATE_ALIGN, group_layouts
 from vllm.kvwarm.shadows import (
     CHAIN_TOO_SHALLOW, POOL_EXHAUSTED, ShadowRegistrationError, register_shadow, release_fork_retentions,
 )
+from vllm.kvwarm.state_mode import COPY, INPLACE
 
 EXAMPLES = int(os.environ.get("KVWARM_PROPERTY_EXAMPLES", "2000"))
 # Every call a registration makes that could fail in the stage or commit phase.
@@ -63,16 +66,24 @@ def fail_on_call(kvm, point: str | None, nth: int):
 
 @st.composite
 def lifecycles(draw):
-    # Distinct sizes: vLLM puts layers with identical specs into one group.
+    # Distinct attention sizes: vLLM puts layers with identical specs into one group.
     block_sizes = draw(st.lists(st.sampled_from([16, 32, 64]), min_size=1, max_size=3, unique=True))
+    # Optionally an align-mode state group (block size, speculative blocks) after them.
+    state = draw(st.none() | st.tuples(st.sampled_from([16, 32, 64]), st.integers(0, 1)))
+    if state is not None:
+        block_sizes = block_sizes[:2]
     chain_tokens = draw(st.integers(1, 300))
     chain_blocks = sum(cdiv(chain_tokens, bs) for bs in block_sizes)
+    if state is not None:
+        chain_blocks += 1 + state[1]
     return {
         "block_sizes": block_sizes,
+        "state_groups": [(state[0], state[1], "align")] if state else [],
+        "state_mode": draw(st.sampled_from([COPY, INPLACE])) if state else None,
         "chain_tokens": chain_tokens,
         # From no spare block at all to plenty, so the pool pre-check is exercised.
         "num_blocks": 1 + chain_blocks + draw(st.integers(0, 24)),
-        # Mostly within the chain's depth, sometimes past it.
+        # Mostly within the chain's depth, sometimes past it; crossing and non-crossing.
         "shadows": draw(st.lists(st.tuples(st.integers(1, chain_tokens + 16), st.integers(0, 6)),
                                  min_size=1, max_size=4)),
         "fork": draw(st.booleans()),
@@ -80,28 +91,41 @@ def lifecycles(draw):
     }
 
 
-def _expected_refusal(kvm, chain_tables, ctx, headroom) -> str | None:
+def _expected_refusal(kvm, chain_tables, ctx, headroom, state_mode) -> str | None:
     """The reason the arithmetic predicts (the pool pre-check comes first), or None."""
-    sizes = [m.block_size for m in kvm.coordinator.single_type_managers]
-    need = sum(attention_private_blocks(ctx, headroom, bs) for bs in sizes)
-    if need > kvm.block_pool.get_num_free_blocks():
+    layouts = group_layouts(kvm)
+    if shadow_private_blocks(layouts, ctx, headroom, state_mode == COPY) > kvm.block_pool.get_num_free_blocks():
         return POOL_EXHAUSTED
-    if any(cdiv(ctx + 1 + headroom, bs) > len(chain) for bs, chain in zip(sizes, chain_tables)):
+    if any(g.kind == ATTENTION and cdiv(ctx + 1 + headroom, g.block_size) > len(chain)
+           for g, chain in zip(layouts, chain_tables)):
         return CHAIN_TOO_SHALLOW
     return None
 
 
-def _check_registered(kvm, shadow, registration, chain_tables):
-    for manager, table, chain in zip(kvm.coordinator.single_type_managers, registration.groups, chain_tables):
-        bs, ctx, headroom = manager.block_size, registration.ctx, registration.headroom
+def _check_registered(kvm, chain, shadow, registration, chain_tables):
+    ctx, headroom = registration.ctx, registration.headroom
+    for group, table, chain_ids in zip(group_layouts(kvm), registration.groups, chain_tables):
+        manager, bs = group.manager, group.block_size
+        blocks = manager.req_to_blocks[shadow.request_id]
+        ids = [b.block_id for b in blocks]
+        if group.kind == STATE_ALIGN:
+            read, last = (ctx - 1) // bs, (ctx + headroom) // bs
+            state = chain_ids[(chain.num_computed_tokens - 1) // bs]
+            assert len(ids) == last + 1 + group.num_speculative_blocks == manager.num_cached_block[shadow.request_id]
+            assert all(b.is_null for b in blocks[:read]) and table.state_slot == read
+            assert ids[read + 1:] == table.blanks and not set(table.blanks) & set(chain_ids)
+            if registration.state_mode == COPY:
+                assert table.forks == [(state, ids[read])]
+            else:
+                assert ids[read] == state and table.forks == []
+            continue
         n_shared, n_total = ctx // bs, cdiv(ctx + 1 + headroom, bs)
-        ids = [b.block_id for b in manager.req_to_blocks[shadow.request_id]]
         assert len(ids) == n_total and table.num_shared == n_shared
-        assert ids[:n_shared] == chain[:n_shared]
-        assert not set(ids[n_shared:]) & set(chain)  # the tail is private
+        assert ids[:n_shared] == chain_ids[:n_shared]
+        assert not set(ids[n_shared:]) & set(chain_ids)  # the tail is private
         assert manager.num_cached_block[shadow.request_id] == n_shared
         if registration.forked:
-            assert table.forks == list(zip(chain[n_shared:n_total], ids[n_shared:]))
+            assert table.forks == list(zip(chain_ids[n_shared:n_total], ids[n_shared:]))
         else:
             assert table.zero_filled == ids[n_shared:]
     assert shadow.borrowed_kv
@@ -110,8 +134,8 @@ def _check_registered(kvm, shadow, registration, chain_tables):
 def _check_unregistered(kvm, shadow, pool_before, pending_before):
     assert in_use(kvm.block_pool) == pool_before
     for manager, pending in zip(kvm.coordinator.single_type_managers, pending_before):
-        assert shadow.request_id not in manager.req_to_blocks
-        assert shadow.request_id not in manager.num_cached_block
+        for bookkeeping in ("req_to_blocks", "num_cached_block", "last_state_block_idx", "_allocated_block_reqs"):
+            assert shadow.request_id not in getattr(manager, bookkeeping, ()), bookkeeping
         assert manager._pending_cow_copies == pending
     assert not shadow.borrowed_kv
 
@@ -119,7 +143,8 @@ def _check_unregistered(kvm, shadow, pool_before, pending_before):
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lifecycles())
 def test_random_shadow_lifecycles_keep_the_pool_whole(case):
-    kvm = make_kv_cache_manager(case["block_sizes"], num_blocks=case["num_blocks"])
+    kvm = make_kv_cache_manager(case["block_sizes"], num_blocks=case["num_blocks"],
+                                state_groups=case["state_groups"])
     pool, managers = kvm.block_pool, kvm.coordinator.single_type_managers
     chain = make_chain(kvm, "chain", case["chain_tokens"])
     chain_tables = [[b.block_id for b in m.req_to_blocks["chain"]] for m in managers]
@@ -132,9 +157,10 @@ def test_random_shadow_lifecycles_keep_the_pool_whole(case):
             shadow = make_request(f"shadow{i}", ctx + 1)
             pool_before = in_use(pool)
             pending_before = [list(m._pending_cow_copies) for m in managers]
-            expected = _expected_refusal(kvm, chain_tables, ctx, headroom)
+            expected = _expected_refusal(kvm, chain_tables, ctx, headroom, case["state_mode"])
             try:
-                registration = register_shadow(kvm, shadow, "chain", ctx, headroom, fork=case["fork"])
+                registration = register_shadow(kvm, shadow, chain, ctx, headroom, fork=case["fork"],
+                                               state_mode=case["state_mode"])
             except InjectedFault:
                 event(f"refused: injected {point}")
                 _check_unregistered(kvm, shadow, pool_before, pending_before)
@@ -145,8 +171,9 @@ def test_random_shadow_lifecycles_keep_the_pool_whole(case):
                 _check_unregistered(kvm, shadow, pool_before, pending_before)
                 continue
             assert expected is None, f"registered although the arithmetic says {expected}"
-            event(f"registered ({len(managers)} group(s), {'fork' if registration.forked else 'zero-fill'})")
-            _check_registered(kvm, shadow, registration, chain_tables)
+            event(f"registered ({len(managers)} group(s), {'fork' if registration.forked else 'zero-fill'}, "
+                  f"state {registration.state_mode})")
+            _check_registered(kvm, chain, shadow, registration, chain_tables)
             registered.append(shadow)
             forks += [pair for table in registration.groups for pair in table.forks]
 

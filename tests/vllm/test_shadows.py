@@ -48,7 +48,7 @@ def test_shadow_registration_shares_prefix_and_forks_tail_with_cow():
     chain_blocks = list(manager.req_to_blocks["chain"])
     shadow = _shadow("shadow", 40)
 
-    registration = register_shadow(kvm, shadow, "chain", ctx=40, headroom=3)
+    registration = register_shadow(kvm, shadow, chain, ctx=40, headroom=3)
 
     (table,) = registration.groups
     shadow_ids = _ids(manager.req_to_blocks["shadow"])
@@ -75,7 +75,7 @@ def test_shadow_registration_zero_fills_tail_without_cow():
     manager.take_new_block_ids()
     shadow = _shadow("shadow", 47)
 
-    registration = register_shadow(kvm, shadow, "chain", ctx=47, headroom=3, fork=False)
+    registration = register_shadow(kvm, shadow, chain, ctx=47, headroom=3, fork=False)
 
     (table,) = registration.groups
     shadow_ids = _ids(manager.req_to_blocks["shadow"])
@@ -97,7 +97,7 @@ def test_shadow_registration_takes_tail_before_touching_prefix(monkeypatch):
         monkeypatch.setattr(pool, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
 
     shadow = _shadow("shadow", 50)
-    register_shadow(kvm, shadow, "chain", ctx=50, headroom=2)
+    register_shadow(kvm, shadow, chain, ctx=50, headroom=2)
 
     assert calls[:2] == ["get_new_blocks", "get_new_blocks"] and "get_new_blocks" not in calls[2:]
     monkeypatch.undo()
@@ -116,12 +116,12 @@ def test_shadow_pool_shortfall_matches_tail_arithmetic(ctx, headroom):
     shadow = _shadow("shadow", ctx)
 
     with pytest.raises(ShadowRegistrationError) as err:
-        register_shadow(kvm, shadow, "chain", ctx=ctx, headroom=headroom)
+        register_shadow(kvm, shadow, chain, ctx=ctx, headroom=headroom)
     assert err.value.reason == shadows.POOL_EXHAUSTED and "1 more free block" in str(err.value)
     _assert_nothing_registered(kvm, shadow, baseline)
 
     pool.free_blocks(spare[:1])  # now exactly enough
-    register_shadow(kvm, shadow, "chain", ctx=ctx, headroom=headroom)
+    register_shadow(kvm, shadow, chain, ctx=ctx, headroom=headroom)
     assert pool.get_num_free_blocks() == 0
     release_fork_retentions(kvm)
     pool.free_blocks(spare[1:])
@@ -134,7 +134,7 @@ def test_shadow_registration_rejects_too_shallow_chain():
     baseline = in_use(kvm.block_pool)
     shadow = _shadow("shadow", 45)
     with pytest.raises(ShadowRegistrationError, match="too shallow: it holds 3 block.*needs 4") as err:
-        register_shadow(kvm, shadow, "chain", ctx=45, headroom=3)
+        register_shadow(kvm, shadow, chain, ctx=45, headroom=3)
     assert err.value.reason == shadows.CHAIN_TOO_SHALLOW
     _assert_nothing_registered(kvm, shadow, baseline)
     _assert_clean_end(kvm, chain)
@@ -163,7 +163,7 @@ def test_shadow_registration_unwinds_earlier_groups_on_failure(monkeypatch, fail
     shadow = _shadow("shadow", 40)
 
     with pytest.raises((ShadowRegistrationError, ValueError, AssertionError)):
-        register_shadow(kvm, shadow, "chain", ctx=40, headroom=8)
+        register_shadow(kvm, shadow, chain, ctx=40, headroom=8)
 
     monkeypatch.undo()
     _assert_nothing_registered(kvm, shadow, baseline)
@@ -178,7 +178,7 @@ def test_shadow_lifecycle_returns_every_reference(fork):
     registered, forks = [], []
     for i, ctx in enumerate([31, 32, 33, 100, 150, 190]):
         shadow = _shadow(f"shadow{i}", ctx)
-        registration = register_shadow(kvm, shadow, f"chain{i % 2}", ctx=ctx, headroom=3, fork=fork)
+        registration = register_shadow(kvm, shadow, chains[i % 2], ctx=ctx, headroom=3, fork=fork)
         registered.append(shadow)
         forks += [pair for table in registration.groups for pair in table.forks]
     assert sorted(release_fork_retentions(kvm)) == sorted(forks) and bool(forks) == fork
@@ -197,7 +197,7 @@ def test_steady_steps_of_a_borrowed_shadow_hash_nothing():
     hashes_before = {b.block_id: b.block_hash for b in manager.req_to_blocks["chain"]}
     shadow = _shadow("shadow", 30)
     shadow.append_output_token_ids([5] * 8)  # what the steady steps sample
-    register_shadow(kvm, shadow, "chain", ctx=30, headroom=1)
+    register_shadow(kvm, shadow, chain, ctx=30, headroom=1)
     release_fork_retentions(kvm)
     shadow.num_computed_tokens = 30
     for _ in range(6):  # writes positions 30..35, crossing into block 2 at 32
@@ -217,6 +217,6 @@ def test_registration_refuses_a_request_that_already_has_blocks():
     other = make_chain(kvm, "other", 20)
     baseline = in_use(kvm.block_pool)
     with pytest.raises(ValueError, match="already has blocks"):
-        register_shadow(kvm, other, "chain", ctx=20, headroom=2)
+        register_shadow(kvm, other, chain, ctx=20, headroom=2)
     assert in_use(kvm.block_pool) == baseline
     _assert_clean_end(kvm, chain, other)

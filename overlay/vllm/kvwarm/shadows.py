@@ -1,54 +1,31 @@
-"""Shadows: a request that borrows a chain's KV blocks by position, in every group or none.
+"""Shadows: a request that borrows a chain's KV by position, in every group or none.
 
-For each attention/MLA group (block size bs) a shadow at context `ctx` with `headroom`
-steady steps:
-- shares the chain's first ctx // bs blocks (one more ref each, zero copy);
-- owns a private tail up to the block holding position ctx + headroom. Where the manager
-  can fork, the tail is the chain's own blocks forked copy-on-write (`_apply_cow`, the
-  source touched first so its hit-ref becomes the retention the scheduler releases);
-  otherwise it is fresh blocks recorded for zeroing;
-- has its cached-block count pinned at the shared prefix, and is marked `borrowed_kv`, so
-  nothing of it is ever hashed.
+`register_shadow` gives a shadow request (a vLLM Request with no blocks yet) the chain's
+KV up to position ctx and private room for `headroom` steady steps, group by group:
+attention/MLA groups as in attention_shadow, align-mode state groups as in state_shadow.
+The shadow is marked `borrowed_kv`, so nothing of it is ever hashed.
 
-Registration stages first (depth checks, the pool pre-check, every fresh block taken),
-then commits group by group; any failure unwinds every step already done, so the pool
-is exactly as before. Release goes through vLLM's own `KVCacheManager.free`.
+It stages first (the pool pre-check, every depth check, every fresh block), then commits
+group by group; any failure unwinds every step already done, so the pool is exactly as
+before. Release goes through vLLM's own `KVCacheManager.free`; the fork retentions are
+released by `release_fork_retentions` right after admission.
 
 Only the hook API of docs/hooks.md is used; capabilities are probed, never versions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from .arithmetic import attention_private_blocks, cdiv, pool_shortfall
-from .layout import ATTENTION, GroupLayout, group_layouts
-
-# Why a shadow was not registered. The point that needed it is skipped with upstream's
-# reason POINT_SKIP_REASON (explicit points raise); these say which check refused it.
-POINT_SKIP_REASON = "decode_injection_failed"
-CHAIN_TOO_SHALLOW = "chain_too_shallow"
-POOL_EXHAUSTED = "pool_exhausted"
-LAYOUT_UNSUPPORTED = "layout_unsupported"
-FORK_UNSUPPORTED = "fork_unsupported"
-HOOKS_MISSING = "hooks_missing"
-
-
-class ShadowRegistrationError(RuntimeError):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-
-
-@dataclass
-class GroupTable:
-    """What a shadow took privately in one group (its table is the manager's)."""
-
-    group_id: int
-    num_shared: int
-    forks: list[tuple[int, int]] = field(default_factory=list)  # (source, private copy)
-    zero_filled: list[int] = field(default_factory=list)
+from .arithmetic import pool_shortfall, shadow_private_blocks
+from .attention_shadow import stage_attention
+from .borrowing import (  # noqa: F401  (the reasons are part of this module's API)
+    CHAIN_TOO_SHALLOW, FORK_UNSUPPORTED, HOOKS_MISSING, LAYOUT_UNSUPPORTED, POINT_SKIP_REASON,
+    POOL_EXHAUSTED, STATE_MISSING, STATE_MODE_UNUSABLE, GroupTable, ShadowRegistrationError, Undo,
+)
+from .layout import ATTENTION, STATE_ALIGN, GroupLayout, group_layouts
+from .state_mode import COPY, INPLACE, probe_state_build
+from .state_shadow import stage_state
 
 
 @dataclass
@@ -56,7 +33,8 @@ class ShadowRegistration:
     shadow_id: str
     ctx: int
     headroom: int
-    forked: bool
+    forked: bool  # attention tails forked (else zero-filled)
+    state_mode: str | None  # copy | inplace on layouts with state groups
     groups: list[GroupTable]
 
 
@@ -68,121 +46,65 @@ def has_borrowing_hooks(kv_cache_manager) -> bool:
 
 
 def resolve_fork(layouts: list[GroupLayout], fork: bool | None) -> bool:
-    """Fork the tails where every group can (None), or as the caller insists."""
-    can_fork = all(g.can_fork for g in layouts)
+    """Fork attention tails where every attention group can (None), or as the caller insists."""
+    can_fork = all(g.can_fork for g in layouts if g.kind == ATTENTION)
     if fork and not can_fork:
-        raise ShadowRegistrationError(FORK_UNSUPPORTED, "a KV-cache group of this build cannot fork blocks")
+        raise ShadowRegistrationError(FORK_UNSUPPORTED, "an attention group of this build cannot fork blocks")
     return can_fork if fork is None else fork
 
 
-def private_blocks_needed(layouts: list[GroupLayout], ctx: int, headroom: int) -> int:
-    return sum(attention_private_blocks(ctx, headroom, g.block_size) for g in layouts)
-
-
-class _Undo:
-    """Inverse actions, run newest first when a registration fails part way."""
-
-    def __init__(self):
-        self._steps: list[Callable[[], None]] = []
-
-    def push(self, step: Callable[[], None]) -> None:
-        self._steps.append(step)
-
-    def run(self) -> None:
-        while self._steps:
-            self._steps.pop()()
-
-
-def _cancel_fork(manager, pool, source, copy) -> Callable[[], None]:
-    def cancel() -> None:
-        manager._pending_cow_copies.remove((source, copy))
-        pool.free_blocks([copy])  # the retention ref _apply_cow added
-
-    return cancel
+def _check_layout(kv_cache_manager, layouts: list[GroupLayout], state_mode: str | None) -> str | None:
+    unsupported = [f"group {g.group_id} ({g.kind})" for g in layouts if g.kind not in (ATTENTION, STATE_ALIGN)]
+    if unsupported:
+        raise ShadowRegistrationError(LAYOUT_UNSUPPORTED, ", ".join(unsupported))
+    state_groups = [g for g in layouts if g.kind == STATE_ALIGN]
+    if not state_groups:
+        return None
+    if state_mode not in (COPY, INPLACE):
+        raise ShadowRegistrationError(STATE_MODE_UNUSABLE, f"state mode {state_mode!r} is not copy or inplace")
+    build = probe_state_build(layouts, kv_cache_manager)
+    if state_mode == COPY and not build.can_fork:
+        raise ShadowRegistrationError(STATE_MODE_UNUSABLE, "copy mode needs state managers that can fork")
+    if state_mode == INPLACE and not build.inplace_ok:
+        raise ShadowRegistrationError(
+            STATE_MODE_UNUSABLE, "in place needs state managers that never hash a borrowed request's partial tail")
+    return state_mode
 
 
 def register_shadow(
-    kv_cache_manager, shadow, chain_id: str, ctx: int, headroom: int, *, fork: bool | None = None,
+    kv_cache_manager, shadow, chain, ctx: int, headroom: int, *,
+    fork: bool | None = None, state_mode: str | None = None,
 ) -> ShadowRegistration:
-    """Give `shadow` (a vLLM Request without blocks) the chain's KV up to position ctx
-    and a private tail for `headroom` steady steps. Raises ShadowRegistrationError (with
-    a reason) or the underlying error, in both cases with nothing left registered."""
+    """Raises ShadowRegistrationError (with a reason) or the underlying error, in both
+    cases with nothing left registered. `chain` is the lending Request; `state_mode`
+    (copy | inplace, see state_mode.resolve_state_mode) is required on hybrid layouts."""
     if ctx < 1 or headroom < 0:
         raise ValueError(f"need ctx >= 1 and headroom >= 0, got ctx={ctx}, headroom={headroom}")
     if not has_borrowing_hooks(kv_cache_manager):
         raise ShadowRegistrationError(
             HOOKS_MISSING, "this vLLM build lacks adopt_blocks / Request.borrowed_kv (install a kvwarm build)")
     layouts = group_layouts(kv_cache_manager)
-    unsupported = [f"group {g.group_id} ({g.kind})" for g in layouts if g.kind != ATTENTION]
-    if unsupported:
-        raise ShadowRegistrationError(LAYOUT_UNSUPPORTED, ", ".join(unsupported))
+    mode = _check_layout(kv_cache_manager, layouts, state_mode)
     forked = resolve_fork(layouts, fork)
     pool = kv_cache_manager.block_pool
-    shortfall = pool_shortfall(private_blocks_needed(layouts, ctx, headroom), pool.get_num_free_blocks())
+    need = shadow_private_blocks(layouts, ctx, headroom, state_copy=mode == COPY)
+    shortfall = pool_shortfall(need, pool.get_num_free_blocks())
     if shortfall:
         raise ShadowRegistrationError(POOL_EXHAUSTED, f"{shortfall} more free block(s) needed")
 
-    sid = shadow.request_id
-    undo = _Undo()
+    undo = Undo()
     try:
-        staged = _stage(layouts, pool, chain_id, ctx, headroom, undo)
-        tables = [_commit(plan, pool, sid, forked, undo) for plan in staged]
+        commits = [
+            stage_attention(g, pool, chain, ctx, headroom, forked, undo) if g.kind == ATTENTION
+            else stage_state(g, pool, chain, ctx, headroom, mode, undo)
+            for g in layouts
+        ]
+        tables = [commit(shadow.request_id) for commit in commits]
         shadow.borrowed_kv = True
     except BaseException:
         undo.run()
         raise
-    return ShadowRegistration(sid, ctx, headroom, forked, tables)
-
-
-@dataclass
-class _GroupPlan:
-    layout: GroupLayout
-    shared: list
-    tail_source: list
-    fresh: list
-
-
-def _stage(layouts, pool, chain_id, ctx, headroom, undo) -> list[_GroupPlan]:
-    """Check every group's chain depth and take every fresh block, touching nothing."""
-    plans = []
-    for group in layouts:
-        chain = group.manager.req_to_blocks.get(chain_id, [])
-        n_shared, n_total = ctx // group.block_size, cdiv(ctx + 1 + headroom, group.block_size)
-        if n_total > len(chain):
-            raise ShadowRegistrationError(
-                CHAIN_TOO_SHALLOW,
-                f"group {group.group_id}: chain {chain_id!r} is too shallow: it holds "
-                f"{len(chain)} block(s), ctx {ctx} + headroom {headroom} needs {n_total}",
-            )
-        fresh = pool.get_new_blocks(n_total - n_shared)
-        undo.push(lambda fresh=fresh: pool.free_blocks(fresh))
-        plans.append(_GroupPlan(group, list(chain[:n_shared]), list(chain[n_shared:n_total]), fresh))
-    return plans
-
-
-def _commit(plan: _GroupPlan, pool, sid: str, forked: bool, undo: _Undo) -> GroupTable:
-    manager, n_shared = plan.layout.manager, len(plan.shared)
-    pool.touch(plan.shared)
-    undo.push(lambda: pool.free_blocks(plan.shared))
-    table = GroupTable(plan.layout.group_id, n_shared)
-    if forked:
-        # The source's hit-ref is what the scheduler's retention release gives back.
-        pool.touch(plan.tail_source)
-        undo.push(lambda: pool.free_blocks(plan.tail_source))
-        manager.adopt_blocks(sid, plan.shared + plan.tail_source, n_shared)
-        undo.push(lambda: manager.pop_blocks_for_free(sid))
-        for k, (source, copy) in enumerate(zip(plan.tail_source, plan.fresh)):
-            manager._apply_cow(sid, n_shared + k, source, copy)
-            undo.push(_cancel_fork(manager, pool, source, copy))
-            table.forks.append((source.block_id, copy.block_id))
-    else:
-        manager.adopt_blocks(sid, plan.shared + plan.fresh, n_shared)
-        undo.push(lambda: manager.pop_blocks_for_free(sid))
-        ids = [b.block_id for b in plan.fresh]
-        manager.new_block_ids.extend(ids)  # zeroed by the worker where the layout needs it
-        undo.push(lambda: [manager.new_block_ids.remove(i) for i in ids])
-        table.zero_filled = ids
-    return table
+    return ShadowRegistration(shadow.request_id, ctx, headroom, forked, mode, tables)
 
 
 def release_fork_retentions(kv_cache_manager) -> list:

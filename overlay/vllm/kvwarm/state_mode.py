@@ -1,0 +1,100 @@
+"""How recurrent state is handed to shadows, decided from the layout and the build only.
+
+DYN_BENCH_KV_WARMUP_STATE = auto | copy | inplace (default auto, any case) is read only
+on layouts with align-mode state groups. auto means copy where every state manager can
+fork, else in place where every state manager allows it. The decision never looks at
+the free pool, so every data-parallel rank decides, and stamps, the same.
+
+In place is unsafe where a manager hashes partial state tails of a borrowed request
+(stock 0.28.0's `_cache_partial_tail_block`: the shadow's key stacks on the chain's
+block and the promotion check fails a few steps later); a build whose managers exempt
+borrowed requests from hashing (`Request.borrowed_kv`) is safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import STATE_ALIGN, STATE_OTHER, GroupLayout
+
+STATE_ENV = "DYN_BENCH_KV_WARMUP_STATE"
+AUTO, COPY, INPLACE = "auto", "copy", "inplace"
+
+# The gate's state reasons, in the order they are checked.
+HYBRID_STATE_LAYERS_UNSUPPORTED = "hybrid_state_layers_unsupported"
+STATE_MODE_INVALID = "state_mode_invalid"
+STATE_COPY_UNSUPPORTED = "state_copy_unsupported"
+STATE_INPLACE_UNSUPPORTED = "state_inplace_unsupported"
+STATE_HAND_OFF_UNSUPPORTED = "state_hand_off_unsupported"
+
+
+@dataclass(frozen=True)
+class StateBuild:
+    """What the build's state managers can do (from probes of the live objects)."""
+
+    can_fork: bool  # every state manager has _apply_cow
+    inplace_ok: bool  # no state manager hashes partial tails of borrowed requests
+
+
+@dataclass(frozen=True)
+class StateDecision:
+    requested: str | None  # the raw environment value, as given (None: unset)
+    mode: str | None  # copy | inplace; None on layouts without state groups or when refused
+    reason: str | None  # the gate's skip reason when refused
+
+    def metadata(self) -> dict:
+        return {"state_mode_requested": self.requested, "state_mode": self.mode}
+
+
+def _hashes_borrowed_partial_tails(group: GroupLayout, hash_block_size: int, borrowed_exempt: bool) -> bool:
+    hashes_tails = hasattr(group.manager, "_cache_partial_tail_block")
+    return hashes_tails and group.block_size != hash_block_size and not borrowed_exempt
+
+
+def probe_state_build(layouts: list[GroupLayout], kv_cache_manager) -> StateBuild:
+    from vllm.v1.request import Request
+
+    state_groups = [g for g in layouts if g.kind == STATE_ALIGN]
+    hash_bs = kv_cache_manager.block_pool.hash_block_size
+    exempt = hasattr(Request, "borrowed_kv")
+    return StateBuild(
+        can_fork=all(g.can_fork for g in state_groups),
+        inplace_ok=not any(_hashes_borrowed_partial_tails(g, hash_bs, exempt) for g in state_groups),
+    )
+
+
+def resolve_state_mode(layouts: list[GroupLayout], build: StateBuild, requested: str | None) -> StateDecision:
+    """The state mode for this layout on this build, or the reason the gate refuses."""
+    def refuse(reason: str) -> StateDecision:
+        return StateDecision(requested, None, reason)
+
+    if any(g.kind == STATE_OTHER for g in layouts):
+        return refuse(HYBRID_STATE_LAYERS_UNSUPPORTED)
+    if not any(g.kind == STATE_ALIGN for g in layouts):
+        return StateDecision(requested, None, None)
+    wanted = (requested or AUTO).strip().lower()
+    if wanted not in (AUTO, COPY, INPLACE):
+        return refuse(STATE_MODE_INVALID)
+    if wanted == COPY:
+        return StateDecision(requested, COPY, None) if build.can_fork else refuse(STATE_COPY_UNSUPPORTED)
+    if wanted == INPLACE:
+        return StateDecision(requested, INPLACE, None) if build.inplace_ok else refuse(STATE_INPLACE_UNSUPPORTED)
+    if build.can_fork:
+        return StateDecision(requested, COPY, None)
+    if build.inplace_ok:
+        return StateDecision(requested, INPLACE, None)
+    return refuse(STATE_HAND_OFF_UNSUPPORTED)
+
+
+def decide_state_mode(kv_cache_manager, layouts: list[GroupLayout], environ) -> StateDecision:
+    """resolve_state_mode for the live manager and the environment."""
+    return resolve_state_mode(layouts, probe_state_build(layouts, kv_cache_manager), environ.get(STATE_ENV))
+
+
+def state_stamps(mode: str | None, chain_depth: int) -> list[str]:
+    """A point's state stamps: the mode and the deepest chain its shadows read state from
+    (the recurrent layers see that whole depth, not the point's ctx). None for
+    pure-attention points."""
+    if mode is None:
+        return []
+    return [f"kvwarm_state_{mode}", f"kvwarm_state_depth={chain_depth}"]

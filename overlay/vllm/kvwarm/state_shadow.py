@@ -1,0 +1,57 @@
+"""A shadow's table in an align-mode recurrent-state group (Mamba, gated-delta-net, ...).
+
+The runner reads a request's state at slot (num_computed - 1) // bs and copies it forward
+whenever a step crosses into a new slot. A shadow at ctx therefore gets nulls, the
+chain's state block at its read slot (ctx - 1) // bs, a blank block at every later slot
+its steady steps cross into, then the speculative scratch; the whole table counts as
+cached. In place, the shadow shares the chain's state block (and advances it); by copy,
+the state is forked with `_apply_cow` like an attention tail.
+
+The chain's state slot is derived from its computed depth: a parked chain's table may
+still hold an older state block, and last_state_block_idx may name a slot already nulled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .borrowing import STATE_MISSING, GroupTable, ShadowRegistrationError, adopt, fork, take_fresh, touch
+from .state_mode import COPY
+
+
+def chain_state_slot(manager, chain) -> int:
+    """The slot of the chain's live state block, checked against its table."""
+    bs, spec = manager.block_size, getattr(manager, "num_speculative_blocks", 0) or 0
+    table = manager.req_to_blocks.get(chain.request_id, [])
+    slot = (chain.num_computed_tokens - 1) // bs
+    where = f"chain {chain.request_id!r} at depth {chain.num_computed_tokens}"
+    if chain.num_computed_tokens < 1 or slot >= len(table) or table[slot].is_null:
+        raise ShadowRegistrationError(STATE_MISSING, f"{where} holds no recurrent state block at slot {slot}")
+    last_held = max(i for i, block in enumerate(table) if not block.is_null)
+    extra = last_held - spec - slot
+    if extra < 0 or (extra > 0 and spec == 0):
+        raise ShadowRegistrationError(STATE_MISSING, f"{where}: its table runs past its state slot {slot}")
+    return slot
+
+
+def stage_state(group, pool, chain, ctx: int, headroom: int, mode: str, undo) -> Callable:
+    manager, bs = group.manager, group.block_size
+    spec = group.num_speculative_blocks
+    state = manager.req_to_blocks[chain.request_id][chain_state_slot(manager, chain)]
+    read_slot, last_slot = (ctx - 1) // bs, (ctx + headroom) // bs
+    copy = mode == COPY
+    fresh = take_fresh(pool, int(copy) + (last_slot - read_slot) + spec, undo)
+    forked_copy, blanks = (fresh[0], fresh[1:]) if copy else (None, fresh)
+
+    def commit(sid: str) -> GroupTable:
+        table = [pool.null_block] * (last_slot + 1 + spec)
+        table[read_slot] = state
+        table[read_slot + 1:] = blanks
+        touch(pool, [state], undo)
+        adopt(manager, sid, table, len(table), undo)  # all cached: nothing is ever hashed
+        record = GroupTable(group.group_id, 0, state_slot=read_slot, blanks=[b.block_id for b in blanks])
+        if copy:
+            record.forks = [fork(manager, pool, sid, read_slot, state, forked_copy, undo)]
+        return record
+
+    return commit

@@ -1,0 +1,321 @@
+"""Recurrent-state hand-off to shadows on the real align-mode MambaManager, next to a real
+attention manager (the upstream checklist's "State" cases, the gate's state reasons, the
+mode table per build, stamps).
+
+Layout unless said otherwise: attention bs 16 + align-mode state bs 64 (hash unit 16),
+headroom 3, a 192-token chain whose state table is [null, null, S].
+"""
+
+from __future__ import annotations
+
+import pytest
+from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+
+from vllm.kvwarm import borrowing, state_mode
+from vllm.kvwarm.layout import group_layouts
+from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.state_mode import (
+    COPY, INPLACE, StateBuild, decide_state_mode, resolve_state_mode, state_stamps,
+)
+
+
+def _hybrid(num_blocks=64, speculative=0, mode="align"):
+    kvm = make_kv_cache_manager([16], num_blocks=num_blocks, state_groups=[(64, speculative, mode)])
+    attention, state = kvm.coordinator.single_type_managers
+    return kvm, attention, state
+
+
+def _ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def _release_all(kvm, *requests):
+    release_fork_retentions(kvm)
+    for request in requests:
+        kvm.free(request)
+    pool = kvm.block_pool
+    assert in_use(pool) == {}
+    assert pool.null_block not in pool.free_block_queue.get_all_free_blocks()
+    assert pool.reset_prefix_cache()
+
+
+def _no_align_bookkeeping_left(manager, request_id):
+    for name in ("req_to_blocks", "num_cached_block", "last_state_block_idx", "_allocated_block_reqs"):
+        assert request_id not in getattr(manager, name, ()), name
+
+
+def test_state_shadow_in_place_puts_the_chain_state_at_the_read_slot():
+    kvm, attention, state = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    chain_attention, (null, _, chain_state) = _ids(attention.req_to_blocks["chain"]), state.req_to_blocks["chain"]
+    shadow = make_request("shadow", 101)
+
+    registration = register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=INPLACE)
+
+    assert registration.state_mode == INPLACE
+    assert _ids(attention.req_to_blocks["shadow"])[:6] == chain_attention[:6]
+    assert state.req_to_blocks["shadow"] == [null, chain_state]
+    assert chain_state.ref_cnt == 2  # the chain's and the shadow's: both write it
+    assert (state.num_cached_block["shadow"], attention.num_cached_block["shadow"]) == (2, 6)
+    assert registration.groups[1].state_slot == 1 and registration.groups[1].forks == []
+    _release_all(kvm, shadow, chain)
+
+
+def test_state_shadow_copy_forks_the_chain_state_like_an_attention_tail():
+    kvm, attention, state = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    chain_tail, chain_state = attention.req_to_blocks["chain"][6], state.req_to_blocks["chain"][2]
+    shadow = make_request("shadow", 101)
+
+    registration = register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=COPY)
+
+    attention_copy = attention.req_to_blocks["shadow"][6]
+    state_copy = state.req_to_blocks["shadow"][1]
+    assert release_fork_retentions(kvm) == [
+        (chain_tail.block_id, attention_copy.block_id), (chain_state.block_id, state_copy.block_id)]
+    assert [pair for t in registration.groups for pair in t.forks] == [
+        (chain_tail.block_id, attention_copy.block_id), (chain_state.block_id, state_copy.block_id)]
+    assert (chain_state.ref_cnt, state_copy.ref_cnt) == (1, 1)
+    assert (chain_tail.ref_cnt, attention_copy.ref_cnt) == (1, 1)
+    _release_all(kvm, shadow, chain)
+
+
+@pytest.mark.parametrize("ctx, expected", [(126, "null S blank"), (128, "null S blank"), (64, "S blank"),
+                                           (100, "null S"), (150, "null null S")])
+def test_state_shadow_pre_places_a_blank_block_at_the_crossing(ctx, expected):
+    kvm, _, state = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    chain_state = state.req_to_blocks["chain"][2]
+    shadow = make_request("shadow", ctx + 1)
+    registration = register_shadow(kvm, shadow, chain, ctx=ctx, headroom=3, state_mode=INPLACE)
+
+    table = state.req_to_blocks["shadow"]
+    blanks = registration.groups[1].blanks
+    names = ["null" if b.is_null else "S" if b is chain_state else "blank" for b in table]
+    assert " ".join(names) == expected
+    assert _ids(b for b in table if not b.is_null and b is not chain_state) == blanks
+    assert state.num_cached_block["shadow"] == len(table)
+    _release_all(kvm, shadow, chain)
+
+
+def test_state_shadow_keeps_the_speculative_scratch_after_the_state():
+    kvm, _, state = _hybrid(speculative=1)
+    chain = make_chain(kvm, "chain", 192)
+    null, _, chain_state, chain_scratch = state.req_to_blocks["chain"]
+    shadow = make_request("shadow", 101)
+    registration = register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=COPY)
+
+    fork_, scratch = state.req_to_blocks["shadow"][1:]
+    assert state.req_to_blocks["shadow"][0] is null
+    assert registration.groups[1].forks == [(chain_state.block_id, fork_.block_id)]
+    assert registration.groups[1].blanks == [scratch.block_id] and scratch is not chain_scratch
+    _release_all(kvm, shadow, chain)
+
+
+def test_state_shadow_reads_the_state_slot_from_the_chain_depth():
+    """A chain that crossed into a new state slot still lists its old state block (and
+    last_state_block_idx names that old slot) until its next allocation."""
+    kvm, _, state = _hybrid()
+    chain = make_chain(kvm, "chain", 128)
+    old_state = state.req_to_blocks["chain"][1]
+    assert kvm.allocate_slots(chain, 1) is not None  # decode position 128: slot 2
+    chain.num_computed_tokens = 129
+    new_state = state.req_to_blocks["chain"][2]
+    assert state.req_to_blocks["chain"][1] is old_state and new_state is not old_state
+
+    shadow = make_request("shadow", 101)
+    register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=INPLACE)
+    assert state.req_to_blocks["shadow"][1] is new_state
+    _release_all(kvm, shadow, chain)
+
+
+def test_state_shadow_refuses_a_chain_without_a_state_block():
+    kvm, _, state = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    chain.num_computed_tokens = 100  # claims a depth whose slot is null in its table
+    shadow = make_request("shadow", 51)
+    baseline = in_use(kvm.block_pool)
+    with pytest.raises(ShadowRegistrationError, match="holds no recurrent state block at slot 1") as err:
+        register_shadow(kvm, shadow, chain, ctx=50, headroom=3, state_mode=INPLACE)
+    assert err.value.reason == borrowing.STATE_MISSING
+    assert in_use(kvm.block_pool) == baseline
+    chain.num_computed_tokens = 192
+    _release_all(kvm, chain)
+
+
+@pytest.mark.parametrize("mode, detail", [
+    (None, "not copy or inplace"), ("auto", "not copy or inplace"), ("Copy", "not copy or inplace"),
+    ("copy-without-cow", "copy mode needs state managers that can fork"),
+])
+def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, detail):
+    kvm, attention, state = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    if mode == "copy-without-cow":
+        monkeypatch.setattr(state, "_apply_cow", None)  # a state manager that cannot fork
+        mode = COPY
+    baseline = in_use(kvm.block_pool)
+    shadow = make_request("shadow", 101)
+    with pytest.raises(ShadowRegistrationError, match=detail) as err:
+        register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=mode)
+    assert err.value.reason == borrowing.STATE_MODE_UNUSABLE
+    assert in_use(kvm.block_pool) == baseline and "shadow" not in attention.req_to_blocks
+    monkeypatch.undo()
+    _release_all(kvm, chain)
+
+
+def test_state_shadow_unwinds_the_attention_group_when_the_state_fork_fails(monkeypatch):
+    kvm, attention, state = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    baseline = in_use(kvm.block_pool)
+    monkeypatch.setattr(state, "_apply_cow", lambda *a: (_ for _ in ()).throw(AssertionError("injected")))
+    shadow = make_request("shadow", 101)
+    with pytest.raises(AssertionError, match="injected"):
+        register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=COPY)
+    monkeypatch.undo()
+    assert in_use(kvm.block_pool) == baseline
+    assert attention.take_pending_cow_copies() == [] and state.take_pending_cow_copies() == []
+    _no_align_bookkeeping_left(state, "shadow")
+    assert "shadow" not in attention.req_to_blocks and not shadow.borrowed_kv
+    _release_all(kvm, chain)
+
+
+def test_state_shadow_rejects_a_non_align_mamba_group():
+    kvm, _, _ = _hybrid(mode="none")
+    layouts = group_layouts(kvm)
+    assert resolve_state_mode(layouts, StateBuild(True, True), None).reason == \
+        state_mode.HYBRID_STATE_LAYERS_UNSUPPORTED
+    shadow = make_request("shadow", 101)
+    with pytest.raises(ShadowRegistrationError) as err:
+        register_shadow(kvm, shadow, make_request("chain", 1), ctx=100, headroom=3, state_mode=COPY)
+    assert err.value.reason == borrowing.LAYOUT_UNSUPPORTED and "state_other" in str(err.value)
+
+
+@pytest.mark.parametrize("mode", [COPY, INPLACE])
+def test_shadow_pool_shortfall_adds_the_state_group_blocks(mode):
+    # ctx 126, headroom 3: attention 2 blocks; state (1 fork in copy mode) + 1 blank.
+    kvm, _, _ = _hybrid(num_blocks=40)
+    chain = make_chain(kvm, "chain", 192)  # 12 + 1 blocks
+    need = 2 + (mode == COPY) + 1
+    pool = kvm.block_pool
+    spare = pool.get_new_blocks(pool.get_num_free_blocks() - need + 1)
+    shadow = make_request("shadow", 127)
+    with pytest.raises(ShadowRegistrationError, match="1 more free block") as err:
+        register_shadow(kvm, shadow, chain, ctx=126, headroom=3, state_mode=mode)
+    assert err.value.reason == borrowing.POOL_EXHAUSTED
+    pool.free_blocks(spare[:1])
+    register_shadow(kvm, shadow, chain, ctx=126, headroom=3, state_mode=mode)
+    assert pool.get_num_free_blocks() == 0
+    pool.free_blocks(spare[1:])
+    _release_all(kvm, shadow, chain)
+
+
+@pytest.mark.parametrize("fork", [True, False])
+@pytest.mark.parametrize("mode", [COPY, INPLACE])
+def test_state_shadow_lifecycle_returns_every_reference(mode, fork):
+    kvm, attention, state = _hybrid(num_blocks=128, speculative=1)
+    chains = [make_chain(kvm, f"chain{i}", 192 + 40 * i) for i in range(2)]
+    baseline = in_use(kvm.block_pool)
+    shadows = []
+    for i, ctx in enumerate([63, 64, 65, 126, 128, 191]):
+        shadow = make_request(f"shadow{i}", ctx + 1)
+        register_shadow(kvm, shadow, chains[i % 2], ctx=ctx, headroom=3, fork=fork, state_mode=mode)
+        shadows.append(shadow)
+    release_fork_retentions(kvm)
+    for shadow in shadows:
+        kvm.free(shadow)
+        _no_align_bookkeeping_left(state, shadow.request_id)
+    assert in_use(kvm.block_pool) == baseline
+    _release_all(kvm, *chains)
+
+
+# The build profiles the mode table is about: what each build's state managers can do.
+STOCK_025 = StateBuild(can_fork=False, inplace_ok=True)  # no CoW; no partial-tail hashing
+PATCHED_025 = StateBuild(can_fork=True, inplace_ok=True)  # CoW backport
+STOCK_028 = StateBuild(can_fork=True, inplace_ok=False)  # hashes partial tails of borrowers
+PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemption
+
+
+@pytest.mark.parametrize("build, requested, mode, reason", [
+    (STOCK_025, None, INPLACE, None), (STOCK_025, "copy", None, state_mode.STATE_COPY_UNSUPPORTED),
+    (STOCK_025, "inplace", INPLACE, None),
+    (PATCHED_025, None, COPY, None), (PATCHED_025, "COPY", COPY, None), (PATCHED_025, " InPlace ", INPLACE, None),
+    (STOCK_028, "auto", COPY, None), (STOCK_028, "copy", COPY, None),
+    (STOCK_028, "inplace", None, state_mode.STATE_INPLACE_UNSUPPORTED),
+    (PATCHED_028, "auto", COPY, None), (PATCHED_028, "inplace", INPLACE, None),
+    (StateBuild(can_fork=False, inplace_ok=False), "auto", None, state_mode.STATE_HAND_OFF_UNSUPPORTED),
+    (PATCHED_028, "fork", None, state_mode.STATE_MODE_INVALID),
+])
+def test_state_mode_resolution(build, requested, mode, reason):
+    layouts = group_layouts(_hybrid()[0])
+    decision = resolve_state_mode(layouts, build, requested)
+    assert (decision.mode, decision.reason, decision.requested) == (mode, reason, requested)
+
+
+def test_this_build_probes_as_a_patched_build(monkeypatch):
+    kvm, _, _ = _hybrid()
+    assert state_mode.probe_state_build(group_layouts(kvm), kvm) == PATCHED_028 == PATCHED_025
+    monkeypatch.delenv(state_mode.STATE_ENV, raising=False)
+    assert decide_state_mode(kvm, group_layouts(kvm), {}).mode == COPY
+
+
+def test_the_state_mode_is_validated_only_where_it_matters():
+    kvm = make_kv_cache_manager([16, 32])
+    decision = resolve_state_mode(group_layouts(kvm), PATCHED_028, "nonsense")
+    assert (decision.mode, decision.reason, decision.requested) == (None, None, "nonsense")
+
+
+def test_stamps_and_metadata_are_the_same_whatever_the_free_pool():
+    environ = {state_mode.STATE_ENV: "Auto"}
+    decisions = []
+    for num_blocks in (16, 400):
+        kvm, _, _ = _hybrid(num_blocks=num_blocks)
+        kvm.block_pool.get_new_blocks(kvm.block_pool.get_num_free_blocks() - 1)  # nearly empty
+        decisions.append(decide_state_mode(kvm, group_layouts(kvm), environ))
+    assert decisions[0] == decisions[1]
+    assert decisions[0].metadata() == {"state_mode_requested": "Auto", "state_mode": COPY}
+    assert state_stamps(decisions[0].mode, 192) == ["kvwarm_state_copy", "kvwarm_state_depth=192"]
+    assert state_stamps(None, 192) == []  # pure-attention points carry no state stamp
+
+
+def _in_place_steady_steps(borrowed_kv: bool, steps: int = 20):
+    """An in-place shadow at ctx 111 on a layout whose state block (64) is larger than the
+    hash unit (16), borrowing a 192-token chain, through `steps` steady steps of the
+    stock running loop. Yields (tokens, state group's cached count, chain state key kept)."""
+    kvm = make_kv_cache_manager([64], state_groups=[(64, 0, "align")], hash_block_size=16)
+    _, state = kvm.coordinator.single_type_managers
+    chain = make_chain(kvm, "chain", 192)
+    chain_state = state.req_to_blocks["chain"][2]
+    chain_key = chain_state.block_hash
+    assert chain_key is not None  # the chain's full-block key on its state block
+    shadow = make_request("shadow", 112, hash_block_size=16)  # the chain's own tokens
+    register_shadow(kvm, shadow, chain, ctx=111, headroom=steps, state_mode=INPLACE)
+    shadow.borrowed_kv = borrowed_kv  # False: what a build without the exemption does
+    shadow.num_computed_tokens = 111  # admitted one token short, as the injection does
+    for _ in range(steps):
+        assert kvm.allocate_slots(shadow, 1) is not None
+        shadow.num_computed_tokens += 1
+        shadow.append_output_token_ids(7)
+        yield shadow.num_computed_tokens, state.num_cached_block["shadow"], chain_state.block_hash == chain_key
+
+
+def test_partial_tail_hashing_damages_the_chain_without_the_exemption():
+    """Stock 0.28.0's failure, reproduced on the real manager: from the shadow's prompt
+    boundary (112 tokens) on, `_cache_partial_tail_block` re-keys the chain's state block
+    under the shadow's request and drops the shadow's cached count 3 -> 1; driven through
+    the scheduler's output updates, the stale keys end in the promotion assertion of
+    `BlockPool.cache_full_blocks` at 128 (DESIGN.md)."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    if not hasattr(MambaManager, "_cache_partial_tail_block"):
+        pytest.skip("this build never hashes partial state tails, so there is nothing to reproduce")
+    history = list(_in_place_steady_steps(borrowed_kv=False))
+    assert history[0][:2] == (112, 1)
+    assert not all(kept for _, _, kept in history)
+
+
+def test_borrowed_shadows_leave_the_chain_state_alone():
+    """The same sequence with the hook's exemption (every kvwarm build): nothing re-keys
+    the chain's block, the cached count stays pinned, past the 128 crossing."""
+    history = list(_in_place_steady_steps(borrowed_kv=True))
+    assert [(tokens, cached, kept) for tokens, cached, kept in history] == [
+        (112 + i, 3, True) for i in range(20)]
