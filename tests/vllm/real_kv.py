@@ -39,8 +39,17 @@ def mamba_align_manager(pool: BlockPool, group: int = 1) -> MambaManager:
     )
 
 
-def make_scheduler(tmp_path, num_blocks: int = 64, defer_block_free: bool = False, max_num_seqs: int = 8):
-    """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded)."""
+def make_scheduler(
+    tmp_path, num_blocks: int = 64, defer_block_free: bool = False, max_num_seqs: int = 8,
+    *, block_size: int = BLOCK_SIZE, hash_block_size: int | None = None, state_block_size: int | None = None,
+    scheduler_cls: type | None = None,
+):
+    """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
+
+    state_block_size adds an align-mode Mamba group (the hybrid layout); hash_block_size
+    sets the prefix-match unit (default: the block size); scheduler_cls may be
+    AsyncScheduler."""
+    import dataclasses
     import json
 
     from vllm.config import (
@@ -59,23 +68,32 @@ def make_scheduler(tmp_path, num_blocks: int = 64, defer_block_free: bool = Fals
         "torch_dtype": "float32",
     }))
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
+    cache_extra = {}
+    if state_block_size:
+        cache_extra["mamba_cache_mode"] = "align"
+    if hash_block_size:  # 0.28.0 renamed the field
+        fields = {f.name for f in dataclasses.fields(CacheConfig)}
+        cache_extra["prefix_match_unit" if "prefix_match_unit" in fields else "hash_block_size"] = hash_block_size
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=1024,
             is_encoder_decoder=False, enable_chunked_prefill=True,
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **cache_extra),
         device_config=DeviceConfig(device="cpu"),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    scheduler = Scheduler(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=BLOCK_SIZE,
+    groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32))]
+    if state_block_size:
+        groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
+            block_size=state_block_size, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
+            mamba_cache_mode="align")))
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    scheduler = (scheduler_cls or Scheduler)(
+        vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
+        hash_block_size=hash_block_size or block_size,
         log_stats=False, structured_output_manager=StructuredOutputManager(vllm_config),
     )
     scheduler.defer_block_free = defer_block_free

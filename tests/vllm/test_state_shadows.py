@@ -9,7 +9,7 @@ headroom 3, a 192-token chain whose state table is [null, null, S].
 from __future__ import annotations
 
 import pytest
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+from real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler
 
 from vllm.kvwarm import borrowing, state_mode
 from vllm.kvwarm.layout import group_layouts
@@ -277,45 +277,68 @@ def test_stamps_and_metadata_are_the_same_whatever_the_free_pool():
     assert state_stamps(None, 192) == []  # pure-attention points carry no state stamp
 
 
-def _in_place_steady_steps(borrowed_kv: bool, steps: int = 20):
-    """An in-place shadow at ctx 111 on a layout whose state block (64) is larger than the
-    hash unit (16), borrowing a 192-token chain, through `steps` steady steps of the
-    stock running loop. Yields (tokens, state group's cached count, chain state key kept)."""
-    kvm = make_kv_cache_manager([64], state_groups=[(64, 0, "align")], hash_block_size=16)
+def _in_place_steady_steps(tmp_path, borrowed_kv: bool, steps: int = 20):
+    """Through the real AsyncScheduler (schedule + update_from_output): a 192-token chain
+    prefilled and parked, then an in-place shadow at ctx 111 on a layout whose state block
+    (64) is larger than the prefix-match unit (16), for `steps` steady steps. Yields
+    (computed tokens, the shadow's cached state count, the chain's state key intact)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(tmp_path, block_size=64, hash_block_size=16, state_block_size=64,
+                               scheduler_cls=AsyncScheduler)
+    kvm = scheduler.kv_cache_manager
     _, state = kvm.coordinator.single_type_managers
-    chain = make_chain(kvm, "chain", 192)
+
+    def step() -> None:
+        output = scheduler.schedule()
+        ids = list(output.num_scheduled_tokens)
+        sampled = [[7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
+                   else [] for r in ids]
+        scheduler.update_from_output(output, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+
+    chain = make_request("chain", 192, hash_block_size=16)
+    chain.max_tokens = chain.sampling_params.max_tokens = 1000
+    scheduler.add_request(chain)
+    while chain.num_computed_tokens < 192 or chain.num_output_placeholders:
+        step()
+    scheduler.running.remove(chain)  # parked: resident, no longer scheduled
     chain_state = state.req_to_blocks["chain"][2]
     chain_key = chain_state.block_hash
     assert chain_key is not None  # the chain's full-block key on its state block
+
     shadow = make_request("shadow", 112, hash_block_size=16)  # the chain's own tokens
+    shadow.max_tokens = shadow.sampling_params.max_tokens = steps + 5
     register_shadow(kvm, shadow, chain, ctx=111, headroom=steps, state_mode=INPLACE)
+    release_fork_retentions(kvm)
     shadow.borrowed_kv = borrowed_kv  # False: what a build without the exemption does
-    shadow.num_computed_tokens = 111  # admitted one token short, as the injection does
+    shadow.num_computed_tokens, shadow.status = 111, RequestStatus.RUNNING  # admitted one short
+    scheduler.requests["shadow"] = shadow
+    scheduler.running.append(shadow)
     for _ in range(steps):
-        assert kvm.allocate_slots(shadow, 1) is not None
-        shadow.num_computed_tokens += 1
-        shadow.append_output_token_ids(7)
+        step()
         yield shadow.num_computed_tokens, state.num_cached_block["shadow"], chain_state.block_hash == chain_key
 
 
-def test_partial_tail_hashing_damages_the_chain_without_the_exemption():
-    """Stock 0.28.0's failure, reproduced on the real manager: from the shadow's prompt
-    boundary (112 tokens) on, `_cache_partial_tail_block` re-keys the chain's state block
-    under the shadow's request and drops the shadow's cached count 3 -> 1; driven through
-    the scheduler's output updates, the stale keys end in the promotion assertion of
-    `BlockPool.cache_full_blocks` at 128 (DESIGN.md)."""
+def test_partial_tail_hashing_damages_the_chain_without_the_exemption(tmp_path):
+    """Stock 0.28.0's failure, reproduced on the real classes: at the shadow's prompt
+    boundary (112 tokens) `_cache_partial_tail_block` keys the chain's state block under
+    the shadow's request (the chain's own key is gone from it) and drops the shadow's
+    cached count 3 -> 1. (DESIGN.md's probe also saw the promotion assertion of
+    `BlockPool.cache_full_blocks` fire at 128; this sequence shows the damage before it.)"""
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     if not hasattr(MambaManager, "_cache_partial_tail_block"):
         pytest.skip("this build never hashes partial state tails, so there is nothing to reproduce")
-    history = list(_in_place_steady_steps(borrowed_kv=False))
+    history = list(_in_place_steady_steps(tmp_path, borrowed_kv=False))
     assert history[0][:2] == (112, 1)
     assert not all(kept for _, _, kept in history)
 
 
-def test_borrowed_shadows_leave_the_chain_state_alone():
+def test_borrowed_shadows_leave_the_chain_state_alone(tmp_path):
     """The same sequence with the hook's exemption (every kvwarm build): nothing re-keys
-    the chain's block, the cached count stays pinned, past the 128 crossing."""
-    history = list(_in_place_steady_steps(borrowed_kv=True))
-    assert [(tokens, cached, kept) for tokens, cached, kept in history] == [
-        (112 + i, 3, True) for i in range(20)]
+    the chain's block and the cached count stays pinned, past the 128 crossing."""
+    history = list(_in_place_steady_steps(tmp_path, borrowed_kv=True))
+    assert history == [(112 + i, 3, True) for i in range(20)]
