@@ -1,11 +1,13 @@
 """The patched scheduler with the warm-up off against the stock release's, on a real
-Scheduler on CPU driving synthetic decode requests for a few thousand steps.
+Scheduler on CPU driving synthetic decode requests for a few thousand steps (CPU time of
+schedule() + update_from_output()).
 
 Runs inside a release venv (`nox -s bench-0.25 -- off_path_overhead`); the stock wheel's
 venv comes from the cache (made on first use). Each side runs in its own process, the
 two alternating; each run schedules the same request stream and prints its time and a
-digest of what it scheduled at every step. The digests must be equal (same scheduled
-tokens every step). Medians over the runs; the last line is the JSON result.
+digest of what it scheduled at every step (the fastest of REPEATS drives in that
+process). The digests must be equal (same scheduled tokens every step). Medians over the
+runs; the last line is the JSON result.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[1] / "tests" / "vllm"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-STEPS, LIVE_REQUESTS, MAX_TOKENS, RUNS = 3000, 32, 200, 3
+STEPS, LIVE_REQUESTS, MAX_TOKENS, RUNS, REPEATS = 3000, 32, 200, 5, 3
 TARGET_RATIO = 1.01
 
 
@@ -49,7 +51,7 @@ def drive_scheduler() -> dict:
 
     for _ in range(LIVE_REQUESTS):
         add_request()
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: other processes on the host do not count
     for _ in range(STEPS):
         output = scheduler.schedule()
         scheduled = sorted(output.num_scheduled_tokens.items())
@@ -68,7 +70,7 @@ def drive_scheduler() -> dict:
         finished = sum(o.finish_reason is not None for batch in outputs for o in batch.outputs)
         for _ in range(finished):
             add_request()
-    elapsed = time.perf_counter() - started
+    elapsed = time.process_time() - started
     return {"seconds": elapsed, "digest": digest.hexdigest(), "tokens": tokens, "requests": next_id}
 
 
@@ -103,6 +105,11 @@ def main() -> None:
     print("same scheduled tokens at every step in every run", flush=True)
     ours = statistics.median(r["seconds"] for r in results["patched"])
     baseline = statistics.median(r["seconds"] for r in results["stock"])
+    for name, runs in results.items():
+        times = [r["seconds"] for r in runs]
+        print(f"{name}: median {statistics.median(times):.3f} s, min {min(times):.3f} s, "
+              f"spread {(max(times) - min(times)) / statistics.median(times):.0%} of the median "
+              "(a ratio closer to 1 than this spread is within this host's noise)", flush=True)
     print(json.dumps({
         "metric": f"off_path_scheduler_overhead_{release.short}", "value": round(ours, 3), "unit": "s",
         "baseline": round(baseline, 3), "ratio": round(ours / baseline, 3),
@@ -112,6 +119,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--worker"]:
-        print(json.dumps(drive_scheduler()))
+        # The fastest of a few drives in one process: interference only ever adds time.
+        drives = [drive_scheduler() for _ in range(REPEATS)]
+        print(json.dumps(min(drives, key=lambda d: d["seconds"])))
     else:
         main()
