@@ -103,16 +103,19 @@ def make_scheduler(
 def make_kv_cache_manager(
     block_sizes: list[int], num_blocks: int = 64, enable_caching: bool = True, max_model_len: int = 8192,
     state_groups: list[tuple[int, int, str]] = (), hash_block_size: int | None = None,
+    attention_spec: str = "FullAttentionSpec",
 ):
-    """A real KVCacheManager: one full-attention group per block size, then one Mamba group
+    """A real KVCacheManager: one attention group per block size (full attention, or another
+    spec class of vllm.v1.kv_cache_interface such as MLAAttentionSpec), then one Mamba group
     per (block size, speculative blocks, cache mode) in state_groups."""
     import math
 
+    from vllm.v1 import kv_cache_interface
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    specs = [FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32)
-             for bs in block_sizes]
+    spec_cls = getattr(kv_cache_interface, attention_spec)
+    specs = [spec_cls(block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32) for bs in block_sizes]
     specs += [MambaSpec(block_size=bs, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
                         mamba_cache_mode=mode, num_speculative_blocks=spec)
               for bs, spec, mode in state_groups]

@@ -67,6 +67,19 @@ def test_shadow_registration_shares_prefix_and_forks_tail_with_cow():
     _assert_clean_end(kvm, shadow, chain)
 
 
+@pytest.mark.parametrize("fork", [True, False])
+def test_mla_groups_are_borrowed_like_attention(fork):
+    kvm = make_kv_cache_manager([16], attention_spec="MLAAttentionSpec")
+    manager = kvm.coordinator.single_type_managers[0]
+    chain = make_chain(kvm, "chain", 64)
+    shadow = _shadow("shadow", 40)
+    registration = register_shadow(kvm, shadow, chain, ctx=40, headroom=3, fork=fork)
+    assert _ids(manager.req_to_blocks["shadow"])[:2] == _ids(manager.req_to_blocks["chain"][:2])
+    assert len(registration.groups[0].forks if fork else registration.groups[0].zero_filled) == 1
+    release_fork_retentions(kvm)
+    _assert_clean_end(kvm, shadow, chain)
+
+
 def test_shadow_registration_zero_fills_tail_without_cow():
     kvm = make_kv_cache_manager([16])
     manager = kvm.coordinator.single_type_managers[0]

@@ -9,6 +9,7 @@ headroom 3, a 192-token chain whose state table is [null, null, S].
 from __future__ import annotations
 
 import pytest
+import torch
 from real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler
 
 from vllm.kvwarm import borrowing, state_mode
@@ -146,13 +147,19 @@ def test_state_shadow_refuses_a_chain_without_a_state_block():
 @pytest.mark.parametrize("mode, detail", [
     (None, "not copy or inplace"), ("auto", "not copy or inplace"), ("Copy", "not copy or inplace"),
     ("copy-without-cow", "copy mode needs state managers that can fork"),
+    ("inplace-where-partial-tails-are-hashed", "never hash a borrowed request's partial tail"),
 ])
 def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, detail):
+    from vllm.kvwarm import shadows
+
     kvm, attention, state = _hybrid()
     chain = make_chain(kvm, "chain", 192)
     if mode == "copy-without-cow":
         monkeypatch.setattr(state, "_apply_cow", None)  # a state manager that cannot fork
         mode = COPY
+    elif mode == "inplace-where-partial-tails-are-hashed":  # what the probe says on stock 0.28.0
+        monkeypatch.setattr(shadows, "probe_state_build", lambda *a: STOCK_028)
+        mode = INPLACE
     baseline = in_use(kvm.block_pool)
     shadow = make_request("shadow", 101)
     with pytest.raises(ShadowRegistrationError, match=detail) as err:
@@ -177,6 +184,20 @@ def test_state_shadow_unwinds_the_attention_group_when_the_state_fork_fails(monk
     _no_align_bookkeeping_left(state, "shadow")
     assert "shadow" not in attention.req_to_blocks and not shadow.borrowed_kv
     _release_all(kvm, chain)
+
+
+def test_state_groups_are_keyed_on_the_cache_mode_not_the_class_name():
+    from vllm.kvwarm.layout import STATE_ALIGN, STATE_OTHER, classify_spec
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    class LinearAttentionStateSpec(MambaSpec):  # another name, the same cache modes
+        pass
+
+    def spec(mode):
+        return LinearAttentionStateSpec(block_size=64, shapes=((2,),), dtypes=(torch.float32,),
+                                        mamba_cache_mode=mode)
+
+    assert (classify_spec(spec("align")), classify_spec(spec("none"))) == (STATE_ALIGN, STATE_OTHER)
 
 
 def test_state_shadow_rejects_a_non_align_mamba_group():
