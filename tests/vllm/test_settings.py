@@ -1,0 +1,32 @@
+"""The warm-up's environment variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm.kvwarm.settings import Settings, SettingsError, read_settings
+
+
+def test_defaults():
+    assert read_settings({}) == Settings(warmup="on", repeats=3, giant_kv_threshold=1_000_000, dataset=None)
+
+
+@pytest.mark.parametrize("raw, warmup", [("OFF", "off"), ("0", "off"), (" false ", "off"), ("on", "on"),
+                                         ("True", "on"), ("force", "force")])
+def test_warmup_switch(raw, warmup):
+    assert read_settings({"DYN_BENCH_KV_WARMUP": raw}).warmup == warmup
+
+
+def test_repeats_have_a_floor_of_one():
+    assert read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "0"}).repeats == 1
+    assert read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "7"}).repeats == 7
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DYN_BENCH_KV_WARMUP": "maybe"}, "DYN_BENCH_KV_WARMUP='maybe' is not one of on, off, force"),
+    ({"DYN_BENCH_GIANT_KV_REPEATS": "three"}, "DYN_BENCH_GIANT_KV_REPEATS='three' is not an integer"),
+    ({"DYN_BENCH_GIANT_KV_THRESHOLD": "1e6"}, "DYN_BENCH_GIANT_KV_THRESHOLD='1e6' is not an integer"),
+])
+def test_unknown_values_name_the_variable(env, message):
+    with pytest.raises(SettingsError, match=message):
+        read_settings(env)
