@@ -60,7 +60,7 @@ def make_scheduler(
     from vllm.v1.structured_output import StructuredOutputManager
 
     model_dir = tmp_path / "tiny-llama"
-    model_dir.mkdir(exist_ok=True)
+    model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -1,0 +1,131 @@
+"""Admitting a point's shadows into a live scheduler, and taking them out again.
+
+A point is B shadows, shadow i borrowing chain i at context ctx_i. They are admitted
+inside a `schedule()` call, after the stock scheduling of the step (the scheduler
+adapter calls `admit_pending`), so that:
+- their fork retentions are released at once (a deferred release would land in the
+  measured steps) and the copies ride this very step's output;
+- zero-filled tail blocks are zeroed in this step, before the admission forward writes;
+- each shadow first appears as a new request (the worker must see it whole), one token
+  short of its context's end: ctx tokens are borrowed, the admission step computes one.
+From the next step on the stock running loop schedules them as ordinary decode requests.
+
+A point is admitted whole or not at all: if any shadow cannot be registered, the ones
+already registered are released, their copies dropped, and the point is reported with
+its reason (the artifact skips it as POINT_SKIP_REASON).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .arithmetic import pool_shortfall, shadow_private_blocks
+from .borrowing import POOL_EXHAUSTED, ShadowRegistrationError
+from .layout import group_layouts
+from .shadows import register_shadow, release_fork_retentions
+from .state_mode import COPY
+
+SHADOW_PREFIX = "__kvwarm_shadow_"  # frontend ids never start like this
+
+
+@dataclass
+class PendingPoint:
+    chains: list  # the lending Requests, one per shadow
+    contexts: list[int]
+    headroom: int  # steady steps after the admission step
+    fork: bool | None = None
+    state_mode: str | None = None
+    shadows: list = field(default_factory=list)  # filled on admission
+    failure: str | None = None  # the registration error, when the point was refused
+
+
+def shadow_request(request_id: str, chain, ctx: int, decode_steps: int):
+    """A greedy request over the chain's first ctx + 1 tokens that decodes `decode_steps`
+    tokens and never stops early (EOS cannot end a measurement)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
+    # Never hashed (borrowed_kv), so no block hasher; the salt keeps it out of prefix hits.
+    return Request(request_id=request_id, prompt_token_ids=list(chain.all_token_ids[: ctx + 1]),
+                   sampling_params=params, pooling_params=None, cache_salt=request_id)
+
+
+class ShadowInjector:
+    """Queues points and admits them from inside the scheduler's `schedule()`."""
+
+    def __init__(self):
+        self._pending: list[PendingPoint] = []
+        self._next = 0
+
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def queue(self, point: PendingPoint) -> PendingPoint:
+        self._pending.append(point)
+        return point
+
+    def admit_pending(self, scheduler, output) -> None:
+        """Register, emit and account every queued point on this step's output."""
+        points, self._pending = self._pending, []
+        for point in points:
+            try:
+                self._register_point(scheduler, point)
+            except ShadowRegistrationError as err:
+                point.failure = str(err)
+                continue
+            self._emit(scheduler, output, point.shadows)
+
+    def _register_point(self, scheduler, point: PendingPoint) -> None:
+        kvm = scheduler.kv_cache_manager
+        layouts = group_layouts(kvm)
+        need = sum(shadow_private_blocks(layouts, ctx, point.headroom, point.state_mode == COPY)
+                   for ctx in point.contexts)
+        shortfall = pool_shortfall(need, kvm.block_pool.get_num_free_blocks())
+        if shortfall:
+            raise ShadowRegistrationError(POOL_EXHAUSTED, f"the point needs {shortfall} more free block(s)")
+        try:
+            for chain, ctx in zip(point.chains, point.contexts):
+                shadow = shadow_request(f"{SHADOW_PREFIX}{self._next}", chain, ctx, point.headroom + 1)
+                self._next += 1
+                register_shadow(kvm, shadow, chain, ctx, point.headroom, fork=point.fork,
+                                state_mode=point.state_mode)
+                point.shadows.append(shadow)
+        except BaseException:
+            release_fork_retentions(kvm)  # drop the copies of the shadows registered so far
+            for shadow in point.shadows:
+                kvm.free(shadow)
+            point.shadows = []
+            raise
+
+    def _emit(self, scheduler, output, shadows) -> None:
+        from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+        from vllm.v1.request import RequestStatus
+
+        kvm = scheduler.kv_cache_manager
+        copies = release_fork_retentions(kvm)
+        if copies:
+            output.kv_cache_block_copies = list(output.kv_cache_block_copies or []) + copies
+        zero = kvm.take_new_block_ids()
+        if zero and scheduler.needs_kv_cache_zeroing:
+            output.new_block_ids_to_zero = list(output.new_block_ids_to_zero or []) + zero
+        admitted = SchedulerOutput.make_empty()
+        for shadow in shadows:
+            shadow.num_computed_tokens = len(shadow.prompt_token_ids) - 1
+            shadow.status = RequestStatus.RUNNING
+            scheduler.requests[shadow.request_id] = shadow
+            # Built before the bookkeeping below advances num_computed_tokens.
+            output.scheduled_new_reqs.append(NewRequestData.from_request(
+                shadow, kvm.get_block_ids(shadow.request_id),
+                # The V2 runner needs the whole token list; the V1 runner ignores it.
+                shadow._all_token_ids if getattr(scheduler, "use_v2_model_runner", False) else None,
+            ))
+            admitted.num_scheduled_tokens[shadow.request_id] = 1
+            scheduler.running.append(shadow)
+        # vLLM's own per-step bookkeeping (num_computed_tokens, in-flight and placeholder
+        # counts of the async scheduler), run on the shadows' rows only.
+        scheduler._update_after_schedule(admitted)
+        output.num_scheduled_tokens.update(admitted.num_scheduled_tokens)
+        output.total_num_scheduled_tokens += len(shadows)
+        if hasattr(scheduler, "prev_step_scheduled_req_ids"):
+            scheduler.prev_step_scheduled_req_ids.update(admitted.num_scheduled_tokens)
