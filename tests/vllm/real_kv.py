@@ -153,3 +153,17 @@ def make_request(
         pooling_params=None,
         block_hasher=get_request_block_hasher(hash_block_size, sha256) if hash_block_size else None,
     )
+
+
+def step_scheduler(scheduler, token: int = 7):
+    """One scheduler step with the model runner's part played here: every scheduled
+    request that has finished its prompt samples `token`. Returns the SchedulerOutput."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    output = scheduler.schedule()
+    ids = list(output.num_scheduled_tokens)
+    sampled = [[token] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
+               else [] for r in ids]
+    scheduler.update_from_output(output, ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+    return output

@@ -5,22 +5,14 @@ request that finished its prompt)."""
 from __future__ import annotations
 
 import pytest
-from real_kv import in_use, make_request, make_scheduler
+from real_kv import in_use, make_request, make_scheduler, step_scheduler
 
 from vllm.kvwarm.injection import SHADOW_PREFIX, PendingPoint
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 
 
 def _step(scheduler):
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    output = scheduler.schedule()
-    ids = list(output.num_scheduled_tokens)
-    sampled = [[5] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
-               else [] for r in ids]
-    scheduler.update_from_output(output, ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
-    return output
+    return step_scheduler(scheduler, token=5)
 
 
 def _parked_chains(scheduler, lengths):

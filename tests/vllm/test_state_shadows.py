@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler
+from real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler, step_scheduler
 
 from vllm.kvwarm import borrowing, state_mode
 from vllm.kvwarm.layout import group_layouts
@@ -304,7 +304,6 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, steps: int = 20):
     (64) is larger than the prefix-match unit (16), for `steps` steady steps. Yields
     (computed tokens, the shadow's cached state count, the chain's state key intact)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     scheduler = make_scheduler(tmp_path, block_size=64, hash_block_size=16, state_block_size=64,
@@ -313,12 +312,7 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, steps: int = 20):
     _, state = kvm.coordinator.single_type_managers
 
     def step() -> None:
-        output = scheduler.schedule()
-        ids = list(output.num_scheduled_tokens)
-        sampled = [[7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
-                   else [] for r in ids]
-        scheduler.update_from_output(output, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+        step_scheduler(scheduler)
 
     chain = make_request("chain", 192, hash_block_size=16)
     chain.max_tokens = chain.sampling_params.max_tokens = 1000
