@@ -28,7 +28,8 @@ class Engine:
 
     def __init__(self, llm):
         self.llm = llm
-        core = llm.llm_engine.engine_core.engine_core
+        self.core = llm.llm_engine.engine_core.engine_core  # EngineCore: step() skips the frontend
+        core = self.core
         self.scheduler = core.scheduler
         self.runner = core.model_executor.driver_worker.worker.model_runner
 
@@ -75,6 +76,6 @@ def engine(tmp_path_factory) -> Engine:
     llm = LLM(
         model=str(model), dtype="float32", seed=0, enforce_eager=True,
         block_size=BLOCK_SIZE, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=8,
-        enable_prefix_caching=True,
+        enable_prefix_caching=True, scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
     )
     return Engine(llm)
