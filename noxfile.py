@@ -88,7 +88,9 @@ def _release_sessions(release: dict) -> None:
         """tests/engine on the real CPU engine of the patched cpu-flavour wheel."""
         _tooling(session, "pytest")
         _install_patched(session, short, flavour="cpu", deps=("layer-engine-deps", "--release", short))
-        session.run("pytest", "-q", *(session.posargs or ["tests/engine"]), env=_env(session))
+        # One CPU engine per process: the tiny-llama tests, then the hybrid ones.
+        for selection in (["-m", "not hybrid"], ["-m", "hybrid"]) if not session.posargs else [[]]:
+            session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)
     def bench(session: nox.Session) -> None:

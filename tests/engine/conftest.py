@@ -18,6 +18,20 @@ for _key, _value in {
 
 import pytest  # noqa: E402
 
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "hybrid: needs the hybrid-model engine (its own process)")
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected
+def pytest_collection_modifyitems(config, items):
+    kinds = {item.get_closest_marker("hybrid") is not None for item in items}
+    if len(kinds) > 1:
+        raise pytest.UsageError(
+            "tests/engine: the tiny-llama and the hybrid engine tests need one process each "
+            "(two CPU engines at once fail vLLM's memory check); run `-m 'not hybrid'` and "
+            "`-m hybrid` separately, as `nox -s engine-X` does")
+
 from tiny_models import make_tiny_llama  # noqa: E402
 
 BLOCK_SIZE = 32

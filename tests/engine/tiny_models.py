@@ -51,3 +51,26 @@ def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(directory)
     return directory
+
+
+def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
+    """The Qwen3-Next layout: 3 gated-delta-net linear-attention layers + 1 full attention
+    layer, a 4-expert top-2 MoE; head sizes 64 (CPU kernels support them). Run it in
+    bfloat16 with mamba_ssm_cache_dtype="float32"."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = save_tokenizer(directory)
+    config = Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+        max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+    return directory

@@ -1,0 +1,76 @@
+"""Recurrent-state hand-off on the real CPU engine: a tiny Qwen3-Next (gated-delta-net
+linear attention + full attention + MoE) in align mode. A shadow at the chain's computed
+depth decodes the same greedy tokens as a natural request over the same prefix, with the
+state handed over by copy and in place.
+
+Runs in its own pytest process (`-m hybrid`): one CPU engine per process.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from vllm.kvwarm.chains import chain_request, is_prefilled, park
+from vllm.kvwarm.injection import PendingPoint
+from vllm.kvwarm.layout import STATE_ALIGN, group_layouts
+from vllm.kvwarm.state_mode import decide_state_mode
+
+pytestmark = pytest.mark.hybrid
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    from conftest import Engine
+    from tiny_models import make_tiny_qwen3_next
+
+    from vllm import LLM
+
+    model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
+    return Engine(LLM(
+        model=str(model), dtype="bfloat16", mamba_ssm_cache_dtype="float32", mamba_cache_mode="align",
+        seed=0, enforce_eager=True, max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=8,
+        enable_prefix_caching=True, scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+    ))
+
+
+def test_this_build_hands_state_over_by_copy_by_default(hybrid):
+    kvm = hybrid.kv_cache_manager
+    layouts = group_layouts(kvm)
+    assert [g.kind for g in layouts].count(STATE_ALIGN) == 3
+    assert decide_state_mode(kvm, layouts, {}).mode == "copy"
+
+
+@pytest.mark.parametrize("mode", ["copy", "inplace"])
+def test_a_shadow_at_the_chain_depth_decodes_like_a_natural_request(hybrid, mode):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.request import RequestStatus
+
+    scheduler, core, pool = hybrid.scheduler, hybrid.core, hybrid.kv_cache_manager.block_pool
+    chain = chain_request(scheduler, f"hybrid-{mode}", random.Random(2).choices(range(3, 400), k=700))
+    scheduler.add_request(chain)
+    while not is_prefilled(chain):
+        core.step()
+    park(scheduler, chain)
+    depth = chain.num_computed_tokens
+
+    point = scheduler.kvwarm.queue(PendingPoint([chain], [depth], headroom=STEPS - 1, state_mode=mode))
+    for _ in range(50):
+        if point.shadows and point.shadows[0].is_finished():
+            break
+        core.step()
+    assert point.failure is None
+    shadow_tokens = list(point.shadows[0].output_token_ids)
+
+    natural = hybrid.llm.generate(
+        [TokensPrompt(prompt_token_ids=chain.all_token_ids[: depth + 1], cache_salt=f"natural-{mode}")],
+        SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
+    assert shadow_tokens == list(natural[0].outputs[0].token_ids)
+
+    scheduler.finish_requests([chain.request_id], RequestStatus.FINISHED_ABORTED)
+    core.step()
+    assert not [b for b in pool.blocks if b.ref_cnt and not b.is_null]
+    assert pool.reset_prefix_cache()
