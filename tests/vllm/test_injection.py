@@ -117,3 +117,10 @@ def test_with_nothing_queued_the_adapter_schedules_like_stock(tmp_path):
             scheduler.add_request(request)
         runs.append([sorted(_step(scheduler).num_scheduled_tokens.items()) for _ in range(10)])
     assert runs[0] == runs[1]
+
+
+def test_a_point_needs_one_chain_per_context(tmp_path):
+    scheduler = make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler)
+    with pytest.raises(ValueError, match="one chain per context, got 1 chain.* for 2 context"):
+        scheduler.kvwarm.queue(PendingPoint([object()], contexts=[10, 20], headroom=1))
+    assert not scheduler.kvwarm.has_pending()

@@ -62,6 +62,9 @@ class ShadowInjector:
         return bool(self._pending)
 
     def queue(self, point: PendingPoint) -> PendingPoint:
+        if len(point.chains) != len(point.contexts) or not point.contexts:
+            raise ValueError(f"a point needs one chain per context, got {len(point.chains)} chain(s) "
+                             f"for {len(point.contexts)} context(s)")
         self._pending.append(point)
         return point
 
