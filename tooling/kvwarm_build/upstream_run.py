@@ -1,14 +1,16 @@
 """upstream-tests-X: vLLM's own CPU tests, stock release against patched build.
 
-One venv layered on the shared deps venv runs the suite twice: with the stock release wheel,
-then with the patched build of the same flavour. The stock results depend only on the
-release, the sdist and the stand-ins, so they are cached by those inputs.
+Venvs layered on the shared deps venv run the suite with the stock release wheel and with
+the patched build of the same flavour. The stock results depend only on the release, the
+sdist and the stand-ins, so they are cached by those inputs; when they must be computed,
+the two runs go side by side (each is one busy core), their output into log files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .build import ensure_built
@@ -17,7 +19,7 @@ from .fetch import fetch
 from .hf_standins import seed_hf_cache
 from .releases import Release
 from .upstream_tests import (
-    TEST_PATHS, TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, hub_ids, run_suite,
+    TEST_PATHS, TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, hub_ids, prepare_site, run_suite,
 )
 from .venvs import deps_key, ensure_deps_venv, ensure_layered_venv, pip_install
 
@@ -27,9 +29,9 @@ _RUN_INPUTS = [Path(__file__).with_name(n) for n in
                ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py")]
 
 
-def _test_venv(cache: Path, release: Release, deps_site: Path, log) -> Path:
+def _test_venv(cache: Path, release: Release, deps_site: Path, log, suffix: str = "") -> Path:
     return ensure_layered_venv(
-        cache / "venvs" / f"upstream-tests-{release.version}", deps_site,
+        cache / "venvs" / f"upstream-tests-{release.version}{suffix}", deps_site,
         [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *TEST_VENV_NO_DEPS]], log=log,
     )
 
@@ -62,14 +64,25 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, log=print) -> 
     if stock_cache.exists():
         stock = json.loads(stock_cache.read_text())
         log(f"stock results reused from {stock_cache}")
+        log(f"running on patched {patched_wheel.name}")
+        _install(python, patched_wheel, log)
+        patched = run_suite(str(python), tests_root, work / "patched.xml", hf_home, TEST_PATHS)
     else:
-        log(f"running on stock {stock_wheel.name}")
-        _install(python, stock_wheel, log)
-        stock = run_suite(str(python), tests_root, work / "stock.xml", hf_home, TEST_PATHS)
+        stock_python = _test_venv(cache, release, deps_site, log, suffix="-stock")
+        _install(stock_python, stock_wheel, log)
+        _install(python, patched_wheel, log)
+        prepare_site(tests_root)
+        log(f"running on stock {stock_wheel.name} and patched {patched_wheel.name} side by side")
+        with ThreadPoolExecutor(2) as pool:
+            stock_run = pool.submit(run_suite, str(stock_python), tests_root, work / "stock.xml", hf_home,
+                                    TEST_PATHS, work / "stock.log")
+            patched_run = pool.submit(run_suite, str(python), tests_root, work / "patched.xml", hf_home,
+                                      TEST_PATHS, work / "patched.log")
+            stock, patched = stock_run.result(), patched_run.result()
+        for name in ("stock.log", "patched.log"):
+            tail = (work / name).read_text().splitlines()[-12:]
+            print(f"--- last lines of {work / name}:\n" + "\n".join(tail), flush=True)
         stock_cache.write_text(json.dumps(stock, indent=0, sort_keys=True))
-    log(f"running on patched {patched_wheel.name}")
-    _install(python, patched_wheel, log)
-    patched = run_suite(str(python), tests_root, work / "patched.xml", hf_home, TEST_PATHS)
     regressions, report = compare(stock, patched, f"stock {stock_wheel.name}", f"patched {patched_wheel.name}")
     print(report, flush=True)
     if not any(outcome == "passed" for outcome in stock.values()):

@@ -110,25 +110,35 @@ def hub_ids(tests_root: Path, paths: list[str]) -> set[str]:
     return found
 
 
+def prepare_site(tests_root: Path) -> Path:
+    """The folder put on PYTHONPATH: sitecustomize reaches vLLM's own subprocesses too; the
+    fixtures plugin replaces what the cut-off root conftest would provide. Files already
+    in place are left alone, so runs sharing the tree never see a half-written one."""
+    site = Path(tests_root).resolve() / "_kvwarm_site"
+    site.mkdir(exist_ok=True)
+    for source, name in (("_torchvision_shim.py", "sitecustomize.py"), ("_pytest_fixtures.py", "kvwarm_fixtures.py")):
+        wanted = (_HERE / source).read_bytes()
+        target = site / name
+        if not target.exists() or target.read_bytes() != wanted:
+            shutil.copyfile(_HERE / source, target)
+    return site
+
+
 def run_suite(
-    python: str, tests_root: Path, junit: Path, hf_home: Path, paths: list[str]
+    python: str, tests_root: Path, junit: Path, hf_home: Path, paths: list[str],
+    output: Path | None = None,
 ) -> dict[str, str]:
     """Run the cpu_test-marked tests under `paths`; return {test_id: status}.
 
-    Output streams to the terminal. Exit code 1 (some tests failed) is a normal
-    result; anything that leaves no junit report is a BuildError.
+    Output streams to the terminal, or into `output` (for runs side by side). Exit code 1
+    (some tests failed) is a normal result; anything that leaves no junit report is a
+    BuildError.
     """
     # Absolute: pytest runs with cwd=tests_root.
     tests_root, junit, hf_home = (Path(p).resolve() for p in (tests_root, junit, hf_home))
     junit.parent.mkdir(parents=True, exist_ok=True)
     junit.unlink(missing_ok=True)  # never read a previous run's report
-
-    # On PYTHONPATH: sitecustomize reaches vLLM's own subprocesses too; the
-    # fixtures plugin replaces what the cut-off root conftest would provide.
-    site = tests_root / "_kvwarm_site"
-    site.mkdir(exist_ok=True)
-    shutil.copyfile(_HERE / "_torchvision_shim.py", site / "sitecustomize.py")
-    shutil.copyfile(_HERE / "_pytest_fixtures.py", site / "kvwarm_fixtures.py")
+    site = prepare_site(tests_root)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(
@@ -148,12 +158,17 @@ def run_suite(
         "--continue-on-collection-errors",
         f"--junitxml={junit}", "-q", "--durations=10", *paths,
     ]  # fmt: skip
-    print(f"+ (cd {tests_root} && {' '.join(cmd)})", flush=True)
-    rc = subprocess.run(cmd, cwd=tests_root, env=env).returncode
+    print(f"+ (cd {tests_root} && {' '.join(cmd)})" + (f" > {output}" if output else ""), flush=True)
+    if output is None:
+        rc = subprocess.run(cmd, cwd=tests_root, env=env).returncode
+    else:
+        with open(output, "w") as out:
+            rc = subprocess.run(cmd, cwd=tests_root, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
     if rc not in (0, 1) or not junit.exists():
         raise BuildError(
             f"pytest in {tests_root} exited {rc} without a usable report ({junit})",
-            "read the pytest output above; exit 5 means no test matched -m cpu_test",
+            f"read the pytest output {'in ' + str(output) if output else 'above'}; "
+            "exit 5 means no test matched -m cpu_test",
         )
     return parse_junit(junit)
 
