@@ -98,3 +98,18 @@ def test_extract_tests_refuses_foreign_dir(tmp_path):
     (tmp_path / "up").mkdir()
     with pytest.raises(BuildError):
         extract_tests(_sdist(tmp_path), tmp_path / "up")
+
+
+def test_the_site_folder_is_written_once_and_repaired_when_changed(tmp_path):
+    from kvwarm_build.upstream_tests import prepare_site
+
+    site = prepare_site(tmp_path)
+    shim = site / "sitecustomize.py"
+    written = {p.name: p.stat().st_mtime_ns for p in site.iterdir()}
+    assert set(written) == {"sitecustomize.py", "kvwarm_fixtures.py"} and shim.read_text()
+    assert prepare_site(tmp_path) == site
+    assert {p.name: p.stat().st_mtime_ns for p in site.iterdir()} == written  # left alone
+    original = shim.read_text()
+    shim.write_text("# stale\n")
+    prepare_site(tmp_path)
+    assert shim.read_text() == original
