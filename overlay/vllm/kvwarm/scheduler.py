@@ -18,17 +18,27 @@ class KvWarmSchedulerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kvwarm = ShadowInjector()
+        self.kvwarm_sweep = None  # a sweep.DecodeSweep while one runs
 
     def schedule(self, *args, **kwargs):  # vLLM passes e.g. throttle_prefills
+        if self.kvwarm_sweep is not None:
+            self.kvwarm_sweep.before_schedule(self)
         output = super().schedule(*args, **kwargs)
         if self.kvwarm.has_pending():
             self.kvwarm.admit_pending(self, output)
         return output
 
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.kvwarm_sweep is not None:
+            self.kvwarm_sweep.after_update(self, scheduler_output)
+        return outputs
+
     def has_requests(self) -> bool:
-        # Queued shadows need a schedule() call even when nothing else is waiting
-        # (parked chains are not in `running`); without this the engine never steps.
-        return super().has_requests() or self.kvwarm.has_pending()
+        # Queued shadows and a running sweep need schedule() calls even when nothing else
+        # is waiting (parked chains are not in `running`); without this the engine idles.
+        sweeping = self.kvwarm_sweep is not None and self.kvwarm_sweep.has_work()
+        return super().has_requests() or self.kvwarm.has_pending() or sweeping
 
 
 class KvWarmScheduler(KvWarmSchedulerMixin, Scheduler):

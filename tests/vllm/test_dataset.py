@@ -1,0 +1,56 @@
+"""Chain text from a local ShareGPT-format file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from vllm.kvwarm.dataset import ChainText, DatasetError, load_conversations
+
+
+def _conversation(n: int) -> dict:
+    return {"conversations": [{"from": "human", "value": f"question {n} " + "about decoding " * 6},
+                              {"from": "gpt", "value": "short"},
+                              {"from": "gpt", "value": f"answer {n} " + "with real text " * 6}]}
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "sharegpt.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def test_the_collection_half_is_chosen_by_content_hash_not_order(tmp_path):
+    data = [_conversation(n) for n in range(40)]
+    kept = load_conversations(_write(tmp_path, data))
+    assert 5 < len(kept) < 35  # about half
+    assert all(hashlib.sha256(t.encode()).digest()[0] % 2 == 0 for t in kept)
+    assert all("short" not in t.split("\n") for t in kept)  # turns under 64 chars dropped
+    assert set(load_conversations(_write(tmp_path, data[::-1]))) == set(kept)
+
+
+def test_chain_draws_are_deterministic_and_deeper_draws_extend_shallower_ones(tmp_path):
+    texts = load_conversations(_write(tmp_path, [_conversation(n) for n in range(40)]))
+    encode = lambda text: [ord(ch) for ch in text]  # noqa: E731
+    text = ChainText(texts, encode)
+    shallow, deep = text(0, 100), text(0, 5000)
+    assert len(shallow) == 100 and len(deep) == 5000 and deep[:100] == shallow
+    assert ChainText(texts, encode)(0, 5000) == deep
+    assert text(1, 100) != shallow  # another chain, another draw
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[{", "is not valid JSON"),
+    ({"conversations": []}, "expected a JSON list"),
+    ([{"conversations": [{"from": "human", "value": "hi"}]}], "no conversation with turns of 64"),
+])
+def test_bad_datasets_say_what_is_wrong(tmp_path, content, message):
+    with pytest.raises(DatasetError, match=message):
+        load_conversations(_write(tmp_path, content))
+
+
+def test_a_missing_dataset_names_the_variable(tmp_path):
+    with pytest.raises(DatasetError, match="DYN_BENCH_KV_WARMUP_DATASET"):
+        load_conversations(tmp_path / "missing.json")
