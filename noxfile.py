@@ -74,7 +74,8 @@ def _release_sessions(release: dict) -> None:
     @nox.session(name=f"unit-{short}", tags=["unit"], default=False)
     def unit(session: nox.Session) -> None:
         """tests/vllm against the real classes of the patched wheel, on CPU."""
-        _tooling(session, "pytest", "hypothesis")
+        # jsonschema: a vLLM requirement the minimal deps venv leaves out; the artifact uses it.
+        _tooling(session, "pytest", "hypothesis", "jsonschema")
         _install_patched(session, short)
         # The cuda wheel on a CPU host: 0.28 reads the target device from here (pinned
         # host memory needs it); 0.25.1 ignores it and the tests pass a DeviceConfig.
@@ -88,8 +89,9 @@ def _release_sessions(release: dict) -> None:
         """tests/engine on the real CPU engine of the patched cpu-flavour wheel."""
         _tooling(session, "pytest")
         _install_patched(session, short, flavour="cpu", deps=("layer-engine-deps", "--release", short))
-        # One CPU engine per process: the tiny-llama tests, then the hybrid ones.
-        for selection in (["-m", "not hybrid"], ["-m", "hybrid"]) if not session.posargs else [[]]:
+        # One CPU engine per process: the tiny-llama tests, the hybrid ones, the sweep command.
+        selections = [["-m", "not hybrid and not command"], ["-m", "hybrid"], ["-m", "command"]]
+        for selection in selections if not session.posargs else [[]]:
             session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)

@@ -17,22 +17,25 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 import pytest  # noqa: E402
+from tiny_models import make_tiny_llama  # noqa: E402
+
+# Tests that need an engine of their own kind: one kind per pytest process.
+OWN_ENGINE_MARKERS = ("hybrid", "command")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "hybrid: needs the hybrid-model engine (its own process)")
+    config.addinivalue_line("markers", "command: starts its own engine through the sweep command (its own process)")
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` has deselected
 def pytest_collection_modifyitems(config, items):
-    kinds = {item.get_closest_marker("hybrid") is not None for item in items}
+    kinds = {next((m for m in OWN_ENGINE_MARKERS if item.get_closest_marker(m)), "llama") for item in items}
     if len(kinds) > 1:
         raise pytest.UsageError(
-            "tests/engine: the tiny-llama and the hybrid engine tests need one process each "
-            "(two CPU engines at once fail vLLM's memory check); run `-m 'not hybrid'` and "
-            "`-m hybrid` separately, as `nox -s engine-X` does")
+            f"tests/engine: {sorted(kinds)} engine tests need one process each (two CPU engines at once "
+            "fail vLLM's memory check); select one kind with -m, as `nox -s engine-X` does")
 
-from tiny_models import make_tiny_llama  # noqa: E402
 
 BLOCK_SIZE = 32
 

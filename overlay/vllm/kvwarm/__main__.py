@@ -1,4 +1,5 @@
-"""`python -m vllm.kvwarm info [--json]`: what this build is and which hooks it has."""
+"""`python -m vllm.kvwarm info [--json]`: what this build is and which hooks it has.
+`python -m vllm.kvwarm sweep --points FILE --out DIR [engine args]`: a decode sweep."""
 
 from __future__ import annotations
 
@@ -36,10 +37,16 @@ def _info(as_json: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"]:  # takes every vLLM engine argument: its own parser
+        from vllm.kvwarm.sweep_command import run
+
+        return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="release, flavour, series digest and hooks of this build")
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    commands.add_parser("sweep", help="decode sweep on the real engine (see sweep --help)")
     args = parser.parse_args(argv)
     if args.command == "info":
         return _info(args.json)

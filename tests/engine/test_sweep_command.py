@@ -1,0 +1,56 @@
+"""`python -m vllm.kvwarm sweep` end to end on the real CPU engine: a tiny Llama, a small
+ShareGPT-format file made here, three points over two rungs. Every point is measured on
+real KV, the artifact validates, and the run ends with reset_prefix_cache() succeeding.
+
+Runs in its own pytest process (`-m command`): the command starts its own engine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+pytestmark = pytest.mark.command
+
+
+def _sharegpt(path):
+    words = "decode prefill cache block shadow chain rung batch token step kernel expert".split()
+    conversations = [{"conversations": [
+        {"from": "human", "value": " ".join(words[(n + k) % len(words)] for k in range(40))},
+        {"from": "gpt", "value": " ".join(words[(3 * n + k) % len(words)] for k in range(60))},
+    ]} for n in range(64)]
+    path.write_text(json.dumps(conversations))
+    return path
+
+
+def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path, monkeypatch):
+    from tiny_models import make_tiny_llama
+
+    from vllm.kvwarm.artifact import validate
+    from vllm.kvwarm.sweep_command import run
+
+    model = make_tiny_llama(tmp_path / "tiny-llama")
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({"schema_version": 1, "decode": [
+        {"total_kv_read_tokens": 300, "batch_size": 2}, {"total_kv_read_tokens": 120, "batch_size": 2},
+        {"total_kv_read_tokens": 90, "batch_size": 3}]}))
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(_sharegpt(tmp_path / "sharegpt.json")))
+    monkeypatch.setenv("DYN_BENCH_GIANT_KV_REPEATS", "3")
+    out = tmp_path / "out"
+    rc = run(["--points", str(points), "--out", str(out), "--model", str(model), "--dtype", "float32",
+              "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8",
+              "--max-num-batched-tokens", "256", "--enable-prefix-caching", "--seed", "0"])
+    assert rc == 0
+    artifact = json.loads((out / "sweep.json").read_text())
+    validate(artifact)
+    assert artifact["status"] == "complete" and artifact["skipped_points"] == []
+    assert artifact["kvwarm"]["points_real_kv"] == 3 and artifact["kvwarm"]["reset_prefix_cache"] is True
+    assert sorted((r["point"]["batch_size"], r["point"]["total_kv_read_tokens"]) for r in artifact["results"]) == [
+        (2, 120), (2, 300), (3, 90)]
+    for row in artifact["results"]:
+        assert row["kv_seed_regime"] == "real_kv" and len(row["steady_seconds"]) == 3
+        assert row["median_seconds"] == sorted(row["steady_seconds"])[1] > 0
+    assert len(list(csv.DictReader((out / "sweep.csv").open()))) == 3
+    assert (out / "sweep.png").read_bytes().startswith(b"\x89PNG")

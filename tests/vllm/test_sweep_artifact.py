@@ -1,0 +1,90 @@
+"""The sweep's artifact (JSON against its schema, CSV, PNG) and the sweep command's
+handling of bad input: a clear message and an artifact that records why."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from vllm.kvwarm.artifact import build_artifact, validate, write_artifact
+from vllm.kvwarm.sweep import PointRow
+
+
+def _rows():
+    return [
+        PointRow(1000, 4, "real_kv", ["kvwarm_real_kv"], [0.010, 0.012, 0.011], 0.011),
+        PointRow(4000, 4, "real_kv", ["kvwarm_real_kv", "kvwarm_state_copy", "kvwarm_state_depth=1001"],
+                 [0.020, 0.021, 0.022], 0.021),
+        PointRow(9000, 4, "skip:decode_injection_failed", detail="pool_exhausted: 3 more free block(s) needed"),
+    ]
+
+
+META = {"enabled": True, "warm_eligible": True, "skip_reason": None, "giant_kv_repeats": 3,
+        "state_mode_requested": "auto", "state_mode": "copy", "reset_prefix_cache": True}
+
+
+def test_artifact_files_are_written_and_valid(tmp_path):
+    artifact = build_artifact(_rows(), META, {"model": "m"}, "complete")
+    paths = write_artifact(tmp_path, artifact)
+    assert [p.name for p in paths] == ["sweep.json", "sweep.csv", "sweep.png"]
+    data = json.loads((tmp_path / "sweep.json").read_text())
+    assert data["kvwarm"]["points_real_kv"] == 2 and data["kvwarm"]["points_fake_fallback"] == 0
+    assert data["skipped_points"] == [{"point": {"total_kv_read_tokens": 9000, "batch_size": 4},
+                                       "kv_seed_regime": "skip:decode_injection_failed",
+                                       "reason": "pool_exhausted: 3 more free block(s) needed"}]
+    rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
+    assert [(r["total_kv_read_tokens"], r["median_ms"]) for r in rows] == [("1000", "11.0000"), ("4000", "21.0000")]
+    png = (tmp_path / "sweep.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+@pytest.mark.parametrize("break_it", [
+    lambda a: a.update(status="fine"),
+    lambda a: a["results"][0].update(steady_seconds=[]),
+    lambda a: a["kvwarm"].update(state_mode="sideways"),
+    lambda a: a["skipped_points"][0].update(kv_seed_regime="real_kv"),
+])
+def test_the_schema_rejects_malformed_artifacts(break_it):
+    import jsonschema
+
+    artifact = build_artifact(_rows(), META, {}, "complete")
+    validate(artifact)
+    break_it(artifact)
+    with pytest.raises(jsonschema.ValidationError):
+        validate(artifact)
+
+
+def _sweep(tmp_path, monkeypatch, points, env):
+    from vllm.kvwarm.sweep_command import run
+
+    for name in ("DYN_BENCH_KV_WARMUP", "DYN_BENCH_KV_WARMUP_DATASET", "DYN_BENCH_GIANT_KV_REPEATS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    rc = run(["--points", str(points), "--out", str(out), "--model", str(tmp_path / "no-model")])
+    return rc, json.loads((out / "sweep.json").read_text())
+
+
+@pytest.mark.parametrize("points, env, message", [
+    (None, {}, "not found"),
+    ('{"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]}', {}, "decode points only"),
+    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}', {},
+     "DYN_BENCH_KV_WARMUP_DATASET is not set"),
+    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
+     {"DYN_BENCH_KV_WARMUP_DATASET": "/nowhere/sharegpt.json"}, "dataset /nowhere/sharegpt.json not found"),
+    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
+     {"DYN_BENCH_KV_WARMUP": "sometimes"}, "DYN_BENCH_KV_WARMUP='sometimes' is not one of"),
+    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
+     {"DYN_BENCH_GIANT_KV_REPEATS": "many"}, "DYN_BENCH_GIANT_KV_REPEATS='many' is not an integer"),
+])
+def test_bad_input_stops_before_the_engine_with_a_message_and_an_artifact(tmp_path, monkeypatch, capsys,
+                                                                          points, env, message):
+    path = tmp_path / "points.json"
+    if points is not None:
+        path.write_text(points)
+    rc, artifact = _sweep(tmp_path, monkeypatch, path, env)
+    assert rc == 2 and message in capsys.readouterr().err
+    assert artifact["status"] == "failed" and message in artifact["error"] and artifact["results"] == []
