@@ -266,3 +266,22 @@ def test_engine_requirements_of_a_wheel_without_metadata_name_it(tmp_path):
         zf.writestr("broken/__init__.py", "")
     with pytest.raises(BuildError, match="broken-1.0-py3-none-any.whl has no METADATA"):
         engine_requirements(wheel)
+
+
+def test_a_cached_venv_is_made_once_and_a_half_made_one_again(tmp_path):
+    from kvwarm_build.venvs import ensure_venv
+
+    made = []
+
+    def install(python):
+        made.append(python)
+        (python.parents[1] / "installed").write_text("yes")
+
+    venv = tmp_path / "venvs" / "demo"
+    site = ensure_venv(venv, install, "a demo venv", log=lambda *_: None)
+    assert site.is_dir() and (venv / "installed").exists() and len(made) == 1
+    assert ensure_venv(venv, install, "a demo venv", log=lambda *_: None) == site and len(made) == 1
+    (venv / ".kvwarm-complete").unlink()  # as if the first run had been interrupted
+    (venv / "stale").write_text("left over")
+    ensure_venv(venv, install, "a demo venv", log=lambda *_: None)
+    assert len(made) == 2 and not (venv / "stale").exists()

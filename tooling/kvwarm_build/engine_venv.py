@@ -11,7 +11,6 @@ under their own (see venvs.layer_on_deps) and install the patched wheel `--no-de
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -23,12 +22,11 @@ from packaging.utils import canonicalize_name
 from .errors import BuildError
 from .fetch import fetch
 from .releases import Release
-from .venvs import pip_install, site_packages, venv_python
+from .venvs import ensure_venv, pip_install
 
 # torch is installed on its own; the others are CUDA builds on PyPI that break
 # `import vllm` beside a CPU-run torch (transformers fails on torchvision::nms).
 TORCH_FAMILY = {"torch", "torchvision", "torchaudio", "torchcodec"}
-_COMPLETE = ".kvwarm-complete"
 
 
 def engine_requirements(wheel: Path) -> list[str]:
@@ -60,27 +58,20 @@ def engine_venv_path(release: Release, cache: Path, requirements: list[str]) -> 
 
 def ensure_engine_deps(release: Release, cache: Path, log=print) -> Path:
     """Site-packages of the release's engine dependency venv, made on first use
-    (minutes, and a few GB for a CUDA torch); a half-made one is made again."""
+    (minutes, and a few GB for a CUDA torch)."""
     flavour = release.flavour("cpu")
     wheel = fetch(flavour.wheel, cache / "downloads", log=log)
     requirements = engine_requirements(wheel)
-    venv = engine_venv_path(release, cache, requirements)
-    python = venv_python(venv)
-    if (venv / _COMPLETE).exists():
-        return site_packages(python)
-    if venv.exists():
-        log(f"removing incomplete {venv}")
-        shutil.rmtree(venv)
-    log(f"creating the CPU engine venv for vLLM {release.version} at {venv} "
-        f"(once per cache; several minutes, torch=={flavour.engine_torch})")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     torch_pin = f"torch=={flavour.engine_torch}"
-    pip_install(python, torch_pin, log=log)
-    # Keep that torch (and the release's test pins) whatever the requirements pull in.
-    constraints = venv / "kvwarm-constraints.txt"
-    constraints.write_text("\n".join([torch_pin, *release.test_pins]) + "\n")
-    pip_install(python, "-c", str(constraints), *requirements, log=log)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *sorted(TORCH_FAMILY - {"torch"})],
-                   check=True, capture_output=True)
-    (venv / _COMPLETE).write_text(torch_pin + "\n")
-    return site_packages(python)
+
+    def install(python: Path) -> None:
+        pip_install(python, torch_pin, log=log)
+        # Keep that torch (and the release's test pins) whatever the requirements pull in.
+        constraints = python.parents[1] / "kvwarm-constraints.txt"
+        constraints.write_text("\n".join([torch_pin, *release.test_pins]) + "\n")
+        pip_install(python, "-c", str(constraints), *requirements, log=log)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *sorted(TORCH_FAMILY - {"torch"})],
+                       check=True, capture_output=True)
+
+    return ensure_venv(engine_venv_path(release, cache, requirements), install,
+                       f"the CPU engine venv for vLLM {release.version} ({torch_pin})", log=log)

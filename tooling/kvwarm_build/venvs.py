@@ -56,22 +56,31 @@ def site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
-def ensure_deps_venv(cache: Path, log=print) -> Path:
-    """The deps venv's site-packages, created on first use; a half-made one is redone."""
-    venv = cache / "venvs" / f"vllm-deps-{deps_key()}"
+def ensure_venv(venv: Path, install, what: str, log=print) -> Path:
+    """`venv`'s site-packages, made on first use by install(python); the marker is written
+    last, so a half-made venv is removed and made again."""
     if (venv / _COMPLETE).exists():
         return site_packages(venv_python(venv))
     if venv.exists():
         log(f"removing incomplete {venv}")
         shutil.rmtree(venv)
-    log(f"creating the shared vLLM dependency venv {venv} (once per cache; a few minutes)")
+    log(f"creating {what} {venv} (once per cache; a few minutes)")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv_python(venv)
-    pip_install(python, *TORCH, log=log)
-    pip_install(python, *DEPS, log=log)
-    pip_install(python, "--no-deps", *NO_DEPS, log=log)
-    (venv / _COMPLETE).write_text(deps_key() + "\n")
+    install(python)
+    (venv / _COMPLETE).write_text(venv.name + "\n")
     return site_packages(python)
+
+
+def ensure_deps_venv(cache: Path, log=print) -> Path:
+    """The deps venv's site-packages, created on first use."""
+    def install(python: Path) -> None:
+        pip_install(python, *TORCH, log=log)
+        pip_install(python, *DEPS, log=log)
+        pip_install(python, "--no-deps", *NO_DEPS, log=log)
+
+    return ensure_venv(cache / "venvs" / f"vllm-deps-{deps_key()}", install,
+                       "the shared vLLM dependency venv", log=log)
 
 
 def layer_on_deps(python: Path, deps_site: Path) -> None:
