@@ -334,26 +334,32 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, steps: int = 20):
     scheduler.running.append(shadow)
     for _ in range(steps):
         step()
-        yield shadow.num_computed_tokens, state.num_cached_block["shadow"], chain_state.block_hash == chain_key
+        holders = [b.block_id for b in kvm.block_pool.blocks if b.block_hash == chain_key]
+        yield (shadow.num_computed_tokens, state.num_cached_block["shadow"],
+               chain_state.block_hash == chain_key, holders)
 
 
 def test_partial_tail_hashing_damages_the_chain_without_the_exemption(tmp_path):
     """Stock 0.28.0's failure, reproduced on the real classes: at the shadow's prompt
-    boundary (112 tokens) `_cache_partial_tail_block` keys the chain's state block under
-    the shadow's request (the chain's own key is gone from it) and drops the shadow's
-    cached count 3 -> 1. (DESIGN.md's probe also saw the promotion assertion of
-    `BlockPool.cache_full_blocks` fire at 128; this sequence shows the damage before it.)"""
+    boundary (112 tokens) `_cache_partial_tail_block` registers the shadow's partial tail
+    on the chain's state block and drops the shadow's cached count 3 -> 1; at the next
+    step the manager's producer fork moves the chain's own key off its state block onto a
+    fresh block, filled from the state the in-place shadow is advancing. The chain's
+    prefix-cache entry now names a block of the shadow's making. (DESIGN.md's probe saw
+    this end in the promotion assertion of `BlockPool.cache_full_blocks` at 128.)"""
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     if not hasattr(MambaManager, "_cache_partial_tail_block"):
         pytest.skip("this build never hashes partial state tails, so there is nothing to reproduce")
     history = list(_in_place_steady_steps(tmp_path, borrowed_kv=False))
-    assert history[0][:2] == (112, 1)
-    assert not all(kept for _, _, kept in history)
+    (tokens, cached, kept, holders), after = history[0], history[1]
+    assert (tokens, cached, kept) == (112, 1, True)
+    assert after[2] is False and len(after[3]) == 1  # the key now lives on another block
 
 
 def test_borrowed_shadows_leave_the_chain_state_alone(tmp_path):
     """The same sequence with the hook's exemption (every kvwarm build): nothing re-keys
     the chain's block and the cached count stays pinned, past the 128 crossing."""
     history = list(_in_place_steady_steps(tmp_path, borrowed_kv=True))
-    assert history == [(112 + i, 3, True) for i in range(20)]
+    assert [step[:3] for step in history] == [(112 + i, 3, True) for i in range(20)]
+    assert all(len(step[3]) == 1 for step in history)  # on the chain's block alone
