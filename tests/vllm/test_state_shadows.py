@@ -298,27 +298,28 @@ def test_stamps_and_metadata_are_the_same_whatever_the_free_pool():
     assert state_stamps(None, 192) == []  # pure-attention points carry no state stamp
 
 
-def _in_place_steady_steps(tmp_path, borrowed_kv: bool, steps: int = 20):
-    """Through the real AsyncScheduler (schedule + update_from_output): a 192-token chain
-    prefilled and parked, then an in-place shadow at ctx 111 on a layout whose state block
-    (64) is larger than the prefix-match unit (16), for `steps` steady steps. Yields
-    (computed tokens, the shadow's cached state count, the chain's state key intact)."""
+def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps: int = 20):
+    """Through the real AsyncScheduler: a 192-token chain prefilled and parked, then an
+    in-place shadow at ctx 111 on a layout whose state block (64) is larger than the
+    prefix-match unit (16), for `steps` steady steps. `stock_loop`: the steps go through
+    schedule() (allocate_slots included), as with this project's adapter; otherwise they
+    are made by hand and fed to update_from_output, as the original harness made them.
+    Yields (computed tokens, the shadow's cached state count, the chain's state key still
+    on its block, the ids of every block carrying that key)."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
     scheduler = make_scheduler(tmp_path, block_size=64, hash_block_size=16, state_block_size=64,
                                scheduler_cls=AsyncScheduler)
     kvm = scheduler.kv_cache_manager
     _, state = kvm.coordinator.single_type_managers
-
-    def step() -> None:
-        step_scheduler(scheduler)
-
     chain = make_request("chain", 192, hash_block_size=16)
     chain.max_tokens = chain.sampling_params.max_tokens = 1000
     scheduler.add_request(chain)
     while chain.num_computed_tokens < 192 or chain.num_output_placeholders:
-        step()
+        step_scheduler(scheduler)
     scheduler.running.remove(chain)  # parked: resident, no longer scheduled
     chain_state = state.req_to_blocks["chain"][2]
     chain_key = chain_state.block_hash
@@ -331,35 +332,63 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, steps: int = 20):
     shadow.borrowed_kv = borrowed_kv  # False: what a build without the exemption does
     shadow.num_computed_tokens, shadow.status = 111, RequestStatus.RUNNING  # admitted one short
     scheduler.requests["shadow"] = shadow
-    scheduler.running.append(shadow)
+    if stock_loop:
+        scheduler.running.append(shadow)
     for _ in range(steps):
-        step()
+        if stock_loop:
+            step_scheduler(scheduler)
+        else:
+            output = SchedulerOutput.make_empty()
+            output.num_scheduled_tokens["shadow"], output.total_num_scheduled_tokens = 1, 1
+            scheduler._update_after_schedule(output)
+            scheduler.update_from_output(output, ModelRunnerOutput(
+                req_ids=["shadow"], req_id_to_index={"shadow": 0}, sampled_token_ids=[[7]]))
         holders = [b.block_id for b in kvm.block_pool.blocks if b.block_hash == chain_key]
         yield (shadow.num_computed_tokens, state.num_cached_block["shadow"],
                chain_state.block_hash == chain_key, holders)
 
 
-def test_partial_tail_hashing_damages_the_chain_without_the_exemption(tmp_path):
-    """Stock 0.28.0's failure, reproduced on the real classes: at the shadow's prompt
-    boundary (112 tokens) `_cache_partial_tail_block` registers the shadow's partial tail
-    on the chain's state block and drops the shadow's cached count 3 -> 1; at the next
-    step the manager's producer fork moves the chain's own key off its state block onto a
-    fresh block, filled from the state the in-place shadow is advancing. The chain's
-    prefix-cache entry now names a block of the shadow's making. (DESIGN.md's probe saw
-    this end in the promotion assertion of `BlockPool.cache_full_blocks` at 128.)"""
+def _hashes_partial_state_tails() -> bool:
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-    if not hasattr(MambaManager, "_cache_partial_tail_block"):
+    return hasattr(MambaManager, "_cache_partial_tail_block")
+
+
+def test_partial_tail_hashing_ends_in_the_promotion_assertion_without_the_exemption(tmp_path):
+    """Stock 0.28.0's failure as DESIGN.md reports it, on the real classes: at the shadow's
+    prompt boundary (112 tokens) `_cache_partial_tail_block` stacks the shadow's partial
+    key on the chain's state block and drops the shadow's cached count 3 -> 1; at 128 the
+    promotion assertion of `BlockPool.cache_full_blocks` fires."""
+    if not _hashes_partial_state_tails():
         pytest.skip("this build never hashes partial state tails, so there is nothing to reproduce")
-    history = list(_in_place_steady_steps(tmp_path, borrowed_kv=False))
-    (tokens, cached, kept, holders), after = history[0], history[1]
+    steps = _in_place_steady_steps(tmp_path, borrowed_kv=False, stock_loop=False)
+    assert next(steps)[:3] == (112, 1, True)
+    completed = []
+    with pytest.raises(AssertionError) as err:
+        for tokens, _, _, _ in steps:
+            completed.append(tokens)
+    assert completed[-1] == 127  # the step that computes position 127 (reaching 128) fails
+    assert any(entry.name == "cache_full_blocks" for entry in err.traceback)
+
+
+def test_through_the_stock_loop_the_chain_loses_its_key_without_the_exemption(tmp_path):
+    """The same shadow stepped through schedule(), as this project's adapter does: the
+    manager's producer fork then moves the chain's own key onto a fresh block filled from
+    the state the in-place shadow is advancing, so the chain's prefix-cache entry names a
+    block of the shadow's making."""
+    if not _hashes_partial_state_tails():
+        pytest.skip("this build never hashes partial state tails, so there is nothing to reproduce")
+    history = list(_in_place_steady_steps(tmp_path, borrowed_kv=False, stock_loop=True))
+    (tokens, cached, kept, _), after = history[0], history[1]
     assert (tokens, cached, kept) == (112, 1, True)
     assert after[2] is False and len(after[3]) == 1  # the key now lives on another block
 
 
-def test_borrowed_shadows_leave_the_chain_state_alone(tmp_path):
-    """The same sequence with the hook's exemption (every kvwarm build): nothing re-keys
-    the chain's block and the cached count stays pinned, past the 128 crossing."""
-    history = list(_in_place_steady_steps(tmp_path, borrowed_kv=True))
+@pytest.mark.parametrize("stock_loop", [False, True], ids=["harness", "stock-loop"])
+def test_borrowed_shadows_leave_the_chain_state_alone(tmp_path, stock_loop):
+    """Both sequences with the hook's exemption (every kvwarm build): nothing is hashed for
+    the shadow, the cached count stays pinned and the chain's key stays on the chain's
+    block alone, past the 128 crossing."""
+    history = list(_in_place_steady_steps(tmp_path, borrowed_kv=True, stock_loop=stock_loop))
     assert [step[:3] for step in history] == [(112 + i, 3, True) for i in range(20)]
-    assert all(len(step[3]) == 1 for step in history)  # on the chain's block alone
+    assert all(len(step[3]) == 1 for step in history)
