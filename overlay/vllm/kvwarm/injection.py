@@ -19,11 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .arithmetic import pool_shortfall, shadow_private_blocks
-from .borrowing import POOL_EXHAUSTED, ShadowRegistrationError
+from .borrowing import ShadowRegistrationError
 from .layout import group_layouts
-from .shadows import register_shadow, release_fork_retentions
-from .state_mode import COPY
+from .shadows import check_pool, register_shadow, release_fork_retentions
 
 SHADOW_PREFIX = "__kvwarm_shadow_"  # frontend ids never start like this
 
@@ -81,12 +79,7 @@ class ShadowInjector:
 
     def _register_point(self, scheduler, point: PendingPoint) -> None:
         kvm = scheduler.kv_cache_manager
-        layouts = group_layouts(kvm)
-        need = sum(shadow_private_blocks(layouts, ctx, point.headroom, point.state_mode == COPY)
-                   for ctx in point.contexts)
-        shortfall = pool_shortfall(need, kvm.block_pool.get_num_free_blocks())
-        if shortfall:
-            raise ShadowRegistrationError(POOL_EXHAUSTED, f"the point needs {shortfall} more free block(s)")
+        check_pool(kvm, group_layouts(kvm), point.contexts, point.headroom, point.state_mode, " for the point")
         try:
             for chain, ctx in zip(point.chains, point.contexts):
                 shadow = shadow_request(f"{SHADOW_PREFIX}{self._next}", chain, ctx, point.headroom + 1)

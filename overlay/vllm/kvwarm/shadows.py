@@ -71,6 +71,15 @@ def _check_layout(kv_cache_manager, layouts: list[GroupLayout], state_mode: str 
     return state_mode
 
 
+def check_pool(kv_cache_manager, layouts: list[GroupLayout], contexts: list[int], headroom: int,
+               state_mode: str | None, what: str = "") -> None:
+    """The pool pre-check: every private block the shadows at `contexts` need is free now."""
+    need = sum(shadow_private_blocks(layouts, ctx, headroom, state_copy=state_mode == COPY) for ctx in contexts)
+    shortfall = pool_shortfall(need, kv_cache_manager.block_pool.get_num_free_blocks())
+    if shortfall:
+        raise ShadowRegistrationError(POOL_EXHAUSTED, f"{shortfall} more free block(s) needed{what}")
+
+
 def register_shadow(
     kv_cache_manager, shadow, chain, ctx: int, headroom: int, *,
     fork: bool | None = None, state_mode: str | None = None,
@@ -87,10 +96,7 @@ def register_shadow(
     mode = _check_layout(kv_cache_manager, layouts, state_mode)
     forked = resolve_fork(layouts, fork)
     pool = kv_cache_manager.block_pool
-    need = shadow_private_blocks(layouts, ctx, headroom, state_copy=mode == COPY)
-    shortfall = pool_shortfall(need, pool.get_num_free_blocks())
-    if shortfall:
-        raise ShadowRegistrationError(POOL_EXHAUSTED, f"{shortfall} more free block(s) needed")
+    check_pool(kv_cache_manager, layouts, [ctx], headroom, mode)
 
     undo = Undo()
     try:
