@@ -29,7 +29,6 @@ from .injection import PendingPoint
 from .points import DecodePoint
 
 BATCH_SIZE_MISMATCH = "measured_batch_size_mismatch"
-CONTEXT_MISMATCH = "measured_decode_context_mismatch"
 
 
 @dataclass
