@@ -38,6 +38,7 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
         {"total_kv_read_tokens": 90, "batch_size": 3}]}))
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(_sharegpt(tmp_path / "sharegpt.json")))
     monkeypatch.setenv("DYN_BENCH_GIANT_KV_REPEATS", "3")
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "force")  # a dense model: the gate would skip it
     out = tmp_path / "out"
     rc = run(["--points", str(points), "--out", str(out), "--model", str(model), "--dtype", "float32",
               "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8",
@@ -46,7 +47,11 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     artifact = json.loads((out / "sweep.json").read_text())
     validate(artifact)
     assert artifact["status"] == "complete" and artifact["skipped_points"] == []
-    assert artifact["kvwarm"]["points_real_kv"] == 3 and artifact["kvwarm"]["reset_prefix_cache"] is True
+    meta = artifact["kvwarm"]
+    assert meta["points_real_kv"] == 3 and meta["reset_prefix_cache"] is True
+    assert (meta["warm_eligible"], meta["skip_reason"]) == (True, None)
+    assert 0 < meta["dataset"]["conversations"] < 64  # the collection half of the file
+    assert [(s["batch"], s["depth"]) for s in meta["stages"]] == [(3, 29 + 1 + 3), (2, 149 + 1 + 3)]
     assert sorted((r["point"]["batch_size"], r["point"]["total_kv_read_tokens"]) for r in artifact["results"]) == [
         (2, 120), (2, 300), (3, 90)]
     for row in artifact["results"]:

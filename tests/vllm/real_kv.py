@@ -42,7 +42,7 @@ def mamba_align_manager(pool: BlockPool, group: int = 1) -> MambaManager:
 def make_scheduler(
     tmp_path, num_blocks: int = 64, defer_block_free: bool = False, max_num_seqs: int = 8,
     *, block_size: int = BLOCK_SIZE, hash_block_size: int | None = None, state_block_size: int | None = None,
-    scheduler_cls: type | None = None,
+    scheduler_cls: type | None = None, additional_config: dict | None = None,
 ):
     """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
 
@@ -82,6 +82,7 @@ def make_scheduler(
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **cache_extra),
         device_config=DeviceConfig(device="cpu"),
+        additional_config=additional_config or {},
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(

@@ -32,7 +32,7 @@ def test_rungs_are_one_per_batch_size_deepest_first():
     points = [DecodePoint(200, 2), DecodePoint(90, 3), DecodePoint(500, 2), DecodePoint(30, 3)]
     rungs = plan_rungs(points, repeats=3, max_model_len=1024)
     assert [(r.batch_size, r.depth, [p.total_kv_read_tokens for p in r.points]) for r in rungs] == [
-        (3, 30 + 1 + 3, [90, 30]), (2, 250 + 1 + 3, [500, 200])]
+        (3, 29 + 1 + 3, [90, 30]), (2, 249 + 1 + 3, [500, 200])]  # one token short, admission, steady
 
 
 @pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
@@ -57,19 +57,97 @@ def test_a_sweep_measures_every_point_on_real_kv_and_leaves_nothing_behind(tmp_p
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
-def test_a_point_that_cannot_be_admitted_is_skipped_with_its_reason(tmp_path):
-    # The batch-2 rung's chains (2 x 10 blocks) leave one free block, its point's two
-    # shadows need one each; the batch-1 rung comes after those chains are shed.
-    scheduler = make_scheduler(tmp_path, num_blocks=22, scheduler_cls=KvWarmScheduler)
-    points = [DecodePoint(300, 2), DecodePoint(20, 1)]
-    sweep = DecodeSweep(points, _tokens, repeats=REPEATS, max_model_len=1024, progress=lambda _: None)
+def _run(scheduler, sweep, limit: int = 600) -> None:
     scheduler.kvwarm_sweep = sweep
-    for _ in range(300):
+    for _ in range(limit):
         if not scheduler.has_requests():
             break
         step_scheduler(scheduler)
-    regimes = [(r.total_kv_read_tokens, r.kv_seed_regime) for r in sweep.rows]
-    assert regimes[1] == (20, "real_kv")
     assert sweep.done and sweep.reset_prefix_cache_ok
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
-    assert regimes[0] == (300, "skip:decode_injection_failed") and "pool_exhausted" in sweep.rows[0].detail
+
+
+def test_a_tight_pool_trims_the_chains_and_measures_what_they_cannot_cover_on_fake_kv(tmp_path):
+    # 41 free blocks of 16 tokens: two 303-token chains (19 blocks each) plus two worst-case
+    # shadow tails (2 each) would take 42, so the batch-2 rung is trimmed to 288 tokens
+    # (18 blocks each); the 300-token point (contexts 150) is still covered, the 600-token
+    # one (contexts 300) is not: it runs on fake KV, last, after the chains are shed.
+    scheduler = make_scheduler(tmp_path, num_blocks=42, scheduler_cls=KvWarmScheduler)
+    sweep = DecodeSweep([DecodePoint(600, 2), DecodePoint(300, 2)], _tokens, repeats=REPEATS,
+                        max_model_len=1024, progress=lambda _: None)
+    _run(scheduler, sweep)
+    assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
+        (300, "real_kv", ["kvwarm_real_kv"]), (600, "fake_fallback", ["kvwarm_fake_fallback"])]
+    assert len(sweep.rows[1].steady_seconds) == 1  # below the giant-KV threshold: the legacy single step
+    (stage,) = sweep.stages
+    assert stage["batch"] == 2 and stage["depth"] == 288
+
+
+def test_a_point_that_cannot_be_admitted_is_skipped_with_its_reason(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
+    queue = scheduler.kvwarm.queue
+
+    def queue_after_something_else_took_the_pool(point):
+        pool = scheduler.kv_cache_manager.block_pool
+        taken.extend(pool.get_new_blocks(pool.get_num_free_blocks()))
+        return queue(point)
+
+    taken = []
+    scheduler.kvwarm.queue = queue_after_something_else_took_the_pool
+    sweep = DecodeSweep([DecodePoint(300, 2)], _tokens, repeats=REPEATS, max_model_len=1024, progress=lambda _: None)
+    scheduler.kvwarm_sweep = sweep
+    for _ in range(100):
+        if sweep.rows:
+            break
+        step_scheduler(scheduler)
+    (row,) = sweep.rows
+    assert row.kv_seed_regime == "skip:decode_injection_failed" and "pool_exhausted" in row.detail
+    scheduler.kv_cache_manager.block_pool.free_blocks(taken)
+    _run(scheduler, sweep)
+
+
+def test_warm_up_off_measures_every_point_on_fake_kv_without_chains(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=KvWarmAsyncScheduler)
+    sweep = DecodeSweep([DecodePoint(300, 2), DecodePoint(90, 3), DecodePoint(2_000, 2)], None,
+                        repeats=REPEATS, max_model_len=1024, real=False, fake_regime="legacy",
+                        giant_kv_threshold=1_000, progress=lambda _: None)
+    _run(scheduler, sweep)
+    assert not sweep.stages and not any(r.request_id.startswith("__kvwarm_chain") for r in scheduler.requests.values())
+    assert [(r.total_kv_read_tokens, r.batch_size, r.kv_seed_regime, len(r.steady_seconds), r.sample_reasons)
+            for r in sweep.rows] == [(90, 3, "legacy", 1, []), (2_000, 2, "legacy", REPEATS, []),
+                                     (300, 2, "legacy", 1, [])]
+
+
+def test_a_point_with_one_token_contexts_is_measured_at_two_and_stamped_clamped(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
+    sweep = DecodeSweep([DecodePoint(3, 2), DecodePoint(64, 2)], _tokens, repeats=REPEATS, max_model_len=1024,
+                        progress=lambda _: None)
+    _run(scheduler, sweep)
+    # contexts [2, 1]: admitted at [1, 1], so the steps read 4 tokens of KV, not 3
+    assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
+        (64, "real_kv", ["kvwarm_real_kv"]), (4, "real_kv", ["context_clamped", "kvwarm_real_kv"])]
+
+
+def test_in_place_rows_after_the_first_use_of_a_chain_are_stamped_drifted(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler,
+                               block_size=32, state_block_size=32)
+    sweep = DecodeSweep([DecodePoint(200, 2), DecodePoint(120, 2), DecodePoint(40, 1)], _tokens,
+                        repeats=REPEATS, max_model_len=1024, state_mode="inplace", progress=lambda _: None)
+    _run(scheduler, sweep)
+    stamps = {(r.total_kv_read_tokens, r.batch_size): r.sample_reasons for r in sweep.rows}
+    assert stamps[(200, 2)] == ["kvwarm_real_kv", "kvwarm_state_inplace", "kvwarm_state_depth=103"]
+    assert stamps[(120, 2)] == ["kvwarm_real_kv", "kvwarm_state_inplace", "kvwarm_state_depth=103",
+                                "kvwarm_state_drifted"]
+    # a new rung's chains are fresh requests (their state is recomputed by their prefill)
+    assert stamps[(40, 1)] == ["kvwarm_real_kv", "kvwarm_state_inplace", "kvwarm_state_depth=43"]
+
+
+def test_a_point_at_the_edge_of_max_model_len_is_measured_on_real_kv(tmp_path):
+    # context 1020 + admission + 3 steady steps = max_model_len 1024; a chain that deep
+    # would be finished by length once it samples, so it stops a margin short (1020 tokens),
+    # which still holds every token the shadow borrows.
+    scheduler = make_scheduler(tmp_path, num_blocks=160, scheduler_cls=KvWarmScheduler)
+    sweep = DecodeSweep([DecodePoint(1020, 1)], _tokens, repeats=REPEATS, max_model_len=1024, progress=lambda _: None)
+    _run(scheduler, sweep)
+    assert [(r.kv_seed_regime, len(r.steady_seconds)) for r in sweep.rows] == [("real_kv", REPEATS)]
+    assert sweep.stages[0]["depth"] == 1020

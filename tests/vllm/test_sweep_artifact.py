@@ -3,6 +3,7 @@ handling of bad input: a clear message and an artifact that records why."""
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 
@@ -22,7 +23,10 @@ def _rows():
 
 
 META = {"enabled": True, "warm_eligible": True, "skip_reason": None, "giant_kv_repeats": 3,
-        "state_mode_requested": "auto", "state_mode": "copy", "reset_prefix_cache": True}
+        "giant_kv_threshold": 1_000_000, "state_mode_requested": "auto", "state_mode": "copy",
+        "reset_prefix_cache": True, "stages": [{"batch": 4, "depth": 2254, "build_seconds": 1.5}],
+        "dataset": {"path": "/d/sharegpt.json", "sha256": "ab" * 32, "collection_pool": "conversation_sha256_even",
+                    "conversations": 10}}
 
 
 def test_artifact_files_are_written_and_valid(tmp_path):
@@ -45,11 +49,14 @@ def test_artifact_files_are_written_and_valid(tmp_path):
     lambda a: a["results"][0].update(steady_seconds=[]),
     lambda a: a["kvwarm"].update(state_mode="sideways"),
     lambda a: a["skipped_points"][0].update(kv_seed_regime="real_kv"),
+    lambda a: a["results"][0].update(kv_seed_regime="fake"),
+    lambda a: a["kvwarm"]["dataset"].update(sha256="not-a-digest"),
+    lambda a: a["kvwarm"]["stages"][0].pop("depth"),
 ])
 def test_the_schema_rejects_malformed_artifacts(break_it):
     import jsonschema
 
-    artifact = build_artifact(_rows(), META, {}, "complete")
+    artifact = build_artifact(_rows(), copy.deepcopy(META), {}, "complete")
     validate(artifact)
     break_it(artifact)
     with pytest.raises(jsonschema.ValidationError):

@@ -52,6 +52,23 @@ def plan_tail_blocks(layouts: list[GroupLayout], repeats: int, state_copy: bool)
     return total
 
 
+def chain_blocks(layouts: list[GroupLayout], depth: int) -> int:
+    """Blocks one parked chain of `depth` tokens holds: every attention block, and one
+    state block (plus speculative scratch) per align-state group."""
+    return sum(cdiv(depth, g.block_size) if g.kind == ATTENTION else 1 + g.num_speculative_blocks
+               for g in layouts if g.kind in (ATTENTION, STATE_ALIGN))
+
+
+def trim_depth(layouts: list[GroupLayout], depth: int, batch: int, repeats: int, state_copy: bool,
+               free_blocks: int, floor: int = 8) -> int:
+    """The deepest chain depth (at most `depth`, at least `floor`) at which a rung's
+    `batch` chains and their shadows' worst-case tails fit in `free_blocks`."""
+    tail = plan_tail_blocks(layouts, repeats, state_copy)
+    while depth > floor and (chain_blocks(layouts, depth) + tail) * batch > free_blocks:
+        depth -= 1
+    return depth
+
+
 def pool_shortfall(need: int, free_blocks: int) -> int:
     """How many blocks are missing for `need` private blocks (0 when they fit)."""
     return max(0, need - free_blocks)

@@ -10,9 +10,10 @@ from __future__ import annotations
 CHAIN_PREFIX = "__kvwarm_chain_"  # frontend ids never start like this
 
 
-def chain_request(scheduler, name: str, token_ids: list[int]):
+def chain_request(scheduler, name: str, token_ids: list[int], salt: str | None = None):
     """A chain over `token_ids` that would decode forever if scheduled (it is parked
-    once its prompt is computed). Hashed like any request, so its blocks are cached."""
+    once its prompt is computed). Hashed like any request, so its blocks are cached;
+    `salt` (default: its own id) decides which other chains' blocks it may reuse."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
@@ -25,7 +26,7 @@ def chain_request(scheduler, name: str, token_ids: list[int]):
     params = SamplingParams(temperature=0.0, max_tokens=1_000_000, ignore_eos=True)
     request_id = f"{CHAIN_PREFIX}{name}"
     return Request(request_id=request_id, prompt_token_ids=list(token_ids), sampling_params=params,
-                   pooling_params=None, cache_salt=request_id, block_hasher=hasher)
+                   pooling_params=None, cache_salt=salt or request_id, block_hasher=hasher)
 
 
 def is_prefilled(chain) -> bool:

@@ -10,6 +10,9 @@ adapter calls `admit_pending`), so that:
   short of its context's end: ctx tokens are borrowed, the admission step computes one.
 From the next step on the stock running loop schedules them as ordinary decode requests.
 
+A fake-KV point (fake_kv) goes the same way with requests whose blocks are allocated,
+not borrowed.
+
 A point is admitted whole or not at all: if any shadow cannot be registered, the ones
 already registered are released, their copies dropped, and the point is reported with
 its reason (the artifact skips it as POINT_SKIP_REASON).
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .borrowing import ShadowRegistrationError
+from .fake_kv import allocate_fake, fake_request
 from .layout import group_layouts
 from .shadows import check_pool, register_shadow, release_fork_retentions
 
@@ -28,11 +32,12 @@ SHADOW_PREFIX = "__kvwarm_shadow_"  # frontend ids never start like this
 
 @dataclass
 class PendingPoint:
-    chains: list  # the lending Requests, one per shadow
+    chains: list | None  # the lending Requests, one per shadow; None for a fake-KV point
     contexts: list[int]
     headroom: int  # steady steps after the admission step
     fork: bool | None = None
     state_mode: str | None = None
+    vocab_size: int = 0  # fake-KV points: the range of their synthetic tokens
     shadows: list = field(default_factory=list)  # filled on admission
     failure: str | None = None  # the registration error, when the point was refused
 
@@ -60,7 +65,9 @@ class ShadowInjector:
         return bool(self._pending)
 
     def queue(self, point: PendingPoint) -> PendingPoint:
-        if len(point.chains) != len(point.contexts) or not point.contexts:
+        if not point.contexts or (point.chains is None and point.vocab_size < 1):
+            raise ValueError("a point needs contexts, and a vocabulary size when it is fake")
+        if point.chains is not None and len(point.chains) != len(point.contexts):
             raise ValueError(f"a point needs one chain per context, got {len(point.chains)} chain(s) "
                              f"for {len(point.contexts)} context(s)")
         self._pending.append(point)
@@ -79,14 +86,21 @@ class ShadowInjector:
 
     def _register_point(self, scheduler, point: PendingPoint) -> None:
         kvm = scheduler.kv_cache_manager
-        check_pool(kvm, group_layouts(kvm), point.contexts, point.headroom, point.state_mode, " for the point")
+        if point.chains is not None:
+            check_pool(kvm, group_layouts(kvm), point.contexts, point.headroom, point.state_mode, " for the point")
         try:
-            for chain, ctx in zip(point.chains, point.contexts):
-                shadow = shadow_request(f"{SHADOW_PREFIX}{self._next}", chain, ctx, point.headroom + 1)
+            for i, ctx in enumerate(point.contexts):
+                request_id = f"{SHADOW_PREFIX}{self._next}"
                 self._next += 1
-                register_shadow(kvm, shadow, chain, ctx, point.headroom, fork=point.fork,
+                if point.chains is None:
+                    request = fake_request(request_id, ctx, point.headroom + 1, point.vocab_size, salt=self._next)
+                    point.shadows.append(request)
+                    allocate_fake(kvm, request, ctx)
+                    continue
+                request = shadow_request(request_id, point.chains[i], ctx, point.headroom + 1)
+                register_shadow(kvm, request, point.chains[i], ctx, point.headroom, fork=point.fork,
                                 state_mode=point.state_mode)
-                point.shadows.append(shadow)
+                point.shadows.append(request)
         except BaseException:
             release_fork_retentions(kvm)  # drop the copies of the shadows registered so far
             for shadow in point.shadows:

@@ -3,7 +3,9 @@
 queued shadows at the end of each `schedule()`. Everything else lives in plain objects
 (ShadowInjector) that tests drive against a real scheduler without an engine.
 
-With nothing queued it schedules exactly as the class it extends.
+With nothing queued it schedules exactly as the class it extends. With
+additional_config {"kvwarm_sweep": {"points": FILE, "out": DIR}} it runs a decode sweep
+(sweep_run.SweepRun) from its first step, in whichever process the scheduler lives.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .injection import ShadowInjector
+from .sweep_run import CONFIG_KEY, SweepRun
 
 
 class KvWarmSchedulerMixin:
@@ -19,10 +22,28 @@ class KvWarmSchedulerMixin:
         super().__init__(*args, **kwargs)
         self.kvwarm = ShadowInjector()
         self.kvwarm_sweep = None  # a sweep.DecodeSweep while one runs
+        self.kvwarm_run = None  # the SweepRun that owns it, when configured
+        additional = self.vllm_config.additional_config
+        spec = additional.get(CONFIG_KEY) if isinstance(additional, dict) else None
+        if spec is not None:
+            self.kvwarm_run = SweepRun(self, spec)
+            self.kvwarm_sweep = self.kvwarm_run.sweep
+
+    def _drive(self, hook, *args) -> None:
+        """Run a sweep hook; a failure is recorded in the artifact before it propagates."""
+        try:
+            hook(self, *args)
+        except BaseException as err:
+            if self.kvwarm_run is not None:
+                self.kvwarm_run.fail(err)
+            raise
 
     def schedule(self, *args, **kwargs):  # vLLM passes e.g. throttle_prefills
-        if self.kvwarm_sweep is not None:
-            self.kvwarm_sweep.before_schedule(self)
+        sweep = self.kvwarm_sweep
+        if sweep is not None and not sweep.done:
+            self._drive(sweep.before_schedule)
+            if sweep.done and self.kvwarm_run is not None:
+                self.kvwarm_run.finish()
         output = super().schedule(*args, **kwargs)
         if self.kvwarm.has_pending():
             self.kvwarm.admit_pending(self, output)
@@ -31,7 +52,7 @@ class KvWarmSchedulerMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.kvwarm_sweep is not None:
-            self.kvwarm_sweep.after_update(self, scheduler_output)
+            self._drive(self.kvwarm_sweep.after_update, scheduler_output)
         return outputs
 
     def has_requests(self) -> bool:

@@ -1,14 +1,20 @@
 """The decode sweep as a plain controller that the scheduler adapter drives.
 
 Phases, per rung (one batch size, deepest rung first):
-  build   add B chains of the rung's depth, let vLLM prefill them, park them;
-  points  per point: queue its B shadows (one token short of each context), let the
-          admission step run untimed, time `repeats` steady steps (the gap between
-          consecutive update_from_output calls), keep every time and the median;
-          the shadows then finish by length;
-  shed    finish the rung's chains.
+  plan    the rung's chain depth covers its deepest point plus the admission token and
+          the steady steps, trimmed until B chains and their shadows' tails fit the free
+          pool; points the trimmed chains cannot cover fall back to fake KV (measured last);
+  build   add B chains of that depth, let vLLM prefill them, park them;
+  points  per point: queue its B requests (shadows, or fake-KV requests), one token short
+          of each context; let the admission step run untimed; time the steady steps (the
+          gap between consecutive update_from_output calls), keep every time and the median;
+          the requests then finish by length;
+  shed    finish the rung's chains, then measure the rung's fake-KV points.
 At the end the prefix cache is reset (the leak check: it only succeeds when nothing but
 the null block is in use).
+
+A sweep that is not `real` (warm-up off, or the gate refused the model) plans no chains:
+every point runs on fake KV, stamped with `fake_regime`.
 
 The adapter calls `before_schedule(scheduler)` at the start of each schedule() and
 `after_update(scheduler, output)` after each update_from_output(); `has_work()` keeps
@@ -23,19 +29,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .arithmetic import trim_depth
 from .borrowing import POINT_SKIP_REASON
 from .chains import chain_request, is_prefilled, park
 from .injection import PendingPoint
+from .layout import group_layouts
 from .points import DecodePoint
+from .state_mode import COPY, INPLACE, state_stamps
 
 BATCH_SIZE_MISMATCH = "measured_batch_size_mismatch"
+REAL_KV, FAKE_FALLBACK, LEGACY = "real_kv", "fake_fallback", "legacy"
+CONTEXT_CLAMPED = "context_clamped"
+# An in-place shadow advanced its chain's recurrent state: later points of the rung read
+# the state of more tokens than the chain holds (see docs/state-handoff.md).
+STATE_DRIFTED = "kvwarm_state_drifted"
 
 
 @dataclass
 class PointRow:
-    total_kv_read_tokens: int
+    total_kv_read_tokens: int  # what the steps measured (a clamped point's differs from the file's)
     batch_size: int
-    kv_seed_regime: str  # real_kv | skip:<reason>
+    kv_seed_regime: str  # real_kv | fake_fallback | legacy | skip:<reason>
     sample_reasons: list[str] = field(default_factory=list)
     steady_seconds: list[float] = field(default_factory=list)
     median_seconds: float | None = None
@@ -45,41 +59,62 @@ class PointRow:
 @dataclass
 class Rung:
     batch_size: int
-    depth: int
+    depth: int  # 0: no chains (every point on fake KV)
     points: list[DecodePoint]
+    fake_points: list[DecodePoint] = field(default_factory=list)
     chains: list = field(default_factory=list)
+    started: float = 0.0
+    built: bool = False
 
 
-def plan_rungs(points: list[DecodePoint], repeats: int, max_model_len: int) -> list[Rung]:
+def injected_contexts(point: DecodePoint) -> list[int]:
+    """One token short of each context (the admission step computes the last one); a
+    1-token context cannot be, so it is admitted at 1 and the point is clamped."""
+    return [max(1, c - 1) for c in point.contexts()]
+
+
+# A parked chain has sampled a token or two (async scheduling) after its prompt; at
+# max_model_len vLLM would finish it, freeing the blocks its shadows borrow.
+CHAIN_DEPTH_MARGIN = 4
+
+
+def plan_rungs(points: list[DecodePoint], repeats: int, max_model_len: int, real: bool = True) -> list[Rung]:
     """One rung per batch size, deepest first; a rung's chains cover its deepest point
-    plus the admission token and the steady steps (within max_model_len)."""
+    plus the admission token and the steady steps, within max_model_len less a margin."""
     by_batch: dict[int, list[DecodePoint]] = {}
     for point in points:
         by_batch.setdefault(point.batch_size, []).append(point)
     rungs = []
     for batch, rung_points in sorted(by_batch.items(), reverse=True):
         rung_points.sort(key=lambda p: p.total_kv_read_tokens, reverse=True)
-        depth = max(p.contexts()[0] for p in rung_points) + 1 + repeats
-        rungs.append(Rung(batch, min(depth, max_model_len - 1), rung_points))
+        if not real:
+            rungs.append(Rung(batch, 0, [], fake_points=rung_points))
+            continue
+        depth = max(max(injected_contexts(p)) for p in rung_points) + 1 + repeats
+        rungs.append(Rung(batch, min(depth, max_model_len - CHAIN_DEPTH_MARGIN), rung_points))
     return rungs
 
 
 class DecodeSweep:
-    def __init__(self, points: list[DecodePoint], chain_tokens: Callable[[int, int], list[int]], *,
+    def __init__(self, points: list[DecodePoint], chain_tokens: Callable[[int, int], list[int]] | None, *,
                  repeats: int, max_model_len: int, state_mode: str | None = None, fork: bool | None = None,
-                 clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print):
-        self.rungs = plan_rungs(points, repeats, max_model_len)
+                 real: bool = True, fake_regime: str = FAKE_FALLBACK, giant_kv_threshold: int = 1_000_000,
+                 clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
+                 on_row: Callable[[PointRow], None] | None = None):
+        self.rungs = plan_rungs(points, repeats, max_model_len, real)
         self.rows: list[PointRow] = []
-        self._chain_tokens, self._repeats = chain_tokens, repeats
-        self._state_mode, self._fork = state_mode, fork
-        self._clock, self._progress = clock, progress
+        self.stages: list[dict] = []  # one per rung built: batch, depth, build_seconds
+        self._chain_tokens, self._repeats, self._threshold = chain_tokens, repeats, giant_kv_threshold
+        self._state_mode, self._fork, self._fake_regime = state_mode, fork, fake_regime
+        self._clock, self._progress, self._on_row = clock, progress, on_row or (lambda row: None)
         self._total = len(points)
         self._rung: Rung | None = None
-        self._queue: list[DecodePoint] = []
-        self._point: tuple[DecodePoint, PendingPoint] | None = None
+        self._queue: list[tuple[DecodePoint, bool]] = []  # (point, on real KV)
+        self._point: tuple[DecodePoint, bool, PendingPoint] | None = None
         self._times: list[float] = []
         self._last_update: float | None = None
         self._mismatch: str | None = None
+        self._drifted: set[str] = set()  # chains an in-place shadow has advanced
         self.done = False
         self.reset_prefix_cache_ok: bool | None = None
 
@@ -99,15 +134,20 @@ class DecodeSweep:
                 park(scheduler, chain)  # before this step could decode it further
         if not self._all_parked(scheduler) or self._point is not None:
             return
+        if not self._rung.built:
+            self._record_stage()
+        if self._queue and not self._queue[0][1]:
+            self._shed(scheduler)  # fake points need no chains, and their blocks may not fit beside them
         if self._queue:
-            self._queue_point(scheduler, self._queue.pop(0))
+            self._queue_point(scheduler, *self._queue.pop(0))
         else:
             self._shed(scheduler)
+            self._rung = None
 
     def after_update(self, scheduler, output) -> None:
         if self._point is None:
             return
-        point, pending = self._point
+        point, real, pending = self._point
         if pending.failure is not None:
             self._finish_point(PointRow(point.total_kv_read_tokens, point.batch_size,
                                         f"skip:{POINT_SKIP_REASON}", detail=pending.failure))
@@ -124,8 +164,8 @@ class DecodeSweep:
             self._mismatch = self._mismatch or f"{BATCH_SIZE_MISMATCH}: step scheduled {len(scheduled)} request(s)"
         self._times.append(now - self._last_update)
         self._last_update = now
-        if len(self._times) == self._repeats:
-            self._finish_point(self._row(point))
+        if len(self._times) == pending.headroom:
+            self._finish_point(self._row(point, real, pending))
 
     # --- phases ------------------------------------------------------------------------------
 
@@ -138,45 +178,85 @@ class DecodeSweep:
             self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
             self._progress(f"sweep done: {len(self.rows)}/{self._total} point(s)")
             return
-        self._rung = self.rungs.pop(0)
-        self._progress(f"rung batch={self._rung.batch_size}: building {self._rung.batch_size} chain(s) "
-                       f"of {self._rung.depth} tokens")
-        for i in range(self._rung.batch_size):
-            chain = chain_request(scheduler, f"b{self._rung.batch_size}_{i}",
-                                  self._chain_tokens(i, self._rung.depth))
+        rung = self._rung = self.rungs.pop(0)
+        rung.started = self._clock()
+        if rung.depth:
+            self._trim(scheduler, rung)
+        self._queue = [(p, True) for p in rung.points] + [(p, False) for p in rung.fake_points]
+        if not rung.depth:
+            rung.built = True
+            return
+        self._progress(f"rung batch={rung.batch_size}: building {rung.batch_size} chain(s) of {rung.depth} tokens"
+                       + (f" ({len(rung.fake_points)} point(s) beyond them on fake KV)" if rung.fake_points else ""))
+        for i in range(rung.batch_size):
+            # The salt is the chain's index, not the rung's: chain i of a later rung extends
+            # the same text, so it finds the earlier chain's blocks in the prefix cache.
+            chain = chain_request(scheduler, f"b{rung.batch_size}_{i}", self._chain_tokens(i, rung.depth),
+                                  salt=f"__kvwarm_chain_{i}")
             scheduler.add_request(chain)
-            self._rung.chains.append(chain)
-        self._queue = list(self._rung.points)
+            rung.chains.append(chain)
 
-    def _queue_point(self, scheduler, point: DecodePoint) -> None:
-        # One token short: the admission step computes each context's last token, so the
-        # steady steps read exactly K tokens of KV between them.
-        contexts = [c - 1 for c in point.contexts()]
-        chains = self._rung.chains[: point.batch_size]
-        pending = scheduler.kvwarm.queue(PendingPoint(
-            chains, contexts, headroom=self._repeats, fork=self._fork, state_mode=self._state_mode))
-        self._point, self._times, self._mismatch = (point, pending), [], None
+    def _trim(self, scheduler, rung: Rung) -> None:
+        kvm = scheduler.kv_cache_manager
+        rung.depth = trim_depth(group_layouts(kvm), rung.depth, rung.batch_size, self._repeats,
+                                self._state_mode == COPY, kvm.block_pool.get_num_free_blocks())
+        # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
+        covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]
+        rung.fake_points = [p for p in rung.points if p not in covered]
+        rung.points = covered
+        if not covered:  # nothing to borrow from: no chains at all
+            rung.depth = 0
 
-    def _row(self, point: DecodePoint) -> PointRow:
+    def _record_stage(self) -> None:
+        rung = self._rung
+        rung.built = True
+        seconds = self._clock() - rung.started
+        self.stages.append({"batch": rung.batch_size, "depth": rung.depth, "build_seconds": round(seconds, 3)})
+        self._progress(f"rung batch={rung.batch_size}: {rung.batch_size} chain(s) built in {seconds:.1f} s")
+
+    def _queue_point(self, scheduler, point: DecodePoint, real: bool) -> None:
+        contexts = injected_contexts(point)
+        # Fake points below the giant-KV threshold keep the single step of the legacy path.
+        repeats = self._repeats if real or point.total_kv_read_tokens >= self._threshold else 1
+        if real:
+            pending = PendingPoint(self._rung.chains[: point.batch_size], contexts, headroom=repeats,
+                                   fork=self._fork, state_mode=self._state_mode)
+        else:
+            vocab = scheduler.vllm_config.model_config.get_vocab_size()
+            pending = PendingPoint(None, contexts, headroom=repeats, vocab_size=vocab)
+        self._point = (point, real, scheduler.kvwarm.queue(pending))
+        self._times, self._mismatch = [], None
+
+    def _row(self, point: DecodePoint, real: bool, pending: PendingPoint) -> PointRow:
+        measured = sum(pending.contexts) + point.batch_size
         if self._mismatch:
-            return PointRow(point.total_kv_read_tokens, point.batch_size,
-                            f"skip:{self._mismatch.split(':')[0]}", detail=self._mismatch)
-        reasons = ["kvwarm_real_kv"]
-        if self._state_mode:
-            depth = max(c.num_computed_tokens for c in self._rung.chains[: point.batch_size])
-            reasons += [f"kvwarm_state_{self._state_mode}", f"kvwarm_state_depth={depth}"]
-        return PointRow(point.total_kv_read_tokens, point.batch_size, "real_kv", reasons,
-                        list(self._times), statistics.median(self._times))
+            return PointRow(point.total_kv_read_tokens, point.batch_size, f"skip:{self._mismatch.split(':')[0]}",
+                            detail=self._mismatch)
+        reasons = [CONTEXT_CLAMPED] if measured != point.total_kv_read_tokens else []
+        if real:
+            reasons.append("kvwarm_real_kv")
+            chains = self._rung.chains[: point.batch_size]
+            reasons += state_stamps(self._state_mode, max(c.num_computed_tokens for c in chains))
+            if self._state_mode == INPLACE:
+                ids = {c.request_id for c in chains}
+                reasons += [STATE_DRIFTED] if ids & self._drifted else []
+                self._drifted |= ids
+        elif self._fake_regime == FAKE_FALLBACK:
+            reasons.append("kvwarm_fake_fallback")
+        regime = REAL_KV if real else self._fake_regime
+        return PointRow(measured, point.batch_size, regime, reasons, list(self._times), statistics.median(self._times))
 
     def _finish_point(self, row: PointRow) -> None:
         self.rows.append(row)
         self._point = None
+        self._on_row(row)
         median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
         self._progress(f"point {len(self.rows)}/{self._total} K={row.total_kv_read_tokens} "
-                       f"B={row.batch_size}: {median}")
+                       f"B={row.batch_size} ({row.kv_seed_regime}): {median}")
 
     def _shed(self, scheduler) -> None:
         from vllm.v1.request import RequestStatus
 
-        scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
-        self._rung = None
+        if self._rung.chains:
+            scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
+            self._rung.chains = []

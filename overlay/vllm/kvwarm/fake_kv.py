@@ -1,0 +1,33 @@
+"""Fake KV: a request whose context blocks are allocated but never computed.
+
+The fallback for points no chain covers, and every point when warm-up is off or the
+gate refuses the model (the A/B baseline). It is fast and wrong in a known way: MoE
+routing and attention read whatever the blocks hold. Every such row is stamped.
+
+A fake request is admitted like a shadow (one token short, as a new request in the
+admission step); its prompt tokens are salted so no two requests share a prefix, and it
+is never hashed, so nothing it holds can be found by the prefix cache.
+"""
+
+from __future__ import annotations
+
+from .borrowing import POOL_EXHAUSTED, ShadowRegistrationError
+
+
+def fake_request(request_id: str, ctx: int, decode_steps: int, vocab_size: int, salt: int):
+    """A greedy request over ctx + 1 synthetic tokens that decodes `decode_steps` tokens."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
+    tokens = [(salt * 7919 + 31 * t) % vocab_size for t in range(ctx + 1)]
+    request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
+                      pooling_params=None, cache_salt=request_id)
+    request.borrowed_kv = True  # KV it did not compute: never hashed
+    return request
+
+
+def allocate_fake(kv_cache_manager, request, ctx: int) -> None:
+    """Blocks for the request's ctx + 1 positions, straight from the pool."""
+    if kv_cache_manager.allocate_slots(request, ctx + 1) is None:
+        raise ShadowRegistrationError(POOL_EXHAUSTED, f"no room for a fake-KV request at context {ctx}")

@@ -1,0 +1,158 @@
+"""One decode sweep inside an engine: inputs -> gate -> controller -> artifact.
+
+The scheduler adapter builds a SweepRun when the engine's additional_config carries
+{"kvwarm_sweep": {"points": FILE, "out": DIR}}, so the sweep runs wherever the scheduler
+does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or the
+sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
+every point, and on any failure with status "failed", the error and every row measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .artifact import build_artifact, write_artifact
+from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_conversations
+from .gate import content_reason, model_gate_reason
+from .layout import group_layouts
+from .points import DecodePoint, PointsFileError, load_points
+from .settings import DATASET_ENV, Settings, SettingsError, read_settings
+from .state_mode import STATE_ENV, STATE_MODE_INVALID, decide_state_mode
+from .sweep import FAKE_FALLBACK, LEGACY, DecodeSweep
+
+CONFIG_KEY = "kvwarm_sweep"
+INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError)
+
+
+@dataclass
+class SweepInputs:
+    settings: Settings
+    points: list[DecodePoint]
+    conversations: list[str] | None  # None when warm-up is off (no chains, no text)
+    dataset: dict | None  # the artifact's record of the file
+
+
+def read_inputs(points_path: str, environ=None, max_model_len: int = sys.maxsize) -> SweepInputs:
+    """Every input a sweep reads before it touches the engine; raises one of INPUT_ERRORS.
+    A dataset problem is an error, not a reason to measure on fake KV: a mistyped path
+    must not silently turn a real-KV table into a fake one."""
+    environ = os.environ if environ is None else environ
+    settings = read_settings(environ)
+    points = load_points(points_path, max_model_len=max_model_len, headroom=settings.repeats)
+    if settings.warmup == "off":
+        return SweepInputs(settings, points, None, None)
+    if not settings.dataset:
+        raise DatasetError(f"{DATASET_ENV} is not set; point it at a ShareGPT-format JSON file "
+                           "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)")
+    conversations = load_conversations(settings.dataset)
+    digest = hashlib.sha256(Path(settings.dataset).read_bytes()).hexdigest()
+    dataset = {"path": str(settings.dataset), "sha256": digest, "collection_pool": COLLECTION_POOL,
+               "conversations": len(conversations)}
+    return SweepInputs(settings, points, conversations, dataset)
+
+
+class Reporter:
+    """The artifact (after every point) and progress lines with the time left."""
+
+    def __init__(self, out: str, config: dict, environ):
+        self.out, self.config = out, config
+        self.meta = {"enabled": False, "warm_eligible": False, "skip_reason": None, "dataset": None,
+                     "stages": [], "giant_kv_repeats": 1, "giant_kv_threshold": None,
+                     "state_mode_requested": environ.get(STATE_ENV), "state_mode": None,
+                     "reset_prefix_cache": None}
+        self.rows: list = []
+        self.total = 0
+        self.started = time.monotonic()
+
+    def record_inputs(self, inputs: SweepInputs) -> None:
+        settings = inputs.settings
+        self.meta.update(enabled=settings.warmup != "off", dataset=inputs.dataset,
+                         giant_kv_repeats=settings.repeats, giant_kv_threshold=settings.giant_kv_threshold)
+        self.total = len(inputs.points)
+
+    def write(self, status: str, error: str | None = None) -> None:
+        write_artifact(self.out, build_artifact(self.rows, self.meta, self.config, status, error))
+
+    def progress(self, message: str) -> None:
+        done = len(self.rows)
+        left = ""
+        if 0 < done < self.total:
+            per_point = (time.monotonic() - self.started) / done
+            left = f", about {per_point * (self.total - done):.0f} s left"
+        print(f"[kvwarm sweep] {message}{left}", flush=True)
+
+
+def _tokenizer_encode(model_config):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_config.tokenizer, revision=model_config.tokenizer_revision,
+        trust_remote_code=model_config.trust_remote_code)
+    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+class SweepRun:
+    """Built by the scheduler adapter from its own config; `sweep` is what it drives."""
+
+    def __init__(self, scheduler, spec: dict, environ=None):
+        environ = os.environ if environ is None else environ
+        if not isinstance(spec, dict) or not {"points", "out"} <= set(spec):
+            raise SettingsError(f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}}, '
+                                f"got {spec!r}")
+        vllm_config = scheduler.vllm_config
+        self.reporter = Reporter(spec["out"], {"points": spec["points"], "model": vllm_config.model_config.model},
+                                 environ)
+        try:
+            self.sweep = self._build(scheduler, vllm_config, spec, environ)
+        except INPUT_ERRORS as err:
+            self.fail(err)
+            raise
+
+    def _build(self, scheduler, vllm_config, spec: dict, environ) -> DecodeSweep:
+        max_model_len = vllm_config.model_config.max_model_len
+        inputs = read_inputs(spec["points"], environ, max_model_len)
+        settings, reporter = inputs.settings, self.reporter
+        reporter.record_inputs(inputs)
+        kvm = scheduler.kv_cache_manager
+        decision = decide_state_mode(kvm, group_layouts(kvm), environ)
+        if decision.reason == STATE_MODE_INVALID:
+            raise SettingsError(f"{STATE_ENV}={decision.requested!r} is not one of auto, copy, inplace")
+        reason = model_gate_reason(vllm_config, settings.warmup) or decision.reason
+        chain_text = None
+        if reason is None:
+            encode = _tokenizer_encode(vllm_config.model_config)
+            need = max(p.contexts()[0] for p in inputs.points) + 1 + settings.repeats
+            reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
+            chain_text = ChainText(inputs.conversations, encode)
+        reporter.meta.update(decision.metadata(), warm_eligible=reason is None, skip_reason=reason)
+        if reason is not None:
+            reporter.meta["state_mode"] = None
+            reporter.progress(f"warm-up skipped ({reason}): every point on fake KV")
+        return DecodeSweep(
+            inputs.points, chain_text, repeats=settings.repeats, max_model_len=max_model_len,
+            state_mode=decision.mode if reason is None else None, real=reason is None,
+            fake_regime=LEGACY if settings.warmup == "off" else FAKE_FALLBACK,
+            giant_kv_threshold=settings.giant_kv_threshold, progress=reporter.progress, on_row=self._on_row)
+
+    def _on_row(self, row) -> None:
+        self.reporter.rows.append(row)
+        self.reporter.meta["stages"] = list(self.sweep.stages)
+        self.reporter.write("running")
+
+    def finish(self) -> None:
+        """After the controller is done: the final artifact."""
+        self.reporter.meta["stages"] = list(self.sweep.stages)
+        self.reporter.meta["reset_prefix_cache"] = self.sweep.reset_prefix_cache_ok
+        self.reporter.write("complete")
+        self.reporter.progress(f"wrote {Path(self.reporter.out) / 'sweep.json'}")
+
+    def fail(self, err: BaseException) -> None:
+        """Record why the sweep stopped, keeping every row measured before."""
+        message = str(err) if isinstance(err, INPUT_ERRORS) else f"{type(err).__name__}: {err}"
+        print(f"[kvwarm sweep] failed: {message}", file=sys.stderr, flush=True)
+        self.reporter.write("failed", message)
