@@ -15,18 +15,8 @@ import pytest
 pytestmark = pytest.mark.command
 
 
-def _sharegpt(path):
-    words = "decode prefill cache block shadow chain rung batch token step kernel expert".split()
-    conversations = [{"conversations": [
-        {"from": "human", "value": " ".join(words[(n + k) % len(words)] for k in range(40))},
-        {"from": "gpt", "value": " ".join(words[(3 * n + k) % len(words)] for k in range(60))},
-    ]} for n in range(64)]
-    path.write_text(json.dumps(conversations))
-    return path
-
-
 def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path, monkeypatch):
-    from tiny_models import make_tiny_llama
+    from tiny_models import make_tiny_llama, write_sharegpt
 
     from vllm.kvwarm.artifact import validate
     from vllm.kvwarm.sweep_command import run
@@ -36,7 +26,7 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     points.write_text(json.dumps({"schema_version": 1, "decode": [
         {"total_kv_read_tokens": 300, "batch_size": 2}, {"total_kv_read_tokens": 120, "batch_size": 2},
         {"total_kv_read_tokens": 90, "batch_size": 3}]}))
-    monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(_sharegpt(tmp_path / "sharegpt.json")))
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(write_sharegpt(tmp_path / "sharegpt.json")))
     monkeypatch.setenv("DYN_BENCH_GIANT_KV_REPEATS", "3")
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "force")  # a dense model: the gate would skip it
     out = tmp_path / "out"

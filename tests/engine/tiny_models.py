@@ -17,6 +17,20 @@ _CORPUS = [
 ]
 
 
+def write_sharegpt(path: Path, conversations: int = 64) -> Path:
+    """A ShareGPT-format JSON file of two-turn conversations of plain words (the chains'
+    text), each conversation different."""
+    import json
+
+    words = ("decode prefill cache block shadow chain rung batch token step kernel expert route state "
+             "attention memory layer model sample greedy context prefix pool fork copy").split()
+    path.write_text(json.dumps([{"conversations": [
+        {"from": "human", "value": " ".join(words[(n * 7 + k * 3) % len(words)] for k in range(80))},
+        {"from": "gpt", "value": " ".join(words[(n * 5 + k * 11) % len(words)] for k in range(120))},
+    ]} for n in range(conversations)]))
+    return path
+
+
 def save_tokenizer(directory: Path, vocab_size: int = 512) -> int:
     """Train and save a byte-level BPE tokenizer; returns its vocabulary size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -35,42 +49,76 @@ def save_tokenizer(directory: Path, vocab_size: int = 512) -> int:
     return tokenizer.get_vocab_size()
 
 
-def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
-    """2 layers, head size 32 (a size CPU attention supports), fp32."""
+def _save_model(directory: Path, config_name: str, model_name: str, dtype: str, seed: int, **config) -> Path:
+    """A tokenizer and a random-weight transformers model of that config, saved for vLLM."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     directory.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(directory)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        max_position_embeddings=2048, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-    )
+    model_config = getattr(transformers, config_name)(
+        vocab_size=vocab, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **config)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(directory)
+    getattr(transformers, model_name)(model_config).to(getattr(torch, dtype)).save_pretrained(directory)
     return directory
+
+
+def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
+    """2 layers, head size 32 (a size CPU attention supports), fp32."""
+    return _save_model(
+        directory, "LlamaConfig", "LlamaForCausalLM", "float32", seed,
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=2048)
+
+
+def make_small_llama(directory: Path, seed: int = 0) -> Path:
+    """2 layers, hidden 512, MLP 2048, 8 heads of 64 (2 KV heads), fp32: wide enough that
+    the projections and the MLP, not attention, carry most of a prefill's work up to a
+    2k context, as in real LLMs (the tiny Llama's work is mostly attention)."""
+    return _save_model(
+        directory, "LlamaConfig", "LlamaForCausalLM", "float32", seed,
+        hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+
+
+def make_tiny_qwen3_moe(directory: Path, seed: int = 0) -> Path:
+    """Attention-only MoE: 2 layers, a 4-expert top-2 MoE in each, head size 64, fp32.
+    Run it with --enable-expert-parallel (the gate's condition for MoE models)."""
+    return _save_model(
+        directory, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "float32", seed,
+        hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096)
 
 
 def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
     """The Qwen3-Next layout: 3 gated-delta-net linear-attention layers + 1 full attention
     layer, a 4-expert top-2 MoE; head sizes 64 (CPU kernels support them). Run it in
     bfloat16 with mamba_ssm_cache_dtype="float32"."""
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = save_tokenizer(directory)
-    config = Qwen3NextConfig(
-        vocab_size=vocab, hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+    return _save_model(
+        directory, "Qwen3NextConfig", "Qwen3NextForCausalLM", "bfloat16", seed,
+        hidden_size=128, intermediate_size=128, num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_attention_heads=2, num_key_value_heads=1, head_dim=64,
         linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        max_position_embeddings=4096, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(directory)
+        max_position_embeddings=4096)
+
+
+def make_tiny_nemotron_h(directory: Path, seed: int = 0) -> Path:
+    """NemotronH: Mamba2, attention, Mamba2, MLP layers (dense), heads of 64, fp32.
+    Mamba2 runs on the CPU engine of vLLM 0.28.0 only (0.25.1's mixer needs Triton)."""
+    from safetensors.torch import load_file, save_file
+
+    _save_model(
+        directory, "NemotronHConfig", "NemotronHForCausalLM", "float32", seed,
+        hidden_size=128, intermediate_size=128, num_hidden_layers=4, hybrid_override_pattern="M*M-",
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, mamba_num_heads=4, mamba_head_dim=64,
+        ssm_state_size=16, n_groups=1, chunk_size=64, max_position_embeddings=4096)
+    # transformers 5 saves the embedding as `backbone.embedding`; vLLM's loader maps the
+    # checkpoint name published models use, `backbone.embeddings`.
+    weights = directory / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
+    save_file(tensors, weights, metadata={"format": "pt"})
     return directory

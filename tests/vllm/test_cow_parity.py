@@ -141,15 +141,15 @@ def test_scheduler_output_with_copies_pickles():
     assert pickle.loads(pickle.dumps(output)).kv_cache_block_copies == [(3, 5)]
 
 
-def test_worker_copy_on_attention_pages_and_mamba_state_lists():
+def test_worker_copy_on_attention_pages_and_mamba_state_lists(torch_device):
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
     num_blocks = 6
     # Attention: blocks-first [num_blocks, 2, block, heads, dim].
-    attention = torch.randn(num_blocks, 2, 4, 1, 8)
+    attention = torch.randn(num_blocks, 2, 4, 1, 8, device=torch_device)
     # Mamba: one page per block holding a conv and a temporal state, two views of one storage.
-    page = torch.randn(num_blocks, 3 * 4 + 5 * 2)
+    page = torch.randn(num_blocks, 3 * 4 + 5 * 2, device=torch_device)
     conv = page[:, :12].view(num_blocks, 3, 4)
     temporal = page[:, 12:].view(num_blocks, 5, 2)
     before_attention, before_page = attention.clone(), page.clone()
@@ -166,14 +166,14 @@ def test_worker_copy_on_attention_pages_and_mamba_state_lists():
         assert torch.equal(page[untouched], before_page[untouched])
 
 
-def test_block_major_view_of_a_permuted_storage_is_accepted():
+def test_block_major_view_of_a_permuted_storage_is_accepted(torch_device):
     """What counts is the storage, not the dimension order: hybrid layouts re-stride
     attention so blocks come first in memory while the tensor's shape does not."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
     num_blocks = 6
-    storage = torch.randn(num_blocks, 2, 4, 8)  # blocks first in memory
+    storage = torch.randn(num_blocks, 2, 4, 8, device=torch_device)  # blocks first in memory
     view = storage.permute(1, 0, 2, 3)  # shaped K/V-first, strided blocks-first
     copy_kv_cache_blocks_inplace([view], num_blocks, [KVCacheBlockCopy(1, 4)])
     assert torch.equal(storage[4], storage[1])

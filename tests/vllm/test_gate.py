@@ -138,3 +138,25 @@ def test_bad_input_stops_the_scheduler_and_the_artifact_says_why(tmp_path, monke
 def test_a_malformed_sweep_config_names_the_key_and_the_expected_shape(tmp_path):
     with pytest.raises(SettingsError, match=r'additional_config\["kvwarm_sweep"\] must be'):
         make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": {"out": "x"}})
+
+
+def test_a_failure_mid_sweep_keeps_the_rows_measured_before_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
+        "kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2), (100, 2)), "out": str(out)}})
+    sweep, queue_point = scheduler.kvwarm_sweep, scheduler.kvwarm_sweep._queue_point
+
+    def fail_on_the_second_point(*args):
+        if sweep.rows:
+            raise RuntimeError("the worker went away")
+        return queue_point(*args)
+
+    sweep._queue_point = fail_on_the_second_point
+    with pytest.raises(RuntimeError, match="went away"):
+        _drive(scheduler)
+    artifact = json.loads((out / "sweep.json").read_text())
+    validate(artifact)
+    assert artifact["status"] == "failed" and artifact["error"] == "RuntimeError: the worker went away"
+    assert [r["point"]["total_kv_read_tokens"] for r in artifact["results"]] == [300]
+    assert (out / "sweep.csv").read_text().count("\n") == 2  # header and the measured row

@@ -151,3 +151,17 @@ def test_a_point_at_the_edge_of_max_model_len_is_measured_on_real_kv(tmp_path):
     _run(scheduler, sweep)
     assert [(r.kv_seed_regime, len(r.steady_seconds)) for r in sweep.rows] == [("real_kv", REPEATS)]
     assert sweep.stages[0]["depth"] == 1020
+
+
+@pytest.mark.parametrize(("mode", "reused"), [("copy", True), ("inplace", False)])
+def test_later_rungs_reuse_earlier_chains_only_where_their_state_was_not_advanced(tmp_path, mode, reused):
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler,
+                               block_size=32, state_block_size=32)
+    salts = []
+    add = scheduler.add_request
+    scheduler.add_request = lambda request: (salts.append(request.cache_salt), add(request))[1]
+    sweep = DecodeSweep([DecodePoint(200, 2), DecodePoint(90, 1)], _tokens, repeats=REPEATS,
+                        max_model_len=1024, state_mode=mode, progress=lambda _: None)
+    _run(scheduler, sweep)
+    first_rung, second_rung = salts[:2], salts[2:]
+    assert (second_rung[0] == first_rung[0]) is reused

@@ -97,6 +97,13 @@ def cmd_layer_engine_deps(args) -> int:
     return 0
 
 
+def cmd_stock_engine_python(args) -> int:
+    from .engine_venv import stock_engine_venv
+
+    print(stock_engine_venv(_release(args), _cache(args), log=_log))
+    return 0
+
+
 def cmd_upstream_tests(args) -> int:
     from .upstream_run import run_upstream_tests
 
@@ -107,6 +114,38 @@ def cmd_stock_check(args) -> int:
     from .stock_check import check_tests_on_stock
 
     return check_tests_on_stock(_release(args), _cache(args), log=_log)
+
+
+def _patched_wheel(args, release):
+    """The patched wheel (built when stale) and its build record."""
+    from .build import read_built_record
+
+    wheel = ensure_built(release, args.flavour, _cache(args), dist=args.dist, if_stale=True, log=_log)
+    return wheel, read_built_record(wheel)
+
+
+def cmd_image(args) -> int:
+    from . import images
+
+    release = _release(args)
+    builder = images.detect_builder()
+    _log(f"image builder: {builder.name}")
+    wheel, record = _patched_wheel(args, release)
+    base = args.base or release.flavour(args.flavour).image
+    tag, _ = images.build_image(builder, release, wheel, record, base, tag=args.tag, log=_log)
+    print(tag)
+    return 0
+
+
+def cmd_image_standin(args) -> int:
+    from . import images
+
+    release = _release(args)
+    args.flavour = "cuda"  # the stand-in mimics vllm/vllm-openai, the cuda flavour's base
+    wheel, record = _patched_wheel(args, release)
+    images.build_on_standin(release, wheel, record, _cache(args), ensure_deps_venv(_cache(args), log=_log),
+                            keep=args.keep, log=_log)
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -136,8 +175,17 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
     with_release("layer-engine-deps", cmd_layer_engine_deps,
                  "make this venv see the release's CPU engine dependency venv")
+    with_release("stock-engine-python", cmd_stock_engine_python,
+                 "print the python of a venv with the official cpu wheel on the engine venv (made if missing)")
     with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
     with_release("stock-check", cmd_stock_check, "on the stock wheel: series_tests must fail, stock_tests pass")
+    im = with_release("image", cmd_image, "images/Dockerfile on the official base (docker buildx, podman or buildah)",
+                      flavour=True)
+    im.add_argument("--base", help="base image (default: the flavour's image in releases.toml)")
+    im.add_argument("--tag", help="default: <base repository>-kvwarm:vX.Y.Z-kvwarm.N")
+    st = with_release("image-standin", cmd_image_standin,
+                      "images/Dockerfile on a local stand-in base with buildah, checked from outside")
+    st.add_argument("--keep", action="store_true", help="keep the built image (the stand-in base is always kept)")
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)

@@ -22,7 +22,7 @@ from packaging.utils import canonicalize_name
 from .errors import BuildError
 from .fetch import fetch
 from .releases import Release
-from .venvs import ensure_venv, pip_install
+from .venvs import ensure_layered_venv, ensure_venv, pip_install
 
 # torch is installed on its own; the others are CUDA builds on PyPI that break
 # `import vllm` beside a CPU-run torch (transformers fails on torchvision::nms).
@@ -75,3 +75,11 @@ def ensure_engine_deps(release: Release, cache: Path, log=print) -> Path:
 
     return ensure_venv(engine_venv_path(release, cache, requirements), install,
                        f"the CPU engine venv for vLLM {release.version} ({torch_pin})", log=log)
+
+
+def stock_engine_venv(release: Release, cache: Path, log=print) -> Path:
+    """Python of a venv with the official cpu-flavour wheel on the engine dependency venv:
+    the reference a patched build's engine output is compared with."""
+    wheel = fetch(release.flavour("cpu").wheel, cache / "downloads", log=log)
+    return ensure_layered_venv(cache / "venvs" / f"stock-engine-{release.version}",
+                               ensure_engine_deps(release, cache, log=log), [["--no-deps", str(wheel)]], log=log)

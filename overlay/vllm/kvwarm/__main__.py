@@ -47,7 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     info = commands.add_parser("info", help="release, flavour, series digest and hooks of this build")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     commands.add_parser("sweep", help="decode sweep on the real engine (see sweep --help)")
+    check = commands.add_parser("selfcheck", help="installed version, build record and series digest as expected")
+    check.add_argument("--dist", default="vllm")
+    check.add_argument("--expect-version", required=True)
+    check.add_argument("--expect-series-digest", required=True)
     args = parser.parse_args(argv)
+    if args.command == "selfcheck":
+        from vllm.kvwarm.selfcheck import run
+
+        return run(args.dist, args.expect_version, args.expect_series_digest)
     if args.command == "info":
         return _info(args.json)
     return 2

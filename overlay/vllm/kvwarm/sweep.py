@@ -190,9 +190,11 @@ class DecodeSweep:
                        + (f" ({len(rung.fake_points)} point(s) beyond them on fake KV)" if rung.fake_points else ""))
         for i in range(rung.batch_size):
             # The salt is the chain's index, not the rung's: chain i of a later rung extends
-            # the same text, so it finds the earlier chain's blocks in the prefix cache.
-            chain = chain_request(scheduler, f"b{rung.batch_size}_{i}", self._chain_tokens(i, rung.depth),
-                                  salt=f"__kvwarm_chain_{i}")
+            # the same text, so it finds the earlier chain's blocks in the prefix cache. Not
+            # in place: shadows advanced those chains' state, which must not be inherited.
+            name = f"b{rung.batch_size}_{i}"
+            salt = None if self._state_mode == INPLACE else f"__kvwarm_chain_{i}"
+            chain = chain_request(scheduler, name, self._chain_tokens(i, rung.depth), salt=salt)
             scheduler.add_request(chain)
             rung.chains.append(chain)
 

@@ -1,0 +1,228 @@
+"""The smoke test of a patched build on the real engine: the same script on CPU (the
+`smoke-cpu-*` sessions, in CI) and on a CUDA host (`gpu-smoke-*`).
+
+  sweeps    decode sweeps with `python -m vllm.kvwarm sweep`, one engine per process, on
+            tiny random-weight models made here (or on --model DIR):
+              moe        attention-only MoE, warm-up on: every point on real KV
+              moe-off    the same with DYN_BENCH_KV_WARMUP=off: every point on fake KV (A/B)
+              hybrid     Qwen3-Next layout (gated-delta-net + attention + MoE), align mode,
+                         state handed over by copy, then in place
+              nemotronh  Mamba2 + attention (dense: DYN_BENCH_KV_WARMUP=force), copy; only
+                         where this build's engine runs Mamba2 (--cases picks)
+            Each artifact must validate, say complete, hold every point on the expected KV
+            regime with nothing skipped, stamp the state mode on hybrid rows, and record
+            reset_prefix_cache() succeeding.
+  generate  greedy tokens for fixed prompts on a tiny MoE model, written as JSON; run once
+            on the official release and once on the patched build (warm-up off, through the
+            scheduler adapter), then
+  compare   checks the two are token-identical.
+
+Runs inside a venv that has vLLM; tiny models come from tests/engine/tiny_models.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "engine"))
+
+ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
+# Points per case: two rungs, deepest first; K/B stays within max_model_len less the steps.
+POINTS = [(1600, 2), (900, 2), (2400, 4), (1200, 4)]
+HYBRID_POINTS = [(1800, 2), (1500, 2), (3200, 4)]  # contexts past the 256/640-token state blocks
+MAX_MODEL_LEN = 2048
+CASES = ["moe", "moe-off", "hybrid", "nemotronh"]
+
+
+def _log(message: str) -> None:
+    print(f"[kvwarm smoke] {message}", flush=True)
+
+
+def _engine_env(device: str) -> dict[str, str]:
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if device == "cpu":
+        env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
+    return env
+
+
+def _engine_args(device: str, model: Path, dtype: str, extra: list[str]) -> list[str]:
+    args = ["--model", str(model), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+            "--enable-prefix-caching", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", *extra]
+    if device == "cpu":
+        args.append("--enforce-eager")  # tiny models: compiling costs more than it saves
+    return args
+
+
+def _model(work: Path, maker: str, given: Path | None) -> Path:
+    if given is not None:
+        return given
+    import tiny_models
+
+    directory = work / "models" / maker
+    if not (directory / "config.json").exists():
+        getattr(tiny_models, f"make_{maker}")(directory)
+    return directory
+
+
+def _cases(selected: list[str], model: Path | None) -> list[dict]:
+    """What each case runs: model, engine args, environment, points and what to expect."""
+    moe = ["--enable-expert-parallel"]
+    state = ["--mamba-cache-mode", "align", "--mamba-ssm-cache-dtype", "float32"]
+    hybrid = moe + state
+    table = {
+        "moe": [dict(name="moe", maker="tiny_qwen3_moe", dtype="float32", args=moe, env={}, regime="real_kv")],
+        "moe-off": [dict(name="moe-off", maker="tiny_qwen3_moe", dtype="float32", args=moe,
+                         env={"DYN_BENCH_KV_WARMUP": "off"}, regime="legacy")],
+        "hybrid": [dict(name=f"hybrid-{mode}", maker="tiny_qwen3_next", dtype="bfloat16", args=hybrid,
+                        points=HYBRID_POINTS, env={"DYN_BENCH_KV_WARMUP_STATE": mode}, regime="real_kv", state=mode)
+                   for mode in ("copy", "inplace")],
+        "nemotronh": [dict(name="nemotronh", maker="tiny_nemotron_h", dtype="float32", args=state,
+                           points=HYBRID_POINTS, regime="real_kv", state="copy",
+                           env={"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": "copy"})],
+    }
+    if model is not None:  # the user's model (forced past the gate's heuristics), state by copy then in place
+        return [dict(name=f"model-{mode}", maker=None, dtype="auto", args=[], points=POINTS, regime="real_kv",
+                     env={"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": mode})
+                for mode in ("copy", "inplace")]
+    unknown = sorted(set(selected) - set(table))
+    if unknown:
+        raise SystemExit(f"kvwarm smoke: unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+    return [{"points": POINTS, **case} for name in selected for case in table[name]]
+
+
+def _check(artifact: dict, case: dict) -> list[str]:
+    """What is wrong with a case's artifact (empty when it is what the smoke expects)."""
+    from vllm.kvwarm.artifact import validate
+
+    problems = []
+    try:
+        validate(artifact)
+    except Exception as err:  # jsonschema.ValidationError, reported with the rest
+        problems.append(f"schema: {str(err).splitlines()[0]}")
+    meta, rows = artifact["kvwarm"], artifact["results"]
+    if artifact["status"] != "complete":
+        problems.append(f"status {artifact['status']}: {artifact['error']}")
+    if artifact["skipped_points"]:
+        problems.append(f"skipped: {artifact['skipped_points']}")
+    if len(rows) != len(case["points"]):
+        problems.append(f"{len(rows)} row(s) for {len(case['points'])} point(s)")
+    wrong = [(r["point"], r["kv_seed_regime"]) for r in rows if r["kv_seed_regime"] != case["regime"]]
+    if wrong:
+        problems.append(f"expected every point on {case['regime']}, got {wrong}")
+    state = case.get("state") or meta["state_mode"]
+    if state and case["regime"] == "real_kv":
+        unstamped = [r["point"] for r in rows if f"kvwarm_state_{state}" not in r["sample_reasons"]]
+        if meta["state_mode"] != state or unstamped:
+            problems.append(f"state mode {meta['state_mode']!r} (wanted {state}); rows without the stamp: {unstamped}")
+    if meta["reset_prefix_cache"] is not True:
+        problems.append(f"reset_prefix_cache() gave {meta['reset_prefix_cache']!r}")
+    return problems
+
+
+def sweeps(args) -> int:
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    from tiny_models import write_sharegpt
+
+    dataset = write_sharegpt(work / "sharegpt.json", conversations=400)
+    failures = 0
+    cases = _cases(args.cases.split(","), Path(args.model) if args.model else None)
+    for n, case in enumerate(cases):
+        model = _model(work, case["maker"], Path(args.model) if args.model else None)
+        out = work / "sweeps" / case["name"]
+        points = work / f"points-{case['name']}.json"
+        points.write_text(json.dumps({"schema_version": 1, "decode": [
+            {"total_kv_read_tokens": k, "batch_size": b} for k, b in case["points"]]}))
+        # The engine core in its own process (as under `vllm serve`) for every GPU case and
+        # for the first CPU case; the others in-process, which starts faster.
+        multiprocess = args.device == "cuda" or n == 0
+        env = {**os.environ, **_engine_env(args.device), "DYN_BENCH_KV_WARMUP_DATASET": str(dataset),
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **case["env"]}
+        cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--points", str(points), "--out", str(out),
+               *_engine_args(args.device, model, case["dtype"], case["args"])]
+        _log(f"case {case['name']} ({'engine-core process' if multiprocess else 'in-process'}): {' '.join(cmd[3:])}")
+        started = time.monotonic()
+        log_path = work / f"{case['name']}.log"
+        with log_path.open("w") as log:
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        artifact_path = out / "sweep.json"
+        if not artifact_path.exists():
+            problems = [f"no artifact (exit {rc})"]
+        else:
+            problems = _check(json.loads(artifact_path.read_text()), case)
+        if rc != 0 and not problems:
+            problems = [f"exit {rc}"]
+        verdict = "ok" if not problems else "FAILED: " + "; ".join(problems)
+        _log(f"case {case['name']}: {verdict} ({time.monotonic() - started:.0f} s; log {log_path})")
+        if problems:
+            failures += 1
+            print("".join(log_path.read_text().splitlines(keepends=True)[-40:]), flush=True)
+    _log(f"{len(cases) - failures}/{len(cases)} case(s) passed")
+    return 1 if failures else 0
+
+
+PROMPTS = ["The quick brown fox", "Decode step time depends on", "Prefix caching lets requests",
+           "A copy-on-write fork copies one block", "Numbers 0 1 2 3"]
+
+
+def generate(args) -> int:
+    """Greedy tokens on the tiny MoE model (made once in --work, shared by both runs)."""
+    for key, value in _engine_env(args.device).items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ["DYN_BENCH_KV_WARMUP"] = "off"
+    from vllm import LLM, SamplingParams
+
+    work = Path(args.work).resolve()
+    model = _model(work, "tiny_qwen3_moe", Path(args.model) if args.model else None)
+    extra = {"scheduler_cls": ADAPTER} if args.adapter else {}
+    llm = LLM(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0, enable_prefix_caching=True,
+              enforce_eager=args.device == "cpu", max_num_seqs=8, **extra)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(PROMPTS * 2, params)  # twice: the second round hits the prefix cache
+    import vllm
+
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    Path(args.out).write_text(json.dumps({"vllm": vllm.__version__, "adapter": args.adapter, "tokens": tokens}))
+    _log(f"vLLM {vllm.__version__}: {len(tokens)} greedy completions -> {args.out}")
+    return 0
+
+
+def compare(args) -> int:
+    a, b = (json.loads(Path(p).read_text()) for p in (args.first, args.second))
+    differing = [i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y]
+    if differing or len(a["tokens"]) != len(b["tokens"]):
+        _log(f"FAILED: vLLM {a['vllm']} and {b['vllm']} differ on prompt(s) {differing}")
+        return 1
+    _log(f"vLLM {a['vllm']} and {b['vllm']}: {len(a['tokens'])} greedy completions token-identical")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvwarm_smoke.py", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("sweeps", help="decode sweeps on tiny models (or --model)")
+    s.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    g = sub.add_parser("generate", help="greedy tokens for fixed prompts")
+    g.add_argument("--out", required=True)
+    g.add_argument("--adapter", action="store_true", help=f"through --scheduler-cls {ADAPTER}")
+    for q in (s, g):
+        q.add_argument("--device", choices=["cpu", "cuda"], required=True)
+        q.add_argument("--work", required=True, help="folder for models, artifacts and logs")
+        q.add_argument("--model", help="a local model directory instead of the tiny models")
+    c = sub.add_parser("compare", help="two `generate` outputs must be token-identical")
+    c.add_argument("first")
+    c.add_argument("second")
+    args = p.parse_args(argv)
+    return {"sweeps": sweeps, "generate": generate, "compare": compare}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
