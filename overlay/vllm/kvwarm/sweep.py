@@ -7,7 +7,8 @@ Phases, per rung (one batch size, deepest rung first):
   build   add B chains of that depth, let vLLM prefill them, park them;
   points  per point: queue its B requests (shadows, or fake-KV requests), one token short
           of each context; let the admission step run untimed; time the steady steps (the
-          gap between consecutive update_from_output calls), keep every time and the median;
+          gap between consecutive update_from_output calls), keep every time and the upper
+          median (upstream's sorted[n // 2]);
           the requests then finish by length;
   shed    finish the rung's chains, then measure the rung's fake-KV points.
 At the end the prefix cache is reset (the leak check: it only succeeds when nothing but
@@ -246,7 +247,8 @@ class DecodeSweep:
         elif self._fake_regime == FAKE_FALLBACK:
             reasons.append("kvwarm_fake_fallback")
         regime = REAL_KV if real else self._fake_regime
-        return PointRow(measured, point.batch_size, regime, reasons, list(self._times), statistics.median(self._times))
+        return PointRow(measured, point.batch_size, regime, reasons, list(self._times),
+                        statistics.median_high(self._times))
 
     def _finish_point(self, row: PointRow) -> None:
         self.rows.append(row)

@@ -61,13 +61,19 @@ def run(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    artifact = Path(spec["out"]) / "sweep.json"
     try:
         engine = LLMEngine.from_engine_args(engine_args_from(engine_argv, spec))
-    except INPUT_ERRORS as err:  # found once the engine knew max_model_len and the layout
-        print(f"kvwarm sweep: {err}", file=sys.stderr)
+    except Exception:
+        # Input found wrong once the engine knew max_model_len and the layout: the sweep
+        # (in this process or the engine core's) recorded why in the artifact.
+        recorded = json.loads(artifact.read_text())
+        if recorded["status"] != "failed":
+            raise
+        print(f"kvwarm sweep: {recorded['error']}", file=sys.stderr)
         return 2
     core = getattr(engine.engine_core, "engine_core", None)
-    status = _step(core) if core is not None else _wait(engine, Path(spec["out"]) / "sweep.json")
+    status = _step(core) if core is not None else _wait(engine, artifact)
     return 0 if status == "complete" else 1
 
 
