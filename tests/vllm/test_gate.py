@@ -120,6 +120,7 @@ def test_a_dense_model_is_measured_on_fake_kv_with_the_gates_reason(tmp_path, mo
     ({"DYN_BENCH_KV_WARMUP": "maybe"}, ((64, 2),), "DYN_BENCH_KV_WARMUP='maybe'"),
     ({"DYN_BENCH_KV_WARMUP": "off"}, ((4_000, 2),), "beyond max_model_len 1024"),
     ({"DYN_BENCH_KV_WARMUP_DATASET": "/nonexistent/sharegpt.json"}, ((64, 2),), "not found"),
+    ({"DYN_BENCH_KV_WARMUP": "off"}, ((64, 9),), "batch size(s) [9] exceed max_num_seqs 8"),
 ])
 def test_bad_input_stops_the_scheduler_and_the_artifact_says_why(tmp_path, monkeypatch, env, points, needle):
     monkeypatch.delenv("DYN_BENCH_KV_WARMUP", raising=False)

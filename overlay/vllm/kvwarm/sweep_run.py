@@ -118,6 +118,12 @@ class SweepRun:
         inputs = read_inputs(spec["points"], environ, max_model_len)
         settings, reporter = inputs.settings, self.reporter
         reporter.record_inputs(inputs)
+        max_seqs = vllm_config.scheduler_config.max_num_seqs
+        too_wide = sorted({p.batch_size for p in inputs.points if p.batch_size > max_seqs})
+        if too_wide:
+            raise PointsFileError(f"points file {spec['points']}: batch size(s) {too_wide} exceed max_num_seqs "
+                                  f"{max_seqs}, so no step could run such a batch; start the engine with "
+                                  f"--max-num-seqs {too_wide[-1]} or more")
         kvm = scheduler.kv_cache_manager
         decision = decide_state_mode(kvm, group_layouts(kvm), environ)
         if decision.reason == STATE_MODE_INVALID:
