@@ -52,8 +52,14 @@ def _engine_env(device: str) -> dict[str, str]:
     return env
 
 
+def _dtype(device: str, dtype: str) -> str:
+    # GPU kernels (FlashAttention, fused MoE) are built for half precision; the CPU runs
+    # fp32 where it can, for exactness.
+    return "bfloat16" if device == "cuda" and dtype == "float32" else dtype
+
+
 def _engine_args(device: str, model: Path, dtype: str, extra: list[str]) -> list[str]:
-    args = ["--model", str(model), "--dtype", dtype, "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
+    args = ["--model", str(model), "--dtype", _dtype(device, dtype), "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
             "--enable-prefix-caching", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", *extra]
     if device == "cpu":
         args.append("--enforce-eager")  # tiny models: compiling costs more than it saves
@@ -183,7 +189,7 @@ def generate(args) -> int:
     work = Path(args.work).resolve()
     model = _model(work, "tiny_qwen3_moe", Path(args.model) if args.model else None)
     extra = {"scheduler_cls": ADAPTER} if args.adapter else {}
-    llm = LLM(model=str(model), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0, enable_prefix_caching=True,
+    llm = LLM(model=str(model), dtype=_dtype(args.device, "float32"), max_model_len=MAX_MODEL_LEN, seed=0, enable_prefix_caching=True,
               enforce_eager=args.device == "cpu", max_num_seqs=8, **extra)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(PROMPTS * 2, params)  # twice: the second round hits the prefix cache
