@@ -201,8 +201,11 @@ class DecodeSweep:
 
     def _trim(self, scheduler, rung: Rung) -> None:
         kvm = scheduler.kv_cache_manager
+        # Where the manager keeps a watermark free when it admits waiting requests (the
+        # chains are such requests), the chains cannot use those blocks.
+        usable = kvm.block_pool.get_num_free_blocks() - getattr(kvm, "watermark_blocks", 0)
         rung.depth = trim_depth(group_layouts(kvm), rung.depth, rung.batch_size, self._repeats,
-                                self._state_mode == COPY, kvm.block_pool.get_num_free_blocks())
+                                self._state_mode == COPY, usable)
         # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
         covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]
         rung.fake_points = [p for p in rung.points if p not in covered]
