@@ -27,9 +27,15 @@ class DatasetError(ValueError):
 
 def load_conversations(path: str | Path) -> list[str]:
     """The collection half of the file's conversations, as text."""
+    return load_dataset(path)[0]
+
+
+def load_dataset(path: str | Path) -> tuple[list[str], str]:
+    """load_conversations, and the sha256 of the file's bytes (read once)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
+        data = json.loads(raw)
     except FileNotFoundError:
         raise DatasetError(f"dataset {path} not found; set DYN_BENCH_KV_WARMUP_DATASET to a "
                            "ShareGPT-format JSON file") from None
@@ -49,7 +55,7 @@ def load_conversations(path: str | Path) -> list[str]:
     if not texts:
         raise DatasetError(f"dataset {path}: no conversation with turns of {MIN_TURN_CHARS}+ characters "
                            "in the collection half; use a larger ShareGPT-format file")
-    return texts
+    return texts, hashlib.sha256(raw).hexdigest()
 
 
 class ChainText:

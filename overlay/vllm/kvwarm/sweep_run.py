@@ -9,7 +9,6 @@ every point, and on any failure with status "failed", the error and every row me
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .artifact import build_artifact, write_artifact
-from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_conversations
+from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_dataset
 from .gate import content_reason, model_gate_reason
 from .layout import group_layouts
 from .points import DecodePoint, PointsFileError, load_points
@@ -49,8 +48,7 @@ def read_inputs(points_path: str, environ=None, max_model_len: int = sys.maxsize
     if not settings.dataset:
         raise DatasetError(f"{DATASET_ENV} is not set; point it at a ShareGPT-format JSON file "
                            "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)")
-    conversations = load_conversations(settings.dataset)
-    digest = hashlib.sha256(Path(settings.dataset).read_bytes()).hexdigest()
+    conversations, digest = load_dataset(settings.dataset)
     dataset = {"path": str(settings.dataset), "sha256": digest, "collection_pool": COLLECTION_POOL,
                "conversations": len(conversations)}
     return SweepInputs(settings, points, conversations, dataset)
