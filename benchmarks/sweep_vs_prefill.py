@@ -132,10 +132,10 @@ def request(scheduler, request_id: str, salt: str, tokens: list[int], max_tokens
 
 def warm_up_side(clock: StepClock, points, text, progress) -> float:
     """The sweep as `python -m vllm.kvwarm sweep` drives it, from its first step to its end."""
-    from vllm.kvwarm.sweep import DecodeSweep
+    from vllm.kvwarm.sweep import DecodeSweep, SweepConfig
 
     scheduler = clock.scheduler
-    sweep = DecodeSweep(points, text, repeats=REPEATS, max_model_len=MAX_MODEL_LEN, state_mode=None,
+    sweep = DecodeSweep(points, text, SweepConfig(repeats=REPEATS, max_model_len=MAX_MODEL_LEN),
                         progress=lambda message: progress(f"  [sweep] {message}"))
     started = time.perf_counter()
     scheduler.kvwarm_sweep = sweep

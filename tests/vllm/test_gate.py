@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from real_kv import in_use, make_scheduler, step_scheduler
+from real_kv import in_use, make_request, make_scheduler, step_scheduler
 
 from vllm.kvwarm import gate
 from vllm.kvwarm.artifact import validate
@@ -141,7 +141,7 @@ def test_a_malformed_sweep_config_names_the_key_and_the_expected_shape(tmp_path)
         make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": {"out": "x"}})
 
 
-def test_a_failure_mid_sweep_keeps_the_rows_measured_before_it(tmp_path, monkeypatch):
+def test_a_failure_mid_sweep_keeps_the_rows_measured_before_it_and_the_engine_serves_on(tmp_path, monkeypatch):
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
     scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
@@ -154,10 +154,42 @@ def test_a_failure_mid_sweep_keeps_the_rows_measured_before_it(tmp_path, monkeyp
         return queue_point(*args)
 
     sweep._queue_point = fail_on_the_second_point
-    with pytest.raises(RuntimeError, match="went away"):
-        _drive(scheduler)
+    _drive(scheduler)  # the error is recorded, never raised into the engine
     artifact = json.loads((out / "sweep.json").read_text())
     validate(artifact)
     assert artifact["status"] == "failed" and artifact["error"] == "RuntimeError: the worker went away"
     assert [r["point"]["total_kv_read_tokens"] for r in artifact["results"]] == [300]
     assert (out / "sweep.csv").read_text().count("\n") == 2  # header and the measured row
+    assert sweep.done and in_use(scheduler.kv_cache_manager.block_pool) == {}
+    assert_serves(scheduler)
+
+
+def assert_serves(scheduler) -> None:
+    """The scheduler still runs an ordinary request to its end."""
+    scheduler.add_request(make_request("user-1", 38))
+    _drive(scheduler)
+    assert "user-1" not in scheduler.requests and in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_a_failed_artifact_write_ends_the_sweep_as_failed_and_the_engine_serves_on(tmp_path, monkeypatch):
+    from vllm.kvwarm import artifact as artifact_module
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
+        "kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2)), "out": str(out)}})
+    write, calls = artifact_module.write_atomically, []
+
+    def disk_full_once_rows_exist(path, data):
+        calls.append(path.name)
+        if path.name == "sweep.csv" and calls.count("sweep.csv") == 2:  # the first row's write
+            raise OSError(28, "No space left on device")
+        return write(path, data)
+
+    monkeypatch.setattr(artifact_module, "write_atomically", disk_full_once_rows_exist)
+    _drive(scheduler)
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "failed"
+    assert "writing the artifact to" in artifact["error"] and "No space left on device" in artifact["error"]
+    assert scheduler.kvwarm_sweep.done and in_use(scheduler.kv_cache_manager.block_pool) == {}
+    assert_serves(scheduler)

@@ -10,7 +10,7 @@ from real_kv import in_use, make_scheduler, step_scheduler
 
 from vllm.kvwarm.points import DecodePoint
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
-from vllm.kvwarm.sweep import DecodeSweep, plan_rungs
+from vllm.kvwarm.sweep import DecodeSweep, SweepConfig, plan_rungs
 
 REPEATS = 3
 
@@ -28,6 +28,15 @@ def _tokens(i: int, depth: int) -> list[int]:
     return [(7 * i + 3 * t) % 200 + 2 for t in range(depth)]
 
 
+def make_sweep(points, chain_tokens=_tokens, *, clock=None, exchange=None, **config) -> DecodeSweep:
+    """A sweep with the test's settings; its clock ticks one second per reading, so step
+    times are exact (and no row is stamped noisy by the host's jitter)."""
+    config = SweepConfig(**{"repeats": REPEATS, "max_model_len": 1024, **config})
+    ticks = itertools.count()
+    return DecodeSweep(points, chain_tokens, config, clock=clock or (lambda: float(next(ticks))),
+                       progress=lambda _: None, exchange=exchange)
+
+
 def test_rungs_are_one_per_batch_size_deepest_first():
     points = [DecodePoint(200, 2), DecodePoint(90, 3), DecodePoint(500, 2), DecodePoint(30, 3)]
     rungs = plan_rungs(points, repeats=3, max_model_len=1024)
@@ -38,10 +47,8 @@ def test_rungs_are_one_per_batch_size_deepest_first():
 @pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
 def test_a_sweep_measures_every_point_on_real_kv_and_leaves_nothing_behind(tmp_path, cls):
     scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=cls)
-    ticks = itertools.count()
     points = [DecodePoint(300, 2), DecodePoint(120, 2), DecodePoint(90, 3)]
-    sweep = DecodeSweep(points, _tokens, repeats=REPEATS, max_model_len=1024,
-                        clock=lambda: float(next(ticks)), progress=lambda _: None)
+    sweep = make_sweep(points)
     scheduler.kvwarm_sweep = sweep
     steps = 0
     while scheduler.has_requests() and steps < 500:
@@ -73,8 +80,7 @@ def test_a_tight_pool_trims_the_chains_and_measures_what_they_cannot_cover_on_fa
     # (18 blocks each); the 300-token point (contexts 150) is still covered, the 600-token
     # one (contexts 300) is not: it runs on fake KV, last, after the chains are shed.
     scheduler = make_scheduler(tmp_path, num_blocks=42, scheduler_cls=KvWarmScheduler)
-    sweep = DecodeSweep([DecodePoint(600, 2), DecodePoint(300, 2)], _tokens, repeats=REPEATS,
-                        max_model_len=1024, progress=lambda _: None)
+    sweep = make_sweep([DecodePoint(600, 2), DecodePoint(300, 2)])
     _run(scheduler, sweep)
     assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
         (300, "real_kv", ["kvwarm_real_kv"]), (600, "fake_fallback", ["kvwarm_fake_fallback"])]
@@ -94,7 +100,7 @@ def test_a_point_that_cannot_be_admitted_is_skipped_with_its_reason(tmp_path):
 
     taken = []
     scheduler.kvwarm.queue = queue_after_something_else_took_the_pool
-    sweep = DecodeSweep([DecodePoint(300, 2)], _tokens, repeats=REPEATS, max_model_len=1024, progress=lambda _: None)
+    sweep = make_sweep([DecodePoint(300, 2)])
     scheduler.kvwarm_sweep = sweep
     for _ in range(100):
         if sweep.rows:
@@ -108,9 +114,8 @@ def test_a_point_that_cannot_be_admitted_is_skipped_with_its_reason(tmp_path):
 
 def test_warm_up_off_measures_every_point_on_fake_kv_without_chains(tmp_path):
     scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=KvWarmAsyncScheduler)
-    sweep = DecodeSweep([DecodePoint(300, 2), DecodePoint(90, 3), DecodePoint(2_000, 2)], None,
-                        repeats=REPEATS, max_model_len=1024, real=False, fake_regime="legacy",
-                        giant_kv_threshold=1_000, progress=lambda _: None)
+    sweep = make_sweep([DecodePoint(300, 2), DecodePoint(90, 3), DecodePoint(2_000, 2)], None,
+                       real=False, fake_regime="legacy", giant_kv_threshold=1_000)
     _run(scheduler, sweep)
     assert not sweep.stages and not any(r.request_id.startswith("__kvwarm_chain") for r in scheduler.requests.values())
     assert [(r.total_kv_read_tokens, r.batch_size, r.kv_seed_regime, len(r.steady_seconds), r.sample_reasons)
@@ -120,8 +125,7 @@ def test_warm_up_off_measures_every_point_on_fake_kv_without_chains(tmp_path):
 
 def test_a_point_with_one_token_contexts_is_measured_at_two_and_stamped_clamped(tmp_path):
     scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
-    sweep = DecodeSweep([DecodePoint(3, 2), DecodePoint(64, 2)], _tokens, repeats=REPEATS, max_model_len=1024,
-                        progress=lambda _: None)
+    sweep = make_sweep([DecodePoint(3, 2), DecodePoint(64, 2)])
     _run(scheduler, sweep)
     # contexts [2, 1]: admitted at [1, 1], so the steps read 4 tokens of KV, not 3
     assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
@@ -131,8 +135,7 @@ def test_a_point_with_one_token_contexts_is_measured_at_two_and_stamped_clamped(
 def test_in_place_rows_after_the_first_use_of_a_chain_are_stamped_drifted(tmp_path):
     scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler,
                                block_size=32, state_block_size=32)
-    sweep = DecodeSweep([DecodePoint(200, 2), DecodePoint(120, 2), DecodePoint(40, 1)], _tokens,
-                        repeats=REPEATS, max_model_len=1024, state_mode="inplace", progress=lambda _: None)
+    sweep = make_sweep([DecodePoint(200, 2), DecodePoint(120, 2), DecodePoint(40, 1)], state_mode="inplace")
     _run(scheduler, sweep)
     stamps = {(r.total_kv_read_tokens, r.batch_size): r.sample_reasons for r in sweep.rows}
     assert stamps[(200, 2)] == ["kvwarm_real_kv", "kvwarm_state_inplace", "kvwarm_state_depth=103"]
@@ -147,7 +150,7 @@ def test_a_point_at_the_edge_of_max_model_len_is_measured_on_real_kv(tmp_path):
     # would be finished by length once it samples, so it stops a margin short (1020 tokens),
     # which still holds every token the shadow borrows.
     scheduler = make_scheduler(tmp_path, num_blocks=160, scheduler_cls=KvWarmScheduler)
-    sweep = DecodeSweep([DecodePoint(1020, 1)], _tokens, repeats=REPEATS, max_model_len=1024, progress=lambda _: None)
+    sweep = make_sweep([DecodePoint(1020, 1)])
     _run(scheduler, sweep)
     assert [(r.kv_seed_regime, len(r.steady_seconds)) for r in sweep.rows] == [("real_kv", REPEATS)]
     assert sweep.stages[0]["depth"] == 1020
@@ -160,8 +163,7 @@ def test_later_rungs_reuse_earlier_chains_only_where_their_state_was_not_advance
     salts = []
     add = scheduler.add_request
     scheduler.add_request = lambda request: (salts.append(request.cache_salt), add(request))[1]
-    sweep = DecodeSweep([DecodePoint(200, 2), DecodePoint(90, 1)], _tokens, repeats=REPEATS,
-                        max_model_len=1024, state_mode=mode, progress=lambda _: None)
+    sweep = make_sweep([DecodePoint(200, 2), DecodePoint(90, 1)], state_mode=mode)
     _run(scheduler, sweep)
     first_rung, second_rung = salts[:2], salts[2:]
     assert (second_rung[0] == first_rung[0]) is reused

@@ -30,18 +30,51 @@ META = {"enabled": True, "warm_eligible": True, "skip_reason": None, "giant_kv_r
 
 
 def test_artifact_files_are_written_and_valid(tmp_path):
+    import importlib.util
+
     artifact = build_artifact(_rows(), META, {"model": "m"}, "complete")
     paths = write_artifact(tmp_path, artifact)
-    assert [p.name for p in paths] == ["sweep.json", "sweep.csv", "sweep.png"]
+    plots = importlib.util.find_spec("matplotlib") is not None
+    assert [p.name for p in paths] == ["sweep.json", "sweep.csv"] + (["sweep.png"] if plots else [])
     data = json.loads((tmp_path / "sweep.json").read_text())
+    assert data["schema_version"] == 2 and data["artifact_type"] == "rank"
     assert data["kvwarm"]["points_real_kv"] == 2 and data["kvwarm"]["points_fake_fallback"] == 0
+    first = data["results"][0]
+    assert (first["min_seconds"], first["median_seconds"], first["max_seconds"]) == (0.010, 0.011, 0.012)
+    assert first["spread"] == pytest.approx(0.002 / 0.011) and first["global_batch_size"] == 4
     assert data["skipped_points"] == [{"point": {"total_kv_read_tokens": 9000, "batch_size": 4},
                                        "kv_seed_regime": "skip:decode_injection_failed",
                                        "reason": "pool_exhausted: 3 more free block(s) needed"}]
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
-    assert [(r["total_kv_read_tokens"], r["median_ms"]) for r in rows] == [("1000", "11.0000"), ("4000", "21.0000")]
-    png = (tmp_path / "sweep.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    assert [(r["total_kv_read_tokens"], r["median_ms"], r["min_ms"], r["max_ms"]) for r in rows] == [
+        ("1000", "11.0000", "10.0000", "12.0000"), ("4000", "21.0000", "20.0000", "22.0000")]
+    if plots:
+        png = (tmp_path / "sweep.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 1000
+
+
+def test_concurrent_writers_never_collide_on_a_temporary_file(tmp_path):
+    """Two ranks (threads here) rewriting files in one folder: every write lands whole."""
+    import threading
+
+    from vllm.kvwarm.artifact import write_atomically
+
+    errors = []
+
+    def writer(n):
+        try:
+            for i in range(200):
+                write_atomically(tmp_path / "shared.json", json.dumps({"writer": n, "i": i}).encode())
+        except Exception as err:  # a shared temp name made one writer's replace fail
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and json.loads((tmp_path / "shared.json").read_text())["i"] == 199
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.json"]  # no temporary file left behind
 
 
 @pytest.mark.parametrize("break_it", [

@@ -64,6 +64,10 @@ class ShadowInjector:
     def has_pending(self) -> bool:
         return bool(self._pending)
 
+    def drop_pending(self) -> None:
+        """Forget points not admitted yet (nothing of theirs is registered before admission)."""
+        self._pending = []
+
     def queue(self, point: PendingPoint) -> PendingPoint:
         if not point.contexts or (point.chains is None and point.vocab_size < 1):
             raise ValueError("a point needs contexts, and a vocabulary size when it is fake")

@@ -6,15 +6,25 @@ queued shadows at the end of each `schedule()`. Everything else lives in plain o
 With nothing queued it schedules exactly as the class it extends. With
 additional_config {"kvwarm_sweep": {"points": FILE, "out": DIR}} it runs a decode sweep
 (sweep_run.SweepRun) from its first step, in whichever process the scheduler lives.
+
+A configured sweep never takes the engine down: every sweep hook runs under one failure
+handling that records the error in the artifact (status "failed"), gives back the
+sweep's requests and blocks, and lets the engine serve on. While a point is admitted and
+measured, requests that are not the sweep's (a server's own) wait in their queues and
+are scheduled between points, so no timed step carries them.
 """
 
 from __future__ import annotations
 
+from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .injection import ShadowInjector
 from .sweep_run import CONFIG_KEY, SweepRun
+
+logger = init_logger(__name__)
 
 
 class KvWarmSchedulerMixin:
@@ -30,29 +40,60 @@ class KvWarmSchedulerMixin:
             self.kvwarm_sweep = self.kvwarm_run.sweep
 
     def _drive(self, hook, *args) -> None:
-        """Run a sweep hook; a failure is recorded in the artifact before it propagates."""
+        """Run a sweep hook. Under a configured run a failure ends the sweep (recorded,
+        its requests given back) and the engine serves on; a bare sweep (tests) raises."""
         try:
-            hook(self, *args)
-        except BaseException as err:
-            if self.kvwarm_run is not None:
-                self.kvwarm_run.fail(err)
-            raise
+            hook(*args)
+        except Exception as err:
+            if self.kvwarm_run is None:
+                raise
+            logger.exception("kvwarm sweep failed; the engine serves on")
+            try:  # first give back and tell the other ranks, then record (the last record may end the run)
+                self.kvwarm_sweep.abandon(self, f"{type(err).__name__}: {err}")
+            except Exception:
+                logger.exception("kvwarm sweep: giving back the sweep's requests failed")
+            self.kvwarm_run.fail(err)
+
+    def _sweep_step(self) -> None:
+        self.kvwarm_sweep.before_schedule(self)
+        if self.kvwarm_sweep.done and self.kvwarm_run is not None:
+            self.kvwarm_run.finish()
 
     def schedule(self, *args, **kwargs):  # vLLM passes e.g. throttle_prefills
         sweep = self.kvwarm_sweep
         if sweep is not None and not sweep.done:
-            self._drive(sweep.before_schedule)
-            if sweep.done and self.kvwarm_run is not None:
-                self.kvwarm_run.finish()
-        output = super().schedule(*args, **kwargs)
+            self._drive(self._sweep_step)
+        measuring = sweep.measuring() if sweep is not None and not sweep.done else None
+        output = self._schedule_only(measuring, *args, **kwargs)
         if self.kvwarm.has_pending():
-            self.kvwarm.admit_pending(self, output)
+            self._drive(self.kvwarm.admit_pending, self, output)
         return output
+
+    def _schedule_only(self, allowed: set[str] | None, *args, **kwargs):
+        """Stock scheduling; with `allowed`, of those requests alone: every other one is
+        kept out of this step, in its place in its queue."""
+        if allowed is None:
+            return super().schedule(*args, **kwargs)
+        held_running = [r for r in self.running if r.request_id not in allowed]
+        queues = [name for name in ("waiting", "skipped_waiting") if hasattr(self, name)]
+        held = {name: getattr(self, name) for name in queues}
+        self.running = [r for r in self.running if r.request_id in allowed]
+        for name in queues:
+            setattr(self, name, create_request_queue(self.policy))
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.running = self.running + held_running
+            for name in queues:  # anything the step queued (a preemption) goes first
+                queued, queue = getattr(self, name), held[name]
+                for request in reversed(list(queued)):
+                    queue.prepend_request(request)
+                setattr(self, name, queue)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self.kvwarm_sweep is not None:
-            self._drive(self.kvwarm_sweep.after_update, scheduler_output)
+        if self.kvwarm_sweep is not None and not self.kvwarm_sweep.done:
+            self._drive(self.kvwarm_sweep.after_update, self, scheduler_output)
         return outputs
 
     def has_requests(self) -> bool:

@@ -17,6 +17,16 @@ the null block is in use).
 A sweep that is not `real` (warm-up off, or the gate refused the model) plans no chains:
 every point runs on fake KV, stamped with `fake_regime`.
 
+Across data-parallel ranks (ranks.py) every rank runs this same controller and they meet
+at its boundaries: before a rung, they agree on the smallest free pool (so every rank
+trims to the same depth) and then compare plan digests (a mismatch stops every rank);
+before each point, they check they are at the same point, so every rank enters its
+admission and timed steps together and no rank's timed step overlaps another's chain
+prefill. B is per rank: each rank admits B requests.
+
+While a point is admitted and measured, `measuring()` names the only requests the step may
+run; the adapter keeps every other request (a server's own) queued until the point ends.
+
 The adapter calls `before_schedule(scheduler)` at the start of each schedule() and
 `after_update(scheduler, output)` after each update_from_output(); `has_work()` keeps
 the engine stepping. Nothing here imports the engine; tests step it against a real
@@ -25,10 +35,12 @@ Scheduler with the model runner's part played by the test.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .arithmetic import trim_depth
 from .borrowing import POINT_SKIP_REASON
@@ -36,9 +48,14 @@ from .chains import chain_request, is_prefilled, park
 from .injection import PendingPoint
 from .layout import group_layouts
 from .points import DecodePoint
+from .ranks import RankFailed, SoloExchange
 from .state_mode import COPY, INPLACE, state_stamps
 
 BATCH_SIZE_MISMATCH = "measured_batch_size_mismatch"
+# A row whose timed steps spread more than this fraction of their median is stamped
+# NOISY: its median may be polluted (e.g. by the first steps after a rung build).
+NOISY = "kvwarm_noisy"
+NOISY_SPREAD = 0.5
 REAL_KV, FAKE_FALLBACK, LEGACY = "real_kv", "fake_fallback", "legacy"
 CONTEXT_CLAMPED = "context_clamped"
 # An in-place shadow advanced its chain's recurrent state: later points of the rung read
@@ -55,6 +72,30 @@ class PointRow:
     steady_seconds: list[float] = field(default_factory=list)
     median_seconds: float | None = None
     detail: str | None = None  # why a point was skipped, in words
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the timed steps."""
+        if not self.steady_seconds or not self.median_seconds:
+            return None
+        return (max(self.steady_seconds) - min(self.steady_seconds)) / self.median_seconds
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    repeats: int  # timed steady steps per point
+    max_model_len: int
+    state_mode: str | None = None  # the state hand-off mode on hybrid layouts
+    fork: bool | None = None  # attention tails: fork (CoW) or fresh; None: fork where the build can
+    real: bool = True  # False: no chains, every point on fake KV
+    fake_regime: str = FAKE_FALLBACK  # the regime of fake-KV rows: fake_fallback | legacy
+    giant_kv_threshold: int = 1_000_000  # fake points below it keep the single legacy step
+
+
+@dataclass
+class QueuedPoint:
+    point: DecodePoint
+    real: bool  # on borrowed (real) KV; False: on fake KV
 
 
 @dataclass
@@ -97,24 +138,25 @@ def plan_rungs(points: list[DecodePoint], repeats: int, max_model_len: int, real
 
 
 class DecodeSweep:
-    def __init__(self, points: list[DecodePoint], chain_tokens: Callable[[int, int], list[int]] | None, *,
-                 repeats: int, max_model_len: int, state_mode: str | None = None, fork: bool | None = None,
-                 real: bool = True, fake_regime: str = FAKE_FALLBACK, giant_kv_threshold: int = 1_000_000,
-                 clock: Callable[[], float] = time.perf_counter, progress: Callable[[str], None] = print,
-                 on_row: Callable[[PointRow], None] | None = None):
-        self.rungs = plan_rungs(points, repeats, max_model_len, real)
+    def __init__(self, points: list[DecodePoint], chain_tokens: Callable[[int, int], list[int]] | None,
+                 config: SweepConfig, *, clock: Callable[[], float] = time.perf_counter,
+                 progress: Callable[[str], None] = print, on_row: Callable[[PointRow], None] | None = None,
+                 exchange=None):
+        self.config = config
+        self.rungs = plan_rungs(points, config.repeats, config.max_model_len, config.real)
         self.rows: list[PointRow] = []
         self.stages: list[dict] = []  # one per rung built: batch, depth, build_seconds
-        self._chain_tokens, self._repeats, self._threshold = chain_tokens, repeats, giant_kv_threshold
-        self._state_mode, self._fork, self._fake_regime = state_mode, fork, fake_regime
+        self._points = points
+        self._chain_tokens = chain_tokens
         self._clock, self._progress, self._on_row = clock, progress, on_row or (lambda row: None)
-        self._total = len(points)
+        self._exchange = exchange or SoloExchange()
+        self._waiting: Callable[[list[dict]], None] | None = None  # what to do once the ranks meet
         self._rung: Rung | None = None
-        self._queue: list[tuple[DecodePoint, bool]] = []  # (point, on real KV)
-        self._point: tuple[DecodePoint, bool, PendingPoint] | None = None
+        self._queue: list[QueuedPoint] = []
+        self._point: tuple[QueuedPoint, PendingPoint] | None = None
         self._times: list[float] = []
         self._last_update: float | None = None
-        self._mismatch: str | None = None
+        self._mismatch: str | None = None  # why the point's steps were not B alone
         self._drifted: set[str] = set()  # chains an in-place shadow has advanced
         self.done = False
         self.reset_prefix_cache_ok: bool | None = None
@@ -122,10 +164,34 @@ class DecodeSweep:
     def has_work(self) -> bool:
         return not self.done
 
+    def measuring(self) -> set[str] | None:
+        """While a point is admitted and measured: the ids of its requests, the only ones
+        its steps may schedule (empty until they are admitted). None between points."""
+        if self._point is None:
+            return None
+        return {r.request_id for r in self._point[1].shadows}
+
+    def plan_digest(self, rung: Rung) -> str:
+        """What every rank must agree on before it builds a rung: the points, the rung's
+        depth and points, and the settings that shape rows and stamps."""
+        plan = {"points": [asdict(p) for p in self._points], "config": asdict(self.config),
+                "rung": {"batch": rung.batch_size, "depth": rung.depth,
+                         "real": [asdict(p) for p in rung.points], "fake": [asdict(p) for p in rung.fake_points]}}
+        return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
     # --- driven by the adapter -------------------------------------------------------------
 
     def before_schedule(self, scheduler) -> None:
         if self.done:
+            return
+        if self._waiting is not None:
+            records = self._exchange.poll()
+            if records is None:
+                time.sleep(0.001)  # the other ranks are not there yet: let them have the CPU
+                return
+            _raise_on_peer_failure(records)
+            then, self._waiting = self._waiting, None
+            then(records)
             return
         if self._rung is None:
             self._start_next_rung(scheduler)
@@ -137,18 +203,49 @@ class DecodeSweep:
             return
         if not self._rung.built:
             self._record_stage()
-        if self._queue and not self._queue[0][1]:
+        if self._queue and not self._queue[0].real:
             self._shed(scheduler)  # fake points need no chains, and their blocks may not fit beside them
         if self._queue:
-            self._queue_point(scheduler, *self._queue.pop(0))
+            queued = self._queue.pop(0)
+            index = len(self.rows)
+            self._meet("point", {"index": index}, lambda records: self._start_point(scheduler, queued, index, records))
         else:
             self._shed(scheduler)
             self._rung = None
 
+    def _meet(self, kind: str, record: dict, then: Callable[[list[dict]], None]) -> None:
+        """Post this rank's record for a boundary; `then` runs once every rank has posted."""
+        self._exchange.post(kind, {**record, "failed": None})
+        self._waiting = then
+
+    def abandon(self, scheduler, error: str) -> None:
+        """This rank's sweep stopped on `error`: give back what it holds (chains, the point's
+        requests) so the engine serves on, and tell the other ranks at their next boundary
+        instead of leaving them waiting."""
+        from vllm.v1.request import RequestStatus
+
+        self.done = True
+        self._waiting = None
+        self._exchange.post_failure(error)
+        scheduler.kvwarm.drop_pending()
+        ids = [r.request_id for r in self._point[1].shadows] if self._point else []
+        ids += [c.request_id for c in self._rung.chains] if self._rung else []
+        self._point = None
+        live = [i for i in ids if i in scheduler.requests]
+        if live:
+            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+
+    def _start_point(self, scheduler, queued: QueuedPoint, index: int, records: list[dict]) -> None:
+        at = {r["rank"]: r["index"] for r in records}
+        if len(set(at.values())) > 1:
+            raise RankFailed(f"the ranks are at different points: {at} (rank: point index)")
+        self._queue_point(scheduler, queued)
+
     def after_update(self, scheduler, output) -> None:
         if self._point is None:
             return
-        point, real, pending = self._point
+        queued, pending = self._point
+        point = queued.point
         if pending.failure is not None:
             self._finish_point(PointRow(point.total_kv_read_tokens, point.batch_size,
                                         f"skip:{POINT_SKIP_REASON}", detail=pending.failure))
@@ -162,11 +259,14 @@ class DecodeSweep:
         if not ids & set(scheduled):
             return
         if set(scheduled) != ids or set(scheduled.values()) != {1}:
-            self._mismatch = self._mismatch or f"{BATCH_SIZE_MISMATCH}: step scheduled {len(scheduled)} request(s)"
+            foreign = len(set(scheduled) - ids)
+            self._mismatch = self._mismatch or (
+                f"step scheduled {len(scheduled)} request(s) for a point of {len(ids)}"
+                + (f", {foreign} of them not the sweep's" if foreign else ""))
         self._times.append(now - self._last_update)
         self._last_update = now
         if len(self._times) == pending.headroom:
-            self._finish_point(self._row(point, real, pending))
+            self._finish_point(self._row(queued, pending))
 
     # --- phases ------------------------------------------------------------------------------
 
@@ -177,13 +277,29 @@ class DecodeSweep:
         if not self.rungs:
             self.done = True
             self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
-            self._progress(f"sweep done: {len(self.rows)}/{self._total} point(s)")
+            self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
             return
         rung = self._rung = self.rungs.pop(0)
-        rung.started = self._clock()
+        kvm = scheduler.kv_cache_manager
+        # Where the manager keeps a watermark free when it admits waiting requests (the
+        # chains are such requests), the chains cannot use those blocks.
+        usable = kvm.block_pool.get_num_free_blocks() - getattr(kvm, "watermark_blocks", 0)
+        self._meet("pool", {"usable_blocks": usable}, lambda records: self._plan_rung(scheduler, rung, records))
+
+    def _plan_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
+        """Every rank trims to the smallest usable pool, then the ranks compare plans."""
         if rung.depth:
-            self._trim(scheduler, rung)
-        self._queue = [(p, True) for p in rung.points] + [(p, False) for p in rung.fake_points]
+            self._trim(scheduler, rung, min(r["usable_blocks"] for r in records))
+        digest = self.plan_digest(rung)
+        self._meet("plan", {"digest": digest}, lambda records: self._build_rung(scheduler, rung, records))
+
+    def _build_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
+        digests = {r["rank"]: r["digest"] for r in records}
+        if len(set(digests.values())) > 1:
+            raise RankFailed(f"plan mismatch before rung batch={rung.batch_size}: "
+                             + ", ".join(f"rank {r} {d}" for r, d in sorted(digests.items())))
+        rung.started = self._clock()
+        self._queue = [QueuedPoint(p, True) for p in rung.points] + [QueuedPoint(p, False) for p in rung.fake_points]
         if not rung.depth:
             rung.built = True
             return
@@ -194,18 +310,15 @@ class DecodeSweep:
             # the same text, so it finds the earlier chain's blocks in the prefix cache. Not
             # in place: shadows advanced those chains' state, which must not be inherited.
             name = f"b{rung.batch_size}_{i}"
-            salt = None if self._state_mode == INPLACE else f"__kvwarm_chain_{i}"
+            salt = None if self.config.state_mode == INPLACE else f"__kvwarm_chain_{i}"
             chain = chain_request(scheduler, name, self._chain_tokens(i, rung.depth), salt=salt)
             scheduler.add_request(chain)
             rung.chains.append(chain)
 
-    def _trim(self, scheduler, rung: Rung) -> None:
+    def _trim(self, scheduler, rung: Rung, usable: int) -> None:
         kvm = scheduler.kv_cache_manager
-        # Where the manager keeps a watermark free when it admits waiting requests (the
-        # chains are such requests), the chains cannot use those blocks.
-        usable = kvm.block_pool.get_num_free_blocks() - getattr(kvm, "watermark_blocks", 0)
-        rung.depth = trim_depth(group_layouts(kvm), rung.depth, rung.batch_size, self._repeats,
-                                self._state_mode == COPY, usable)
+        rung.depth = trim_depth(group_layouts(kvm), rung.depth, rung.batch_size, self.config.repeats,
+                                self.config.state_mode == COPY, usable)
         # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
         covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]
         rung.fake_points = [p for p in rung.points if p not in covered]
@@ -220,45 +333,50 @@ class DecodeSweep:
         self.stages.append({"batch": rung.batch_size, "depth": rung.depth, "build_seconds": round(seconds, 3)})
         self._progress(f"rung batch={rung.batch_size}: {rung.batch_size} chain(s) built in {seconds:.1f} s")
 
-    def _queue_point(self, scheduler, point: DecodePoint, real: bool) -> None:
+    def _queue_point(self, scheduler, queued: QueuedPoint) -> None:
+        point, config = queued.point, self.config
         contexts = injected_contexts(point)
         # Fake points below the giant-KV threshold keep the single step of the legacy path.
-        repeats = self._repeats if real or point.total_kv_read_tokens >= self._threshold else 1
-        if real:
+        repeats = config.repeats if queued.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
+        if queued.real:
             pending = PendingPoint(self._rung.chains[: point.batch_size], contexts, headroom=repeats,
-                                   fork=self._fork, state_mode=self._state_mode)
+                                   fork=config.fork, state_mode=config.state_mode)
         else:
             vocab = scheduler.vllm_config.model_config.get_vocab_size()
             pending = PendingPoint(None, contexts, headroom=repeats, vocab_size=vocab)
-        self._point = (point, real, scheduler.kvwarm.queue(pending))
+        self._point = (queued, scheduler.kvwarm.queue(pending))
         self._times, self._mismatch = [], None
 
-    def _row(self, point: DecodePoint, real: bool, pending: PendingPoint) -> PointRow:
+    def _row(self, queued: QueuedPoint, pending: PendingPoint) -> PointRow:
+        point, config = queued.point, self.config
         measured = sum(pending.contexts) + point.batch_size
         if self._mismatch:
-            return PointRow(point.total_kv_read_tokens, point.batch_size, f"skip:{self._mismatch.split(':')[0]}",
-                            detail=self._mismatch)
+            return PointRow(point.total_kv_read_tokens, point.batch_size, f"skip:{BATCH_SIZE_MISMATCH}",
+                            detail=f"{BATCH_SIZE_MISMATCH}: {self._mismatch}")
         reasons = [CONTEXT_CLAMPED] if measured != point.total_kv_read_tokens else []
-        if real:
+        if queued.real:
             reasons.append("kvwarm_real_kv")
             chains = self._rung.chains[: point.batch_size]
-            reasons += state_stamps(self._state_mode, max(c.num_computed_tokens for c in chains))
-            if self._state_mode == INPLACE:
+            reasons += state_stamps(config.state_mode, max(c.num_computed_tokens for c in chains))
+            if config.state_mode == INPLACE:
                 ids = {c.request_id for c in chains}
                 reasons += [STATE_DRIFTED] if ids & self._drifted else []
                 self._drifted |= ids
-        elif self._fake_regime == FAKE_FALLBACK:
+        elif config.fake_regime == FAKE_FALLBACK:
             reasons.append("kvwarm_fake_fallback")
-        regime = REAL_KV if real else self._fake_regime
-        return PointRow(measured, point.batch_size, regime, reasons, list(self._times),
-                        statistics.median_high(self._times))
+        regime = REAL_KV if queued.real else config.fake_regime
+        row = PointRow(measured, point.batch_size, regime, reasons, list(self._times),
+                       statistics.median_high(self._times))
+        if len(self._times) > 1 and row.spread > NOISY_SPREAD:
+            row.sample_reasons.append(NOISY)
+        return row
 
     def _finish_point(self, row: PointRow) -> None:
         self.rows.append(row)
         self._point = None
         self._on_row(row)
         median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
-        self._progress(f"point {len(self.rows)}/{self._total} K={row.total_kv_read_tokens} "
+        self._progress(f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
                        f"B={row.batch_size} ({row.kv_seed_regime}): {median}")
 
     def _shed(self, scheduler) -> None:
@@ -267,3 +385,9 @@ class DecodeSweep:
         if self._rung.chains:
             scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
             self._rung.chains = []
+
+
+def _raise_on_peer_failure(records: list[dict]) -> None:
+    failed = [r for r in records if r.get("failed")]
+    if failed:
+        raise RankFailed("; ".join(f"rank {r['rank']} failed: {r['failed']}" for r in failed))

@@ -7,6 +7,11 @@ inside the scheduler (sweep_run.SweepRun, configured through additional_config):
 default the engine core runs in this process and this command steps it; with
 VLLM_ENABLE_V1_MULTIPROCESSING=1 it runs in vLLM's engine-core process, the way it runs
 under `vllm serve`, and this command waits for the artifact to be complete.
+
+With --data-parallel-size N > 1 the engine cores always run in vLLM's own processes (one
+per rank; an in-process engine core cannot be data parallel), each rank writes OUT/dp<R>/,
+and the command waits for the combined OUT/sweep.json to be final: its exit code is 0
+only when every rank completed.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def engine_args_from(argv: list[str], spec: dict):
 def run(argv: list[str]) -> int:
     args, engine_argv = parser().parse_known_args(argv)
     spec = {"points": str(Path(args.points).resolve()), "out": str(Path(args.out).resolve())}
-    reporter = Reporter(spec["out"], {"points": spec["points"], "engine_args": engine_argv}, os.environ)
+    reporter = Reporter(spec["out"], {"points": spec["points"], "engine_args": {"given": engine_argv}}, os.environ)
     try:
         read_inputs(spec["points"])  # max_model_len is checked again once the engine knows it
     except INPUT_ERRORS as err:
@@ -58,46 +63,89 @@ def run(argv: list[str]) -> int:
         reporter.write("failed", str(err))
         return 2
     reporter.write("running")  # replaces any earlier run's artifact in --out
+    engine_args = engine_args_from(engine_argv, spec)
+    if engine_args.data_parallel_size > 1:
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            print("kvwarm sweep: --data-parallel-size > 1 needs the engine cores in vLLM's own processes; "
+                  "unset VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 1)", file=sys.stderr)
+            reporter.write("failed", "data parallel with VLLM_ENABLE_V1_MULTIPROCESSING=0")
+            return 2
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        print(f"kvwarm sweep: {engine_args.data_parallel_size} data-parallel ranks, each writing "
+              f"{spec['out']}/dp<R>/; waiting for the combined {spec['out']}/sweep.json", flush=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm.v1.engine.llm_engine import LLMEngine
 
     artifact = Path(spec["out"]) / "sweep.json"
     try:
-        engine = LLMEngine.from_engine_args(engine_args_from(engine_argv, spec))
+        engine = LLMEngine.from_engine_args(engine_args)
     except Exception:
         # Input found wrong once the engine knew max_model_len and the layout: the sweep
         # (in this process or the engine core's) recorded why in the artifact.
-        recorded = json.loads(artifact.read_text())
-        if recorded["status"] != "failed":
+        recorded = _recorded(spec["out"], engine_args.data_parallel_size)
+        if recorded is None or recorded["status"] != "failed":
             raise
         print(f"kvwarm sweep: {recorded['error']}", file=sys.stderr)
         return 2
     core = getattr(engine.engine_core, "engine_core", None)
     status = _step(core) if core is not None else _wait(engine, artifact)
+    if status != "complete":
+        recorded = _recorded(spec["out"], engine_args.data_parallel_size) or {}
+        print(f"kvwarm sweep: {status}: {recorded.get('error') or 'see the log above'}", file=sys.stderr)
+    engine.engine_core.shutdown()
     return 0 if status == "complete" else 1
 
 
+def _recorded(out: str, dp_size: int) -> dict | None:
+    """The artifact that says how the run ended: a rank's, when one failed at start-up."""
+    paths = [Path(out) / "sweep.json"] + [Path(out) / f"dp{r}" / "sweep.json" for r in range(dp_size if dp_size > 1 else 0)]
+    for path in reversed(paths):
+        try:
+            recorded = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if recorded.get("status") == "failed":
+            return recorded
+    try:
+        return json.loads(paths[0].read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _step(core) -> str:
-    """In-process engine core: step it until the sweep is done."""
+    """In-process engine core: step it until the sweep is done. The adapter records a sweep
+    failure itself (once); an engine failure outside the sweep's hooks is recorded here."""
     scheduler = core.scheduler
-    if getattr(scheduler, "kvwarm_run", None) is None:
+    run = getattr(scheduler, "kvwarm_run", None)
+    if run is None:
         raise SystemExit(f"kvwarm sweep: --scheduler-cls must be {ADAPTER} (or a subclass of its mixin)")
     try:
         while scheduler.has_requests():
             core.step_fn()
     except Exception as err:  # the rows already measured stay in the artifact
-        scheduler.kvwarm_run.fail(err)
+        run.fail(err)
         raise
-    return "complete"
+    return json.loads((Path(run.reporter.out) / "sweep.json").read_text())["status"]
+
+
+def _engine_dead(engine) -> bool:
+    """vLLM's own liveness flag for engine cores in other processes (docs/hooks.md)."""
+    resources = getattr(engine.engine_core, "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
 
 
 def _wait(engine, artifact: Path) -> str:
-    """Engine core in its own process: it steps itself; wait for the final artifact."""
+    """Engine cores in their own processes: they step themselves; wait for the final
+    artifact (the combined view under data parallel) for as long as the engine lives."""
     while True:
-        status = json.loads(artifact.read_text())["status"] if artifact.exists() else None
+        try:
+            status = json.loads(artifact.read_text()).get("status")
+        except (OSError, ValueError):  # not written yet, or being replaced
+            status = None
         if status in ("complete", "failed"):
             return status
-        if getattr(getattr(engine.engine_core, "resources", None), "engine_dead", False):
-            print("kvwarm sweep: the engine core died; see its log above", file=sys.stderr)
-            return "failed"
+        if _engine_dead(engine):
+            print("kvwarm sweep: an engine core died before the sweep's artifact was final; see its log above",
+                  file=sys.stderr)
+            return "engine died"
         time.sleep(POLL_SECONDS)

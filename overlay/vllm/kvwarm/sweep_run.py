@@ -5,6 +5,8 @@ The scheduler adapter builds a SweepRun when the engine's additional_config carr
 does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or the
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
 every point, and on any failure with status "failed", the error and every row measured.
+Under data parallel each rank writes OUT/dp<R>/ and, after each of its writes, the
+combined view OUT/sweep.json (artifact.write_combined).
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifact import build_artifact, write_artifact
+from vllm.logger import init_logger
+
+from .artifact import build_artifact, write_artifact, write_combined
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_dataset
 from .gate import content_reason, model_gate_reason
 from .layout import group_layouts
 from .points import DecodePoint, PointsFileError, load_points
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
+from .ranks import make_exchange, rank_layout
+from .record import run_record, utc_now
 from .state_mode import STATE_ENV, STATE_MODE_INVALID, decide_state_mode
-from .sweep import FAKE_FALLBACK, LEGACY, DecodeSweep
+from .sweep import FAKE_FALLBACK, LEGACY, NOISY_SPREAD, DecodeSweep, SweepConfig
+
+logger = init_logger(__name__)
 
 CONFIG_KEY = "kvwarm_sweep"
 INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError)
@@ -54,15 +62,25 @@ def read_inputs(points_path: str, environ=None, max_model_len: int = sys.maxsize
     return SweepInputs(settings, points, conversations, dataset)
 
 
-class Reporter:
-    """The artifact (after every point) and progress lines with the time left."""
+class ArtifactWriteError(RuntimeError):
+    pass
 
-    def __init__(self, out: str, config: dict, environ):
-        self.out, self.config = out, config
+
+class Reporter:
+    """The artifact (after every point) and progress lines with the time left. A write that
+    fails raises ArtifactWriteError for the caller to end the sweep with; it never reaches
+    the engine (the scheduler adapter handles it)."""
+
+    def __init__(self, out: str, config: dict, environ, rank_out: str | None = None, layout=None):
+        self.root = out  # where the combined view goes under data parallel
+        self.out = rank_out or out  # where this rank's artifact goes
+        self.config = config
+        self.layout = layout
         self.meta = {"enabled": False, "warm_eligible": False, "skip_reason": None, "dataset": None,
                      "stages": [], "giant_kv_repeats": 1, "giant_kv_threshold": None,
                      "state_mode_requested": environ.get(STATE_ENV), "state_mode": None,
-                     "reset_prefix_cache": None}
+                     "reset_prefix_cache": None, "noisy_spread": NOISY_SPREAD}
+        self.run: dict = {"started_at": utc_now(), "finished_at": None}
         self.rows: list = []
         self.total = 0
         self.started = time.monotonic()
@@ -74,7 +92,20 @@ class Reporter:
         self.total = len(inputs.points)
 
     def write(self, status: str, error: str | None = None) -> None:
-        write_artifact(self.out, build_artifact(self.rows, self.meta, self.config, status, error))
+        if status != "running":
+            self.run["finished_at"] = utc_now()
+        artifact = build_artifact(self.rows, self.meta, self.config, status, error,
+                                  run=self.run, layout=self.layout)
+        try:
+            write_artifact(self.out, artifact)
+        except Exception as err:
+            raise ArtifactWriteError(f"writing the artifact to {self.out} failed: {type(err).__name__}: {err}") from err
+        if self.layout is not None and self.layout.data_parallel_size > 1:
+            try:
+                write_combined(self.root, self.layout.data_parallel_size)
+            except Exception as err:
+                raise ArtifactWriteError(f"writing the combined view to {self.root} failed: "
+                                         f"{type(err).__name__}: {err}") from err
 
     def progress(self, message: str) -> None:
         done = len(self.rows)
@@ -82,7 +113,8 @@ class Reporter:
         if 0 < done < self.total:
             per_point = (time.monotonic() - self.started) / done
             left = f", about {per_point * (self.total - done):.0f} s left"
-        print(f"[kvwarm sweep] {message}{left}", flush=True)
+        rank = f" dp{self.layout.data_parallel_rank}" if self.layout and self.layout.data_parallel_size > 1 else ""
+        logger.info("[kvwarm sweep%s] %s%s", rank, message, left)
 
 
 def _tokenizer_encode(model_config):
@@ -103,15 +135,23 @@ class SweepRun:
             raise SettingsError(f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}}, '
                                 f"got {spec!r}")
         vllm_config = scheduler.vllm_config
-        self.reporter = Reporter(spec["out"], {"points": spec["points"], "model": vllm_config.model_config.model},
-                                 environ)
+        parallel = vllm_config.parallel_config
+        self.layout = rank_layout(parallel)
+        size, rank = self.layout.data_parallel_size, self.layout.data_parallel_rank
+        rank_out = str(Path(spec["out"]) / f"dp{rank}") if size > 1 else None
+        config = {"points": spec["points"], "model": vllm_config.model_config.model}
+        self.reporter = Reporter(spec["out"], config, environ, rank_out, self.layout)
+        self.finished = False
         try:
-            self.sweep = self._build(scheduler, vllm_config, spec, environ)
-        except INPUT_ERRORS as err:
+            self.reporter.run.update(run_record(scheduler))
+            self.reporter.write("running")  # replaces an earlier run's artifact in this folder
+            self.sweep = self._build(scheduler, vllm_config, spec, environ,
+                                     make_exchange(self.layout, spec["out"], parallel))
+        except BaseException as err:
             self.fail(err)
             raise
 
-    def _build(self, scheduler, vllm_config, spec: dict, environ) -> DecodeSweep:
+    def _build(self, scheduler, vllm_config, spec: dict, environ, exchange) -> DecodeSweep:
         max_model_len = vllm_config.model_config.max_model_len
         inputs = read_inputs(spec["points"], environ, max_model_len)
         settings, reporter = inputs.settings, self.reporter
@@ -133,15 +173,19 @@ class SweepRun:
             need = max(p.contexts()[0] for p in inputs.points) + 1 + settings.repeats
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
-        reporter.meta.update(decision.metadata(), warm_eligible=reason is None, skip_reason=reason)
+        dp = self.layout.data_parallel_size
+        reporter.meta.update(decision.metadata(), warm_eligible=reason is None, skip_reason=reason,
+                             batch_semantics="per_rank", global_batch_factor=dp)
         if reason is not None:
             reporter.meta["state_mode"] = None
             reporter.progress(f"warm-up skipped ({reason}): every point on fake KV")
-        return DecodeSweep(
-            inputs.points, chain_text, repeats=settings.repeats, max_model_len=max_model_len,
+        config = SweepConfig(
+            repeats=settings.repeats, max_model_len=max_model_len,
             state_mode=decision.mode if reason is None else None, real=reason is None,
             fake_regime=LEGACY if settings.warmup == "off" else FAKE_FALLBACK,
-            giant_kv_threshold=settings.giant_kv_threshold, progress=reporter.progress, on_row=self._on_row)
+            giant_kv_threshold=settings.giant_kv_threshold)
+        return DecodeSweep(inputs.points, chain_text, config, progress=reporter.progress, on_row=self._on_row,
+                           exchange=exchange)
 
     def _on_row(self, row) -> None:
         self.reporter.rows.append(row)
@@ -153,10 +197,18 @@ class SweepRun:
         self.reporter.meta["stages"] = list(self.sweep.stages)
         self.reporter.meta["reset_prefix_cache"] = self.sweep.reset_prefix_cache_ok
         self.reporter.write("complete")
+        self.finished = True
         self.reporter.progress(f"wrote {Path(self.reporter.out) / 'sweep.json'}")
 
     def fail(self, err: BaseException) -> None:
-        """Record why the sweep stopped, keeping every row measured before."""
+        """Record why the sweep stopped, keeping every row measured before. Never raises:
+        a failure to write the record is logged."""
+        if self.finished:
+            return
+        self.finished = True
         message = str(err) if isinstance(err, INPUT_ERRORS) else f"{type(err).__name__}: {err}"
-        print(f"[kvwarm sweep] failed: {message}", file=sys.stderr, flush=True)
-        self.reporter.write("failed", message)
+        logger.error("[kvwarm sweep] failed: %s", message)
+        try:
+            self.reporter.write("failed", message)
+        except ArtifactWriteError as write_err:
+            logger.error("[kvwarm sweep] %s", write_err)

@@ -1,0 +1,90 @@
+"""What a sweep's artifact records about the run, so that it can be reproduced and compared
+months later: the build, the engine arguments as given and as vLLM resolved them, the
+hardware and torch. Read once per run; nothing here touches a GPU (no CUDA context is made
+in the engine-core process: GPUs are listed through NVML)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def resolved_engine_args(scheduler) -> dict:
+    vllm_config = scheduler.vllm_config
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    compilation = getattr(vllm_config, "compilation_config", None)
+    cudagraph_mode = getattr(compilation, "cudagraph_mode", None)
+    return {
+        "block_sizes": {f"{i}:{type(g.kv_cache_spec).__name__}": g.kv_cache_spec.block_size
+                        for i, g in enumerate(groups)},
+        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
+        "max_model_len": model.max_model_len,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(cache.cache_dtype),
+        "enable_prefix_caching": bool(cache.enable_prefix_caching),
+        "mamba_cache_mode": getattr(cache, "mamba_cache_mode", None),
+        "enforce_eager": bool(model.enforce_eager),
+        "cudagraph_mode": None if cudagraph_mode is None else str(cudagraph_mode),
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpus() -> tuple[list[dict], str | None]:
+    try:
+        from vllm.third_party import pynvml
+    except ImportError:
+        try:
+            import pynvml
+        except ImportError:
+            return [], None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver: a CPU host
+        return [], None
+    try:
+        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
+                 for i in range(pynvml.nvmlDeviceGetCount())]
+        driver = pynvml.nvmlSystemGetDriverVersion()
+    finally:
+        pynvml.nvmlShutdown()
+    names = [n.decode() if isinstance(n, bytes) else n for n in names]
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return [{"name": n, "count": c} for n, c in counts.items()], driver.decode() if isinstance(driver, bytes) else driver
+
+
+def hardware() -> dict:
+    import torch
+
+    gpus, driver = _gpus()
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "gpus": gpus, "driver": driver,
+            "cuda_runtime": torch.version.cuda}
+
+
+def run_record(scheduler) -> dict:
+    """The artifact's fields that describe the run (the build record comes from the wheel)."""
+    import torch
+
+    from vllm.kvwarm import build_record
+
+    return {"build": build_record(), "torch": torch.__version__, "hardware": hardware(),
+            "engine_args": {"given": list(sys.argv), "resolved": resolved_engine_args(scheduler)}}
