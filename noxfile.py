@@ -120,8 +120,12 @@ def _release_sessions(release: dict) -> None:
         """tests/engine on the real CPU engine of the patched cpu-flavour wheel."""
         _tooling(session, "pytest")
         _install_patched(session, short, flavour="cpu", deps=engine_deps)
-        # One CPU engine per process: the tiny-llama tests, the hybrid ones, the sweep command.
-        selections = [["-m", "not hybrid and not command"], ["-m", "hybrid"], ["-m", "command"]]
+        # Test support only (CPU communicator gaps under MoE data parallel, forced faults).
+        session.install("-q", str(ROOT / "tests" / "engine" / "kvwarm_test_plugin"))
+        # One CPU engine per process: the tiny-llama tests, the hybrid ones, the sweep command,
+        # the multi-rank engines (subprocesses) and a tensor-parallel engine.
+        selections = [["-m", "not hybrid and not command and not multirank and not tp2"], ["-m", "hybrid"],
+                      ["-m", "command"], ["-m", "multirank"], ["-m", "tp2"]]
         for selection in selections if not session.posargs else [[]]:
             session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 

@@ -48,4 +48,9 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
         assert row["kv_seed_regime"] == "real_kv" and len(row["steady_seconds"]) == 3
         assert row["median_seconds"] == sorted(row["steady_seconds"])[1] > 0
     assert len(list(csv.DictReader((out / "sweep.csv").open()))) == 3
-    assert (out / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:  # the PNG is drawn only where it imports
+        assert (out / "sweep.png").read_bytes().startswith(b"\x89PNG")
+    else:
+        assert not (out / "sweep.png").exists()

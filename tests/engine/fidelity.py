@@ -1,0 +1,53 @@
+"""The shadow fidelity check shared by the engine tests (one rank and tensor parallel): on a
+parked chain, shadows admitted through the scheduler adapter decode the same greedy
+tokens as natural requests whose prompt is the chain's first ctx + 1 tokens."""
+
+from __future__ import annotations
+
+import random
+
+from vllm.kvwarm.chains import chain_request, is_prefilled, park
+from vllm.kvwarm.injection import PendingPoint
+
+CONTEXTS = [100, 128, 200, 255]
+STEPS = 5  # decoded tokens per shadow: the admission token and 4 steady steps
+
+
+def _step_core_until(core, done, limit=200):
+    for _ in range(limit):
+        if done():
+            return
+        core.step()
+    raise AssertionError("the engine did not get there in time")
+
+
+def shadow_and_natural_tokens(llm, core, fork: bool, name: str) -> tuple[list, list]:
+    """Greedy tokens of shadows at CONTEXTS and of natural requests over the same prefixes;
+    the chain is released at the end and nothing may stay in use."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.request import RequestStatus
+
+    scheduler = core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    tokens = random.Random(1).choices(range(3, 400), k=300)
+    chain = chain_request(scheduler, name, tokens)
+    scheduler.add_request(chain)
+    _step_core_until(core, lambda: is_prefilled(chain))
+    park(scheduler, chain)
+
+    point = scheduler.kvwarm.queue(PendingPoint([chain] * len(CONTEXTS), CONTEXTS, headroom=STEPS - 1, fork=fork))
+    _step_core_until(core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
+    assert point.failure is None
+    shadow_tokens = [list(s.output_token_ids) for s in point.shadows]
+
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=chain.all_token_ids[: ctx + 1], cache_salt=f"natural-{name}-{ctx}")
+               for ctx in CONTEXTS]
+    natural = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
+
+    scheduler.finish_requests([chain.request_id], RequestStatus.FINISHED_ABORTED)
+    core.step()
+    assert not [b for b in pool.blocks if b.ref_cnt and not b.is_null]
+    assert pool.reset_prefix_cache()
+    return shadow_tokens, natural
