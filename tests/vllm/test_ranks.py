@@ -217,4 +217,22 @@ def test_requests_from_outside_wait_while_a_point_is_measured_and_run_between_po
     assert sweep.done and foreign_steps
     assert [r.kv_seed_regime for r in sweep.rows] == ["real_kv"] * 4  # none skipped for a batch mismatch
     assert not [r for r in scheduler.requests if r.startswith("user-")]  # every user request finished
+    assert sweep.reset_prefix_cache_ok is True  # the leak check waited for them
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_a_sweep_ends_without_its_leak_check_when_outside_requests_outlast_the_wait(tmp_path):
+    from vllm.kvwarm.sweep import END_WAIT_SECONDS
+
+    scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler)
+    endless = make_request("user-endless", 20)
+    endless.sampling_params.max_tokens = endless.max_tokens = 900
+    scheduler.add_request(endless)
+    sweep = make_sweep([DecodePoint(120, 2)])  # its clock ticks a second per reading
+    scheduler.kvwarm_sweep = sweep
+    for _ in range(int(END_WAIT_SECONDS) + 200):
+        if sweep.done:
+            break
+        step_scheduler(scheduler)
+    assert sweep.done and sweep.reset_prefix_cache_ok is None and "user-endless" in scheduler.requests
+    assert [r.kv_seed_regime for r in sweep.rows] == ["real_kv"]

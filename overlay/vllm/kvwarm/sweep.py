@@ -115,6 +115,9 @@ def injected_contexts(point: DecodePoint) -> list[int]:
     return [max(1, c - 1) for c in point.contexts()]
 
 
+# How long the end of a sweep waits for requests from outside before its leak check.
+END_WAIT_SECONDS = 60.0
+
 # A parked chain has sampled a token or two (async scheduling) after its prompt; at
 # max_model_len vLLM would finish it, freeing the blocks its shadows borrow.
 CHAIN_DEPTH_MARGIN = 4
@@ -158,6 +161,7 @@ class DecodeSweep:
         self._last_update: float | None = None
         self._mismatch: str | None = None  # why the point's steps were not B alone
         self._drifted: set[str] = set()  # chains an in-place shadow has advanced
+        self._ending: float | None = None  # when the sweep began waiting for outside requests to end
         self.done = False
         self.reset_prefix_cache_ok: bool | None = None
 
@@ -270,14 +274,28 @@ class DecodeSweep:
 
     # --- phases ------------------------------------------------------------------------------
 
+    def _end(self, scheduler) -> None:
+        """The leak check: reset_prefix_cache() succeeds only when nothing but the null
+        block is in use, so requests from outside (a server's) must be done first. They are
+        waited for up to END_WAIT_SECONDS; after that the check is not made (None)."""
+        if scheduler.requests:
+            if self._ending is None:
+                self._ending = self._clock()
+            if self._clock() - self._ending < END_WAIT_SECONDS:
+                return
+            self._progress(f"{len(scheduler.requests)} request(s) from outside still running: "
+                           "no leak check (reset_prefix_cache) this time")
+        else:
+            self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+        self.done = True
+        self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
+
     def _all_parked(self, scheduler) -> bool:
         return all(is_prefilled(c) and c not in scheduler.running for c in self._rung.chains)
 
     def _start_next_rung(self, scheduler) -> None:
         if not self.rungs:
-            self.done = True
-            self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
-            self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
+            self._end(scheduler)
             return
         rung = self._rung = self.rungs.pop(0)
         kvm = scheduler.kv_cache_manager
