@@ -174,14 +174,14 @@ def main() -> None:
 def run(tmp: Path) -> None:
     import vllm
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.kvwarm.dataset import ChainText, load_conversations
+    from vllm.kvwarm.dataset import ChainText, load_dataset
     from vllm.kvwarm.sweep import plan_rungs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     release = ".".join((os.environ.get("KVWARM_RELEASE") or vllm.__version__).split(".")[:2])  # e.g. 0.28
     points = ladder()
     model = load_tiny_models().make_small_llama(tmp / "small-llama")
-    conversations = load_conversations(load_tiny_models().write_sharegpt(tmp / "sharegpt.json"))
+    conversations, _ = load_dataset(load_tiny_models().write_sharegpt(tmp / "sharegpt.json"))
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model), dtype="float32", seed=0, enforce_eager=True, block_size=BLOCK,
         max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=2 * BATCH,
