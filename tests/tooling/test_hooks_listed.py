@@ -2,15 +2,17 @@
 
 The overlay (`overlay/vllm/kvwarm/*.py`) is parsed with `ast`, without vLLM. Collected:
 every name imported from `vllm` (outside `vllm.kvwarm`), every attribute read or written
-(`x.name`, and `getattr`/`hasattr`/`setattr` with a literal name or a module-level string
-constant) and every dotted path in a capability row. Not vLLM's, so subtracted: the names
-the overlay defines itself (functions, classes, their attributes and dataclass fields,
-module-level names), attributes of the other modules it imports (stdlib, PIL,
-transformers), and a short list of methods of builtin and stdlib objects. Whatever is left must appear inside a backtick span of hooks.md.
+(`x.name`), and every name probed as a string (`getattr`/`hasattr`/`setattr` with a literal
+or a module-level string constant, the dotted path of a capability row). Not vLLM's, so
+subtracted: the names the overlay defines itself (functions, classes, their attributes and
+dataclass fields, module-level names; for a probed name only the attributes it assigns on
+`self`), attributes of the other modules it imports (stdlib, PIL, transformers), and a
+short list of methods of builtin and stdlib objects. Whatever is left must appear inside
+a backtick span of hooks.md.
 
-A vLLM attribute whose name the overlay also defines for its own objects (`block_size`
-is both a manager's and a GroupLayout's) is subtracted, so this check cannot see it:
-hooks.md lists those by hand.
+A plain attribute access of vLLM's whose name the overlay also defines for its own objects
+(`block_size` is both a manager's and a GroupLayout's) is subtracted, so this check cannot
+see it: hooks.md lists those by hand.
 """
 
 from __future__ import annotations

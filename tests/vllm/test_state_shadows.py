@@ -146,18 +146,23 @@ def test_state_shadow_refuses_a_chain_without_a_state_block():
     _release_all(kvm, chain)
 
 
+def _refused_as_state_missing(kvm, chain, mode, message):
+    """A shadow at ctx 100 of `chain` is refused with state_missing and takes nothing."""
+    baseline = in_use(kvm.block_pool)
+    with pytest.raises(ShadowRegistrationError, match=message) as err:
+        register_shadow(kvm, make_request("shadow", 101), chain, ctx=100, headroom=3, state_mode=mode)
+    assert err.value.reason == borrowing.STATE_MISSING
+    assert in_use(kvm.block_pool) == baseline
+    assert all("shadow" not in m.req_to_blocks for m in kvm.coordinator.single_type_managers)
+    _release_all(kvm, chain)
+
+
 def test_state_shadow_refuses_a_table_short_of_its_speculative_scratch():
     kvm, _, state = _hybrid(speculative=1)
     chain = make_chain(kvm, "chain", 192)  # [null, null, S, scratch]
     kvm.block_pool.free_blocks([state.req_to_blocks["chain"].pop()])  # the scratch, dropped by hand
-    baseline = in_use(kvm.block_pool)
-    shadow = make_request("shadow", 101)
-    with pytest.raises(ShadowRegistrationError, match=r"its table ends at slot 2, short of its state slot 2 "
-                                                      r"plus 1 speculative block\(s\)") as err:
-        register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=INPLACE)
-    assert err.value.reason == borrowing.STATE_MISSING
-    assert in_use(kvm.block_pool) == baseline
-    _release_all(kvm, chain)
+    _refused_as_state_missing(kvm, chain, INPLACE, r"its table ends at slot 2, short of its state slot 2 "
+                                                   r"plus 1 speculative block\(s\)")
 
 
 @pytest.mark.parametrize("speculative", [0, 1])
@@ -170,14 +175,8 @@ def test_state_shadow_refuses_a_table_that_runs_past_its_state_and_scratch(specu
     chain = make_chain(kvm, "chain", 192)
     assert kvm.allocate_slots(chain, 2) is not None  # scheduled into slot 3, nothing computed
     assert len(state.req_to_blocks["chain"]) == 4 + speculative
-    baseline = in_use(kvm.block_pool)
-    shadow = make_request("shadow", 101)
-    with pytest.raises(ShadowRegistrationError, match=rf"its table runs 1 block\(s\) past its state slot 2 plus "
-                                                      rf"{speculative} speculative block\(s\)") as err:
-        register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=COPY)
-    assert err.value.reason == borrowing.STATE_MISSING
-    assert in_use(kvm.block_pool) == baseline and "shadow" not in state.req_to_blocks
-    _release_all(kvm, chain)
+    _refused_as_state_missing(kvm, chain, COPY, rf"its table runs 1 block\(s\) past its state slot 2 plus "
+                                                rf"{speculative} speculative block\(s\)")
 
 
 @pytest.mark.parametrize("mode, detail", [
