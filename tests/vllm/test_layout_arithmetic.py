@@ -84,7 +84,7 @@ def test_a_spec_of_unknown_kind_is_unknown_with_its_reason_never_attention(make_
 
 
 def test_registration_refuses_a_group_of_unknown_kind_by_name():
-    from vllm.kvwarm.borrowing import LAYOUT_UNKNOWN
+    from vllm.kvwarm import borrowing
     from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow
 
     kvm = make_kv_cache_manager([16])
@@ -95,7 +95,7 @@ def test_registration_refuses_a_group_of_unknown_kind_by_name():
     with pytest.raises(ShadowRegistrationError, match="group 0: RenamedWindowSpecStandIn extends full attention "
                                                       "with field.s. reference_window") as err:
         register_shadow(kvm, make_request("shadow", 41), chain, ctx=40, headroom=3)
-    assert err.value.reason == LAYOUT_UNKNOWN
+    assert err.value.reason == borrowing.LAYOUT_UNKNOWN
     assert in_use(kvm.block_pool) == baseline and "shadow" not in manager.req_to_blocks
 
 

@@ -14,7 +14,6 @@ import torch
 from real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler, step_scheduler
 
 from vllm.kvwarm import borrowing, state_mode
-from vllm.kvwarm.capabilities import hashes_partial_tails
 from vllm.kvwarm.layout import group_layouts
 from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
 from vllm.kvwarm.state_mode import (
@@ -384,6 +383,7 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
 
 
 def _hashes_partial_state_tails() -> bool:
+    from vllm.kvwarm.capabilities import hashes_partial_tails
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     return hashes_partial_tails(MambaManager)
