@@ -38,6 +38,8 @@ BUILTIN_METHODS = frozenset(
     "add_argument", "add_parser", "add_subparsers", "parse_args", "parse_known_args",  # argparse
     "command", "json", "dist", "expect_version", "expect_series_digest", "points", "out",  # parsed args
     "writerow", "getvalue", "shuffle", "hexdigest", "digest", "search",  # csv, io, random, hashlib, re
+    "unlink", "strftime", "__dict__",  # pathlib, time/datetime, any object
+    "debug", "info", "warning", "error", "exception",  # a logging.Logger (vLLM's init_logger returns one)
     "text", "line", "rectangle", "ellipse", "save",  # PIL ImageDraw / Image (the plot)
     "__name__",
 }
