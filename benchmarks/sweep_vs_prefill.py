@@ -118,16 +118,10 @@ class StepClock:
 
 def request(scheduler, request_id: str, salt: str, tokens: list[int], max_tokens: int):
     """An ordinary greedy request, hashed for the prefix cache like a frontend's."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.request import Request
+    from vllm.kvwarm.chains import prefix_hasher
+    from vllm.kvwarm.request import greedy_request
 
-    hasher = get_request_block_hasher(scheduler.kv_cache_manager.block_pool.hash_block_size,
-                                      get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
-                   pooling_params=None, cache_salt=salt, block_hasher=hasher)
+    return greedy_request(request_id, tokens, max_tokens, cache_salt=salt, block_hasher=prefix_hasher(scheduler))
 
 
 def warm_up_side(clock: StepClock, points, text, progress) -> float:
@@ -174,14 +168,14 @@ def main() -> None:
 def run(tmp: Path) -> None:
     import vllm
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.kvwarm.dataset import ChainText, load_conversations
+    from vllm.kvwarm.dataset import ChainText, load_dataset
     from vllm.kvwarm.sweep import plan_rungs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     release = ".".join((os.environ.get("KVWARM_RELEASE") or vllm.__version__).split(".")[:2])  # e.g. 0.28
     points = ladder()
     model = load_tiny_models().make_small_llama(tmp / "small-llama")
-    conversations = load_conversations(load_tiny_models().write_sharegpt(tmp / "sharegpt.json"))
+    conversations, _ = load_dataset(load_tiny_models().write_sharegpt(tmp / "sharegpt.json"))
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model), dtype="float32", seed=0, enforce_eager=True, block_size=BLOCK,
         max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=2 * BATCH,

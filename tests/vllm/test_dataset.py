@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
-from vllm.kvwarm.dataset import ChainText, DatasetError, load_conversations
+from vllm.kvwarm.dataset import ChainText, DatasetError, load_dataset
 
 
 def _conversation(n: int) -> dict:
@@ -24,15 +25,17 @@ def _write(tmp_path, data) -> str:
 
 def test_the_collection_half_is_chosen_by_content_hash_not_order(tmp_path):
     data = [_conversation(n) for n in range(40)]
-    kept = load_conversations(_write(tmp_path, data))
+    path = _write(tmp_path, data)
+    kept, digest = load_dataset(path)
+    assert digest == hashlib.sha256(Path(path).read_bytes()).hexdigest()  # of the file's bytes
     assert 5 < len(kept) < 35  # about half
     assert all(hashlib.sha256(t.encode()).digest()[0] % 2 == 0 for t in kept)
     assert all("short" not in t.split("\n") for t in kept)  # turns under 64 chars dropped
-    assert set(load_conversations(_write(tmp_path, data[::-1]))) == set(kept)
+    assert set(load_dataset(_write(tmp_path, data[::-1]))[0]) == set(kept)
 
 
 def test_chain_draws_are_deterministic_and_deeper_draws_extend_shallower_ones(tmp_path):
-    texts = load_conversations(_write(tmp_path, [_conversation(n) for n in range(40)]))
+    texts, _ = load_dataset(_write(tmp_path, [_conversation(n) for n in range(40)]))
     encode = lambda text: [ord(ch) for ch in text]  # noqa: E731
     text = ChainText(texts, encode)
     shallow, deep = text(0, 100), text(0, 5000)
@@ -48,9 +51,9 @@ def test_chain_draws_are_deterministic_and_deeper_draws_extend_shallower_ones(tm
 ])
 def test_bad_datasets_say_what_is_wrong(tmp_path, content, message):
     with pytest.raises(DatasetError, match=message):
-        load_conversations(_write(tmp_path, content))
+        load_dataset(_write(tmp_path, content))
 
 
 def test_a_missing_dataset_names_the_variable(tmp_path):
     with pytest.raises(DatasetError, match="DYN_BENCH_KV_WARMUP_DATASET"):
-        load_conversations(tmp_path / "missing.json")
+        load_dataset(tmp_path / "missing.json")

@@ -1,11 +1,11 @@
-"""Group classification on vLLM's real spec classes, and the block arithmetic with the
-upstream checklist's numbers."""
+"""Group classification on vLLM's real spec classes (and the refusal of a spec whose kind
+cannot be established), and the block arithmetic on worked examples."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from real_kv import make_kv_cache_manager
+from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
 
 from vllm.kvwarm import layout
 from vllm.kvwarm.arithmetic import (
@@ -32,6 +32,9 @@ def _mamba_spec(mode):
     (lambda: _attention_spec("MLAAttentionSpec"), layout.ATTENTION),
     # The manager keeps every block of a sliding-window layer folded into full attention.
     (lambda: _attention_spec(sliding_window=128), layout.ATTENTION),
+    # A reference sliding window keeps only the last rswa_window tokens' blocks.
+    (lambda: _attention_spec("RSWASpec", rswa_window=64), layout.UNSUPPORTED),
+    (lambda: _attention_spec("SinkFullAttentionSpec", sink_len=4), layout.ATTENTION),
     (lambda: _attention_spec("SlidingWindowSpec", sliding_window=128), layout.UNSUPPORTED),
     (lambda: _attention_spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), layout.UNSUPPORTED),
     (lambda: _mamba_spec("align"), layout.STATE_ALIGN),
@@ -39,7 +42,61 @@ def _mamba_spec(mode):
     (lambda: _mamba_spec("all"), layout.STATE_OTHER),
 ])
 def test_groups_are_classified_by_spec_and_cache_mode(make_spec, kind):
-    assert layout.classify_spec(make_spec()) == kind
+    assert layout.classify_spec(make_spec())[0] == kind
+
+
+def _full_attention_stand_in():
+    """A stand-in for a full-attention spec subclass of a release that renamed the
+    reference window's field (`rswa_window` -> `reference_window`): not a vLLM class."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class RenamedWindowSpecStandIn(FullAttentionSpec):
+        reference_window: int
+
+    return RenamedWindowSpecStandIn(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32,
+                                    reference_window=64)
+
+
+def _unknown_spec_stand_in():
+    """A stand-in for a spec class vLLM might add that is none of the known families."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+    @dataclasses.dataclass(frozen=True)
+    class UnknownSpecStandIn(KVCacheSpec):
+        pass
+
+    return UnknownSpecStandIn(block_size=16)
+
+
+@pytest.mark.parametrize("make_spec, detail", [
+    (_full_attention_stand_in, "RenamedWindowSpecStandIn extends full attention with field(s) reference_window "
+                               "that the layout does not know"),
+    (_unknown_spec_stand_in, "UnknownSpecStandIn is a KV-cache spec the layout does not know"),
+])
+def test_a_spec_of_unknown_kind_is_unknown_with_its_reason_never_attention(make_spec, detail):
+    kind, why = layout.classify_spec(make_spec())
+    assert kind == layout.UNKNOWN and why.startswith(detail)
+
+
+def test_registration_refuses_a_group_of_unknown_kind_by_name():
+    from vllm.kvwarm import borrowing
+    from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow
+
+    kvm = make_kv_cache_manager([16])
+    chain = make_chain(kvm, "chain", 64)
+    (manager,) = kvm.coordinator.single_type_managers
+    manager.kv_cache_spec = _full_attention_stand_in()  # the real manager, a spec it could have
+    baseline = in_use(kvm.block_pool)
+    with pytest.raises(ShadowRegistrationError, match="group 0: RenamedWindowSpecStandIn extends full attention "
+                                                      "with field.s. reference_window") as err:
+        register_shadow(kvm, make_request("shadow", 41), chain, ctx=40, headroom=3)
+    assert err.value.reason == borrowing.LAYOUT_UNKNOWN
+    assert in_use(kvm.block_pool) == baseline and "shadow" not in manager.req_to_blocks
 
 
 def test_group_layouts_of_a_real_manager_follow_group_order():

@@ -17,9 +17,19 @@ def test_warmup_switch(raw, warmup):
     assert read_settings({"DYN_BENCH_KV_WARMUP": raw}).warmup == warmup
 
 
-def test_repeats_have_a_floor_of_one():
-    assert read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "0"}).repeats == 1
+def test_integers_in_range_are_taken_as_given():
+    settings = read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "1", "DYN_BENCH_GIANT_KV_THRESHOLD": " 0 "})
+    assert (settings.repeats, settings.giant_kv_threshold) == (1, 0)
     assert read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "7"}).repeats == 7
+
+
+@pytest.mark.parametrize("name, raw, minimum", [
+    ("DYN_BENCH_GIANT_KV_REPEATS", "0", 1), ("DYN_BENCH_GIANT_KV_REPEATS", "-3", 1),
+    ("DYN_BENCH_GIANT_KV_THRESHOLD", "-1", 0),
+])
+def test_out_of_range_integers_are_refused_not_raised_to_the_minimum(name, raw, minimum):
+    with pytest.raises(SettingsError, match=f"{name}='{raw}' is out of range: it must be an integer >= {minimum}"):
+        read_settings({name: raw})
 
 
 @pytest.mark.parametrize("env, message", [

@@ -1,8 +1,10 @@
 """Attention/MLA shadows on the real KV-cache classes of the patched release.
 
-Every case of the upstream checklist's "Shadows" list, plus the lifecycle: after shadows
-and chains are freed every block is back at its baseline ref count, the null block was
-never queued, and reset_prefix_cache() succeeds.
+The prefix shared by position and the tail forked or zero-filled (full attention and MLA),
+the pool pre-check against the tail arithmetic, refusals (a too-shallow chain, a request
+that already has blocks) that unwind every group, and the lifecycle: after shadows and
+chains are freed every block is back at its baseline ref count, the null block was never
+queued, and reset_prefix_cache() succeeds.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Recurrent-state hand-off to shadows on the real align-mode MambaManager, next to a real
-attention manager (the upstream checklist's "State" cases, the gate's state reasons, the
-mode table per build, stamps).
+attention manager (placement of the chain's state, blanks and scratch; refusals of a chain
+whose state slot cannot be established; the gate's state reasons, the mode table per
+build, stamps).
 
 Layout unless said otherwise: attention bs 16 + align-mode state bs 64 (hash unit 16),
 headroom 3, a 192-token chain whose state table is [null, null, S].
@@ -144,6 +145,39 @@ def test_state_shadow_refuses_a_chain_without_a_state_block():
     _release_all(kvm, chain)
 
 
+def _refused_as_state_missing(kvm, chain, mode, message):
+    """A shadow at ctx 100 of `chain` is refused with state_missing and takes nothing."""
+    baseline = in_use(kvm.block_pool)
+    with pytest.raises(ShadowRegistrationError, match=message) as err:
+        register_shadow(kvm, make_request("shadow", 101), chain, ctx=100, headroom=3, state_mode=mode)
+    assert err.value.reason == borrowing.STATE_MISSING
+    assert in_use(kvm.block_pool) == baseline
+    assert all("shadow" not in m.req_to_blocks for m in kvm.coordinator.single_type_managers)
+    _release_all(kvm, chain)
+
+
+def test_state_shadow_refuses_a_table_short_of_its_speculative_scratch():
+    kvm, _, state = _hybrid(speculative=1)
+    chain = make_chain(kvm, "chain", 192)  # [null, null, S, scratch]
+    kvm.block_pool.free_blocks([state.req_to_blocks["chain"].pop()])  # the scratch, dropped by hand
+    _refused_as_state_missing(kvm, chain, INPLACE, r"its table ends at slot 2, short of its state slot 2 "
+                                                   r"plus 1 speculative block\(s\)")
+
+
+@pytest.mark.parametrize("speculative", [0, 1])
+def test_state_shadow_refuses_a_table_that_runs_past_its_state_and_scratch(speculative):
+    """vLLM sizes an align-mode table for every scheduled token, drafts included, and keeps
+    the running state at its last 1 + speculative blocks: a chain whose scheduled tokens
+    were not all computed (rejected drafts) may hold its live state past the slot its depth
+    names. Refused with or without speculative blocks."""
+    kvm, _, state = _hybrid(speculative=speculative)
+    chain = make_chain(kvm, "chain", 192)
+    assert kvm.allocate_slots(chain, 2) is not None  # scheduled into slot 3, nothing computed
+    assert len(state.req_to_blocks["chain"]) == 4 + speculative
+    _refused_as_state_missing(kvm, chain, COPY, rf"its table runs 1 block\(s\) past its state slot 2 plus "
+                                                rf"{speculative} speculative block\(s\)")
+
+
 @pytest.mark.parametrize("mode, detail", [
     (None, "not copy or inplace"), ("auto", "not copy or inplace"), ("Copy", "not copy or inplace"),
     ("copy-without-cow", "copy mode needs state managers that can fork"),
@@ -197,7 +231,7 @@ def test_state_groups_are_keyed_on_the_cache_mode_not_the_class_name():
         return LinearAttentionStateSpec(block_size=64, shapes=((2,),), dtypes=(torch.float32,),
                                         mamba_cache_mode=mode)
 
-    assert (classify_spec(spec("align")), classify_spec(spec("none"))) == (STATE_ALIGN, STATE_OTHER)
+    assert (classify_spec(spec("align"))[0], classify_spec(spec("none"))[0]) == (STATE_ALIGN, STATE_OTHER)
 
 
 def test_state_shadow_rejects_a_non_align_mamba_group():
@@ -349,16 +383,18 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
 
 
 def _hashes_partial_state_tails() -> bool:
+    from vllm.kvwarm.capabilities import hashes_partial_tails
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-    return hasattr(MambaManager, "_cache_partial_tail_block")
+    return hashes_partial_tails(MambaManager)
 
 
 def test_partial_tail_hashing_ends_in_the_promotion_assertion_without_the_exemption(tmp_path):
-    """Stock 0.28.0's failure as DESIGN.md reports it, on the real classes: at the shadow's
-    prompt boundary (112 tokens) `_cache_partial_tail_block` stacks the shadow's partial
-    key on the chain's state block and drops the shadow's cached count 3 -> 1; at 128 the
-    promotion assertion of `BlockPool.cache_full_blocks` fires."""
+    """The failure of a stock build that hashes partial state tails (docs/state-handoff.md),
+    on the real classes: at the shadow's prompt boundary (112 tokens)
+    `_cache_partial_tail_block` stacks the shadow's partial key on the chain's state block
+    and drops the shadow's cached count 3 -> 1; at 128 the promotion assertion of
+    `BlockPool.cache_full_blocks` fires."""
     if not _hashes_partial_state_tails():
         pytest.skip("this build never hashes partial state tails, so there is nothing to reproduce")
     steps = _in_place_steady_steps(tmp_path, borrowed_kv=False, stock_loop=False)

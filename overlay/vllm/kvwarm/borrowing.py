@@ -12,6 +12,7 @@ POINT_SKIP_REASON = "decode_injection_failed"
 CHAIN_TOO_SHALLOW = "chain_too_shallow"
 POOL_EXHAUSTED = "pool_exhausted"
 LAYOUT_UNSUPPORTED = "layout_unsupported"
+LAYOUT_UNKNOWN = "layout_unknown"  # a group whose spec the layout cannot classify
 FORK_UNSUPPORTED = "fork_unsupported"
 HOOKS_MISSING = "hooks_missing"
 STATE_MODE_UNUSABLE = "state_mode_unusable"

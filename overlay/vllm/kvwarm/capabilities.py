@@ -12,6 +12,16 @@ import importlib
 from dataclasses import dataclass
 
 
+# A state manager that hashes partial state tails (an in-place hand-off needs a build
+# that exempts borrowed requests from it).
+PARTIAL_TAIL_HOOK = "_cache_partial_tail_block"
+
+
+def hashes_partial_tails(manager) -> bool:
+    """Whether a state manager (an instance or its class) hashes partial state tails."""
+    return hasattr(manager, PARTIAL_TAIL_HOOK)
+
+
 @dataclass(frozen=True)
 class Capability:
     name: str
@@ -56,7 +66,7 @@ CAPABILITIES = (
     ),
     Capability(
         "hashes_partial_tails", "vllm.v1.core.single_type_kv_cache_manager",
-        "MambaManager._cache_partial_tail_block",
+        f"MambaManager.{PARTIAL_TAIL_HOOK}",
         "the release hashes partial state tails (in-place state hand-off needs an exemption)",
     ),
 )

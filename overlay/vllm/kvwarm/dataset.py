@@ -25,13 +25,9 @@ class DatasetError(ValueError):
     pass
 
 
-def load_conversations(path: str | Path) -> list[str]:
-    """The collection half of the file's conversations, as text."""
-    return load_dataset(path)[0]
-
-
 def load_dataset(path: str | Path) -> tuple[list[str], str]:
-    """load_conversations, and the sha256 of the file's bytes (read once)."""
+    """The collection half of the file's conversations as text, and the sha256 of the
+    file's bytes (read once)."""
     path = Path(path)
     try:
         raw = path.read_bytes()

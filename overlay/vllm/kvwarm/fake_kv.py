@@ -12,17 +12,13 @@ is never hashed, so nothing it holds can be found by the prefix cache.
 from __future__ import annotations
 
 from .borrowing import POOL_EXHAUSTED, ShadowRegistrationError
+from .request import greedy_request
 
 
 def fake_request(request_id: str, ctx: int, decode_steps: int, vocab_size: int, salt: int):
     """A greedy request over ctx + 1 synthetic tokens that decodes `decode_steps` tokens."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
     tokens = [(salt * 7919 + 31 * t) % vocab_size for t in range(ctx + 1)]
-    request = Request(request_id=request_id, prompt_token_ids=tokens, sampling_params=params,
-                      pooling_params=None, cache_salt=request_id)
+    request = greedy_request(request_id, tokens, decode_steps, cache_salt=request_id)
     request.borrowed_kv = True  # KV it did not compute: never hashed
     return request
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from .borrowing import ShadowRegistrationError
 from .fake_kv import allocate_fake, fake_request
 from .layout import group_layouts
+from .request import greedy_request
 from .shadows import check_pool, register_shadow, release_fork_retentions
 
 SHADOW_PREFIX = "__kvwarm_shadow_"  # frontend ids never start like this
@@ -43,15 +44,9 @@ class PendingPoint:
 
 
 def shadow_request(request_id: str, chain, ctx: int, decode_steps: int):
-    """A greedy request over the chain's first ctx + 1 tokens that decodes `decode_steps`
-    tokens and never stops early (EOS cannot end a measurement)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    params = SamplingParams(temperature=0.0, max_tokens=decode_steps, ignore_eos=True)
+    """A greedy request over the chain's first ctx + 1 tokens that decodes `decode_steps`."""
     # Never hashed (borrowed_kv), so no block hasher; the salt keeps it out of prefix hits.
-    return Request(request_id=request_id, prompt_token_ids=list(chain.all_token_ids[: ctx + 1]),
-                   sampling_params=params, pooling_params=None, cache_salt=request_id)
+    return greedy_request(request_id, chain.all_token_ids[: ctx + 1], decode_steps, cache_salt=request_id)
 
 
 class ShadowInjector:

@@ -1,7 +1,10 @@
-"""What each KV-cache group is, read from its spec and cache mode (never a class name)."""
+"""What each KV-cache group is, read from its spec's fields and cache mode (never a class
+name). A spec whose kind cannot be established is UNKNOWN, with the reason, and refused:
+never borrowed as plain attention on a guess."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Full attention and MLA: one block per block_size tokens, every block kept.
@@ -13,6 +16,20 @@ STATE_ALIGN = "state_align"
 STATE_OTHER = "state_other"
 # Sliding-window and chunked-local managers, cross-attention, ...: not borrowed by position.
 UNSUPPORTED = "unsupported"
+# A spec the layout does not know (a new class, or a known one with new fields).
+UNKNOWN = "unknown"
+
+# Fields that subclasses of FullAttentionSpec add without changing which blocks their
+# manager keeps (MLA, attention sinks, quantized and hidden-state caches). Any other
+# added field may be a window that drops old blocks, as `rswa_window` (the reference
+# sliding window) does: such a spec is UNKNOWN until someone has checked it and listed
+# the field here or in EVICTING_FIELDS.
+KEEPS_EVERY_BLOCK_FIELDS = frozenset({
+    "cache_dtype_str", "alignment", "compress_ratio", "model_version", "non_causal_multi_token_decode",
+    "head_size_v", "sink_len", "tq_slot_size",
+})
+EVICTING_FIELDS = frozenset({"rswa_window"})
+STATE_MODE_FIELD, SPECULATIVE_FIELD = "mamba_cache_mode", "num_speculative_blocks"
 
 
 @dataclass(frozen=True)
@@ -22,24 +39,44 @@ class GroupLayout:
     block_size: int
     num_speculative_blocks: int
     manager: object  # the group's SingleTypeKVCacheManager
+    detail: str | None = None  # why an UNSUPPORTED or UNKNOWN group is one
 
     @property
     def can_fork(self) -> bool:
         return callable(getattr(self.manager, "_apply_cow", None))
 
 
-def classify_spec(spec) -> str:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+def _fields(spec_or_class) -> set[str]:
+    return {f.name for f in dataclasses.fields(spec_or_class)} if dataclasses.is_dataclass(spec_or_class) else set()
 
-    mode = getattr(spec, "mamba_cache_mode", None)
-    if mode is not None:
-        return STATE_ALIGN if mode == "align" else STATE_OTHER
-    # The full-attention family (MLA, quantized, sinks; also sliding-window layers that the
-    # manager treats as full) keeps a block for every token, so a prefix can be borrowed
-    # by position. A spec that evicts old blocks (a reference sliding window) cannot.
-    if isinstance(spec, FullAttentionSpec) and getattr(spec, "rswa_window", None) is None:
-        return ATTENTION
-    return UNSUPPORTED
+
+def classify_spec(spec) -> tuple[str, str | None]:
+    """(kind, why): why names what made a group UNSUPPORTED or UNKNOWN (None otherwise)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    name, fields = type(spec).__name__, _fields(spec)
+    if STATE_MODE_FIELD in fields:
+        if SPECULATIVE_FIELD not in fields:
+            return UNKNOWN, f"{name} has {STATE_MODE_FIELD} but no {SPECULATIVE_FIELD}"
+        mode = getattr(spec, STATE_MODE_FIELD)
+        return (STATE_ALIGN, None) if mode == "align" else (STATE_OTHER, f"{name} in cache mode {mode!r}")
+    if isinstance(spec, MambaSpec):
+        return UNKNOWN, f"{name} is recurrent state without a {STATE_MODE_FIELD} field"
+    if isinstance(spec, FullAttentionSpec):
+        added = fields - _fields(FullAttentionSpec)
+        if added & EVICTING_FIELDS:
+            return UNSUPPORTED, f"{name} drops old blocks ({', '.join(sorted(added & EVICTING_FIELDS))})"
+        if added - KEEPS_EVERY_BLOCK_FIELDS:
+            return UNKNOWN, (f"{name} extends full attention with field(s) "
+                             f"{', '.join(sorted(added - KEEPS_EVERY_BLOCK_FIELDS))} that the layout does not "
+                             "know; it may drop old blocks (see docs/hooks.md, layout)")
+        return ATTENTION, None
+    if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec)):
+        return UNSUPPORTED, f"{name} is not borrowed by position"
+    return UNKNOWN, f"{name} is a KV-cache spec the layout does not know"
 
 
 def group_layouts(kv_cache_manager) -> list[GroupLayout]:
@@ -47,11 +84,13 @@ def group_layouts(kv_cache_manager) -> list[GroupLayout]:
     layouts = []
     for group_id, manager in enumerate(kv_cache_manager.coordinator.single_type_managers):
         spec = manager.kv_cache_spec
+        kind, detail = classify_spec(spec)
         layouts.append(GroupLayout(
             group_id=group_id,
-            kind=classify_spec(spec),
+            kind=kind,
             block_size=manager.block_size,
-            num_speculative_blocks=getattr(manager, "num_speculative_blocks", 0) or 0,
+            num_speculative_blocks=getattr(spec, SPECULATIVE_FIELD) if kind == STATE_ALIGN else 0,
             manager=manager,
+            detail=detail,
         ))
     return layouts

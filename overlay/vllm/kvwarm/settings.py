@@ -43,7 +43,10 @@ def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> i
         value = int(raw.strip())
     except ValueError:
         raise SettingsError(f"{name}={raw!r} is not an integer (default {default})") from None
-    return max(minimum, value)
+    if value < minimum:
+        raise SettingsError(f"{name}={raw!r} is out of range: it must be an integer >= {minimum} "
+                            f"(default {default})")
+    return value
 
 
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:

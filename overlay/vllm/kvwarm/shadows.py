@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from .arithmetic import pool_shortfall, shadow_private_blocks
 from .attention_shadow import stage_attention
 from .borrowing import (  # noqa: F401  (the reasons are part of this module's API)
-    CHAIN_TOO_SHALLOW, FORK_UNSUPPORTED, HOOKS_MISSING, LAYOUT_UNSUPPORTED, POINT_SKIP_REASON,
+    CHAIN_TOO_SHALLOW, FORK_UNSUPPORTED, HOOKS_MISSING, LAYOUT_UNKNOWN, LAYOUT_UNSUPPORTED, POINT_SKIP_REASON,
     POOL_EXHAUSTED, STATE_MISSING, STATE_MODE_UNUSABLE, GroupTable, ShadowRegistrationError, Undo,
 )
-from .layout import ATTENTION, STATE_ALIGN, GroupLayout, group_layouts
+from .layout import ATTENTION, STATE_ALIGN, UNKNOWN, GroupLayout, group_layouts
 from .state_mode import COPY, INPLACE, probe_state_build
 from .state_shadow import stage_state
 
@@ -54,7 +54,11 @@ def resolve_fork(layouts: list[GroupLayout], fork: bool | None) -> bool:
 
 
 def _check_layout(kv_cache_manager, layouts: list[GroupLayout], state_mode: str | None) -> str | None:
-    unsupported = [f"group {g.group_id} ({g.kind})" for g in layouts if g.kind not in (ATTENTION, STATE_ALIGN)]
+    unknown = [f"group {g.group_id}: {g.detail}" for g in layouts if g.kind == UNKNOWN]
+    if unknown:
+        raise ShadowRegistrationError(LAYOUT_UNKNOWN, "; ".join(unknown))
+    unsupported = [f"group {g.group_id} ({g.kind}: {g.detail})" for g in layouts
+                   if g.kind not in (ATTENTION, STATE_ALIGN)]
     if unsupported:
         raise ShadowRegistrationError(LAYOUT_UNSUPPORTED, ", ".join(unsupported))
     state_groups = [g for g in layouts if g.kind == STATE_ALIGN]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .capabilities import hashes_partial_tails
 from .layout import STATE_ALIGN, STATE_OTHER, GroupLayout
 
 STATE_ENV = "DYN_BENCH_KV_WARMUP_STATE"
@@ -47,8 +48,7 @@ class StateDecision:
 
 
 def _hashes_borrowed_partial_tails(group: GroupLayout, hash_block_size: int, borrowed_exempt: bool) -> bool:
-    hashes_tails = hasattr(group.manager, "_cache_partial_tail_block")
-    return hashes_tails and group.block_size != hash_block_size and not borrowed_exempt
+    return hashes_partial_tails(group.manager) and group.block_size != hash_block_size and not borrowed_exempt
 
 
 def probe_state_build(layouts: list[GroupLayout], kv_cache_manager) -> StateBuild:

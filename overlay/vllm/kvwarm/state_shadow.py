@@ -19,25 +19,40 @@ from .borrowing import STATE_MISSING, GroupTable, ShadowRegistrationError, adopt
 from .state_mode import COPY
 
 
-def chain_state_slot(manager, chain) -> int:
-    """The slot of the chain's live state block, checked against its table."""
-    bs, spec = manager.block_size, getattr(manager, "num_speculative_blocks", 0) or 0
-    table = manager.req_to_blocks.get(chain.request_id, [])
+def chain_state_slot(group, chain) -> int:
+    """The slot of the chain's live state block, checked against its table.
+
+    The table must end exactly at slot + num_speculative_blocks (the state block, then
+    its scratch). Shorter: the scratch the runner writes is missing. Longer: vLLM sizes
+    an align-mode table for the tokens it schedules, draft tokens included, and keeps the
+    running state at the last 1 + num_speculative_blocks blocks, so a table that runs past
+    slot + num_speculative_blocks (drafts rejected, or a stale slot) may hold the chain's
+    live state elsewhere than at the slot its depth names. Both are refused, with or
+    without speculative blocks: a wrong state block would pass for the chain's own.
+    """
+    bs, spec = group.block_size, group.num_speculative_blocks
+    table = group.manager.req_to_blocks.get(chain.request_id, [])
     slot = (chain.num_computed_tokens - 1) // bs
     where = f"chain {chain.request_id!r} at depth {chain.num_computed_tokens}"
     if chain.num_computed_tokens < 1 or slot >= len(table) or table[slot].is_null:
         raise ShadowRegistrationError(STATE_MISSING, f"{where} holds no recurrent state block at slot {slot}")
     last_held = max(i for i, block in enumerate(table) if not block.is_null)
     extra = last_held - spec - slot
-    if extra < 0 or (extra > 0 and spec == 0):
-        raise ShadowRegistrationError(STATE_MISSING, f"{where}: its table runs past its state slot {slot}")
+    if extra < 0:
+        raise ShadowRegistrationError(
+            STATE_MISSING, f"{where}: its table ends at slot {last_held}, short of its state slot {slot} "
+                           f"plus {spec} speculative block(s)")
+    if extra > 0:
+        raise ShadowRegistrationError(
+            STATE_MISSING, f"{where}: its table runs {extra} block(s) past its state slot {slot} plus {spec} "
+                           "speculative block(s), so its live state may not be at that slot")
     return slot
 
 
 def stage_state(group, pool, chain, ctx: int, headroom: int, mode: str, undo) -> Callable:
     manager, bs = group.manager, group.block_size
     spec = group.num_speculative_blocks
-    state = manager.req_to_blocks[chain.request_id][chain_state_slot(manager, chain)]
+    state = manager.req_to_blocks[chain.request_id][chain_state_slot(group, chain)]
     read_slot, last_slot = (ctx - 1) // bs, (ctx + headroom) // bs
     copy = mode == COPY
     fresh = take_fresh(pool, int(copy) + (last_slot - read_slot) + spec, undo)
