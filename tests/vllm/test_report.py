@@ -119,6 +119,25 @@ def test_a_v2_artifact_names_model_build_and_layout_with_ticks_and_units(tmp_pat
     assert sorted((round(s[0][1], 3), round(s[1][1], 3)) for s in segments) == [(9.8, 10.4), (19.6, 20.8)]
 
 
+def test_a_combined_data_parallel_artifact_shows_its_ranks(tmp_path):
+    combined = v2_artifact()
+    combined.update(artifact_type="combined", ranks=[
+        {"rank": 0, "status": "complete", "rows": 2, "error": None, "path": "dp0/sweep.json"},
+        {"rank": 1, "status": "complete", "rows": 2, "error": None, "path": "dp1/sweep.json"}])
+    combined["layout"].update(data_parallel_size=2, data_parallel_rank=None)
+    for row in combined["results"]:
+        row.update(global_batch_size=8, ranks=[{"rank": 0, "median_seconds": row["median_seconds"] * 0.9},
+                                               {"rank": 1, "median_seconds": row["median_seconds"]}])
+    source = _save(tmp_path / "dp", combined)
+    _save(tmp_path / "dp" / "dp0", v2_artifact())
+    assert run([source, "--out", str(tmp_path / "r")]) == 0
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "Data-parallel ranks" in page and "dp1/sweep.json" in page and "0: 9.000 1: 10.000" in page
+    fig = figure([load_run(source)])
+    assert "layout TP2 PP1 DP2 EP on" in fig.axes[0].get_title(loc="left")
+    assert _legend(fig) == ["B=4 per rank (8 over all ranks)", REGIMES["real_kv"][0]]
+
+
 def test_the_legend_lists_only_the_regimes_drawn_and_noisy_rows(tmp_path):
     legacy = figure([from_artifact(v2_artifact(regime="legacy"), "off", "off")])
     assert _legend(legacy) == ["B=4", REGIMES["legacy"][0]]

@@ -386,7 +386,7 @@ def write_csv(runs: list[Run], comparisons: list[Comparison]) -> str:
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}th{background:#f4f4f4}td.l,th.l{text-align:left}
 .failed{background:#fdd;border:1px solid #c00;padding:.5em}.running{background:#ffd;border:1px solid #aa0;padding:.5em}
-.noisy{color:#c00}img{max-width:100%;border:1px solid #ddd}"""
+img{max-width:100%;border:1px solid #ddd}"""
 
 
 def _table(header: list[str], lines: list[list], left: int = 0) -> str:
@@ -416,10 +416,14 @@ def _run_section(n: int, run: Run, png: str) -> str:
         info.append(["engine (resolved)", ", ".join(f"{k}={v}" for k, v in sorted(resolved.items()))])
     parts.append(_table(["", ""], info, left=2))
     parts.append(f'<p><img src="{png}" alt="step time against K for {html.escape(run.label)}"></p>')
+    header = ["K", "B", "regime", "median ms", "min ms", "max ms", "spread", "steps", "sample reasons"]
     lines = [[r.k, r.b, r.regime, f"{r.median_ms:.3f}", f"{r.min_ms:.3f}", f"{r.max_ms:.3f}",
               f"{100 * r.spread:.1f}%", len(r.steps_ms), " ".join(r.reasons)] for r in run.rows]
-    parts.append(_table(["K", "B", "regime", "median ms", "min ms", "max ms", "spread", "steps", "sample reasons"],
-                        lines))
+    if any(r.ranks for r in run.rows):  # combined view: the row's median is the slowest rank's
+        header.append("median ms per rank")
+        for line, r in zip(lines, run.rows):
+            line.append(" ".join(f"{x.get('rank')}: {1e3 * x.get('median_seconds', 0):.3f}" for x in r.ranks or []))
+    parts.append(_table(header, lines))
     skipped = [[(s.get("point") or {}).get("total_kv_read_tokens"), (s.get("point") or {}).get("batch_size"),
                 s.get("kv_seed_regime"), s.get("reason")] for s in a.get("skipped_points") or []]
     if skipped:
