@@ -207,6 +207,19 @@ def test_a_failed_artifact_renders_what_it_measured_marked_failed(tmp_path, caps
     assert "[FAILED]" in figure([load_run(source)]).axes[0].get_title(loc="left")
 
 
+def test_a_v1_artifact_that_failed_before_measuring_still_renders(tmp_path):
+    """As the sweep command writes it when the input is wrong: no rows, argv for the engine."""
+    failed = v1_artifact(status="failed", error="points file /bench/points.json not found")
+    failed.update(results=[], skipped_points=[],
+                  config={"points": "/bench/points.json", "engine_args": ["--model", "/models/tiny-llama/"]})
+    source = _save(tmp_path / "failed", failed)
+    assert run([source, "--out", str(tmp_path / "r")]) == 0
+    fig = figure([load_run(source)])
+    assert fig.axes[0].get_title(loc="left").startswith("Decode step time: tiny-llama  [FAILED]")
+    assert fig.axes[0].get_legend() is None
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no point measured"]
+
+
 def test_a_running_artifact_is_refused_unless_allowed(tmp_path, capsys):
     source = _save(tmp_path / "running", v2_artifact(status="running"))
     assert run([source, "--out", str(tmp_path / "r")]) == 2

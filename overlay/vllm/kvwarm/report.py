@@ -268,7 +268,7 @@ def figure(runs: list[Run]):
     over the timed steps, a marker per KV regime; legend entries only for what is drawn."""
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     fig = Figure(figsize=(9.5, 5.8), dpi=110, layout="constrained")
     ax = fig.add_subplot()
@@ -318,7 +318,10 @@ def figure(runs: list[Run]):
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.margins(x=0.05, y=0.1)
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.0f}"))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # K counts tokens
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.10g}"))
+    if not any(run.rows for run in runs):
+        ax.text(0.5, 0.5, "no point measured", transform=ax.transAxes, ha="center", va="center", fontsize=14)
     ax.grid(True, color="0.9")
     ax.set_title(_title(runs), fontsize=10, loc="left")
     return fig
