@@ -142,7 +142,7 @@ def test_the_legend_lists_only_the_regimes_drawn_and_noisy_rows(tmp_path):
     legacy = figure([from_artifact(v2_artifact(regime="legacy"), "off", "off")])
     assert _legend(legacy) == ["B=4", REGIMES["legacy"][0]]
     noisy = figure([from_artifact(v2_artifact(reasons=["kvwarm_real_kv", "kvwarm_noisy"]), "n", "n")])
-    assert _legend(noisy) == ["B=4", REGIMES["real_kv"][0], "noisy (spread over threshold)"]
+    assert _legend(noisy) == ["B=4", REGIMES["real_kv"][0], "noisy (spread over 50%)"]
 
 
 def test_plot_png_gives_the_png_of_an_artifact(monkeypatch):

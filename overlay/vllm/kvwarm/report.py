@@ -309,8 +309,10 @@ def figure(runs: list[Run]):
         handles.append(Line2D([], [], marker=marker, color="dimgray", linestyle="none", markersize=7,
                               markerfacecolor="dimgray" if regime == "real_kv" else "white", label=label))
     if noisy:
+        thresholds = {(run.artifact.get("kvwarm") or {}).get("noisy_threshold") for run in runs} - {None}
+        over = f"{100 * thresholds.pop():g}%" if len(thresholds) == 1 else "the threshold"
         handles.append(Line2D([], [], marker="o", markersize=12, linestyle="none", markerfacecolor="none",
-                              markeredgecolor="red", label="noisy (spread over threshold)"))
+                              markeredgecolor="red", label=f"noisy (spread over {over})"))
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)  # never over data
     ax.set_xlabel("K: KV tokens read per decode step (tokens)")
