@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import sys
 
 import pytest
 
@@ -148,12 +149,12 @@ def test_the_legend_lists_only_the_regimes_drawn_and_noisy_rows(tmp_path):
 def test_plot_png_gives_the_png_of_an_artifact(monkeypatch):
     png = plot_png(v2_artifact())
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as where it is not installed
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
     assert plot_png(v2_artifact()) is None
 
 
 def test_without_matplotlib_the_command_says_how_to_get_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert run([_save(tmp_path / "a", v2_artifact())]) == 2
     assert capsys.readouterr().err.count("pip install matplotlib") == 1
 
