@@ -106,7 +106,8 @@ def _release_sessions(release: dict) -> None:
     def unit(session: nox.Session) -> None:
         """tests/vllm against the real classes of the patched wheel, on CPU."""
         # jsonschema: a vLLM requirement the minimal deps venv leaves out; the artifact uses it.
-        _tooling(session, "pytest", "hypothesis", "jsonschema")
+        # matplotlib: not a vLLM requirement; the report's tests render with it.
+        _tooling(session, "pytest", "hypothesis", "jsonschema", "matplotlib")
         _install_patched(session, short)
         # The cuda wheel on a CPU host: 0.28 reads the target device from here (pinned
         # host memory needs it); 0.25.1 ignores it and the tests pass a DeviceConfig.

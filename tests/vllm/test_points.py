@@ -44,6 +44,22 @@ def test_bad_points_files_name_the_file_and_the_problem(tmp_path, content, messa
     assert path in str(err.value)
 
 
+@pytest.mark.parametrize("content, key, allowed", [
+    ({"schema_version": 1, "decode": [{"total_kv_read_token": 10, "batch_size": 1}]},
+     "total_kv_read_token", "batch_size, total_kv_read_tokens"),
+    ({"schema_version": 1, "decode": [{"total_kv_read_tokens": 10, "batch_size": 1, "batch": 2}]},
+     "batch", "batch_size, total_kv_read_tokens"),
+    ({"schema_version": 1, "decodes": [{"total_kv_read_tokens": 10, "batch_size": 1}]},
+     "decodes", "decode, prefill, schema_version"),
+])
+def test_an_unknown_key_is_named_with_the_allowed_ones(tmp_path, content, key, allowed):
+    path = _write(tmp_path, content)
+    with pytest.raises(PointsFileError) as err:
+        load_points(path, max_model_len=1024, headroom=3)
+    message = str(err.value)
+    assert f"unknown key {key!r}" in message and f"allowed: {allowed}" in message and path in message
+
+
 def test_a_missing_points_file_says_which(tmp_path):
     with pytest.raises(PointsFileError, match=r"points file .*nope\.json not found"):
         load_points(tmp_path / "nope.json", max_model_len=1024, headroom=3)

@@ -1,5 +1,6 @@
 """`python -m vllm.kvwarm info [--json]`: what this build is and which hooks it has.
-`python -m vllm.kvwarm sweep --points FILE --out DIR [engine args]`: a decode sweep."""
+`python -m vllm.kvwarm sweep --points FILE --out DIR [engine args]`: a decode sweep.
+`python -m vllm.kvwarm report DIR [DIR ...] [--out OUTDIR]`: sweeps rendered and compared."""
 
 from __future__ import annotations
 
@@ -42,11 +43,16 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.kvwarm.sweep_command import run
 
         return run(argv[1:])
+    if argv[:1] == ["report"]:  # its own parser too: the page, the CSV and the A/B comparison
+        from vllm.kvwarm.report import run
+
+        return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="release, flavour, series digest and hooks of this build")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     commands.add_parser("sweep", help="decode sweep on the real engine (see sweep --help)")
+    commands.add_parser("report", help="render and compare sweep artifacts (see report --help)")
     check = commands.add_parser("selfcheck", help="installed version, build record and series digest as expected")
     check.add_argument("--dist", default="vllm")
     check.add_argument("--expect-version", required=True)
@@ -56,9 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.kvwarm.selfcheck import run
 
         return run(args.dist, args.expect_version, args.expect_series_digest)
-    if args.command == "info":
-        return _info(args.json)
-    return 2
+    return _info(args.json)  # info: the only command left
 
 
 if __name__ == "__main__":

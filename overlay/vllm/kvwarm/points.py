@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SCHEMA_VERSION = 1
+TOP_LEVEL_KEYS = ("decode", "prefill", "schema_version")
+POINT_KEYS = ("batch_size", "total_kv_read_tokens")
 
 
 class PointsFileError(ValueError):
@@ -36,6 +38,13 @@ def _positive_int(value, what: str, where: str) -> int:
     return value
 
 
+def _known_keys(entry: dict, allowed: tuple[str, ...], where: str) -> None:
+    """A mistyped key would otherwise surface as a missing one, far from its cause."""
+    for key in entry:
+        if key not in allowed:
+            raise PointsFileError(f"{where}: unknown key {key!r} (allowed: {', '.join(allowed)})")
+
+
 def parse_points(data, source: str, max_model_len: int, headroom: int) -> list[DecodePoint]:
     """The points of a parsed points file; `headroom` is the steady steps each request
     decodes after its context, which must still fit in max_model_len."""
@@ -45,6 +54,7 @@ def parse_points(data, source: str, max_model_len: int, headroom: int) -> list[D
         raise PointsFileError(
             f"{source}: schema_version is {data.get('schema_version')!r}; this sweep reads "
             f"schema_version {SCHEMA_VERSION}")
+    _known_keys(data, TOP_LEVEL_KEYS, source)
     if data.get("prefill"):
         raise PointsFileError(
             f"{source}: has prefill points; the decode sweep measures decode points only "
@@ -57,6 +67,7 @@ def parse_points(data, source: str, max_model_len: int, headroom: int) -> list[D
         where = f"{source}: decode[{i}]"
         if not isinstance(entry, dict):
             raise PointsFileError(f"{where}: expected an object with total_kv_read_tokens and batch_size")
+        _known_keys(entry, POINT_KEYS, where)
         k = _positive_int(entry.get("total_kv_read_tokens"), "total_kv_read_tokens", where)
         b = _positive_int(entry.get("batch_size"), "batch_size", where)
         if k < b:

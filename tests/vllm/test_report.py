@@ -1,0 +1,280 @@
+"""`python -m vllm.kvwarm report`: artifacts of schema v1 and v2 rendered into a page, a CSV
+and PNG plots (matplotlib figures inspected, not pixels), the A/B comparison against hand
+computed figures, and every bad input named."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import sys
+
+import pytest
+
+from vllm.kvwarm.report import REGIMES, compare, figure, from_artifact, load_run, plot_png, run
+
+META_V1 = {"enabled": True, "warm_eligible": True, "skip_reason": None, "points_real_kv": 3,
+           "points_fake_fallback": 1, "giant_kv_repeats": 3, "giant_kv_threshold": 1_000_000,
+           "state_mode_requested": None, "state_mode": None, "reset_prefix_cache": True,
+           "stages": [{"batch": 4, "depth": 1004, "build_seconds": 2.5}],
+           "dataset": {"path": "/d/sharegpt.json", "sha256": "ab" * 32,
+                       "collection_pool": "conversation_sha256_even", "conversations": 64}}
+
+
+def _row(k, b, regime, steps, reasons=None):
+    return {"point": {"total_kv_read_tokens": k, "batch_size": b}, "kv_seed_regime": regime,
+            "sample_reasons": reasons or ([f"kvwarm_{regime}"] if regime != "legacy" else []),
+            "steady_seconds": steps, "median_seconds": sorted(steps)[len(steps) // 2]}
+
+
+def v1_artifact(status="complete", error=None):
+    """Today's artifact (schema 1): no build, layout, hardware, min or max."""
+    return {"schema_version": 1, "status": status, "error": error,
+            "config": {"points": "/bench/points.json", "model": "/models/tiny-qwen3-moe"}, "kvwarm": META_V1,
+            "results": [_row(1000, 4, "real_kv", [0.010, 0.012, 0.011]),
+                        _row(2000, 4, "real_kv", [0.020, 0.021, 0.022]),
+                        _row(4000, 4, "fake_fallback", [0.040, 0.041, 0.043]),
+                        _row(1000, 1, "real_kv", [0.004, 0.005, 0.0045])],
+            "skipped_points": [{"point": {"total_kv_read_tokens": 9000, "batch_size": 4},
+                                "kv_seed_regime": "skip:decode_injection_failed",
+                                "reason": "pool_exhausted: 3 more free block(s) needed"}]}
+
+
+def v2_artifact(medians_ms=(10.0, 20.0), regime="real_kv", status="complete", reasons=None):
+    """A rank artifact of schema 2 at B=4, K 1000 and 2000, with the given medians."""
+    results = []
+    for k, m in zip((1000, 2000), medians_ms):
+        steps = [m * 0.98 / 1e3, m / 1e3, m * 1.04 / 1e3]
+        row = _row(k, 4, regime, steps, reasons)
+        row.update(global_batch_size=4, median_seconds=m / 1e3, min_seconds=min(steps), max_seconds=max(steps),
+                   spread=(max(steps) - min(steps)) / (m / 1e3))
+        results.append(row)
+    return {
+        "schema_version": 2, "artifact_type": "rank", "status": status,
+        "error": None if status != "failed" else "rank 0: RuntimeError: pool exhausted",
+        "started_at": "2026-11-30T14:00:00Z", "finished_at": "2026-11-30T14:03:10Z",
+        "config": {"points": "/bench/points.json", "model": "/models/tiny-qwen3-moe",
+                   "engine_args": {"given": {"enforce_eager": True},
+                                   "resolved": {"block_sizes": {"0": 16}, "max_num_seqs": 8,
+                                                "max_num_batched_tokens": 2048, "max_model_len": 2048,
+                                                "dtype": "float32", "kv_cache_dtype": "auto",
+                                                "enable_prefix_caching": True, "mamba_cache_mode": None,
+                                                "enforce_eager": True, "cuda_graphs": False}}},
+        "build": {"version": "0.28.0+kvwarm.3", "release": "0.28.0", "flavour": "cpu", "series_digest": "d" * 16,
+                  "overlay_digest": "e" * 16, "revision": "abc1234"},
+        "layout": {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 2,
+                   "pipeline_parallel_size": 1, "expert_parallel": True},
+        "hardware": {"cpu": "AMD EPYC 7B13", "cores": 2, "gpus": [], "driver": None, "cuda_runtime": None},
+        "torch": "2.13.0+cpu", "kvwarm": {**META_V1, "batch_semantics": "per_rank", "global_batch_factor": 1,
+                                          "noisy_threshold": 0.5},
+        "results": results, "skipped_points": [], "a_field_from_the_future": {"ignored": True}}
+
+
+def _save(folder, artifact) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sweep.json").write_text(artifact if isinstance(artifact, str) else json.dumps(artifact))
+    return str(folder)
+
+
+def _legend(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def test_a_v1_artifact_renders_with_unknown_build_and_layout(tmp_path, capsys):
+    source = _save(tmp_path / "moe", v1_artifact())
+    assert run([source, "--out", str(tmp_path / "report")]) == 0
+    out = capsys.readouterr().out
+    assert "4 measured point(s), tiny-qwen3-moe · build unknown · layout unknown" in out
+    page = (tmp_path / "report" / "report.html").read_text()
+    assert "run-1.png" in page and "pool_exhausted: 3 more free block(s) needed" in page
+    png = (tmp_path / "report" / "run-1.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    rows = list(csv.DictReader((tmp_path / "report" / "report.csv").open()))
+    # v1 rows have no min/max: they come from the timed steps
+    assert [(r["total_kv_read_tokens"], r["batch_size"], r["median_ms"], r["min_ms"], r["max_ms"])
+            for r in rows][:2] == [("1000", "4", "11.0000", "10.0000", "12.0000"),
+                                   ("2000", "4", "21.0000", "20.0000", "22.0000")]
+
+    fig = figure([load_run(source)])
+    ax = fig.axes[0]
+    assert ax.get_title(loc="left") == "Decode step time: tiny-qwen3-moe\nbuild unknown · layout unknown"
+    # one series per batch size, and exactly the regimes present (no legacy here)
+    assert _legend(fig) == ["B=1", "B=4", REGIMES["real_kv"][0], REGIMES["fake_fallback"][0]]
+
+
+def test_a_v2_artifact_names_model_build_and_layout_with_ticks_and_units(tmp_path):
+    fig = figure([load_run(_save(tmp_path / "v2", v2_artifact()))])
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert ax.get_title(loc="left") == ("Decode step time: tiny-qwen3-moe\n"
+                                        "build 0.28.0+kvwarm.3 · layout TP2 PP1 DP1 EP on")
+    assert _legend(fig) == ["B=4", REGIMES["real_kv"][0]]
+    assert "(tokens)" in ax.get_xlabel() and "(ms)" in ax.get_ylabel()
+    for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
+        shown = [t.get_text() for t in labels if t.get_text()]
+        assert len(shown) >= 4, shown
+    assert "2,000" in [t.get_text() for t in ax.get_xticklabels()]
+    # the min-max bars of the repeats: one bar per point, from min to max
+    bars = [c for c in ax.containers if c.has_yerr]
+    segments = [seg for bar in bars for seg in bar.lines[2][0].get_segments()]
+    assert sorted((round(s[0][1], 3), round(s[1][1], 3)) for s in segments) == [(9.8, 10.4), (19.6, 20.8)]
+
+
+def test_a_combined_data_parallel_artifact_shows_its_ranks(tmp_path):
+    combined = v2_artifact()
+    combined.update(artifact_type="combined", ranks=[
+        {"rank": 0, "status": "complete", "rows": 2, "error": None, "path": "dp0/sweep.json"},
+        {"rank": 1, "status": "complete", "rows": 2, "error": None, "path": "dp1/sweep.json"}])
+    combined["layout"].update(data_parallel_size=2, data_parallel_rank=None)
+    for row in combined["results"]:
+        row.update(global_batch_size=8, ranks=[{"rank": 0, "median_seconds": row["median_seconds"] * 0.9},
+                                               {"rank": 1, "median_seconds": row["median_seconds"]}])
+    source = _save(tmp_path / "dp", combined)
+    _save(tmp_path / "dp" / "dp0", v2_artifact())
+    assert run([source, "--out", str(tmp_path / "r")]) == 0
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert "Data-parallel ranks" in page and "dp1/sweep.json" in page and "0: 9.000 1: 10.000" in page
+    fig = figure([load_run(source)])
+    assert "layout TP2 PP1 DP2 EP on" in fig.axes[0].get_title(loc="left")
+    assert _legend(fig) == ["B=4 per rank (8 over all ranks)", REGIMES["real_kv"][0]]
+
+
+def test_the_legend_lists_only_the_regimes_drawn_and_noisy_rows(tmp_path):
+    legacy = figure([from_artifact(v2_artifact(regime="legacy"), "off", "off")])
+    assert _legend(legacy) == ["B=4", REGIMES["legacy"][0]]
+    noisy = figure([from_artifact(v2_artifact(reasons=["kvwarm_real_kv", "kvwarm_noisy"]), "n", "n")])
+    assert _legend(noisy) == ["B=4", REGIMES["real_kv"][0], "noisy (spread over 50%)"]
+
+
+def test_plot_png_gives_the_png_of_an_artifact(monkeypatch):
+    png = plot_png(v2_artifact())
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where it is not installed
+    assert plot_png(v2_artifact()) is None
+
+
+def test_without_matplotlib_the_command_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert run([_save(tmp_path / "a", v2_artifact())]) == 2
+    assert capsys.readouterr().err.count("pip install matplotlib") == 1
+
+
+def test_ab_ratios_and_mape_match_a_hand_computation(tmp_path, capsys):
+    a = _save(tmp_path / "off", v2_artifact(medians_ms=(10.0, 20.0), regime="legacy"))
+    b = v2_artifact(medians_ms=(11.0, 18.0))
+    b["results"].append(_row(8000, 4, "real_kv", [0.08, 0.08, 0.08]))  # only in B
+    b = _save(tmp_path / "on", b)
+    assert run([a, b, "--out", str(tmp_path / "ab")]) == 0
+    # by hand: |11 - 10| / 10 = 10%, |18 - 20| / 20 = 10%: MAPE 10%; ratios 1.1 and 0.9
+    out = capsys.readouterr().out
+    assert "MAPE of B against A over 2 joined point(s): 10.00%" in out
+    assert "     1000    4       10.000       11.000   1.100  legacy / real_kv" in out
+    assert "     2000    4       20.000       18.000   0.900  legacy / real_kv" in out
+    assert "unmatched: K=8000 B=4 only in B (not in its points)" in out
+    page = (tmp_path / "ab" / "report.html").read_text()
+    assert "MAPE of B against A: 10.00%" in page and "compare-2-vs-1.png" in page
+    rows = list(csv.DictReader((tmp_path / "ab" / "report.csv").open()))
+    assert [(r["run"], r["total_kv_read_tokens"], r["ratio_to_baseline"]) for r in rows] == [
+        (a, "1000", ""), (a, "2000", ""), (b, "1000", "1.1000"), (b, "2000", "0.9000"), (b, "8000", "")]
+    overlay = figure([load_run(a), load_run(b)])
+    assert _legend(overlay) == ["B=4", f"A: {a}", f"B: {b}", REGIMES["real_kv"][0], REGIMES["legacy"][0]]
+
+
+def test_three_runs_are_each_compared_with_the_first_and_unmatched_points_named(tmp_path):
+    first = from_artifact(v2_artifact(medians_ms=(10.0, 20.0)), "a", "a")
+    third = v2_artifact(medians_ms=(12.0, 20.0))
+    third["results"].pop(1)
+    third["skipped_points"] = [{"point": {"total_kv_read_tokens": 2000, "batch_size": 4},
+                                "kv_seed_regime": "skip:pool_too_small", "reason": "no room"}]
+    third = from_artifact(third, "c", "c")
+    c = compare(first, third)
+    assert [(x.k, y.k) for x, y in c.joined] == [(1000, 1000)] and c.mape == pytest.approx(20.0)
+    assert [r.k for r in c.only_base] == [2000] and c.only_other == []
+    out = tmp_path / "three"
+    runs = [_save(tmp_path / n, v2_artifact(medians_ms=m)) for n, m in (("a", (10, 20)), ("b", (10, 22)),
+                                                                        ("c", (12, 20)))]
+    assert run([*runs, "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == ["compare-2-vs-1.png", "compare-3-vs-1.png",
+                                                         "run-1.png", "run-2.png", "run-3.png"]
+
+
+def test_a_failed_artifact_renders_what_it_measured_marked_failed(tmp_path, capsys):
+    source = _save(tmp_path / "failed", v2_artifact(status="failed"))
+    assert run([source, "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert f"{source}/sweep.json: the sweep failed (rank 0: RuntimeError: pool exhausted)" in err
+    assert "rendering the 2 row(s) it measured, marked failed" in err
+    assert "FAILED: rank 0: RuntimeError: pool exhausted" in (tmp_path / "r" / "report.html").read_text()
+    assert "[FAILED]" in figure([load_run(source)]).axes[0].get_title(loc="left")
+
+
+def test_a_v1_artifact_that_failed_before_measuring_still_renders(tmp_path):
+    """As the sweep command writes it when the input is wrong: no rows, argv for the engine."""
+    failed = v1_artifact(status="failed", error="points file /bench/points.json not found")
+    failed.update(results=[], skipped_points=[],
+                  config={"points": "/bench/points.json", "engine_args": ["--model", "/models/tiny-llama/"]})
+    source = _save(tmp_path / "failed", failed)
+    assert run([source, "--out", str(tmp_path / "r")]) == 0
+    fig = figure([load_run(source)])
+    assert fig.axes[0].get_title(loc="left").startswith("Decode step time: tiny-llama  [FAILED]")
+    assert fig.axes[0].get_legend() is None
+    assert [t.get_text() for t in fig.axes[0].texts] == ["no point measured"]
+
+
+def test_a_running_artifact_is_refused_unless_allowed(tmp_path, capsys):
+    source = _save(tmp_path / "running", v2_artifact(status="running"))
+    assert run([source, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "status 'running'" in err and "--allow-running" in err and not (tmp_path / "r").exists()
+    assert run([source, "--allow-running", "--out", str(tmp_path / "r")]) == 0
+    assert "RUNNING" in (tmp_path / "r" / "report.html").read_text()
+
+
+def _not_an_artifact():
+    data = v2_artifact()
+    del data["results"][0]["steady_seconds"]
+    return data
+
+
+@pytest.mark.parametrize("make, message", [
+    (None, "not found; pass a sweep's --out folder or its sweep.json"),
+    (lambda d: d.mkdir(), "no sweep.json in this folder"),
+    (lambda d: _save(d / "dp0", v2_artifact()), "holds per-rank artifacts (dp0) but no combined sweep.json"),
+    (lambda d: _save(d, '{"schema_version": 2, "status": "compl'), "not valid JSON"),
+    (lambda d: _save(d, "[1, 2]"), "not a sweep artifact (a JSON list, not an object)"),
+    (lambda d: _save(d, {"results": []}), "not a sweep artifact (no integer schema_version)"),
+    (lambda d: _save(d, {"schema_version": 2, "status": "complete"}), "'results' is not a list"),
+    (lambda d: _save(d, _not_an_artifact()), "results[0]: not a measured row"),
+    (lambda d: _save(d, {**v2_artifact(), "schema_version": 3}),
+     "schema_version 3; this report reads versions up to 2"),
+    (lambda d: _save(d, {**v2_artifact(), "status": "done"}), "status 'done' is none of complete, failed, running"),
+])
+def test_bad_input_is_named_with_its_problem_and_nothing_is_written(tmp_path, capsys, make, message):
+    bad = tmp_path / "bad"
+    if make:
+        make(bad)
+    good = _save(tmp_path / "good", v2_artifact())
+    assert run([good, str(bad), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(bad) in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_every_bad_input_is_named_at_once(tmp_path, capsys):
+    assert run([str(tmp_path / "one"), str(tmp_path / "two")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'one'}: not found" in err and f"{tmp_path / 'two'}: not found" in err
+
+
+def test_the_sweeps_own_artifact_renders(tmp_path):
+    """Whatever schema version the writer makes today, the report reads it."""
+    from vllm.kvwarm.artifact import build_artifact, write_artifact
+    from vllm.kvwarm.sweep import PointRow
+
+    rows = [PointRow(1000, 4, "real_kv", ["kvwarm_real_kv"], [0.010, 0.012, 0.011], 0.011)]
+    meta = copy.deepcopy(META_V1)
+    for derived in ("points_real_kv", "points_fake_fallback"):
+        meta.pop(derived)
+    write_artifact(tmp_path / "sweep", build_artifact(rows, meta, {"model": "/m/tiny"}, "complete"))
+    assert run([str(tmp_path / "sweep"), "--out", str(tmp_path / "r")]) == 0
+    assert [r.median_ms for r in load_run(str(tmp_path / "sweep")).rows] == [pytest.approx(11.0)]
