@@ -205,3 +205,18 @@ def test_config_problems_name_a_changed_entrypoint_and_a_wrong_label():
     assert len(problems) == 2
     assert "Entrypoint" in problems[0] and "'new'" in problems[1]
     assert images.config_problems(base, base, {}) == []
+
+
+# --- a failing builder command names its subcommand -----------------------------------------
+
+def test_a_failing_builder_command_names_the_subcommand_and_the_whole_command(tmp_path, monkeypatch):
+    """The stand-in builder's global options (--root PATH --runroot PATH ...) come before
+    the subcommand, so the message must not stop at the first few words."""
+    fake_tools(tmp_path / "bin", buildah=125)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    builder = images.standin_builder(tmp_path / "cache")
+    with pytest.raises(BuildError) as err:
+        images.run_inside(builder, "localhost/some-image", [["true"]], {}, log=lambda *_: None)
+    message = str(err.value)
+    assert "`buildah from` failed (exit 125)" in message
+    assert " ".join([*builder.command, "from", "localhost/some-image"]) in message

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,10 @@ class Builder:
             argv += ["--build-arg", f"{key}={value}"]
         return argv + [str(context)]
 
+    def run(self, *args: str, log=print, capture: bool = False) -> str:
+        """`args` after the tool and its global options; a failure names `<builder> <subcommand>`."""
+        return _run([*self.command, *args], log=log, capture=capture, name=f"{self.name} {args[0]}")
+
 
 def detect_builder(path: str | None = None) -> Builder:
     """docker buildx, else podman, else buildah (first found on PATH)."""
@@ -71,13 +76,15 @@ def detect_builder(path: str | None = None) -> Builder:
     )
 
 
-def _run(argv: list[str], log=print, capture: bool = False) -> str:
-    log("  $ " + " ".join(argv))
+def _run(argv: list[str], log=print, capture: bool = False, name: str | None = None) -> str:
+    """Run argv; a failure names the command (`name`, else the program) and the whole argv."""
+    log("  $ " + shlex.join(argv))
     result = subprocess.run(argv, text=True, capture_output=capture)
     if result.returncode != 0:
         detail = (result.stderr or "").strip()[-2000:] if capture else "(output above)"
-        raise BuildError(f"`{' '.join(argv[:4])} ...` failed ({result.returncode}): {detail}",
-                         "fix what the builder says above and run again")
+        raise BuildError(f"`{name or Path(argv[0]).name}` failed (exit {result.returncode}): {detail}\n"
+                         f"  command: {shlex.join(argv)}",
+                         "fix what the command says and run again")
     return result.stdout if capture else ""
 
 
@@ -219,7 +226,7 @@ def build_image(builder: Builder, release: Release, wheel: Path, record: dict, b
         else:
             shutil.copy(wheel, context)
         started = time.monotonic()
-        _run(builder.build_argv(DOCKERFILE, tag, args, Path(context)), log=log)
+        _run(builder.build_argv(DOCKERFILE, tag, args, Path(context)), log=log, name=f"{builder.name} build")
     log(f"built {tag} in {time.monotonic() - started:.0f} s")
     problems = config_problems(image_config(builder, tag), image_config(builder, base), expected_labels(args))
     if problems:
@@ -298,9 +305,9 @@ def ensure_standin(builder: Builder, release: Release, cache: Path, deps_site: P
         log(f"{name} is up to date")
         return name
     started = time.monotonic()
-    ctr = _run([*builder.command, "from", "scratch"], log=log, capture=True).strip()
+    ctr = builder.run("from", "scratch", log=log, capture=True).strip()
     try:
-        mount = Path(_run([*builder.command, "mount", ctr], log=log, capture=True).strip())
+        mount = Path(builder.run("mount", ctr, log=log, capture=True).strip())
         _run(["tar", "-C", str(mount), "-xf", str(rootfs)], log=log)
         site = mount / "usr" / "local" / "lib" / f"python{STANDIN_PYTHON}" / "dist-packages"
         site.mkdir(parents=True, exist_ok=True)
@@ -310,16 +317,16 @@ def ensure_standin(builder: Builder, release: Release, cache: Path, deps_site: P
         for wheel in (stock, uv):
             shutil.copy(wheel, wheels)
         # The release's vllm like the official image's: pip-installed into the system Python.
-        _run([*builder.command, "run", "--isolation", "chroot", ctr, "--", "python3", "-m", "pip", "install",
-              "-q", "--no-index", "--no-deps", "--break-system-packages", f"/tmp/kvwarm-wheels/{stock.name}",
-              f"/tmp/kvwarm-wheels/{uv.name}"], log=log)
+        builder.run("run", "--isolation", "chroot", ctr, "--", "python3", "-m", "pip", "install",
+                    "-q", "--no-index", "--no-deps", "--break-system-packages", f"/tmp/kvwarm-wheels/{stock.name}",
+                    f"/tmp/kvwarm-wheels/{uv.name}", log=log)
         shutil.rmtree(wheels)
-        _run([*builder.command, "config", "--entrypoint", '["vllm", "serve"]',
-              "--workingdir", "/vllm-workspace", "--env", "VLLM_USAGE_SOURCE=production-docker-image",
-              "--label", f"io.kvwarm.standin-key={key}", ctr], log=log)
+        builder.run("config", "--entrypoint", '["vllm", "serve"]',
+                    "--workingdir", "/vllm-workspace", "--env", "VLLM_USAGE_SOURCE=production-docker-image",
+                    "--label", f"io.kvwarm.standin-key={key}", ctr, log=log)
         if existing:
-            _run([*builder.command, "rmi", "-f", name], log=log)
-        _run([*builder.command, "commit", "-q", "--rm", ctr, name], log=log)
+            builder.run("rmi", "-f", name, log=log)
+        builder.run("commit", "-q", "--rm", ctr, name, log=log)
     except BaseException:
         subprocess.run([*builder.command, "rm", ctr], capture_output=True)
         raise
@@ -329,11 +336,11 @@ def ensure_standin(builder: Builder, release: Release, cache: Path, deps_site: P
 
 def run_inside(builder: Builder, image: str, commands: list[list[str]], env: dict[str, str], log=print) -> None:
     """Run commands in a working container of `image` (the built image's own filesystem)."""
-    ctr = _run([*builder.command, "from", image], log=log, capture=True).strip()
+    ctr = builder.run("from", image, log=log, capture=True).strip()
     try:
         for argv in commands:
             flags = [f for key, value in env.items() for f in ("--env", f"{key}={value}")]
-            _run([*builder.command, "run", "--isolation", "chroot", *flags, ctr, "--", *argv], log=log)
+            builder.run("run", "--isolation", "chroot", *flags, ctr, "--", *argv, log=log)
     finally:
         subprocess.run([*builder.command, "rm", ctr], capture_output=True)
 
