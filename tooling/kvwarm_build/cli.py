@@ -126,9 +126,10 @@ def _patched_wheel(args, release):
 
 def cmd_image(args) -> int:
     from . import images
+    from .image_builders import detect_builder
 
     release = _release(args)
-    builder = images.detect_builder()
+    builder = detect_builder()
     _log(f"image builder: {builder.name}")
     wheel, record = _patched_wheel(args, release)
     base = args.base or release.flavour(args.flavour).image
@@ -138,12 +139,12 @@ def cmd_image(args) -> int:
 
 
 def cmd_image_standin(args) -> int:
-    from . import images
+    from . import image_standin
 
     release = _release(args)
     args.flavour = "cuda"  # the stand-in mimics vllm/vllm-openai, the cuda flavour's base
     wheel, record = _patched_wheel(args, release)
-    images.build_on_standin(release, wheel, record, _cache(args), ensure_deps_venv(_cache(args), log=_log),
+    image_standin.build_on_standin(release, wheel, record, _cache(args), ensure_deps_venv(_cache(args), log=_log),
                             keep=args.keep, log=_log)
     return 0
 
