@@ -25,7 +25,7 @@ DOCKERFILE = project.ROOT / "images" / "Dockerfile"
 def build_image(builder: Builder, release: Release, wheel: Path, record: dict, base_ref: str,
                 tag: str | None = None, log=print) -> tuple[str, dict[str, str]]:
     """Build images/Dockerfile with `wheel`; check the image keeps the base's entrypoint,
-    command, user and workdir and carries the labels. Returns (tag, build args)."""
+    command, user and workdir and carries the labels, else remove it. Returns (tag, build args)."""
     base, digest = resolve_base(builder, qualified(base_ref), log=log)
     args = build_args(release, wheel, record, base, digest)
     tag = tag or default_tag(base_ref, release)
@@ -40,6 +40,9 @@ def build_image(builder: Builder, release: Release, wheel: Path, record: dict, b
     log(f"built {tag} in {time.monotonic() - started:.0f} s")
     problems = config_problems(image_config(builder, tag), image_config(builder, base), expected_labels(args))
     if problems:
-        raise BuildError(f"image {tag}: " + "; ".join(problems), "fix images/Dockerfile")
+        # Nothing half-done: an image that fails its check is not left under its tag (nor
+        # in the stand-in's vfs store, where each one costs gigabytes).
+        builder.remove_image(tag)
+        raise BuildError(f"image {tag} (removed): " + "; ".join(problems), "fix images/Dockerfile")
     log(f"{tag}: labels as expected; entrypoint, cmd, user and workdir kept from {base}")
     return tag, args
