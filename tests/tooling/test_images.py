@@ -123,6 +123,15 @@ def test_one_layer_installs_the_mounted_wheel_and_checks_it():
     assert "python3 -m vllm.kvwarm selfcheck" in run and "${KVWARM_SERIES_DIGEST}" in run
 
 
+def test_a_flavour_whose_dist_is_not_vllm_gets_the_metadata_alias_before_the_selfcheck():
+    (run,) = instructions("RUN")
+    alias = run.index('if [ "$ours" != vllm ]; then')
+    assert run.index('$install --no-deps') < alias < run.index("vllm.kvwarm selfcheck")
+    body = run[alias:run.index("fi;", alias)]
+    assert 'python3 "$alias" "$VLLM_DIST";' in body and 'python3 "$alias" --check "$VLLM_DIST";' in body
+    assert "/tmp/kvwarm-context/" + images.DIST_ALIAS.name in body
+
+
 def test_build_args_refuse_a_wheel_of_another_version():
     wheel = Path(output_name(RELEASES[0], "cuda"))
     with pytest.raises(BuildError, match="build-0.28"):

@@ -20,6 +20,8 @@ from .image_refs import build_args, config_problems, default_tag, expected_label
 from .releases import Release
 
 DOCKERFILE = project.ROOT / "images" / "Dockerfile"
+# Metadata-only `vllm` for the cpu flavour, run by the Dockerfile (see the script).
+DIST_ALIAS = project.ROOT / "images" / "vllm_dist_alias.py"
 
 
 def build_image(builder: Builder, release: Release, wheel: Path, record: dict, base_ref: str,
@@ -30,11 +32,12 @@ def build_image(builder: Builder, release: Release, wheel: Path, record: dict, b
     args = build_args(release, wheel, record, base, digest)
     tag = tag or default_tag(base_ref, release)
     with tempfile.TemporaryDirectory(prefix="kvwarm-image-") as context:
-        # The context is the wheel alone: nothing else of the project is sent or copied.
+        # The context is the wheel and the alias script: nothing else of the project is sent.
         if wheel.stat().st_dev == os.stat(context).st_dev:
             os.link(wheel, Path(context) / wheel.name)
         else:
             shutil.copy(wheel, context)
+        shutil.copy(DIST_ALIAS, context)
         started = time.monotonic()
         run_command(builder.build_argv(DOCKERFILE, tag, args, Path(context)), log=log, name=f"{builder.name} build")
     log(f"built {tag} in {time.monotonic() - started:.0f} s")
