@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,68 @@ def test_the_build_context_is_the_wheel_and_the_alias_script(tmp_path):
     built = next(i for i, line in enumerate(lines) if line.startswith("bud "))
     assert sorted(lines[built + 1:built + 3]) == sorted([wheel.name, DIST_ALIAS.name])
     assert lines[built + 3].startswith("inspect ")
+
+
+# --- the stand-in base's layout, per flavour --------------------------------------------------
+
+def layout_buildah(folder: Path, mount: Path) -> tuple[Builder, Path]:
+    """A buildah that logs its calls, knows no image, and mounts every container at `mount`."""
+    folder.mkdir()
+    calls = folder / "calls"
+    script = folder / "buildah"
+    script.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
+                      f'case "$1" in inspect) exit 1 ;; from) echo ctr ;; mount) echo {mount} ;; esac\nexit 0\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return Builder("buildah", (str(script),)), calls
+
+
+@pytest.mark.parametrize("flavour", ["cuda", "cpu"])
+def test_the_standin_is_laid_out_like_the_flavours_official_image(tree, tmp_path, flavour):
+    release = load_releases(tree["root"] / "releases.toml")[0]
+    cache = tree["cache"]
+    # What debootstrap and pip download would have left in the cache.
+    (cache / "images" / "uv").mkdir(parents=True)
+    (cache / "images" / "uv" / f"uv-{image_standin.STANDIN_UV.partition('==')[2]}-py3-none-any.whl").write_bytes(b"")
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "usr" / "bin").mkdir(parents=True)
+    with tarfile.open(cache / "images" / f"{image_standin.STANDIN_SUITE}-minbase-"
+                      f"{'-'.join(image_standin.STANDIN_PACKAGES)}.tar", "w") as tar:
+        tar.add(rootfs, arcname=".")
+    deps = tmp_path / "deps" / "lib" / f"python{image_standin.STANDIN_PYTHON}" / "site-packages"
+    deps.mkdir(parents=True)
+    (deps / "a_dependency.py").write_text("")
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    builder, calls = layout_buildah(tmp_path / "bin", mount)
+
+    name = image_standin.ensure_standin(builder, release, flavour, cache, deps, log=lambda *_: None)
+
+    stock = f"/tmp/kvwarm-wheels/{tree['wheel'].name}"
+    lines = calls.read_text().splitlines()
+    config = next(line for line in lines if line.startswith("config "))
+    assert '--entrypoint ["vllm", "serve"] --workingdir /vllm-workspace' in config
+    if flavour == "cuda":
+        assert name == f"localhost/kvwarm-standin:{release.version}"
+        assert (mount / "usr/local/lib/python3.11/dist-packages/a_dependency.py").exists()
+        assert (f"run --isolation chroot ctr -- python3 -m pip install -q --break-system-packages "
+                f"--no-index --no-deps {stock}") in lines
+        assert "VIRTUAL_ENV" not in config
+    else:
+        assert name == f"localhost/kvwarm-standin-cpu:{release.version}"
+        venv = lines.index("run --isolation chroot ctr -- uv venv --offline --python /usr/bin/python3 /opt/venv")
+        install = lines.index("run --isolation chroot ctr -- uv pip install --offline --python /opt/venv/bin/python "
+                              f"--no-index --no-deps {stock}")
+        assert venv < install
+        assert (mount / "opt/venv/lib/python3.11/site-packages/a_dependency.py").exists()
+        assert f"--env VIRTUAL_ENV=/opt/venv --env PATH={image_standin.CPU_PATH}" in config
+        assert image_standin.CPU_PATH.startswith("/opt/venv/bin:")
+    assert lines[-1] == f"commit -q --rm ctr {name}"
+    assert not (mount / "tmp" / "kvwarm-wheels").exists()
+
+
+def test_the_standin_command_takes_a_flavour():
+    from kvwarm_build.cli import parser
+
+    args = parser().parse_args(["image-standin", "--release", NEWEST.short, "--flavour", "cpu"])
+    assert (args.flavour, args.func.__name__) == ("cpu", "cmd_image_standin")
+    assert parser().parse_args(["image-standin", "--release", NEWEST.short]).flavour == "cuda"

