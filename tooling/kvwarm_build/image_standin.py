@@ -161,10 +161,14 @@ def build_and_check(builder: Builder, release: Release, wheel: Path, record: dic
                    "--expect-version", release.patched_version,
                    "--expect-series-digest", args["KVWARM_SERIES_DIGEST"]],
                   ["python3", "-m", "vllm.kvwarm", "info"]]
-        if args["VLLM_DIST"] != "vllm":
+        if args["VLLM_DIST"] == "vllm":
+            # The cuda wheel on a CPU host: 0.28 reads its target device from here.
+            env = {"VLLM_TARGET_DEVICE": "cpu"}
+        else:
+            # A cpu build finds its platform itself, from the alias's version, as in the image.
+            env = {}
             checks.append(["sh", "-c", "vllm serve --help > /dev/null && echo 'vllm serve --help: ok'"])
-        # The cuda wheel on a CPU host: 0.28 reads its target device from here.
-        run_inside(builder, tag, checks, {"VLLM_TARGET_DEVICE": "cpu"}, log=log)
+        run_inside(builder, tag, checks, env, log=log)
     finally:
         if not keep:
             builder.remove_image(tag)
