@@ -12,7 +12,7 @@ import pytest
 
 from conftest import COMPILED, VERSION, entries, make_patches, sha256
 from kvwarm_build import project
-from kvwarm_build.build import build
+from kvwarm_build.build import build, check_reproducible, current_record
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import find_release, load_releases
 from kvwarm_build.validate import compiled_problems, import_problems, record_problems, validate
@@ -129,12 +129,8 @@ def test_validation_catches_tampered_entries_and_changed_compiled_files(tree):
 
 
 def test_compiled_check_compares_against_upstream(tree, tmp_path):
-    wheel = run_build(tree, validate=None)
-    other = tmp_path / "other" / tree["wheel"].name
-    other.parent.mkdir()
-    shutil.copy(tree["wheel"], other)
-    _rewrite(other, "vllm/_C.abi3.so", b"x")  # RECORD of `other` still has the old hash
     # A wheel whose RECORD is consistent but whose .so differs from upstream:
+    wheel = run_build(tree, validate=None)
     from wheel.wheelfile import WheelFile
 
     fresh = tmp_path / "fresh" / wheel.name
@@ -162,22 +158,24 @@ def test_installed_wheel_reports_label_and_record(tree):
     assert len(problems) == 1 and "build_record()" in problems[0]
 
 
-def test_reproducibility_check_passes_and_catches_a_difference(tree, monkeypatch):
-    from kvwarm_build import build as build_module
-
+def test_reproducibility_check_passes_and_catches_a_difference(tree):
     wheel = run_build(tree, validate=None)
     release = find_release(load_releases(tree["root"] / "releases.toml"), VERSION)
-    original = build_module.build
-
-    def build_from_tree(*args, **kwargs):
-        kwargs.update(patches_root=tree["patches"], overlay_root=tree["overlay"])
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(build_module, "build", build_from_tree)
-    build_module.check_reproducible(release, "cuda", tree["cache"], wheel, log=lambda *_: None)
+    roots = {"patches_root": tree["patches"], "overlay_root": tree["overlay"]}
+    check_reproducible(release, "cuda", tree["cache"], wheel, log=lambda *_: None, **roots)
     (tree["overlay"] / "vllm" / "kvwarm" / "extra.py").write_text("X = 1\n")
     with pytest.raises(BuildError, match="differ: .*vllm/kvwarm/extra.py"):
-        build_module.check_reproducible(release, "cuda", tree["cache"], wheel, log=lambda *_: None)
+        check_reproducible(release, "cuda", tree["cache"], wheel, log=lambda *_: None, **roots)
+
+
+def test_the_current_record_is_read_from_the_given_roots(tree):
+    wheel = run_build(tree, validate=None)
+    release = find_release(load_releases(tree["root"] / "releases.toml"), VERSION)
+    roots = {"patches_root": tree["patches"], "overlay_root": tree["overlay"]}
+    record = json.loads(entries(wheel)[project.BUILD_RECORD_PATH])
+    assert current_record(release, "cuda", **roots) == record
+    (tree["overlay"] / "vllm" / "kvwarm" / "extra.py").write_text("X = 1\n")
+    assert current_record(release, "cuda", **roots)["overlay_digest"] != record["overlay_digest"]
 
 
 def test_layered_venv_is_reused_until_its_inputs_change(tmp_path):

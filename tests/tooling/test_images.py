@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from kvwarm_build import images, project
+from kvwarm_build import image_builders, image_refs, image_standin, images, project
 from kvwarm_build.build import output_name
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import load_releases
@@ -92,7 +92,7 @@ def test_the_wheel_name_follows_each_release_and_flavour(release, flavour):
 def tooling_args(release=NEWEST) -> dict[str, str]:
     wheel = Path(output_name(release, "cuda"))
     record = {"version": release.patched_version, "series_digest": "ab" * 32}
-    return images.build_args(release, wheel, record, "vllm/vllm-openai@sha256:" + "0" * 64, "sha256:" + "0" * 64)
+    return image_refs.build_args(release, wheel, record, "vllm/vllm-openai@sha256:" + "0" * 64, "sha256:" + "0" * 64)
 
 
 def test_the_tooling_sets_exactly_the_declared_args():
@@ -103,9 +103,9 @@ def test_the_tooling_sets_exactly_the_declared_args():
 def test_labels_carry_the_oci_keys_and_the_series_digest_from_the_build_args():
     args = tooling_args()
     labels = {key: expand(value, args) for key, value in parsed().labels.items()}
-    for key, value in images.expected_labels(args).items():
+    for key, value in image_refs.expected_labels(args).items():
         assert labels.get(key) == value, key
-    assert labels[images.SERIES_LABEL] == "ab" * 32
+    assert labels[image_refs.SERIES_LABEL] == "ab" * 32
 
 
 def test_base_image_keeps_its_entrypoint_cmd_user_and_workdir():
@@ -123,10 +123,19 @@ def test_one_layer_installs_the_mounted_wheel_and_checks_it():
     assert "python3 -m vllm.kvwarm selfcheck" in run and "${KVWARM_SERIES_DIGEST}" in run
 
 
+def test_a_flavour_whose_dist_is_not_vllm_gets_the_metadata_alias_before_the_selfcheck():
+    (run,) = instructions("RUN")
+    alias = run.index('if [ "$ours" != vllm ]; then')
+    assert run.index('$install --no-deps') < alias < run.index("vllm.kvwarm selfcheck")
+    body = run[alias:run.index("fi;", alias)]
+    assert 'python3 "$alias" "$VLLM_DIST";' in body and 'python3 "$alias" --check "$VLLM_DIST";' in body
+    assert "/tmp/kvwarm-context/" + images.DIST_ALIAS.name in body
+
+
 def test_build_args_refuse_a_wheel_of_another_version():
     wheel = Path(output_name(RELEASES[0], "cuda"))
     with pytest.raises(BuildError, match="build-0.28"):
-        images.build_args(NEWEST, wheel, {"version": RELEASES[0].patched_version, "series_digest": "x"}, "b", "d")
+        image_refs.build_args(NEWEST, wheel, {"version": RELEASES[0].patched_version, "series_digest": "x"}, "b", "d")
 
 
 # --- builder detection ----------------------------------------------------------------------
@@ -143,7 +152,7 @@ def fake_tools(folder: Path, **tools: int) -> str:
 
 def test_no_builder_names_all_three(tmp_path):
     with pytest.raises(BuildError) as err:
-        images.detect_builder(path=fake_tools(tmp_path / "bin"))
+        image_builders.detect_builder(path=fake_tools(tmp_path / "bin"))
     for name in ("docker buildx", "podman", "buildah"):
         assert name in str(err.value)
     assert "apt-get install -y buildah" in str(err.value)
@@ -151,8 +160,8 @@ def test_no_builder_names_all_three(tmp_path):
 
 def test_docker_without_buildx_is_not_a_builder(tmp_path):
     with pytest.raises(BuildError, match="`docker buildx version` fails"):
-        images.detect_builder(path=fake_tools(tmp_path / "bin", docker=1))
-    assert images.detect_builder(path=fake_tools(tmp_path / "bin", docker=1, buildah=0)).name == "buildah"
+        image_builders.detect_builder(path=fake_tools(tmp_path / "bin", docker=1))
+    assert image_builders.detect_builder(path=fake_tools(tmp_path / "bin", docker=1, buildah=0)).name == "buildah"
 
 
 @pytest.mark.parametrize("tools, chosen", [
@@ -161,47 +170,69 @@ def test_docker_without_buildx_is_not_a_builder(tmp_path):
     ({"buildah": 0}, "buildah"),
 ])
 def test_builder_preference(tmp_path, tools, chosen):
-    assert images.detect_builder(path=fake_tools(tmp_path / "bin", **tools)).name == chosen
+    assert image_builders.detect_builder(path=fake_tools(tmp_path / "bin", **tools)).name == chosen
 
 
 def test_build_commands_per_builder():
     args = {"A": "1"}
-    docker = images.Builder("docker", ("docker",)).build_argv(Path("D"), "t", args, Path("ctx"))
+    docker = image_builders.Builder("docker", ("docker",)).build_argv(Path("D"), "t", args, Path("ctx"))
     assert docker == ["docker", "buildx", "build", "--load", "-f", "D", "-t", "t", "--build-arg", "A=1", "ctx"]
-    buildah = images.Builder("buildah", ("buildah", "--root", "r"), ("--isolation", "chroot"))
+    buildah = image_builders.Builder("buildah", ("buildah", "--root", "r"), ("--isolation", "chroot"))
     assert buildah.build_argv(Path("D"), "t", args, Path("ctx"))[:5] == ["buildah", "--root", "r", "bud", "--isolation"]
 
 
 # --- tags, digests, times, config checks ----------------------------------------------------
 
 def test_default_tag_and_untagged_names():
-    assert images.default_tag("vllm/vllm-openai:v0.28.0", NEWEST) == f"vllm/vllm-openai-kvwarm:v0.28.0-{NEWEST.label}"
-    assert images.default_tag("vllm/vllm-openai@sha256:" + "1" * 64, NEWEST).startswith("vllm/vllm-openai-kvwarm:")
-    assert images._untagged("registry:5000/vllm/vllm-openai:v1") == "registry:5000/vllm/vllm-openai"
-    assert images._untagged("registry:5000/vllm/vllm-openai") == "registry:5000/vllm/vllm-openai"
+    assert image_refs.default_tag("vllm/vllm-openai:v0.28.0", NEWEST) == f"vllm/vllm-openai-kvwarm:v0.28.0-{NEWEST.label}"
+    assert image_refs.default_tag("vllm/vllm-openai@sha256:" + "1" * 64, NEWEST).startswith("vllm/vllm-openai-kvwarm:")
+    assert image_refs.untagged("registry:5000/vllm/vllm-openai:v1") == "registry:5000/vllm/vllm-openai"
+    assert image_refs.untagged("registry:5000/vllm/vllm-openai") == "registry:5000/vllm/vllm-openai"
 
 
 def test_short_names_are_qualified_for_podman_and_buildah():
-    assert images.qualified("vllm/vllm-openai:v0.28.0") == "docker.io/vllm/vllm-openai:v0.28.0"
-    assert images.qualified("ubuntu:24.04") == "docker.io/library/ubuntu:24.04"
+    assert image_refs.qualified("vllm/vllm-openai:v0.28.0") == "docker.io/vllm/vllm-openai:v0.28.0"
+    assert image_refs.qualified("ubuntu:24.04") == "docker.io/library/ubuntu:24.04"
     for ref in ("localhost/kvwarm-standin:0.28.0", "ghcr.io/a/b:1", "registry:5000/a/b"):
-        assert images.qualified(ref) == ref
+        assert image_refs.qualified(ref) == ref
 
 
 def test_a_digest_pinned_base_is_kept_without_asking_the_builder():
     ref = "vllm/vllm-openai@sha256:" + "2" * 64
-    assert images.resolve_base(images.Builder("buildah", ("false",)), ref) == (ref, "sha256:" + "2" * 64)
+    assert image_refs.resolve_base(image_builders.Builder("buildah", ("false",)), ref) == (ref, "sha256:" + "2" * 64)
 
 
 def test_created_follows_source_date_epoch(monkeypatch):
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
-    assert images.created_time() == "2023-11-14T22:13:20Z"
+    assert image_refs.created_time() == "2023-11-14T22:13:20Z"
 
 
 def test_config_problems_name_a_changed_entrypoint_and_a_wrong_label():
     base = {"Entrypoint": ["vllm", "serve"], "Cmd": None, "User": None, "WorkingDir": "/vllm-workspace", "Labels": {}}
-    built = {**base, "Entrypoint": ["bash"], "Labels": {images.SERIES_LABEL: "old"}}
-    problems = images.config_problems(built, base, {images.SERIES_LABEL: "new"})
+    built = {**base, "Entrypoint": ["bash"], "Labels": {image_refs.SERIES_LABEL: "old"}}
+    problems = image_refs.config_problems(built, base, {image_refs.SERIES_LABEL: "new"})
     assert len(problems) == 2
     assert "Entrypoint" in problems[0] and "'new'" in problems[1]
-    assert images.config_problems(base, base, {}) == []
+    assert image_refs.config_problems(base, base, {}) == []
+
+
+# --- a failing builder command names its subcommand -----------------------------------------
+
+def test_a_failing_builder_command_names_the_subcommand_and_the_whole_command(tmp_path, monkeypatch):
+    """The stand-in builder's global options (--root PATH --runroot PATH ...) come before
+    the subcommand, so the message must not stop at the first few words."""
+    fake_tools(tmp_path / "bin", buildah=125)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    builder = image_standin.standin_builder(tmp_path / "cache")
+    with pytest.raises(BuildError) as err:
+        image_standin.run_inside(builder, "localhost/some-image", [["true"]], {}, log=lambda *_: None)
+    message = str(err.value)
+    assert "`buildah from` failed (exit 125)" in message
+    assert " ".join([*builder.command, "from", "localhost/some-image"]) in message
+
+
+def test_the_debian_mirror_is_read_when_the_rootfs_is_made(monkeypatch):
+    monkeypatch.setenv("KVWARM_DEBIAN_MIRROR", "http://mirror.example/debian")
+    assert image_standin.debian_mirror() == "http://mirror.example/debian"
+    monkeypatch.delenv("KVWARM_DEBIAN_MIRROR")
+    assert image_standin.debian_mirror() == "http://deb.debian.org/debian"

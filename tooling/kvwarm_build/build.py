@@ -14,6 +14,7 @@ from wheel.wheelfile import WheelFile
 
 from . import project
 from .apply import apply_series
+from .digests import digest_named
 from .errors import BuildError
 from .fetch import fetch
 from .releases import Release
@@ -33,7 +34,7 @@ def build_record(release: Release, flavour: str, overlay: dict[str, bytes], seri
         "upstream_wheel": wheel.file,
         "upstream_sha256": wheel.sha256,
         "series_digest": series_digest,
-        "overlay_digest": project.digest_files(overlay),
+        "overlay_digest": digest_named(sorted(overlay.items())),
         "revision": project.revision(),
     }
 
@@ -106,17 +107,21 @@ def build(
     return final
 
 
-def current_record(release: Release, flavour: str) -> dict:
-    series = read_series(series_folder(project.PATCHES, release.version))
-    return build_record(release, flavour, project.overlay_files(), series.digest())
+def current_record(release: Release, flavour: str, patches_root: Path = project.PATCHES,
+                   overlay_root: Path = project.OVERLAY) -> dict:
+    """The build record a build from these roots would write now."""
+    series = read_series(series_folder(patches_root, release.version))
+    return build_record(release, flavour, project.overlay_files(overlay_root), series.digest())
 
 
 def ensure_built(release: Release, flavour: str, cache: Path, dist: Path = project.DIST,
-                 if_stale: bool = False, check: bool = True, log=print) -> Path:
+                 if_stale: bool = False, check: bool = True, log=print,
+                 patches_root: Path = project.PATCHES, overlay_root: Path = project.OVERLAY) -> Path:
     """Build and validate (unless check=False); with if_stale, reuse a wheel in `dist` that
     was built from exactly the current inputs (same build record)."""
     existing = dist / output_name(release, flavour)
-    if if_stale and existing.exists() and read_built_record(existing) == current_record(release, flavour):
+    roots = {"patches_root": patches_root, "overlay_root": overlay_root}
+    if if_stale and existing.exists() and read_built_record(existing) == current_record(release, flavour, **roots):
         log(f"{existing} is up to date")
         return existing
     checker = None
@@ -125,14 +130,16 @@ def ensure_built(release: Release, flavour: str, cache: Path, dist: Path = proje
         dist_name = release.flavour(flavour).dist
         checker = lambda wheel, upstream, record: validate_wheel(  # noqa: E731
             wheel, upstream, dist_name, record, deps_site)
-    return build(release, flavour, cache, dist=dist, validate=checker, log=log)
+    return build(release, flavour, cache, dist=dist, validate=checker, log=log, **roots)
 
 
-def check_reproducible(release: Release, flavour: str, cache: Path, wheel: Path, log=print) -> None:
+def check_reproducible(release: Release, flavour: str, cache: Path, wheel: Path, log=print,
+                       patches_root: Path = project.PATCHES, overlay_root: Path = project.OVERLAY) -> None:
     """Build again from the same inputs and require the very same bytes."""
     log(f"rebuilding to check that {wheel.name} is reproducible")
     with tempfile.TemporaryDirectory(prefix="kvwarm-repro-", dir=cache) as tmp:
-        again = build(release, flavour, cache, dist=Path(tmp), log=lambda *_: None)
+        again = build(release, flavour, cache, dist=Path(tmp), log=lambda *_: None,
+                      patches_root=patches_root, overlay_root=overlay_root)
         if again.read_bytes() == wheel.read_bytes():
             log("second build is byte-identical")
             return

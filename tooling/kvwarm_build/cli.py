@@ -126,9 +126,10 @@ def _patched_wheel(args, release):
 
 def cmd_image(args) -> int:
     from . import images
+    from .image_builders import detect_builder
 
     release = _release(args)
-    builder = images.detect_builder()
+    builder = detect_builder()
     _log(f"image builder: {builder.name}")
     wheel, record = _patched_wheel(args, release)
     base = args.base or release.flavour(args.flavour).image
@@ -138,13 +139,12 @@ def cmd_image(args) -> int:
 
 
 def cmd_image_standin(args) -> int:
-    from . import images
+    from . import image_standin
 
     release = _release(args)
-    args.flavour = "cuda"  # the stand-in mimics vllm/vllm-openai, the cuda flavour's base
     wheel, record = _patched_wheel(args, release)
-    images.build_on_standin(release, wheel, record, _cache(args), ensure_deps_venv(_cache(args), log=_log),
-                            keep=args.keep, log=_log)
+    image_standin.build_on_standin(release, wheel, record, _cache(args), flavour=args.flavour,
+                                   keep=args.keep, log=_log)
     return 0
 
 
@@ -184,7 +184,7 @@ def parser() -> argparse.ArgumentParser:
     im.add_argument("--base", help="base image (default: the flavour's image in releases.toml)")
     im.add_argument("--tag", help="default: <base repository>-kvwarm:vX.Y.Z-kvwarm.N")
     st = with_release("image-standin", cmd_image_standin,
-                      "images/Dockerfile on a local stand-in base with buildah, checked from outside")
+                      "images/Dockerfile on a local stand-in base with buildah, checked from outside", flavour=True)
     st.add_argument("--keep", action="store_true", help="keep the built image (the stand-in base is always kept)")
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")

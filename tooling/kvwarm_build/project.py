@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 from pathlib import Path
@@ -46,9 +45,3 @@ def overlay_files(overlay: Path = OVERLAY) -> dict[str, bytes]:
             files[path.relative_to(overlay).as_posix()] = path.read_bytes()
     return files
 
-
-def digest_files(files: dict[str, bytes]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(files):
-        digest.update(name.encode() + b"\0" + files[name] + b"\0")
-    return digest.hexdigest()

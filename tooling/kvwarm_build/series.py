@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
-import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .digests import digest_named
 from .errors import BuildError
 
 UPSTREAM_STATUSES = ("Pending", "Submitted", "Accepted", "Backport", "Inappropriate", "Denied")
@@ -36,10 +36,7 @@ class Series:
 
     def digest(self) -> str:
         """sha256 over the ordered patch names and bytes: what the build applied."""
-        digest = hashlib.sha256()
-        for patch in self.patches:
-            digest.update(patch.name.encode() + b"\0" + patch.data() + b"\0")
-        return digest.hexdigest()
+        return digest_named((patch.name, patch.data()) for patch in self.patches)
 
 
 def series_folder(patches_root: Path, version: str) -> Path:
