@@ -193,3 +193,32 @@ def test_a_failed_artifact_write_ends_the_sweep_as_failed_and_the_engine_serves_
     assert "writing the artifact to" in artifact["error"] and "No space left on device" in artifact["error"]
     assert scheduler.kvwarm_sweep.done and in_use(scheduler.kv_cache_manager.block_pool) == {}
     assert_serves(scheduler)
+
+
+def test_the_command_records_a_failure_inside_a_sweep_hook_once(tmp_path, monkeypatch):
+    """The sweep command's in-process loop (sweep_command._step) over a real scheduler, the
+    engine core's part played by a stand-in: the adapter records the failure; the loop
+    must not record it again."""
+    from types import SimpleNamespace
+
+    from vllm.kvwarm import sweep_command
+    from vllm.kvwarm.sweep_run import Reporter
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
+        "kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2)), "out": str(out)}})
+    sweep, queue_point = scheduler.kvwarm_sweep, scheduler.kvwarm_sweep._queue_point
+
+    def fail_on_the_second_point(*args):
+        if sweep.rows:
+            raise RuntimeError("the worker went away")
+        return queue_point(*args)
+
+    sweep._queue_point = fail_on_the_second_point
+    statuses, write = [], Reporter.write
+    monkeypatch.setattr(Reporter, "write", lambda self, status, error=None: (
+        statuses.append(status), write(self, status, error))[1])
+    core_stand_in = SimpleNamespace(scheduler=scheduler, step_fn=lambda: step_scheduler(scheduler))
+    assert sweep_command._step(core_stand_in) == "failed"
+    assert statuses.count("failed") == 1
