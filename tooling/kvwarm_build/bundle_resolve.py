@@ -14,6 +14,7 @@ from __future__ import annotations
 import email.parser
 import importlib.metadata as md
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ ROUNDS = 3  # marker fix-up rounds before giving up
 @dataclass(frozen=True)
 class Target:
     python_version: str = "3.12"
-    platforms: tuple[str, ...] = ("manylinux_2_28_x86_64",)
+    platforms: tuple[str, ...] = ("manylinux_2_35_x86_64",)  # glibc of Ubuntu 22.04, vLLM images' base
     implementation: str = "cp"
 
     @property
@@ -47,17 +48,35 @@ class Target:
         options = ["--only-binary=:all:", "--python-version", self.python_version,
                    "--implementation", self.implementation, "--abi", self.abi, "--abi", "abi3", "--abi", "none"]
         for platform in self.platforms:
-            options += ["--platform", platform]
+            for tag in _older_manylinux(platform):
+                options += ["--platform", tag]
         return options
 
     def marker_environment(self) -> dict[str, str]:
         """Markers as the target's interpreter evaluates them."""
-        machine = self.platforms[0].split("_", 3)[-1] if self.platforms[0].startswith("manylinux") \
-            else self.platforms[0].rsplit("_", 1)[-1]
+        machine = re.sub(r"^[a-z]*linux[0-9]*(_[0-9]+_[0-9]+)?_", "", self.platforms[0])
         return {**default_environment(), "python_version": self.python_version,
                 "python_full_version": f"{self.python_version}.0", "implementation_name": "cpython",
                 "platform_python_implementation": "CPython", "sys_platform": "linux",
                 "platform_system": "Linux", "os_name": "posix", "platform_machine": machine}
+
+
+_MANYLINUX = re.compile(r"^manylinux_2_(\d+)_(\w+)$")
+_LEGACY = {17: "manylinux2014", 12: "manylinux2010", 5: "manylinux1"}
+
+
+def _older_manylinux(platform: str) -> list[str]:
+    """A glibc 2.N platform also runs wheels for every older glibc; pip takes the tags as given."""
+    match = _MANYLINUX.match(platform)
+    if not match:
+        return [platform]
+    newest, arch = int(match[1]), match[2]
+    tags = []
+    for minor in range(newest, 4, -1):
+        tags.append(f"manylinux_2_{minor}_{arch}")
+        if minor in _LEGACY:
+            tags.append(f"{_LEGACY[minor]}_{arch}")
+    return tags
 
 
 def read_have(path: Path) -> dict[NormalizedName, Version]:
