@@ -45,7 +45,7 @@ def make_fake_release(folder: Path) -> Path:
     record = {"version": FAKE, "series_digest": DIGEST, "release": "9.9.1", "flavour": "cuda"}
     files = {"vllm/__init__.py": f"__version__ = {FAKE!r}\n", "vllm/_blob.bin": random.Random(0).randbytes(5 * MIB // 2),
              project.BUILD_RECORD_PATH: encode_record(record), **project.overlay_files()}
-    requires = ["alpha>=1", "gamma", f'delta; python_version == "{OTHER}"', f'epsilon; python_version == "{HERE}"']
+    requires = ["alpha>=1", "gamma", "mu", f'delta; python_version == "{OTHER}"', f'epsilon; python_version == "{HERE}"']
     return make_wheel(folder, "vllm", FAKE, requires, files, tag="cp38-abi3-manylinux_2_28_x86_64")
 
 
@@ -57,6 +57,12 @@ def index(tmp_path_factory) -> Path:
     make_wheel(folder, "beta", "1.0")
     make_wheel(folder, "beta", "2.0")
     make_wheel(folder, "gamma", "1.0", ["zeta"])
+    # mu 2.0 needs a kappa newer than the one a host package ("pinner") pins.
+    make_wheel(folder, "mu", "1.0", ["kappa>=1"])
+    make_wheel(folder, "mu", "2.0", ["kappa>=2"])
+    make_wheel(folder, "kappa", "1.0")
+    make_wheel(folder, "kappa", "2.0")
+    make_wheel(folder, "pinner", "1.0", ["kappa==1.0"])
     for name in ("delta", "epsilon", "zeta"):
         make_wheel(folder, name, "1.0")
     make_fake_release(folder)
@@ -93,7 +99,8 @@ def test_manifest_lists_every_wheel_and_part(bundle):
     by_name = {e["name"]: e for e in manifest["files"]}
     # Every dependency this target's markers select, at the version pip picked; none other.
     assert {n: e["version"] for n, e in by_name.items()} == {
-        "vllm": FAKE, "alpha": "1.0", "beta": "2.0", "gamma": "1.0", "zeta": "1.0", "epsilon": "1.0"}
+        "vllm": FAKE, "alpha": "1.0", "beta": "2.0", "gamma": "1.0", "zeta": "1.0", "epsilon": "1.0",
+        "mu": "2.0", "kappa": "2.0"}
     assert manifest["root"] == {"file": by_name["vllm"]["file"], "dist": "vllm", "version": FAKE,
                                 "series_digest": DIGEST, "release": "9.9.1", "flavour": "cuda"}
     parts = by_name["vllm"]["parts"]
@@ -147,11 +154,14 @@ def test_damaged_part_is_refused_by_name_before_anything_is_installed(bundle, tm
 def test_have_leaves_out_what_the_target_has(index, tmp_path):
     have = tmp_path / "host.txt"
     # gamma as the target has it (and so its zeta); beta too old for alpha's beta>=2.
-    have.write_text("# pip freeze of the host\ngamma==1.0\nbeta==1.0\ntorch==2.13.0+cu130\n")
+    # kappa 1.0, which the host's pinner pins: mu 2.0 would replace it, so mu 1.0 is carried.
+    # torch: not on this index, so its own requirements stay unknown.
+    have.write_text("# pip freeze of the host\ngamma==1.0\nbeta==1.0\nkappa==1.0\npinner==1.0\ntorch==2.13.0+cu130\n")
     manifest = _bundle(index, tmp_path / "out", have_file=have)
-    names = {e["name"] for e in manifest["files"]}
-    assert names == {"vllm", "alpha", "beta", "epsilon"}
-    assert manifest["left_out"] == {"gamma": "1.0 (needs gamma)"}
+    assert {e["name"]: e["version"] for e in manifest["files"]} == {
+        "vllm": FAKE, "alpha": "1.0", "beta": "2.0", "epsilon": "1.0", "mu": "1.0"}
+    assert manifest["left_out"] == {"gamma": "1.0", "kappa": "1.0"}
+    assert manifest["replaced"] == {"beta": "1.0 -> 2.0"}
     assert manifest["split_mib"] is None and not any("parts" in e for e in manifest["files"])
 
 

@@ -107,6 +107,8 @@ def make_bundle(wheel: Path, out: Path, have_file: Path | None = None, target: T
     have = read_have(have_file) if have_file else {}
     root = Wheel.read(wheel)
     plan = resolve(wheel, have, target, list(pip_args), log=log)
+    for name, change in sorted(plan.replaced.items()):
+        log(f"warning: the bundle replaces the target's {name} ({change}): a requirement needs another version")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -124,6 +126,7 @@ def make_bundle(wheel: Path, out: Path, have_file: Path | None = None, target: T
                        "have": have_file.name if have_file else None},
             "split_mib": split_mib,
             "left_out": dict(sorted(plan.left_out.items())),
+            "replaced": dict(sorted(plan.replaced.items())),
             "files": sorted(files, key=lambda e: e["file"]),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

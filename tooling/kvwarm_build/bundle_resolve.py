@@ -2,11 +2,12 @@
 
 The target is a Python version and platform plus what is already installed there, given as
 a `pip freeze` file. pip does the resolving: it runs against a scratch environment whose only
-"installed" distributions are the freeze file's entries (metadata stubs), with the target's
---python-version/--platform, so it plans exactly what the host would still need. pip judges
-markers by the interpreter that runs it, not the target's, so the plan is then walked again
-with the target's marker environment (packaging): what the target needs and pip left out is
-resolved in another round, what only this interpreter needed is dropped.
+"installed" distributions are stubs of the freeze file's entries (name, version and the
+requirements the index lists for them), with the target's --python-version/--platform, so it
+plans exactly what the host would still need without breaking what the host's packages pin.
+pip judges markers by the interpreter that runs it, not the target's, so the plan is then
+walked again with the target's marker environment (packaging): what the target needs and pip
+left out is resolved in another round, what only this interpreter needed is dropped.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class Plan:
     """What the bundle carries (by name) and what the target's own packages satisfy."""
 
     wheels: dict[NormalizedName, Wheel] = field(default_factory=dict)
-    left_out: dict[NormalizedName, str] = field(default_factory=dict)  # name -> "version (requirement)"
+    left_out: dict[NormalizedName, str] = field(default_factory=dict)  # name -> the target's version
+    replaced: dict[NormalizedName, str] = field(default_factory=dict)  # name -> "target's -> bundled"
 
 
 def walk(root: Wheel, candidates: dict[NormalizedName, Wheel], have: dict[NormalizedName, Version],
@@ -144,7 +146,7 @@ def walk(root: Wheel, candidates: dict[NormalizedName, Wheel], have: dict[Normal
                 continue
             name = canonicalize_name(req.name)
             if name in have and req.specifier.contains(have[name], prereleases=True):
-                plan.left_out[name] = f"{have[name]} (needs {req})"
+                plan.left_out[name] = str(have[name])
                 continue
             found = candidates.get(name)
             if found is None or not req.specifier.contains(found.version, prereleases=True):
@@ -154,17 +156,27 @@ def walk(root: Wheel, candidates: dict[NormalizedName, Wheel], have: dict[Normal
             if (name, tuple(sorted(req.extras))) not in seen:
                 seen.add((name, tuple(sorted(req.extras))))
                 queue.append((found, tuple(sorted(req.extras))))
+    for name in set(plan.left_out) & set(plan.wheels):  # another requirement needs another version
+        plan.replaced[name] = f"{plan.left_out.pop(name)} -> {plan.wheels[name].version}"
+    for name in set(have) & set(plan.wheels) - set(plan.replaced):
+        plan.replaced[name] = f"{have[name]} -> {plan.wheels[name].version}"
     return plan, missing
 
 
-def _stub_environment(folder: Path, have: dict[NormalizedName, Version]) -> Path:
-    """A venv whose only installed distributions are metadata stubs of the target's packages."""
+def _stub_environment(folder: Path, have: dict[NormalizedName, Version], metadata: dict[NormalizedName, dict]) -> Path:
+    """A venv whose only installed distributions are stubs of the target's packages: their
+    name, version and, where the index has them, their requirements, so that pip keeps what
+    the target's own packages pin (torch pins its CUDA libraries) and says so when it cannot."""
     venv.EnvBuilder(with_pip=False).create(folder)
     site = next(folder.glob("lib/python*/site-packages"))
     for name, version in have.items():
         info = site / f"{name.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        meta = metadata.get(name, {})
+        lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+        lines += [f"Provides-Extra: {e}" for e in meta.get("provides_extra", [])]
+        lines += [f"Requires-Dist: {r}" for r in meta.get("requires_dist", [])]
+        (info / "METADATA").write_text("\n".join(lines) + "\n")
     return folder / "bin" / "python"
 
 
@@ -175,18 +187,47 @@ def check_pip() -> None:
                          f"python -m pip install 'pip>={MIN_PIP}' (the nox session does)")
 
 
+def _pip_report(python: Path, args: list[str], scratch: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """pip's install plan (--dry-run --report) for the environment of `python`."""
+    report = scratch / "report.json"
+    report.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run", "--quiet",
+           "--report", str(report), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return done, json.loads(report.read_text())["install"] if done.returncode == 0 else []
+
+
+_NOT_FOUND = re.compile(r"No matching distribution found for ([A-Za-z0-9._-]+)")
+
+
+def _host_metadata(have: dict[NormalizedName, Version], empty: Path, target: Target, pip_args: list[str],
+                   scratch: Path, log) -> dict[NormalizedName, dict]:
+    """The index's metadata of each of the target's packages (by public version: a local
+    label such as +cu130 is not on the index); those the index lacks get none."""
+    pins = {name: f"{name}=={version.public}" for name, version in have.items()}
+    while pins:
+        done, report = _pip_report(empty, ["--no-deps", *target.pip_options(), *pip_args, *pins.values()], scratch)
+        if done.returncode == 0:
+            return {canonicalize_name(i["metadata"]["name"]): i["metadata"] for i in report}
+        lacking = [canonicalize_name(n) for n in _NOT_FOUND.findall(done.stderr)]
+        if not lacking or not set(lacking) & set(pins):
+            raise BuildError(f"pip could not look up the target's packages:\n{done.stderr.strip()[-3000:]}",
+                             "check the --have file and the index options")
+        log(f"no metadata on the index for {', '.join(lacking)}: their own requirements stay unknown")
+        for name in lacking:
+            pins.pop(name, None)
+    return {}
+
+
 def _pip_plan(requirements: list[str], stub_python: Path, target: Target, pip_args: list[str],
               scratch: Path) -> dict[NormalizedName, Wheel]:
-    report = scratch / "report.json"
-    cmd = [sys.executable, "-m", "pip", "--python", str(stub_python), "install", "--dry-run", "--quiet",
-           "--report", str(report), *target.pip_options(), *pip_args, *requirements]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done, report = _pip_report(stub_python, [*target.pip_options(), *pip_args, *requirements], scratch)
     if done.returncode != 0:
         raise BuildError(f"pip could not resolve the bundle for Python {target.python_version} on "
-                         f"{', '.join(target.platforms)}:\n{done.stderr.strip()[-3000:]}",
+                         f"{target.platforms[0]} next to the target's packages:\n{done.stderr.strip()[-3000:]}",
                          "check the requirement pip names; --platform/--python-version must match the target")
     plan = {}
-    for item in json.loads(report.read_text())["install"]:
+    for item in report:
         meta = item["metadata"]
         requires = tuple(Requirement(r) for r in meta.get("requires_dist", []))
         plan[canonicalize_name(meta["name"])] = Wheel(canonicalize_name(meta["name"]), Version(meta["version"]), requires)
@@ -205,11 +246,17 @@ def resolve(root_wheel: Path, have: dict[NormalizedName, Version], target: Targe
     check_pip()
     root = Wheel.read(root_wheel)
     environment = target.marker_environment()
-    requirements = [str(root_wheel)]
+    # The target's packages by name: their own requirements then take part (torch keeps the
+    # CUDA libraries it pins), yet pip may still replace one that the root needs in another version.
+    requirements = [str(root_wheel), *sorted(have)]
     with tempfile.TemporaryDirectory(prefix="kvwarm-bundle-plan-") as tmp:
-        stub = _stub_environment(Path(tmp) / "target", have)
+        metadata = {}
+        if have:
+            empty = _stub_environment(Path(tmp) / "empty", {}, {})
+            metadata = _host_metadata(have, empty, target, list(pip_args), Path(tmp), log)
+        stub = _stub_environment(Path(tmp) / "target", have, metadata)
         for _ in range(ROUNDS):
-            log(f"pip plans {len(requirements)} requirement(s) for Python {target.python_version}, "
+            log(f"pip plans {len(requirements) - len(have)} requirement(s) for Python {target.python_version}, "
                 f"{len(have)} package(s) on the target")
             candidates = _pip_plan(requirements, stub, target, list(pip_args), Path(tmp))
             plan, missing = walk(root, candidates, have, environment)
