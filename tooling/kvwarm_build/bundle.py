@@ -24,6 +24,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from .build import read_built_record
 from .bundle_resolve import Plan, Target, Wheel, read_have, resolve
 from .errors import BuildError
+from .fetch import sha256_of
 
 MANIFEST = "manifest.json"
 INSTALLER = "install.py"
@@ -74,18 +75,10 @@ def _split(path: Path, part_bytes: int) -> list[dict]:
 
 def _entry(path: Path, wheel: Wheel, split_mib: int | None) -> dict:
     entry = {"file": path.name, "name": wheel.name, "version": str(wheel.version),
-             "size": path.stat().st_size, "sha256": _sha256(path)}
+             "size": path.stat().st_size, "sha256": sha256_of(path)}
     if split_mib and entry["size"] > split_mib * MIB:
         entry["parts"] = _split(path, split_mib * MIB)
     return entry
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(MIB):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _place(source: Path, dest: Path) -> None:

@@ -35,12 +35,11 @@ WHEELS = "wheels"
 CHUNK = 1 << 20
 
 
-def sha256(paths: list[Path]) -> str:
+def sha256(path: Path) -> str:  # kvwarm_build.fetch has one too; this file runs without it
     digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(CHUNK):
-                digest.update(chunk)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -52,7 +51,7 @@ def check_file(path: Path, size: int, expected: str, what: str) -> str | None:
     found = path.stat().st_size
     if found != size:
         return f"{what} {path.name} has {found} bytes, the manifest says {size}: {again}"
-    got = sha256([path])
+    got = sha256(path)
     if got != expected:
         return f"{what} {path.name} is corrupt (sha256 {got}, the manifest says {expected}): {again}"
     return None
@@ -83,7 +82,7 @@ def stage(bundle: Path, manifest: dict, work: Path) -> list[Path]:
                 for part in entry["parts"]:
                     with open(bundle / WHEELS / part["file"], "rb") as f:
                         shutil.copyfileobj(f, out, CHUNK)
-            if sha256([dest]) != entry["sha256"]:
+            if sha256(dest) != entry["sha256"]:
                 raise SystemExit(f"install.py: the parts of {entry['file']} join to the wrong sha256 "
                                  f"(the manifest's parts list is inconsistent): make the bundle again")
         staged.append(dest)
