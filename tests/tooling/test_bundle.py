@@ -120,10 +120,14 @@ def test_parts_join_install_offline_into_a_fresh_venv_and_selfcheck(bundle, tmp_
     assert shown.stdout.strip() == "2.0"
 
 
-def test_install_into_a_target_folder(bundle, tmp_path):
-    done = install(bundle, "--target", str(tmp_path / "site"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "selfcheck: vllm" in done.stdout and (tmp_path / "site" / "vllm" / "kvwarm" / "selfcheck.py").is_file()
+def test_install_into_a_target_folder_twice(bundle, tmp_path):
+    site = tmp_path / "site"
+    for _ in range(2):
+        done = install(bundle, "--target", str(site))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"selfcheck: vllm {FAKE}, series {DIGEST[:12]}: ok" in done.stdout
+        # A stale install left in the folder: the second run must replace it, not keep it.
+        (site / "vllm" / "__init__.py").write_text("__version__ = '0'\n")
 
 
 def _copy_with(bundle: Path, tmp_path: Path, damage) -> tuple[Path, str]:
@@ -179,3 +183,9 @@ def test_have_line_that_pins_no_version_is_named(tmp_path, line):
     with pytest.raises(BuildError) as err:
         read_have(have)
     assert f"{have}:2" in str(err.value) and err.value.fix
+
+
+def test_split_size_must_be_positive(index, tmp_path):
+    with pytest.raises(BuildError, match="--split-mib 0"):
+        _bundle(index, tmp_path / "out", split_mib=0)
+    assert not (tmp_path / "out").exists()

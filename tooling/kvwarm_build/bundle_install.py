@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         wheels = stage(BUNDLE, manifest, work)
         pip = [python, "-m", "pip", "--isolated", "install", "--no-index", "--find-links", str(work)]
         if args.target:
-            pip += ["--target", str(args.target), "--no-deps", *map(str, wheels)]
+            # --upgrade: without it pip keeps what an earlier run left in DIR.
+            pip += ["--target", str(args.target), "--upgrade", "--no-deps", *map(str, wheels)]
         elif args.no_deps:
             pip += ["--no-deps", *map(str, wheels)]
         else:
