@@ -225,7 +225,8 @@ def _pip_plan(requirements: list[str], stub_python: Path, target: Target, pip_ar
     if done.returncode != 0:
         raise BuildError(f"pip could not resolve the bundle for Python {target.python_version} on "
                          f"{target.platforms[0]} next to the target's packages:\n{done.stderr.strip()[-3000:]}",
-                         "check the requirement pip names; --platform/--python-version must match the target")
+                         "check the requirement pip names; --platform/--python-version must match the target, "
+                         "and the --have file must hold together (`pip check` on the target)")
     plan = {}
     for item in report:
         meta = item["metadata"]
