@@ -212,6 +212,14 @@ def _release_sessions(release: dict) -> None:
         _tooling(session)
         _kvwarm_build(session, "image-standin", "--release", short, *session.posargs)
 
+    @nox.session(name=f"bundle-{short}", tags=["bundle"], default=False)
+    def bundle(session: nox.Session) -> None:
+        """dist/bundle-*: the patched cuda wheel, the dependency wheels a host without an index
+        lacks (`-- --have FREEZE_FILE`), manifest.json and install.py; `-- --split-mib N` cuts
+        big files into parts. See `kvwarm-build bundle --help`."""
+        _tooling(session)  # kvwarm-build requires pip>=24.1: pip plans for the target's platform
+        _kvwarm_build(session, "bundle", "--release", short, *session.posargs)
+
 
 for _release in RELEASES:
     _release_sessions(_release)

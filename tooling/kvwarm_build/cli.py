@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import project
 from .build import check_reproducible, ensure_built, output_name
+from .bundle_resolve import Target
 from .errors import BuildError
 from .fetch import fetch
 from .maint import export_patches, lint, materialise, write_series
@@ -148,6 +149,20 @@ def cmd_image_standin(args) -> int:
     return 0
 
 
+def cmd_bundle(args) -> int:
+    from .bundle import make_bundle
+
+    release = _release(args)
+    wheel, record = _patched_wheel(args, release)
+    out = args.out or args.dist / f"bundle-{record['version']}-{args.flavour}"
+    target = Target(args.python_version, tuple(args.platform or Target.platforms), args.implementation)
+    pip_args = (["--index-url", args.index_url] if args.index_url else []) + \
+        [a for link in args.find_links for a in ("--find-links", link)] + (["--no-index"] if args.no_index else [])
+    make_bundle(wheel, out, args.have, target, args.split_mib, pip_args, log=_log)
+    print(out)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvwarm-build", description=__doc__)
     p.add_argument("--releases", type=Path, default=project.RELEASES, help="the release table")
@@ -186,6 +201,18 @@ def parser() -> argparse.ArgumentParser:
     st = with_release("image-standin", cmd_image_standin,
                       "images/Dockerfile on a local stand-in base with buildah, checked from outside", flavour=True)
     st.add_argument("--keep", action="store_true", help="keep the built image (the stand-in base is always kept)")
+    bu = with_release("bundle", cmd_bundle, "a folder for a host without a package index: the patched wheel, "
+                      "the dependency wheels it lacks, manifest.json and install.py", flavour=True)
+    bu.add_argument("--out", type=Path, help="default: dist/bundle-<version>-<flavour>")
+    bu.add_argument("--have", type=Path, help="`pip freeze` of the target: what it has is left out (default: nothing)")
+    bu.add_argument("--split-mib", type=int, help="cut files larger than this into parts of at most this many MiB")
+    bu.add_argument("--python-version", default=Target.python_version, help="the target's Python (default: %(default)s)")
+    bu.add_argument("--platform", action="append",
+                    help=f"the target's wheel platform tag, repeatable (default: {Target.platforms[0]})")
+    bu.add_argument("--implementation", default=Target.implementation, help="(default: %(default)s)")
+    bu.add_argument("--index-url", help="pip's index (default: pip's own configuration)")
+    bu.add_argument("--find-links", action="append", default=[], help="a folder of wheels for pip, repeatable")
+    bu.add_argument("--no-index", action="store_true", help="only --find-links folders")
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)
