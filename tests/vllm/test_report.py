@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from vllm.kvwarm.report import REGIMES, compare, figure, from_artifact, load_run, plot_png, run
+from vllm.kvwarm.report import REGIMES, compare, figure, from_artifact, labels_for, load_run, plot_png, run
 
 META_V1 = {"enabled": True, "warm_eligible": True, "skip_reason": None, "points_real_kv": 3,
            "points_fake_fallback": 1, "giant_kv_repeats": 3, "giant_kv_threshold": 1_000_000,
@@ -175,9 +175,16 @@ def test_ab_ratios_and_mape_match_a_hand_computation(tmp_path, capsys):
     assert "MAPE of B against A: 10.00%" in page and "compare-2-vs-1.png" in page
     rows = list(csv.DictReader((tmp_path / "ab" / "report.csv").open()))
     assert [(r["run"], r["total_kv_read_tokens"], r["ratio_to_baseline"]) for r in rows] == [
-        (a, "1000", ""), (a, "2000", ""), (b, "1000", "1.1000"), (b, "2000", "0.9000"), (b, "8000", "")]
+        ("off", "1000", ""), ("off", "2000", ""), ("on", "1000", "1.1000"), ("on", "2000", "0.9000"),
+        ("on", "8000", "")]
     overlay = figure([load_run(a), load_run(b)])
-    assert _legend(overlay) == ["B=4", f"A: {a}", f"B: {b}", REGIMES["real_kv"][0], REGIMES["legacy"][0]]
+    assert _legend(overlay) == ["B=4", "A: off", "B: on", REGIMES["real_kv"][0], REGIMES["legacy"][0]]
+
+
+def test_runs_are_named_by_their_folder_unless_two_share_a_name():
+    assert labels_for(["runs/real-kv", "runs/fake-kv/sweep.json"]) == ["real-kv", "fake-kv"]
+    assert labels_for(["host1/moe", "host2/moe/"]) == ["host1/moe", "host2/moe"]
+    assert labels_for(["runs/moe", "runs/moe"]) == ["runs/moe #1", "runs/moe #2"]
 
 
 def test_three_runs_are_each_compared_with_the_first_and_unmatched_points_named(tmp_path):

@@ -186,7 +186,7 @@ def load_run(arg: str, allow_running: bool = False, label: str | None = None) ->
                           "short: run the sweep again") from None
     if not isinstance(artifact, dict):
         raise ReportError(f"{path}: not a sweep artifact (a JSON {type(artifact).__name__}, not an object)")
-    run = from_artifact(artifact, label or arg, str(path))
+    run = from_artifact(artifact, label or labels_for([arg])[0], str(path))
     if run.status == "running" and not allow_running:
         raise ReportError(f"{path}: status 'running': the sweep has not finished (or was killed before "
                           "it could record why); wait for it, or pass --allow-running to render the "
@@ -198,8 +198,12 @@ def load_run(arg: str, allow_running: bool = False, label: str | None = None) ->
 
 
 def labels_for(args: list[str]) -> list[str]:
-    """Each run's name on the page: the argument as given, numbered when given twice."""
-    names = [a[: -len("/sweep.json")] if a.endswith("/sweep.json") else a.rstrip("/") or a for a in args]
+    """Each run's name in plots and tables: its folder's name (short enough for a legend),
+    the argument as given where two folders share a name, numbered where given twice."""
+    folders = [Path(a).parent if Path(a).name == "sweep.json" else Path(a) for a in args]
+    names = [f.resolve().name or str(f) for f in folders]
+    if len(set(names)) < len(names):
+        names = [str(f) for f in folders]
     return [f"{n} #{names[:i].count(n) + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
@@ -320,7 +324,7 @@ def figure(runs: list[Run]):
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.margins(x=0.05, y=0.1)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # K counts tokens
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=7, steps=[1, 2, 2.5, 5, 10], integer=True))  # K counts tokens; labels must not touch
     ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.10g}"))
     if not any(run.rows for run in runs):
         ax.text(0.5, 0.5, "no point measured", transform=ax.transAxes, ha="center", va="center", fontsize=14)
