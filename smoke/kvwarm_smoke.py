@@ -171,7 +171,25 @@ def sweeps(args) -> int:
             failures += 1
             print("".join(log_path.read_text().splitlines(keepends=True)[-40:]), flush=True)
     _log(f"{len(cases) - failures}/{len(cases)} case(s) passed")
+    if not failures and {"moe", "moe-off"} <= {case["name"] for case in cases}:
+        failures += _report_real_against_fake(work)
     return 1 if failures else 0
+
+
+def _report_real_against_fake(work: Path) -> int:
+    """The seed's A/B on the two MoE runs: `report` renders both and prints the MAPE of fake
+    KV (warm-up off) against real KV."""
+    sweeps_dir, report = work / "sweeps", work / "report"
+    cmd = [sys.executable, "-m", "vllm.kvwarm", "report", str(sweeps_dir / "moe"), str(sweeps_dir / "moe-off"),
+           "--out", str(report)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    problems = [] if done.returncode == 0 else [f"exit {done.returncode}: {done.stderr.strip()[-400:]}"]
+    problems += [f"no {name}" for name in ("report.html", "report.csv", "compare-2-vs-1.png")
+                 if not (report / name).exists()]
+    problems += [] if "MAPE" in done.stdout else ["no MAPE in its table"]
+    _log(f"report moe vs moe-off: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)} ({report})")
+    print(done.stdout, flush=True)
+    return 1 if problems else 0
 
 
 PROMPTS = ["The quick brown fox", "Decode step time depends on", "Prefix caching lets requests",

@@ -47,6 +47,25 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     for row in artifact["results"]:
         assert row["kv_seed_regime"] == "real_kv" and len(row["steady_seconds"]) == 3
         assert row["median_seconds"] == sorted(row["steady_seconds"])[1] > 0
+        assert (row["min_seconds"], row["max_seconds"]) == (min(row["steady_seconds"]), max(row["steady_seconds"]))
+        assert row["spread"] == pytest.approx((row["max_seconds"] - row["min_seconds"]) / row["median_seconds"])
+        assert row["global_batch_size"] == row["point"]["batch_size"]
+    # the measurement record: what ran, on what, when
+    assert artifact["schema_version"] == 2 and artifact["artifact_type"] == "rank"
+    assert artifact["build"]["version"].endswith(artifact["build"]["version"].split("+")[1])
+    assert artifact["build"]["flavour"] == "cpu" and len(artifact["build"]["series_digest"]) == 64
+    assert artifact["layout"] == {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 1,
+                                  "pipeline_parallel_size": 1, "expert_parallel": False}
+    assert artifact["hardware"]["cores"] >= 1 and artifact["hardware"]["cpu"] and artifact["hardware"]["gpus"] == []
+    import torch
+
+    assert artifact["torch"] == torch.__version__
+    assert artifact["started_at"] <= artifact["finished_at"]
+    resolved = artifact["config"]["engine_args"]["resolved"]
+    assert (resolved["max_num_seqs"], resolved["max_num_batched_tokens"], resolved["max_model_len"]) == (8, 256, 1024)
+    assert resolved["dtype"] == "float32" and resolved["enable_prefix_caching"] is True
+    assert resolved["enforce_eager"] is True and list(resolved["block_sizes"].values()) == [32]
+    assert "--max-num-seqs" in artifact["config"]["engine_args"]["given"]
     assert len(list(csv.DictReader((out / "sweep.csv").open()))) == 3
     import importlib.util
 

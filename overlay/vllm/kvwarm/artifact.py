@@ -1,5 +1,5 @@
 """The sweep's artifact: sweep.json (validated against artifact.schema.json, schema version
-2), sweep.csv, and sweep.png where matplotlib imports. Written after every point, each
+2), sweep.csv, and at the end sweep.png where matplotlib imports. Written after every point, each
 file through a unique temporary file and an atomic replace, so a failure mid-sweep never
 loses the rows already measured and concurrent writers never collide.
 
@@ -121,6 +121,11 @@ def write_artifact(out_dir: str | Path, artifact: dict) -> list[Path]:
     write_atomically(out / ARTIFACT, json.dumps(artifact, indent=2).encode())
     write_atomically(out / "sweep.csv", _csv(artifact["results"]))
     paths = [out / ARTIFACT, out / "sweep.csv"]
+    if artifact["status"] == "running":
+        # Drawn once, at the end: a plot costs about half a second, which would stall the
+        # engine after every point; and no plot of an earlier run stays beside this record.
+        (out / "sweep.png").unlink(missing_ok=True)
+        return paths
     png = _png(artifact)
     if png is not None:
         write_atomically(out / "sweep.png", png)

@@ -80,11 +80,14 @@ def hardware() -> dict:
             "cuda_runtime": torch.version.cuda}
 
 
-def run_record(scheduler) -> dict:
-    """The artifact's fields that describe the run (the build record comes from the wheel)."""
+def run_record(scheduler, given: list[str] | None = None) -> dict:
+    """The artifact's fields that describe the run (the build record comes from the wheel).
+    `given`: the engine arguments as the user gave them, where known (the sweep command
+    passes its own); else this process's command line (a server's, under `vllm serve`)."""
     import torch
 
     from vllm.kvwarm import build_record
 
     return {"build": build_record(), "torch": torch.__version__, "hardware": hardware(),
-            "engine_args": {"given": list(sys.argv), "resolved": resolved_engine_args(scheduler)}}
+            "engine_args": {"given": list(sys.argv if given is None else given),
+                            "resolved": resolved_engine_args(scheduler)}}

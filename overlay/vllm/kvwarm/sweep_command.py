@@ -54,7 +54,8 @@ def engine_args_from(argv: list[str], spec: dict):
 
 def run(argv: list[str]) -> int:
     args, engine_argv = parser().parse_known_args(argv)
-    spec = {"points": str(Path(args.points).resolve()), "out": str(Path(args.out).resolve())}
+    spec = {"points": str(Path(args.points).resolve()), "out": str(Path(args.out).resolve()),
+            "engine_args": engine_argv}  # recorded as given
     reporter = Reporter(spec["out"], {"points": spec["points"], "engine_args": {"given": engine_argv}}, os.environ)
     try:
         read_inputs(spec["points"])  # max_model_len is checked again once the engine knows it

@@ -132,8 +132,8 @@ class SweepRun:
     def __init__(self, scheduler, spec: dict, environ=None):
         environ = os.environ if environ is None else environ
         if not isinstance(spec, dict) or not {"points", "out"} <= set(spec):
-            raise SettingsError(f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}}, '
-                                f"got {spec!r}")
+            raise SettingsError(f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}} '
+                                f'(and optionally "engine_args": [ARG, ...]), got {spec!r}')
         vllm_config = scheduler.vllm_config
         parallel = vllm_config.parallel_config
         self.layout = rank_layout(parallel)
@@ -143,7 +143,7 @@ class SweepRun:
         self.reporter = Reporter(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
         try:
-            self.reporter.run.update(run_record(scheduler))
+            self.reporter.run.update(run_record(scheduler, spec.get("engine_args")))
             self.reporter.write("running")  # replaces an earlier run's artifact in this folder
             self.sweep = self._build(scheduler, vllm_config, spec, environ,
                                      make_exchange(self.layout, spec["out"], parallel))
