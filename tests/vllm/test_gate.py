@@ -141,11 +141,13 @@ def test_a_malformed_sweep_config_names_the_key_and_the_expected_shape(tmp_path)
         make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": {"out": "x"}})
 
 
-def test_a_failure_mid_sweep_keeps_the_rows_measured_before_it_and_the_engine_serves_on(tmp_path, monkeypatch):
+def failing_on_the_second_point(tmp_path, monkeypatch, *points):
+    """A sweep configured through additional_config (fake KV: no dataset) whose second
+    point fails as it is queued; returns the scheduler and the output folder."""
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
     scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
-        "kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2), (100, 2)), "out": str(out)}})
+        "kvwarm_sweep": {"points": _points(tmp_path, *points), "out": str(out)}})
     sweep, queue_point = scheduler.kvwarm_sweep, scheduler.kvwarm_sweep._queue_point
 
     def fail_on_the_second_point(*args):
@@ -154,6 +156,12 @@ def test_a_failure_mid_sweep_keeps_the_rows_measured_before_it_and_the_engine_se
         return queue_point(*args)
 
     sweep._queue_point = fail_on_the_second_point
+    return scheduler, out
+
+
+def test_a_failure_mid_sweep_keeps_the_rows_measured_before_it_and_the_engine_serves_on(tmp_path, monkeypatch):
+    scheduler, out = failing_on_the_second_point(tmp_path, monkeypatch, (300, 2), (200, 2), (100, 2))
+    sweep = scheduler.kvwarm_sweep
     _drive(scheduler)  # the error is recorded, never raised into the engine
     artifact = json.loads((out / "sweep.json").read_text())
     validate(artifact)
@@ -204,18 +212,7 @@ def test_the_command_records_a_failure_inside_a_sweep_hook_once(tmp_path, monkey
     from vllm.kvwarm import sweep_command
     from vllm.kvwarm.sweep_run import Reporter
 
-    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
-    out = tmp_path / "out"
-    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
-        "kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2)), "out": str(out)}})
-    sweep, queue_point = scheduler.kvwarm_sweep, scheduler.kvwarm_sweep._queue_point
-
-    def fail_on_the_second_point(*args):
-        if sweep.rows:
-            raise RuntimeError("the worker went away")
-        return queue_point(*args)
-
-    sweep._queue_point = fail_on_the_second_point
+    scheduler, _ = failing_on_the_second_point(tmp_path, monkeypatch, (300, 2), (200, 2))
     statuses, write = [], Reporter.write
     monkeypatch.setattr(Reporter, "write", lambda self, status, error=None: (
         statuses.append(status), write(self, status, error))[1])

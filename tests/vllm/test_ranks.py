@@ -38,8 +38,35 @@ def _step_all(schedulers, limit: int = 2000) -> int:
     raise AssertionError("the ranks did not finish (a hang)")
 
 
+def _stop_on_rank_failure(sweep, errors: list) -> None:
+    """What the adapter does under a configured run, for a bare sweep: a RankFailed ends the
+    sweep (its requests given back, the others told) and is collected instead of raised."""
+    original = sweep.before_schedule
+
+    def before_schedule(scheduler):
+        try:
+            original(scheduler)
+        except RankFailed as err:
+            errors.append(str(err))
+            sweep.abandon(scheduler, str(err))
+
+    sweep.before_schedule = before_schedule
+
+
 def _exchanges(tmp_path, size=2, timeout=60.0):
     return [FileExchange(tmp_path / "out", "run", size, rank, timeout=timeout) for rank in range(size)]
+
+
+def _two_ranks(tmp_path, points, **rank_1_config):
+    """Two real schedulers, each with its sweep over `points` meeting the other's through the
+    file exchange; rank 1's sweep may be configured differently."""
+    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=128, scheduler_cls=KvWarmScheduler)
+                  for r in range(2)]
+    exchanges = _exchanges(tmp_path)
+    sweeps = [make_sweep(points, exchange=exchanges[0]), make_sweep(points, exchange=exchanges[1], **rank_1_config)]
+    for scheduler, sweep in zip(schedulers, sweeps):
+        scheduler.kvwarm_sweep = sweep
+    return schedulers, sweeps
 
 
 def test_ranks_with_different_free_pools_plan_the_same_rung_from_the_smallest(tmp_path):
@@ -61,25 +88,11 @@ def test_ranks_with_different_free_pools_plan_the_same_rung_from_the_smallest(tm
 
 
 def test_a_plan_mismatch_stops_every_rank_with_both_digests_and_no_hang(tmp_path):
-    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=128, scheduler_cls=KvWarmScheduler)
-                  for r in range(2)]
-    exchanges = _exchanges(tmp_path)
     # rank 1 was started with another repeat count: its plan (and its rows) would differ
-    sweeps = [make_sweep([DecodePoint(200, 2)], exchange=exchanges[0]),
-              make_sweep([DecodePoint(200, 2)], exchange=exchanges[1], repeats=5)]
+    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2)], repeats=5)
     errors = []
-    for scheduler, sweep in zip(schedulers, sweeps):
-        scheduler.kvwarm_sweep = sweep
-        original = sweep.before_schedule
-
-        def before_schedule(s, original=original, sweep=sweep):
-            try:
-                original(s)
-            except RankFailed as err:
-                errors.append(str(err))
-                sweep.abandon(s, str(err))
-
-        sweep.before_schedule = before_schedule
+    for sweep in sweeps:
+        _stop_on_rank_failure(sweep, errors)
     _step_all(schedulers, limit=50)
     digests = [sweep.plan_digest(sweep._rung) for sweep in sweeps]
     assert len(errors) == 2 and errors[0] == errors[1]
@@ -90,14 +103,9 @@ def test_a_plan_mismatch_stops_every_rank_with_both_digests_and_no_hang(tmp_path
 
 
 def test_a_rank_that_fails_stops_the_others_at_their_next_boundary(tmp_path):
-    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=128, scheduler_cls=KvWarmScheduler)
-                  for r in range(2)]
-    exchanges = _exchanges(tmp_path)
-    points = [DecodePoint(200, 2), DecodePoint(100, 2), DecodePoint(50, 2)]
-    sweeps = [make_sweep(points, exchange=e) for e in exchanges]
-    for scheduler, sweep in zip(schedulers, sweeps):
-        scheduler.kvwarm_sweep = sweep
+    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2), DecodePoint(100, 2), DecodePoint(50, 2)])
     errors = []
+    _stop_on_rank_failure(sweeps[0], errors)
 
     def fail_rank_1_after_its_first_point(s, original=sweeps[1].before_schedule):
         if sweeps[1].rows:
@@ -105,14 +113,7 @@ def test_a_rank_that_fails_stops_the_others_at_their_next_boundary(tmp_path):
             return
         original(s)
 
-    def rank_0(s, original=sweeps[0].before_schedule):
-        try:
-            original(s)
-        except RankFailed as err:
-            errors.append(str(err))
-            sweeps[0].abandon(s, str(err))
-
-    sweeps[1].before_schedule, sweeps[0].before_schedule = fail_rank_1_after_its_first_point, rank_0
+    sweeps[1].before_schedule = fail_rank_1_after_its_first_point
     _step_all(schedulers, limit=200)
     assert errors == ["rank 1 failed: RuntimeError: rank 1 lost its worker"]
     assert len(sweeps[0].rows) == 1  # measured together before rank 1 stopped
