@@ -177,9 +177,10 @@ def _release_sessions(release: dict) -> None:
 
     @nox.session(name=f"upstream-tests-{short}", tags=["upstream"], default=False)
     def upstream_tests(session: nox.Session) -> None:
-        """vLLM's own CPU tests from the sdist: stock release vs patched build."""
+        """vLLM's own CPU tests from the sdist (core, kv_connector/unit): stock release vs patched
+        build; `-- --full` adds the stress cases (when a release is added or its build bumped)."""
         _tooling(session)
-        _kvwarm_build(session, "upstream-tests", "--release", short)
+        _kvwarm_build(session, "upstream-tests", "--release", short, *session.posargs)
 
     def tree(session: nox.Session) -> None:
         _tooling(session)

@@ -107,7 +107,7 @@ def cmd_stock_engine_python(args) -> int:
 def cmd_upstream_tests(args) -> int:
     from .upstream_run import run_upstream_tests
 
-    return run_upstream_tests(_release(args), _cache(args), args.dist, log=_log)
+    return run_upstream_tests(_release(args), _cache(args), args.dist, full=args.full, log=_log)
 
 
 def cmd_stock_check(args) -> int:
@@ -177,7 +177,9 @@ def parser() -> argparse.ArgumentParser:
                  "make this venv see the release's CPU engine dependency venv")
     with_release("stock-engine-python", cmd_stock_engine_python,
                  "print the python of a venv with the official cpu wheel on the engine venv (made if missing)")
-    with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
+    ut = with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
+    ut.add_argument("--full", action="store_true",
+                    help="keep the stress cases in (minutes; when a release is added or its build bumped)")
     with_release("stock-check", cmd_stock_check, "on the stock wheel: series_tests must fail, stock_tests pass")
     im = with_release("image", cmd_image, "images/Dockerfile on the official base (docker buildx, podman or buildah)",
                       flavour=True)
