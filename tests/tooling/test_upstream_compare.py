@@ -57,9 +57,9 @@ def test_parse_junit_rejects_garbage(tmp_path):
 def test_compare_finds_regressions():
     stock = {"a": "passed", "b": "passed", "c": "failed", "d": "passed", "e": "skipped"}
     patched = {"a": "passed", "b": "failed", "c": "passed", "e": "passed"}
-    regressions, report = compare(stock, patched, "stock 0.28.0", "patched 9.9.9+kvwarm.1")
+    regressions, report = compare(stock, patched, "stock 9.9.9", "patched 9.9.9+kvwarm.1")
     assert regressions == ["b", "d"]  # d vanished on patched
-    assert "stock 0.28.0: 3 passed, 1 failed, 1 skipped, 0 error" in report
+    assert "stock 9.9.9: 3 passed, 1 failed, 1 skipped, 0 error" in report
     assert "patched 9.9.9+kvwarm.1: 3 passed, 1 failed, 0 skipped, 0 error" in report
     assert "  b: failed" in report and "  d: missing" in report
 
@@ -175,3 +175,12 @@ def test_run_gate_runs_each_selection_and_keeps_a_missing_package_a_failure(tmp_
     # compare() never counts it as a regression.
     assert [s for t, s in results.items() if "test_needs_pkg" in t] == ["error"]
     assert compare(results, dict(results))[0] == []
+
+
+def test_torchvision_goes_with_the_torch_of_the_deps_venv():
+    from kvwarm_build.upstream_tests import torchvision_for
+
+    assert torchvision_for("2.20.0+cpu") == "torchvision==0.35.0"
+    assert torchvision_for("2.21.1") == "torchvision==0.36.0"
+    with pytest.raises(BuildError, match="torch 3.0.0"):
+        torchvision_for("3.0.0")

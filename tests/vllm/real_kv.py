@@ -71,7 +71,7 @@ def make_scheduler(
     cache_extra = {}
     if state_block_size:
         cache_extra["mamba_cache_mode"] = "align"
-    if hash_block_size:  # 0.28.0 renamed the field
+    if hash_block_size:  # the field's name differs between releases
         fields = {f.name for f in dataclasses.fields(CacheConfig)}
         cache_extra["prefix_match_unit" if "prefix_match_unit" in fields else "hash_block_size"] = hash_block_size
     vllm_config = VllmConfig(

@@ -1,7 +1,8 @@
-"""Copy-on-write parity: 0.28.0's fork semantics, on every release this project builds.
+"""Copy-on-write parity: upstream's fork semantics, on every release this project builds.
 
-The same tests run against stock 0.28.0 and patched 0.25.1 (the CoW backport series);
-they name only vLLM's own attributes, never a version.
+The same tests run against stock releases that have copy-on-write and patched releases whose
+series backports it (releases.toml: stock_tests, series_tests); they name only vLLM's own
+attributes, never a version.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, de
     if mode == "copy-without-cow":
         monkeypatch.setattr(state, "_apply_cow", None)  # a state manager that cannot fork
         mode = COPY
-    elif mode == "inplace-where-partial-tails-are-hashed":  # what the probe says on stock 0.28.0
+    elif mode == "inplace-where-partial-tails-are-hashed":  # what the probe says on a stock build that hashes partial tails
         monkeypatch.setattr(shadows, "probe_state_build", lambda *a: STOCK_028)
         mode = INPLACE
     baseline = in_use(kvm.block_pool)
@@ -355,7 +355,7 @@ def _hashes_partial_state_tails() -> bool:
 
 
 def test_partial_tail_hashing_ends_in_the_promotion_assertion_without_the_exemption(tmp_path):
-    """Stock 0.28.0's failure as DESIGN.md reports it, on the real classes: at the shadow's
+    """A stock build's failure where partial tails are hashed, on the real classes: at the shadow's
     prompt boundary (112 tokens) `_cache_partial_tail_block` stacks the shadow's partial
     key on the chain's state block and drops the shadow's cached count 3 -> 1; at 128 the
     promotion assertion of `BlockPool.cache_full_blocks` fires."""

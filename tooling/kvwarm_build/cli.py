@@ -86,7 +86,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_layer_deps(args) -> int:
-    layer_on_deps(current_python(), ensure_deps_venv(_cache(args), log=_log))
+    layer_on_deps(current_python(), ensure_deps_venv(_release(args), _cache(args), log=_log))
     return 0
 
 
@@ -116,6 +116,14 @@ def cmd_stock_check(args) -> int:
     return check_tests_on_stock(_release(args), _cache(args), log=_log)
 
 
+def cmd_upstream_status(args) -> int:
+    from .upstream_status import upstream_status
+
+    for line in upstream_status(load_releases(args.releases), project.PATCHES, _cache(args), log=_log):
+        print(line, flush=True)
+    return 0
+
+
 def _patched_wheel(args, release):
     """The patched wheel (built when stale) and its build record."""
     from .build import read_built_record
@@ -143,7 +151,7 @@ def cmd_image_standin(args) -> int:
     release = _release(args)
     args.flavour = "cuda"  # the stand-in mimics vllm/vllm-openai, the cuda flavour's base
     wheel, record = _patched_wheel(args, release)
-    images.build_on_standin(release, wheel, record, _cache(args), ensure_deps_venv(_cache(args), log=_log),
+    images.build_on_standin(release, wheel, record, _cache(args), ensure_deps_venv(release, _cache(args), log=_log),
                             keep=args.keep, log=_log)
     return 0
 
@@ -157,7 +165,7 @@ def parser() -> argparse.ArgumentParser:
 
     def with_release(name, func, help, flavour=False):
         s = sub.add_parser(name, help=help)
-        s.add_argument("--release", required=True, help="0.25 or 0.25.1 (see releases.toml)")
+        s.add_argument("--release", required=True, help="a version or short name from releases.toml")
         if flavour:
             s.add_argument("--flavour", choices=FLAVOURS, default="cuda")
         s.set_defaults(func=func)
@@ -173,6 +181,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="recreate the tree, discarding its commits")
     e = with_release("export", cmd_export, "re-export the tree's commits into patches/vllm-X.Y.Z")
     e.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
+    with_release("layer-deps", cmd_layer_deps, "make this venv see the release's vLLM dependency venv")
     with_release("layer-engine-deps", cmd_layer_engine_deps,
                  "make this venv see the release's CPU engine dependency venv")
     with_release("stock-engine-python", cmd_stock_engine_python,
@@ -188,11 +197,12 @@ def parser() -> argparse.ArgumentParser:
     st = with_release("image-standin", cmd_image_standin,
                       "images/Dockerfile on a local stand-in base with buildah, checked from outside")
     st.add_argument("--keep", action="store_true", help="keep the built image (the stand-in base is always kept)")
+    us = sub.add_parser("upstream-status", help="newer vLLM releases on the index: cpu wheel, torch pin, "
+                        "whether the newest series applies ($KVWARM_INDEX_URL or PyPI)")
+    us.set_defaults(func=cmd_upstream_status)
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)
-    ld = sub.add_parser("layer-deps", help="make this venv see the shared vLLM dependency venv")
-    ld.set_defaults(func=cmd_layer_deps)
     return p
 
 

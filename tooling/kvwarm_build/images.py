@@ -191,7 +191,7 @@ def expected_labels(args: dict[str, str]) -> dict[str, str]:
 
 
 def default_tag(base: str, release: Release) -> str:
-    """vllm/vllm-openai:v0.28.0 -> vllm/vllm-openai-kvwarm:v0.28.0-kvwarm.3 (a tag has no '+')."""
+    """vllm/vllm-openai:vX.Y.Z -> vllm/vllm-openai-kvwarm:vX.Y.Z-kvwarm.N (a tag has no '+')."""
     repo = _untagged(base.partition("@")[0])
     return f"{repo}-kvwarm:v{release.version}-{release.label}"
 
@@ -350,7 +350,7 @@ def build_on_standin(release: Release, wheel: Path, record: dict, cache: Path, d
     try:
         check = ["python3", "-m", "vllm.kvwarm", "selfcheck", "--dist", args["VLLM_DIST"],
                  "--expect-version", release.patched_version, "--expect-series-digest", args["KVWARM_SERIES_DIGEST"]]
-        # The cuda wheel on a CPU host: 0.28 reads its target device from here.
+        # The cuda wheel on a CPU host: some releases read their target device from here.
         run_inside(builder, tag, [check, ["python3", "-m", "vllm.kvwarm", "info"]],
                    {"VLLM_TARGET_DEVICE": "cpu"}, log=log)
     finally:

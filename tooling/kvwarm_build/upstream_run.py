@@ -20,8 +20,9 @@ from .hf_standins import seed_hf_cache
 from .releases import Release
 from .upstream_tests import (
     TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, gate, hub_ids, prepare_site, run_gate,
+    torchvision_for,
 )
-from .venvs import deps_key, ensure_deps_venv, ensure_layered_venv, pip_install
+from .venvs import ensure_deps_venv, ensure_layered_venv, pip_install
 
 # Files that shape a run besides the wheel and the tests: stand-in recipes, the
 # torchvision shim, the fixtures plugin run_suite installs, and the selection itself.
@@ -29,10 +30,16 @@ _RUN_INPUTS = [Path(__file__).with_name(n) for n in
                ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py", "upstream_tests.py")]
 
 
+def _torch_in(deps_site: Path) -> str:
+    (info,) = deps_site.glob("torch-*.dist-info")
+    return info.name.removeprefix("torch-").removesuffix(".dist-info")
+
+
 def _test_venv(cache: Path, release: Release, deps_site: Path, log, suffix: str = "") -> Path:
+    no_deps = [*TEST_VENV_NO_DEPS, torchvision_for(_torch_in(deps_site))]
     return ensure_layered_venv(
         cache / "venvs" / f"upstream-tests-{release.version}{suffix}", deps_site,
-        [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *TEST_VENV_NO_DEPS]], log=log,
+        [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *no_deps]], log=log,
     )
 
 
@@ -40,9 +47,9 @@ def _install(python: Path, wheel: Path, log) -> None:
     pip_install(python, "--no-deps", "--force-reinstall", str(wheel), log=log)
 
 
-def _stock_key(release: Release, flavour: str, runs) -> str:
+def _stock_key(release: Release, flavour: str, runs, deps_site: Path) -> str:
     parts = [release.flavour(flavour).wheel.sha256, release.sdist.sha256, repr(runs),
-             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS, deps_key(),
+             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS, deps_site.parents[2].name,
              *(hashlib.sha256(f.read_bytes()).hexdigest() for f in _RUN_INPUTS)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
@@ -60,12 +67,12 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = F
         f" ({'full' if full else 'without the stress cases; --full adds them'}):")
     for run in runs:
         log(f"  {run.name}: {' '.join(run.args)} {len(run.paths)} path(s) under {run.conftest_root}")
-    deps_site = ensure_deps_venv(cache, log=log)
+    deps_site = ensure_deps_venv(release, cache, log=log)
     python = _test_venv(cache, release, deps_site, log)
     hf_home = cache / "upstream" / "hf"
     seed_hf_cache(hf_home / "hub", hub_ids(tests_root, runs), str(python))
 
-    stock_cache = work / f"stock-{_stock_key(release, flavour, runs)}.json"
+    stock_cache = work / f"stock-{_stock_key(release, flavour, runs, deps_site)}.json"
     if stock_cache.exists():
         stock = json.loads(stock_cache.read_text())
         log(f"stock results reused from {stock_cache}")

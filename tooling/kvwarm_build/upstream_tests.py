@@ -8,9 +8,9 @@ A regression gate: run the same selection on the stock and the patched wheel and
     seed_hf_cache(hf_home / "hub", hub_ids(root, runs), python)
     stock = run_gate(python, root, work / "stock", hf_home, runs)
 
-The tests' venv (upstream_run.py): the shared deps venv (CPU torch + vLLM's pure-Python
-deps), the release's `test_pins` from releases.toml + TEST_VENV_COMMON, then
-`pip install --no-deps` TEST_VENV_NO_DEPS and the wheel.
+The tests' venv (upstream_run.py): the release's deps venv (venvs.py), the release's
+`test_pins` from releases.toml + TEST_VENV_COMMON, then `pip install --no-deps`
+TEST_VENV_NO_DEPS, the torchvision of the deps venv's torch, and the wheel.
 """
 
 from __future__ import annotations
@@ -46,8 +46,17 @@ TEST_VENV_COMMON = [
 ]  # fmt: skip
 # --no-deps: mistral_common pins numpy<2.4; torchvision would pull a CUDA torch.
 # The only torchvision reachable is the CUDA build; _torchvision_shim.py makes
-# its Python part import on CPU torch (vLLM's llava module needs it).
-TEST_VENV_NO_DEPS = ["mistral_common==1.13.1", "torchvision==0.28.0"]
+# its Python part import on CPU torch (vLLM's llava module needs it). Its version
+# goes with the deps venv's torch (torchvision_for).
+TEST_VENV_NO_DEPS = ["mistral_common==1.13.1"]
+
+
+def torchvision_for(torch: str) -> str:
+    """The torchvision release made for a torch release: torch 2.N pairs with 0.(N+15)."""
+    major, minor = (int(p) for p in torch.split("+")[0].split(".")[:2])
+    if major != 2:
+        raise BuildError(f"no known torchvision for torch {torch}", "extend torchvision_for for this torch")
+    return f"torchvision==0.{minor + 15}.0"
 
 # vLLM's ModelConfig() defaults to this id, so tests that build configs without
 # naming a model need it even though the test text never says so.
@@ -146,10 +155,10 @@ def hub_ids(tests_root: Path, runs: list[Selection]) -> set[str]:
 
     A scan rather than a per-release table, so a new release's tests are covered
     as long as they name known ids. Ids without a recipe are not found here; they
-    show up as failures naming the id (add them to STANDINS). Measured:
-    0.25.1 and 0.28.0 tests/v1/core both need facebook/opt-125m,
-    llava-hf/llava-1.5-7b-hf, Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen1.5-7B and
-    Qwen/Qwen3-0.6B (0.28.0 also names facebook/opt-350m in an unmarked module).
+    show up as failures naming the id (add them to STANDINS). Measured on the
+    releases' tests/v1/core: facebook/opt-125m, llava-hf/llava-1.5-7b-hf,
+    Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen1.5-7B, Qwen/Qwen3-0.6B and, in an unmarked
+    module of some, facebook/opt-350m.
     """
     found = set(IMPLICIT_HUB_IDS)
     for rel in (path for run in runs for path in run.paths):
