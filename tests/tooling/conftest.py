@@ -56,22 +56,25 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def flavour_toml(name: str, dist: str, wheel: str, sha: str, torch: str, image: str) -> str:
+    return f"""
+[release.flavours.{name}]
+dist = "{dist}"
+wheel = "{wheel}"
+sha256 = "{sha}"
+torch = "{torch}"
+image = "{image}"
+"""
+
+
 def release_toml(wheel: Path, version: str = VERSION, short: str = "9.9") -> str:
-    digest = sha256(wheel)
     return f"""
 [[release]]
 version = "{version}"
 short = "{short}"
 build = 3
 sdist = {{ file = "vllm-{version}.tar.gz", sha256 = "{'0' * 64}" }}
-
-[release.flavours.cuda]
-dist = "vllm"
-wheel = "{wheel.name}"
-sha256 = "{digest}"
-torch = "2.13.0"
-image = "vllm/vllm-openai:v{version}"
-"""
+""" + flavour_toml("cuda", "vllm", wheel.name, sha256(wheel), "2.13.0", f"vllm/vllm-openai:v{version}")
 
 
 def git(cwd: Path, *args: str) -> str:

