@@ -13,6 +13,10 @@ STATE_ALIGN = "state_align"
 STATE_OTHER = "state_other"
 # Sliding-window and chunked-local managers, cross-attention, ...: not borrowed by position.
 UNSUPPORTED = "unsupported"
+# A group whose manager allocates from a pool of its own (e.g. a HiSparse host tier, whose
+# spec is plain full attention): its block ids are not the shared pool's, so nothing there
+# can be lent or forked; refused whatever its spec says.
+OWN_POOL = "own_pool"
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ def group_layouts(kv_cache_manager) -> list[GroupLayout]:
         spec = manager.kv_cache_spec
         layouts.append(GroupLayout(
             group_id=group_id,
-            kind=classify_spec(spec),
+            kind=OWN_POOL if manager.block_pool is not kv_cache_manager.block_pool else classify_spec(spec),
             block_size=manager.block_size,
             num_speculative_blocks=getattr(manager, "num_speculative_blocks", 0) or 0,
             manager=manager,
