@@ -85,21 +85,36 @@ def test_a_group_allocating_from_a_pool_of_its_own_is_refused_by_name():
     assert kvm.coordinator.single_type_managers[0].req_to_blocks.get("shadow") in (None, [])
 
 
-def _state_shadow_decodes(mode: str, speculative: int, steps: int = 40):
-    """A chain of 192 tokens, then a state shadow at ctx 100 decoding `steps` tokens through
-    the real KVCacheManager, across the state block boundary at 128 (where align mode
-    nulls the old slot and, with speculative blocks, relocates the scratch block)."""
+def _checkpoint_fields(checkpoint: int) -> dict:
+    """MambaSpec fields for `checkpoint` prefill checkpoint blocks (real models of builds
+    that have them use one), or a skip where the build's MambaSpec has no such field."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if not checkpoint:
+        return {}
+    if "num_prefill_checkpoint_blocks" not in {f.name for f in dataclasses.fields(MambaSpec)}:
+        pytest.skip("this build's Mamba spec has no prefill checkpoint blocks")
+    return {"num_prefill_checkpoint_blocks": checkpoint, "prefill_checkpoint_alignment": 1}
+
+
+def _state_shadow_decodes(mode: str, speculative: int, checkpoint: int = 0, ctx: int = 100, steps: int = 40):
+    """A chain of 192 tokens, then a state shadow at ctx decoding `steps` tokens through the
+    real KVCacheManager, across the state block boundary at 128 (where align mode nulls the
+    old slot and, with speculative blocks, relocates the scratch block)."""
     from vllm.kvwarm.shadows import register_shadow, release_fork_retentions
 
-    kvm = make_kv_cache_manager([16], num_blocks=96, state_groups=[(64, speculative, "align")])
+    kvm = make_kv_cache_manager([16], num_blocks=96, state_groups=[(64, speculative, "align")],
+                                state_extra=_checkpoint_fields(checkpoint))
     attention, state = kvm.coordinator.single_type_managers
     chain = make_chain(kvm, "chain", 192)
     chain_tables = [list(m.req_to_blocks["chain"]) for m in (attention, state)]
     baseline = in_use(kvm.block_pool)
-    shadow = make_request("shadow", 101)
-    register_shadow(kvm, shadow, chain, ctx=100, headroom=steps, state_mode=mode)
+    shadow = make_request("shadow", ctx + 1)
+    register_shadow(kvm, shadow, chain, ctx=ctx, headroom=steps, state_mode=mode)
     release_fork_retentions(kvm)
-    shadow.num_computed_tokens = 100  # admitted one short of its prompt
+    shadow.num_computed_tokens = ctx  # admitted one short of its prompt
     for _ in range(steps):
         assert kvm.allocate_slots(shadow, 1) is not None
         shadow.num_computed_tokens += 1
@@ -107,10 +122,12 @@ def _state_shadow_decodes(mode: str, speculative: int, steps: int = 40):
     return kvm, chain, chain_tables, baseline, shadow
 
 
+@pytest.mark.parametrize("ctx", [100, 111])  # 112 ends on a prefix-match unit: a checkpoint boundary
+@pytest.mark.parametrize("checkpoint", [0, 1])
 @pytest.mark.parametrize("speculative", [0, 1])
 @pytest.mark.parametrize("mode", ["copy", "inplace"])
-def test_a_state_shadow_decodes_across_a_state_block_and_leaves_the_chain_alone(mode, speculative):
-    kvm, chain, chain_tables, baseline, shadow = _state_shadow_decodes(mode, speculative)
+def test_a_state_shadow_decodes_across_a_state_block_and_leaves_the_chain_alone(mode, speculative, checkpoint, ctx):
+    kvm, chain, chain_tables, baseline, shadow = _state_shadow_decodes(mode, speculative, checkpoint, ctx)
     attention, state = kvm.coordinator.single_type_managers
     assert [list(m.req_to_blocks["chain"]) for m in (attention, state)] == chain_tables
     table = state.req_to_blocks["shadow"]
