@@ -215,6 +215,9 @@ def run_suite(
         # A module that fails to import shows as an error entry instead of
         # stopping the run (and its tests then count as not passed).
         "--continue-on-collection-errors",
+        # Python's own tracebacks: pytest's source-parsing ones hit a CPython AST bug on some
+        # connector failures (INTERNALERROR "AST constructor recursion depth mismatch").
+        "--tb=native",
         f"--junitxml={junit}", "-q", "--durations=10", *run.paths,
     ]  # fmt: skip
     print(f"+ (cd {tests_root} && {' '.join(cmd)})" + (f" > {output}" if output else ""), flush=True)
