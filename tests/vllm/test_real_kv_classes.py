@@ -74,7 +74,7 @@ def test_a_group_allocating_from_a_pool_of_its_own_is_refused_by_name():
     from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow
     from vllm.kvwarm.state_mode import COPY
 
-    kvm = make_kv_cache_manager([16, 16])
+    kvm = make_kv_cache_manager([16, 32])
     chain = make_chain(kvm, "chain", 64)
     host = kvm.coordinator.single_type_managers[1]
     host.block_pool = make_kv_cache_manager([16], num_blocks=8).block_pool  # another pool
