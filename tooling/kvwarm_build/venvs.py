@@ -36,8 +36,6 @@ GPU_ONLY = TORCH_FAMILY | {
     "tokenspeed-mla", "humming-kernels", "triton", "xformers",
 }
 GPU_ONLY_PREFIXES = ("nvidia-", "flashinfer-", "cupy-")
-# Installed without their own dependencies: theirs drag in triton and a CUDA torch.
-NO_DEPS = frozenset({"xgrammar"})
 _COMPLETE = ".kvwarm-complete"
 
 
@@ -142,22 +140,33 @@ def deps_inputs(release, cache: Path, log=print) -> tuple[str, list[str], list[s
 
 
 def deps_key(inputs) -> str:
-    return hashlib.sha256(repr((inputs, sorted(NO_DEPS), sys.version_info[:2])).encode()).hexdigest()[:12]
+    # "resolved": requirements installed with their dependencies, GPU-only ones removed after.
+    return hashlib.sha256(repr((inputs, "resolved", sys.version_info[:2])).encode()).hexdigest()[:12]
+
+
+def remove_gpu_only(python: Path, keep: str = "torch") -> None:
+    """Uninstall what dependencies pulled in that only serves a GPU (xgrammar needs triton on
+    x86_64 Linux), `keep` excepted."""
+    listing = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
+                             check=True)
+    extra = sorted(d["name"] for d in json.loads(listing.stdout) if gpu_only(d["name"]) and
+                   canonicalize_name(d["name"]) != keep)
+    if extra:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *extra], check=True, capture_output=True)
 
 
 def ensure_deps_venv(release, cache: Path, log=print) -> Path:
     """The release's deps venv's site-packages, created on first use (shared by every release
     with the same requirements and pins)."""
     inputs = torch, requirements, constraints = deps_inputs(release, cache, log=log)
-    no_deps = [r for r in requirements if canonicalize_name(Requirement(r).name) in NO_DEPS]
 
     def install(python: Path) -> None:
         pinned = python.parents[1] / "kvwarm-constraints.txt"
         pinned.write_text("\n".join(constraints) + "\n")
         pip_install(python, "-c", str(pinned), f"torch=={torch}", log=log)
-        pip_install(python, "-c", str(pinned), *(r for r in requirements if r not in no_deps), log=log)
-        if no_deps:
-            pip_install(python, "--no-deps", "-c", str(pinned), *no_deps, log=log)
+        # One resolution, so every requirement agrees with the release's own pins.
+        pip_install(python, "-c", str(pinned), *requirements, log=log)
+        remove_gpu_only(python)
 
     return ensure_venv(cache / "venvs" / f"vllm-deps-{deps_key(inputs)}", install,
                        f"the vLLM dependency venv for {release.version}'s pins ({', '.join(constraints)})", log=log)
