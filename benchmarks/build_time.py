@@ -1,6 +1,6 @@
 """Warm-cache build time of one release against `pip download` + unzip of the same wheel.
 
-Runs inside a release venv (`nox -s bench-0.25 -- build_time`); KVWARM_RELEASE names the
+Runs inside a release venv (`nox -s bench-S -- build_time`); KVWARM_RELEASE names the
 release. Both sides run once untimed first so caches are warm, then once timed. The last
 line is the JSON result.
 """
@@ -50,7 +50,7 @@ def download_and_unzip(version: str, wheel: str) -> None:
 
 
 def main() -> None:
-    release = find_release(load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE", "0.25"))
+    release = find_release(load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE") or load_releases(project.RELEASES)[-1].version)
     wheel = release.flavour("cuda").wheel.file
     print(f"release {release.version}: warming caches (one untimed run of each side)", flush=True)
     build(release.short)

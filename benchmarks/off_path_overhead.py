@@ -2,7 +2,7 @@
 Scheduler on CPU driving synthetic decode requests for a few thousand steps (CPU time of
 schedule() + update_from_output()).
 
-Runs inside a release venv (`nox -s bench-0.25 -- off_path_overhead`); the stock wheel's
+Runs inside a release venv (`nox -s bench-S -- off_path_overhead`); the stock wheel's
 venv comes from the cache (made on first use). Each side runs in its own process, the
 two alternating; each run schedules the same request stream and prints its time and a
 digest of what it scheduled at every step (the fastest of REPEATS drives in that
@@ -87,7 +87,7 @@ def main() -> None:
     from kvwarm_build.releases import find_release, load_releases
     from kvwarm_build.stock_check import stock_venv
 
-    release = find_release(load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE", "0.25"))
+    release = find_release(load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE") or load_releases(project.RELEASES)[-1].version)
     stock = str(stock_venv(release, project.cache_dir(), log=print))
     sides = {"stock": stock, "patched": sys.executable}
     print(f"release {release.version}: {STEPS} steps, {LIVE_REQUESTS} live requests, "

@@ -2,7 +2,7 @@
 BlockPool.touch of the same prefix blocks, on the real KV-cache classes of this venv's
 vLLM, in the same run.
 
-Runs inside a release venv (`nox -s bench-0.25 -- shadow_registration`). Each round
+Runs inside a release venv (`nox -s bench-S -- shadow_registration`). Each round
 registers every shadow (and releases the fork retentions, as the admission step does),
 then frees them untimed; the baseline touches each shadow's shared prefix and frees it
 untimed. Medians over the rounds; the last line is the JSON result.

@@ -3,7 +3,7 @@
 the same contexts after a real prefill, on the real CPU engine. The CPU stand-in for the
 seed's GPU metric (decode MAPE of the sweep's table against natural decoding).
 
-Runs inside a release's engine venv (`nox -s bench-0.28 -- step_fidelity`). It reuses
+Runs inside a release's engine venv (`nox -s bench-S -- step_fidelity`). It reuses
 sweep_vs_prefill's engine, ladder and sides: the shadow side is a DecodeSweep driven
 through the KvWarmScheduler adapter; the natural side prefills each point's B prompts,
 then sends them again to decode the same R steady steps together. Every engine step is

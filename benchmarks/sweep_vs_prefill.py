@@ -1,7 +1,7 @@
 """Wall time to measure a ladder of decode points at one batch size on the real CPU engine
 with KV warm-up, against measuring the same points on real KV by full prefill per point.
 
-Runs inside a release's engine venv (`nox -s bench-0.28 -- sweep_vs_prefill`; the session
+Runs inside a release's engine venv (`nox -s bench-S -- sweep_vs_prefill`; the session
 gives files with NEEDS_ENGINE = True the patched cpu-flavour engine). One in-process engine
 serves both sides (start-up is shared and not timed); the prefix cache is reset after
 each side. A random-weight Llama and a small ShareGPT-format file are made on the spot.
@@ -172,7 +172,7 @@ def run(tmp: Path) -> None:
     from vllm.kvwarm.sweep import plan_rungs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    release = ".".join((os.environ.get("KVWARM_RELEASE") or vllm.__version__).split(".")[:2])  # e.g. 0.28
+    release = ".".join((os.environ.get("KVWARM_RELEASE") or vllm.__version__).split(".")[:2])  # X.Y
     points = ladder()
     model = load_tiny_models().make_small_llama(tmp / "small-llama")
     conversations, _ = load_dataset(load_tiny_models().write_sharegpt(tmp / "sharegpt.json"))

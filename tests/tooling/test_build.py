@@ -152,10 +152,12 @@ def test_installed_wheel_reports_label_and_record(tree):
     wheel = run_build(tree, validate=None)
     record = json.loads(entries(wheel)[project.BUILD_RECORD_PATH])
     deps = Path(sysconfig.get_paths()["purelib"])  # pip comes from here
-    assert import_problems(wheel, "vllm", record, deps) == []
+    # The fixture vLLM has none of the modules the overlay uses: check one it has, and one it lacks.
+    assert import_problems(wheel, "vllm", record, deps, modules=["vllm.version"]) == []
     wrong = dict(record, series_digest="0" * 64)
-    problems = import_problems(wheel, "vllm", wrong, deps)
-    assert len(problems) == 1 and "build_record()" in problems[0]
+    problems = import_problems(wheel, "vllm", wrong, deps, modules=["vllm.version", "vllm.v1.gone"])
+    assert len(problems) == 2 and "build_record()" in problems[1]
+    assert problems[0].startswith("import vllm.v1.gone failed (the overlay uses it): ModuleNotFoundError")
 
 
 def test_reproducibility_check_passes_and_catches_a_difference(tree):

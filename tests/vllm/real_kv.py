@@ -71,7 +71,7 @@ def make_scheduler(
     cache_extra = {}
     if state_block_size:
         cache_extra["mamba_cache_mode"] = "align"
-    if hash_block_size:  # 0.28.0 renamed the field
+    if hash_block_size:  # the field's name differs between releases
         fields = {f.name for f in dataclasses.fields(CacheConfig)}
         cache_extra["prefix_match_unit" if "prefix_match_unit" in fields else "hash_block_size"] = hash_block_size
     vllm_config = VllmConfig(
@@ -104,11 +104,12 @@ def make_scheduler(
 def make_kv_cache_manager(
     block_sizes: list[int], num_blocks: int = 64, enable_caching: bool = True, max_model_len: int = 8192,
     state_groups: list[tuple[int, int, str]] = (), hash_block_size: int | None = None,
-    attention_spec: str = "FullAttentionSpec",
+    attention_spec: str = "FullAttentionSpec", state_extra: dict | None = None,
 ):
     """A real KVCacheManager: one attention group per block size (full attention, or another
     spec class of vllm.v1.kv_cache_interface such as MLAAttentionSpec), then one Mamba group
-    per (block size, speculative blocks, cache mode) in state_groups."""
+    per (block size, speculative blocks, cache mode) in state_groups (state_extra: more
+    MambaSpec fields, for a build that has them)."""
     import math
 
     from vllm.v1 import kv_cache_interface
@@ -118,7 +119,7 @@ def make_kv_cache_manager(
     spec_cls = getattr(kv_cache_interface, attention_spec)
     specs = [spec_cls(block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32) for bs in block_sizes]
     specs += [MambaSpec(block_size=bs, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
-                        mamba_cache_mode=mode, num_speculative_blocks=spec)
+                        mamba_cache_mode=mode, num_speculative_blocks=spec, **(state_extra or {}))
               for bs, spec, mode in state_groups]
     groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)

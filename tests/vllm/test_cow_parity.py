@@ -1,7 +1,8 @@
-"""Copy-on-write parity: 0.28.0's fork semantics, on every release this project builds.
+"""Copy-on-write parity: upstream's fork semantics, on every release this project builds.
 
-The same tests run against stock 0.28.0 and patched 0.25.1 (the CoW backport series);
-they name only vLLM's own attributes, never a version.
+The same tests run against stock releases that have copy-on-write and patched releases whose
+series backports it (releases.toml: stock_tests, series_tests); they name only vLLM's own
+attributes, never a version.
 """
 
 from __future__ import annotations
@@ -141,38 +142,88 @@ def test_scheduler_output_with_copies_pickles():
     assert pickle.loads(pickle.dumps(output)).kv_cache_block_copies == [(3, 5)]
 
 
-def test_worker_copy_on_attention_pages_and_mamba_state_lists(torch_device):
+def _copy_refuses(kv_caches, num_blocks: int) -> str | None:
+    """Why this build's worker copy refuses these caches (a scratch copy 0 -> 1), or None.
+    Releases differ: some take Mamba state as lists of views, some only tensors; some copy
+    any block-major storage, some only along dim 0."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+    try:
+        copy_kv_cache_blocks_inplace(kv_caches, num_blocks, [KVCacheBlockCopy(0, 1)])
+    except Exception as err:  # noqa: BLE001 - any refusal means the build lacks the capability
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def test_worker_copy_on_attention_pages(torch_device):
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
     num_blocks = 6
     # Attention: blocks-first [num_blocks, 2, block, heads, dim].
     attention = torch.randn(num_blocks, 2, 4, 1, 8, device=torch_device)
-    # Mamba: one page per block holding a conv and a temporal state, two views of one storage.
-    page = torch.randn(num_blocks, 3 * 4 + 5 * 2, device=torch_device)
-    conv = page[:, :12].view(num_blocks, 3, 4)
-    temporal = page[:, 12:].view(num_blocks, 5, 2)
-    before_attention, before_page = attention.clone(), page.clone()
+    before = attention.clone()
     # 4 is both a destination and a source: every copy reads the pages as they were, and a
-    # storage seen twice (the repeated attention entry) is copied once, or 5 would get 1.
+    # storage seen twice (the repeated entry) is copied once, or 5 would get 1.
     copies = [KVCacheBlockCopy(1, 4), KVCacheBlockCopy(4, 5)]
-    copy_kv_cache_blocks_inplace([attention, [conv, temporal], attention], num_blocks, copies)
+    copy_kv_cache_blocks_inplace([attention, attention], num_blocks, copies)
     for src, dst in copies:
-        assert torch.equal(attention[dst], before_attention[src])
-        assert torch.equal(conv[dst], before_page[src, :12].view(3, 4))
-        assert torch.equal(temporal[dst], before_page[src, 12:].view(5, 2))
+        assert torch.equal(attention[dst], before[src])
     for untouched in (0, 1, 2, 3):
-        assert torch.equal(attention[untouched], before_attention[untouched])
-        assert torch.equal(page[untouched], before_page[untouched])
+        assert torch.equal(attention[untouched], before[untouched])
 
 
-def test_block_major_view_of_a_permuted_storage_is_accepted(torch_device):
-    """What counts is the storage, not the dimension order: hybrid layouts re-stride
-    attention so blocks come first in memory while the tensor's shape does not."""
+def _mamba_page(num_blocks, device):
+    """One page per block holding a conv and a temporal state, two views of one storage."""
+    page = torch.randn(num_blocks, 3 * 4 + 5 * 2, device=device)
+    return page, page[:, :12].view(num_blocks, 3, 4), page[:, 12:].view(num_blocks, 5, 2)
+
+
+def test_worker_copy_on_mamba_state_lists(torch_device):
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
     from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
 
     num_blocks = 6
+    _, conv, temporal = _mamba_page(num_blocks, torch_device)
+    refused = _copy_refuses([[conv, temporal]], num_blocks)
+    if refused:
+        pytest.skip(f"this build's worker copy takes no Mamba state lists ({refused})")
+    page, conv, temporal = _mamba_page(num_blocks, torch_device)
+    before = page.clone()
+    copies = [KVCacheBlockCopy(1, 4), KVCacheBlockCopy(4, 5)]
+    copy_kv_cache_blocks_inplace([[conv, temporal]], num_blocks, copies)
+    for src, dst in copies:
+        assert torch.equal(conv[dst], before[src, :12].view(3, 4))
+        assert torch.equal(temporal[dst], before[src, 12:].view(5, 2))
+    for untouched in (0, 1, 2, 3):
+        assert torch.equal(page[untouched], before[untouched])
+
+
+def test_worker_copy_on_a_mamba_page_tensor(torch_device):
+    """Mamba state handed over as its page tensor, as builds that take tensors only get it."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+    page, conv, temporal = _mamba_page(6, torch_device)
+    before = page.clone()
+    copy_kv_cache_blocks_inplace([page], 6, [KVCacheBlockCopy(2, 3)])
+    assert torch.equal(conv[3], before[2, :12].view(3, 4)) and torch.equal(temporal[3], before[2, 12:].view(5, 2))
+    assert torch.equal(page[:3], before[:3]) and torch.equal(page[4:], before[4:])
+
+
+def test_block_major_view_of_a_permuted_storage_is_accepted(torch_device):
+    """What counts is the storage, not the dimension order: hybrid layouts re-stride
+    attention so blocks come first in memory while the tensor's shape does not. Builds
+    that copy along dim 0 only refuse such a view (test_worker_copy_layout: with a named
+    error, before anything is written)."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+    from vllm.v1.worker.utils import copy_kv_cache_blocks_inplace
+
+    num_blocks = 6
+    refused = _copy_refuses([torch.zeros(num_blocks, 2, 4, 8, device=torch_device).permute(1, 0, 2, 3)], num_blocks)
+    if refused:
+        pytest.skip(f"this build copies along dim 0 only and refuses a permuted view ({refused})")
     storage = torch.randn(num_blocks, 2, 4, 8, device=torch_device)  # blocks first in memory
     view = storage.permute(1, 0, 2, 3)  # shaped K/V-first, strided blocks-first
     copy_kv_cache_blocks_inplace([view], num_blocks, [KVCacheBlockCopy(1, 4)])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from real_kv import attention_manager, in_use, mamba_align_manager
+import pytest
+from real_kv import attention_manager, in_use, make_chain, make_kv_cache_manager, make_request, mamba_align_manager
 
 
 def test_block_pool_allocate_touch_free_reset(pool):
@@ -63,3 +64,77 @@ def test_align_mode_mamba_keeps_one_state_block_at_the_token_slot(pool):
     mamba.free("r")
     assert in_use(pool) == {}
     assert pool.reset_prefix_cache()
+
+
+def test_a_group_allocating_from_a_pool_of_its_own_is_refused_by_name():
+    """A group whose manager has its own block pool (how a HiSparse host tier is built: a
+    plain full-attention spec, another pool) is never borrowed as plain attention."""
+    from vllm.kvwarm import borrowing
+    from vllm.kvwarm.layout import ATTENTION, OWN_POOL, group_layouts
+    from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow
+    from vllm.kvwarm.state_mode import COPY
+
+    kvm = make_kv_cache_manager([16, 32])
+    chain = make_chain(kvm, "chain", 64)
+    host = kvm.coordinator.single_type_managers[1]
+    host.block_pool = make_kv_cache_manager([16], num_blocks=8).block_pool  # another pool
+    assert [g.kind for g in group_layouts(kvm)] == [ATTENTION, OWN_POOL]
+    with pytest.raises(ShadowRegistrationError) as err:
+        register_shadow(kvm, make_request("shadow", 40), chain, ctx=40, headroom=3, state_mode=COPY)
+    assert err.value.reason == borrowing.LAYOUT_UNSUPPORTED and "group 1 (own_pool: " in str(err.value)
+    assert kvm.coordinator.single_type_managers[0].req_to_blocks.get("shadow") in (None, [])
+
+
+def _checkpoint_fields(checkpoint: int) -> dict:
+    """MambaSpec fields for `checkpoint` prefill checkpoint blocks (real models of builds
+    that have them use one), or a skip where the build's MambaSpec has no such field."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if not checkpoint:
+        return {}
+    if "num_prefill_checkpoint_blocks" not in {f.name for f in dataclasses.fields(MambaSpec)}:
+        pytest.skip("this build's Mamba spec has no prefill checkpoint blocks")
+    return {"num_prefill_checkpoint_blocks": checkpoint, "prefill_checkpoint_alignment": 1}
+
+
+def _state_shadow_decodes(mode: str, speculative: int, checkpoint: int = 0, ctx: int = 100, steps: int = 40):
+    """A chain of 192 tokens, then a state shadow at ctx decoding `steps` tokens through the
+    real KVCacheManager, across the state block boundary at 128 (where align mode nulls the
+    old slot and, with speculative blocks, relocates the scratch block)."""
+    from vllm.kvwarm.shadows import register_shadow, release_fork_retentions
+
+    kvm = make_kv_cache_manager([16], num_blocks=96, state_groups=[(64, speculative, "align")],
+                                state_extra=_checkpoint_fields(checkpoint))
+    attention, state = kvm.coordinator.single_type_managers
+    chain = make_chain(kvm, "chain", 192)
+    chain_tables = [list(m.req_to_blocks["chain"]) for m in (attention, state)]
+    baseline = in_use(kvm.block_pool)
+    shadow = make_request("shadow", ctx + 1)
+    register_shadow(kvm, shadow, chain, ctx=ctx, headroom=steps, state_mode=mode)
+    release_fork_retentions(kvm)
+    shadow.num_computed_tokens = ctx  # admitted one short of its prompt
+    for _ in range(steps):
+        assert kvm.allocate_slots(shadow, 1) is not None
+        shadow.num_computed_tokens += 1
+        shadow.append_output_token_ids(7)
+    return kvm, chain, chain_tables, baseline, shadow
+
+
+@pytest.mark.parametrize("ctx", [100, 111])  # 112 ends on a prefix-match unit: a checkpoint boundary
+@pytest.mark.parametrize("checkpoint", [0, 1])
+@pytest.mark.parametrize("speculative", [0, 1])
+@pytest.mark.parametrize("mode", ["copy", "inplace"])
+def test_a_state_shadow_decodes_across_a_state_block_and_leaves_the_chain_alone(mode, speculative, checkpoint, ctx):
+    kvm, chain, chain_tables, baseline, shadow = _state_shadow_decodes(mode, speculative, checkpoint, ctx)
+    attention, state = kvm.coordinator.single_type_managers
+    assert [list(m.req_to_blocks["chain"]) for m in (attention, state)] == chain_tables
+    table = state.req_to_blocks["shadow"]
+    live = [b for b in table if not b.is_null]
+    assert len(live) == 1 + speculative  # one state block at the current slot, then scratch
+    assert table[140 // 64] is live[0] and live[0] not in chain_tables[1]  # a block of its own past 128
+    kvm.free(shadow)
+    assert in_use(kvm.block_pool) == baseline
+    kvm.free(chain)
+    assert in_use(kvm.block_pool) == {}

@@ -60,7 +60,7 @@ def v2_artifact(medians_ms=(10.0, 20.0), regime="real_kv", status="complete", re
                                                 "dtype": "float32", "kv_cache_dtype": "auto",
                                                 "enable_prefix_caching": True, "mamba_cache_mode": None,
                                                 "enforce_eager": True, "cuda_graphs": False}}},
-        "build": {"version": "0.28.0+kvwarm.3", "release": "0.28.0", "flavour": "cpu", "series_digest": "d" * 16,
+        "build": {"version": "9.9.1+kvwarm.3", "release": "9.9.1", "flavour": "cpu", "series_digest": "d" * 16,
                   "overlay_digest": "e" * 16, "revision": "abc1234"},
         "layout": {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 2,
                    "pipeline_parallel_size": 1, "expert_parallel": True},
@@ -107,7 +107,7 @@ def test_a_v2_artifact_names_model_build_and_layout_with_ticks_and_units(tmp_pat
     fig.canvas.draw()
     ax = fig.axes[0]
     assert ax.get_title(loc="left") == ("Decode step time: tiny-qwen3-moe\n"
-                                        "build 0.28.0+kvwarm.3 · layout TP2 PP1 DP1 EP on")
+                                        "build 9.9.1+kvwarm.3 · layout TP2 PP1 DP1 EP on")
     assert _legend(fig) == ["B=4", REGIMES["real_kv"][0]]
     assert "(tokens)" in ax.get_xlabel() and "(ms)" in ax.get_ylabel()
     for labels in (ax.get_xticklabels(), ax.get_yticklabels()):

@@ -1,7 +1,7 @@
 """The worker's copy-on-write page copy refuses a KV layout whose blocks are not pages.
 
-Both series carry this check: stock 0.28.0 copies a K/V-first cache's bytes silently and
-wrongly, stock 0.25.1 has no copy at all.
+Every series carries this check: a stock build either copies a K/V-first cache's bytes
+silently and wrongly or has no copy at all (the releases' series_tests prove which fail).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def ensure_built(release: Release, flavour: str, cache: Path, dist: Path = proje
         return existing
     checker = None
     if check:
-        deps_site = ensure_deps_venv(cache, log=log)
+        deps_site = ensure_deps_venv(release, cache, log=log)
         dist_name = release.flavour(flavour).dist
         checker = lambda wheel, upstream, record: validate_wheel(  # noqa: E731
             wheel, upstream, dist_name, record, deps_site)

@@ -87,7 +87,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_layer_deps(args) -> int:
-    layer_on_deps(current_python(), ensure_deps_venv(_cache(args), log=_log))
+    layer_on_deps(current_python(), ensure_deps_venv(_release(args), _cache(args), log=_log))
     return 0
 
 
@@ -108,13 +108,21 @@ def cmd_stock_engine_python(args) -> int:
 def cmd_upstream_tests(args) -> int:
     from .upstream_run import run_upstream_tests
 
-    return run_upstream_tests(_release(args), _cache(args), args.dist, log=_log)
+    return run_upstream_tests(_release(args), _cache(args), args.dist, full=args.full, log=_log)
 
 
 def cmd_stock_check(args) -> int:
     from .stock_check import check_tests_on_stock
 
     return check_tests_on_stock(_release(args), _cache(args), log=_log)
+
+
+def cmd_upstream_status(args) -> int:
+    from .upstream_status import upstream_status
+
+    for line in upstream_status(load_releases(args.releases), project.PATCHES, _cache(args), log=_log):
+        print(line, flush=True)
+    return 0
 
 
 def _patched_wheel(args, release):
@@ -172,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
 
     def with_release(name, func, help, flavour=False):
         s = sub.add_parser(name, help=help)
-        s.add_argument("--release", required=True, help="0.25 or 0.25.1 (see releases.toml)")
+        s.add_argument("--release", required=True, help="a version or short name from releases.toml")
         if flavour:
             s.add_argument("--flavour", choices=FLAVOURS, default="cuda")
         s.set_defaults(func=func)
@@ -188,11 +196,14 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="recreate the tree, discarding its commits")
     e = with_release("export", cmd_export, "re-export the tree's commits into patches/vllm-X.Y.Z")
     e.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
+    with_release("layer-deps", cmd_layer_deps, "make this venv see the release's vLLM dependency venv")
     with_release("layer-engine-deps", cmd_layer_engine_deps,
                  "make this venv see the release's CPU engine dependency venv")
     with_release("stock-engine-python", cmd_stock_engine_python,
                  "print the python of a venv with the official cpu wheel on the engine venv (made if missing)")
-    with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
+    ut = with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
+    ut.add_argument("--full", action="store_true",
+                    help="keep the stress cases in (minutes; when a release is added or its build bumped)")
     with_release("stock-check", cmd_stock_check, "on the stock wheel: series_tests must fail, stock_tests pass")
     im = with_release("image", cmd_image, "images/Dockerfile on the official base (docker buildx, podman or buildah)",
                       flavour=True)
@@ -213,11 +224,12 @@ def parser() -> argparse.ArgumentParser:
     bu.add_argument("--index-url", help="pip's index (default: pip's own configuration)")
     bu.add_argument("--find-links", action="append", default=[], help="a folder of wheels for pip, repeatable")
     bu.add_argument("--no-index", action="store_true", help="only --find-links folders")
+    us = sub.add_parser("upstream-status", help="newer vLLM releases on the index: cpu wheel, torch pin, "
+                        "whether the newest series applies ($KVWARM_INDEX_URL or PyPI)")
+    us.set_defaults(func=cmd_upstream_status)
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)
-    ld = sub.add_parser("layer-deps", help="make this venv see the shared vLLM dependency venv")
-    ld.set_defaults(func=cmd_layer_deps)
     return p
 
 

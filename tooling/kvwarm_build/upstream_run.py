@@ -19,20 +19,27 @@ from .fetch import fetch
 from .hf_standins import seed_hf_cache
 from .releases import Release
 from .upstream_tests import (
-    TEST_PATHS, TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, hub_ids, prepare_site, run_suite,
+    TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, gate, hub_ids, prepare_site, run_gate,
+    torchvision_for,
 )
-from .venvs import deps_key, ensure_deps_venv, ensure_layered_venv, pip_install
+from .venvs import ensure_deps_venv, ensure_layered_venv, pip_install
 
 # Files that shape a run besides the wheel and the tests: stand-in recipes, the
-# torchvision shim and the fixtures plugin run_suite installs.
+# torchvision shim, the fixtures plugin run_suite installs, and the selection itself.
 _RUN_INPUTS = [Path(__file__).with_name(n) for n in
-               ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py")]
+               ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py", "upstream_tests.py")]
+
+
+def _torch_in(deps_site: Path) -> str:
+    (info,) = deps_site.glob("torch-*.dist-info")
+    return info.name.removeprefix("torch-").removesuffix(".dist-info")
 
 
 def _test_venv(cache: Path, release: Release, deps_site: Path, log, suffix: str = "") -> Path:
+    no_deps = [*TEST_VENV_NO_DEPS, torchvision_for(_torch_in(deps_site))]
     return ensure_layered_venv(
         cache / "venvs" / f"upstream-tests-{release.version}{suffix}", deps_site,
-        [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *TEST_VENV_NO_DEPS]], log=log,
+        [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *no_deps]], log=log,
     )
 
 
@@ -40,33 +47,38 @@ def _install(python: Path, wheel: Path, log) -> None:
     pip_install(python, "--no-deps", "--force-reinstall", str(wheel), log=log)
 
 
-def _stock_key(release: Release, flavour: str) -> str:
-    parts = [release.flavour(flavour).wheel.sha256, release.sdist.sha256, *TEST_PATHS,
-             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS, deps_key(),
+def _stock_key(release: Release, flavour: str, runs, deps_site: Path) -> str:
+    parts = [release.flavour(flavour).wheel.sha256, release.sdist.sha256, repr(runs),
+             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS, deps_site.parents[2].name,
              *(hashlib.sha256(f.read_bytes()).hexdigest() for f in _RUN_INPUTS)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def run_upstream_tests(release: Release, cache: Path, dist: Path, log=print) -> int:
+def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = False, log=print) -> int:
+    """`full` adds the stress cases (minutes): for a new release or a bumped build number."""
     flavour = release.test_flavour
-    log(f"vLLM {release.version} own CPU tests ({', '.join(TEST_PATHS)}) on the {flavour} flavour")
     sdist = fetch(release.sdist, cache / "downloads", log=log)
     stock_wheel = fetch(release.flavour(flavour).wheel, cache / "downloads", log=log)
     patched_wheel = ensure_built(release, flavour, cache, dist=dist, if_stale=True, log=log)
     work = cache / "upstream" / release.version
     tests_root = extract_tests(sdist, work / "src")
-    deps_site = ensure_deps_venv(cache, log=log)
+    runs = gate(tests_root, full=full)
+    log(f"vLLM {release.version} own CPU tests on the {flavour} flavour"
+        f" ({'full' if full else 'without the stress cases; --full adds them'}):")
+    for run in runs:
+        log(f"  {run.name}: {' '.join(run.args)} {len(run.paths)} path(s) under {run.conftest_root}")
+    deps_site = ensure_deps_venv(release, cache, log=log)
     python = _test_venv(cache, release, deps_site, log)
     hf_home = cache / "upstream" / "hf"
-    seed_hf_cache(hf_home / "hub", hub_ids(tests_root, TEST_PATHS), str(python))
+    seed_hf_cache(hf_home / "hub", hub_ids(tests_root, runs), str(python))
 
-    stock_cache = work / f"stock-{_stock_key(release, flavour)}.json"
+    stock_cache = work / f"stock-{_stock_key(release, flavour, runs, deps_site)}.json"
     if stock_cache.exists():
         stock = json.loads(stock_cache.read_text())
         log(f"stock results reused from {stock_cache}")
         log(f"running on patched {patched_wheel.name}")
         _install(python, patched_wheel, log)
-        patched = run_suite(str(python), tests_root, work / "patched.xml", hf_home, TEST_PATHS)
+        patched = run_gate(str(python), tests_root, work / "patched", hf_home, runs)
     else:
         stock_python = _test_venv(cache, release, deps_site, log, suffix="-stock")
         _install(stock_python, stock_wheel, log)
@@ -74,14 +86,14 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, log=print) -> 
         prepare_site(tests_root)
         log(f"running on stock {stock_wheel.name} and patched {patched_wheel.name} side by side")
         with ThreadPoolExecutor(2) as pool:
-            stock_run = pool.submit(run_suite, str(stock_python), tests_root, work / "stock.xml", hf_home,
-                                    TEST_PATHS, work / "stock.log")
-            patched_run = pool.submit(run_suite, str(python), tests_root, work / "patched.xml", hf_home,
-                                      TEST_PATHS, work / "patched.log")
+            stock_run = pool.submit(run_gate, str(stock_python), tests_root, work / "stock", hf_home, runs, True)
+            patched_run = pool.submit(run_gate, str(python), tests_root, work / "patched", hf_home, runs, True)
             stock, patched = stock_run.result(), patched_run.result()
-        for name in ("stock.log", "patched.log"):
-            tail = (work / name).read_text().splitlines()[-12:]
-            print(f"--- last lines of {work / name}:\n" + "\n".join(tail), flush=True)
+        for side in ("stock", "patched"):
+            for run in runs:
+                log_file = work / f"{side}-{run.slug}.log"
+                tail = log_file.read_text().splitlines()[-6:]
+                print(f"--- last lines of {log_file}:\n" + "\n".join(tail), flush=True)
         stock_cache.write_text(json.dumps(stock, indent=0, sort_keys=True))
     regressions, report = compare(stock, patched, f"stock {stock_wheel.name}", f"patched {patched_wheel.name}")
     print(report, flush=True)

