@@ -128,3 +128,46 @@ def test_bad_input_stops_before_the_engine_with_a_message_and_an_artifact(tmp_pa
     rc, artifact = _sweep(tmp_path, monkeypatch, path, env)
     assert rc == 2 and message in capsys.readouterr().err
     assert artifact["status"] == "failed" and message in artifact["error"] and artifact["results"] == []
+
+
+def test_the_command_stops_waiting_when_the_engine_core_dies_without_a_final_artifact(tmp_path, capsys, monkeypatch):
+    """Engine cores in vLLM's own processes: the command polls the artifact; when vLLM marks
+    the engine dead (`resources.engine_dead`) before the artifact is final, it stops and
+    says so. The client is a stand-in (no engine process can be made to die here)."""
+    from types import SimpleNamespace
+
+    from vllm.kvwarm import sweep_command
+
+    artifact = tmp_path / "sweep.json"
+    artifact.write_text(json.dumps({"status": "running"}))
+    resources = SimpleNamespace(engine_dead=False)
+    polls = []
+
+    def sleep(_seconds):
+        polls.append(1)
+        resources.engine_dead = len(polls) >= 3  # the core dies after a few polls
+
+    engine = SimpleNamespace(engine_core=SimpleNamespace(resources=resources))
+    monkeypatch.setattr(sweep_command.time, "sleep", sleep)
+    assert sweep_command._wait(engine, artifact) == "engine died"
+    assert len(polls) == 3 and "engine core died before the sweep's artifact was final" in capsys.readouterr().err
+
+
+def test_the_command_waits_through_a_missing_or_half_replaced_artifact(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.kvwarm import sweep_command
+
+    artifact = tmp_path / "sweep.json"
+    states = iter([None, "not json {", json.dumps({"status": "running"}), json.dumps({"status": "complete"})])
+
+    def sleep(_seconds):
+        state = next(states)
+        if state is None:
+            artifact.unlink(missing_ok=True)
+        else:
+            artifact.write_text(state)
+
+    monkeypatch.setattr(sweep_command.time, "sleep", sleep)
+    engine = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_dead=False)))
+    assert sweep_command._wait(engine, artifact) == "complete"

@@ -31,6 +31,11 @@ class DecodePoint:
         base, longer = divmod(self.total_kv_read_tokens, self.batch_size)
         return [base + 1] * longer + [base] * (self.batch_size - longer)
 
+    def tokens_spanned(self, steady_steps: int) -> int:
+        """Tokens the point's longest request spans: its context, the admission token and
+        the steady steps (what max_model_len and the chains' text must hold)."""
+        return self.contexts()[0] + 1 + steady_steps
+
 
 def _positive_int(value, what: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -74,7 +79,7 @@ def parse_points(data, source: str, max_model_len: int, headroom: int) -> list[D
             raise PointsFileError(f"{where}: total_kv_read_tokens {k} is less than batch_size {b} "
                                   "(every request reads at least one token)")
         point = DecodePoint(k, b)
-        longest = point.contexts()[0] + 1 + headroom
+        longest = point.tokens_spanned(headroom)
         if longest > max_model_len:
             raise PointsFileError(
                 f"{where}: a request at context {point.contexts()[0]} plus {1 + headroom} decode "

@@ -135,6 +135,7 @@ def plan_rungs(points: list[DecodePoint], repeats: int, max_model_len: int, real
         if not real:
             rungs.append(Rung(batch, 0, [], fake_points=rung_points))
             continue
+        # admitted one token short: the chain holds that much, the admission token and the steps
         depth = max(max(injected_contexts(p)) for p in rung_points) + 1 + repeats
         rungs.append(Rung(batch, min(depth, max_model_len - CHAIN_DEPTH_MARGIN), rung_points))
     return rungs

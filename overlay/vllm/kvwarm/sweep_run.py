@@ -170,7 +170,7 @@ class SweepRun:
         chain_text = None
         if reason is None:
             encode = _tokenizer_encode(vllm_config.model_config)
-            need = max(p.contexts()[0] for p in inputs.points) + 1 + settings.repeats
+            need = max(p.tokens_spanned(settings.repeats) for p in inputs.points)
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
         dp = self.layout.data_parallel_size
