@@ -27,6 +27,9 @@ UNKNOWN = "unknown"
 KEEPS_EVERY_BLOCK_FIELDS = frozenset({
     "cache_dtype_str", "alignment", "compress_ratio", "model_version", "non_causal_multi_token_decode",
     "head_size_v", "sink_len", "tq_slot_size",
+    # sparse MLA (a top-k indexer reads tokens from the whole cache, so every block stays):
+    # the top-k buffer's width, the cache's role in sparse attention, the index group's leader
+    "topk_buffer_width", "cache_role", "is_index_group_leader",
 })
 EVICTING_FIELDS = frozenset({"rswa_window"})
 STATE_MODE_FIELD, SPECULATIVE_FIELD = "mamba_cache_mode", "num_speculative_blocks"
