@@ -212,8 +212,7 @@ class DecodeSweep:
             self._shed(scheduler)  # fake points need no chains, and their blocks may not fit beside them
         if self._queue:
             queued = self._queue.pop(0)
-            index = len(self.rows)
-            self._meet("point", {"index": index}, lambda records: self._start_point(scheduler, queued, index, records))
+            self._meet("point", {"index": len(self.rows)}, lambda records: self._start_point(scheduler, queued, records))
         else:
             self._shed(scheduler)
             self._rung = None
@@ -240,7 +239,7 @@ class DecodeSweep:
         if live:
             scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
 
-    def _start_point(self, scheduler, queued: QueuedPoint, index: int, records: list[dict]) -> None:
+    def _start_point(self, scheduler, queued: QueuedPoint, records: list[dict]) -> None:
         at = {r["rank"]: r["index"] for r in records}
         if len(set(at.values())) > 1:
             raise RankFailed(f"the ranks are at different points: {at} (rank: point index)")
