@@ -231,6 +231,26 @@ def test_a_failing_builder_command_names_the_subcommand_and_the_whole_command(tm
     assert " ".join([*builder.command, "from", "localhost/some-image"]) in message
 
 
+def test_a_failing_streamed_command_ends_its_message_with_the_last_lines_it_printed(tmp_path):
+    """A CI log cut in the middle of a long build still shows why it failed."""
+    script = tmp_path / "noisy"
+    script.write_text("#!/bin/sh\nfor i in $(seq 1 60); do echo line $i; done\necho 'no space left on device' >&2\nexit 125\n")
+    script.chmod(0o755)
+    with pytest.raises(BuildError) as err:
+        image_builders.run_command([str(script)], log=lambda *_: None, name="buildah build")
+    message = str(err.value)
+    assert "`buildah build` failed (exit 125)" in message
+    assert "no space left on device" in message and "line 60" in message
+    assert "line 1\n" not in message
+
+
+def test_a_standin_build_without_room_is_refused_before_it_starts(tmp_path):
+    with pytest.raises(BuildError) as err:
+        image_standin.check_free_space(tmp_path, needed=2**60)
+    assert str(tmp_path) in str(err.value) and "KVWARM_CACHE_DIR" in err.value.fix
+    image_standin.check_free_space(tmp_path, needed=1)
+
+
 def test_the_debian_mirror_is_read_when_the_rootfs_is_made(monkeypatch):
     monkeypatch.setenv("KVWARM_DEBIAN_MIRROR", "http://mirror.example/debian")
     assert image_standin.debian_mirror() == "http://mirror.example/debian"

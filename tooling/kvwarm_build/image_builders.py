@@ -7,6 +7,7 @@ import json
 import shlex
 import shutil
 import subprocess
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,18 +15,30 @@ from .errors import BuildError
 
 # What the official image keeps and ours must not change.
 KEPT = ("Entrypoint", "Cmd", "User", "WorkingDir")
+TAIL_LINES = 25
 
 
 def run_command(argv: list[str], log=print, capture: bool = False, name: str | None = None) -> str:
-    """Run argv; a failure names the command (`name`, else the program) and the whole argv."""
+    """Run argv; a failure names the command (`name`, else the program), the whole argv and the
+    last lines it printed (a CI log that is cut in the middle still shows why)."""
     log("  $ " + shlex.join(argv))
-    result = subprocess.run(argv, text=True, capture_output=capture)
-    if result.returncode != 0:
-        detail = (result.stderr or "").strip()[-2000:] if capture else "(output above)"
-        raise BuildError(f"`{name or Path(argv[0]).name}` failed (exit {result.returncode}): {detail}\n"
+    if capture:
+        result = subprocess.run(argv, text=True, capture_output=True)
+        returncode, output, tail = result.returncode, result.stdout, (result.stderr or "").strip()[-2000:]
+    else:
+        # Streamed as it comes (image builds take minutes), the tail kept for the error.
+        last = deque(maxlen=TAIL_LINES)
+        with subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              errors="replace") as process:
+            for line in process.stdout:
+                print(line, end="", flush=True)
+                last.append(line.rstrip())
+        returncode, output, tail = process.returncode, "", "\n".join(last)
+    if returncode != 0:
+        raise BuildError(f"`{name or Path(argv[0]).name}` failed (exit {returncode}); its last lines:\n{tail}\n"
                          f"  command: {shlex.join(argv)}",
                          "fix what the command says and run again")
-    return result.stdout if capture else ""
+    return output
 
 
 @dataclass(frozen=True)

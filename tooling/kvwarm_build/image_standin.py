@@ -33,6 +33,9 @@ STANDIN_PACKAGES = ("python3", "python3-pip")
 STANDIN_PYTHON = "3.11"
 STANDIN_UV = "uv==0.13.9"
 STANDIN_KEY_LABEL = "io.kvwarm.standin-key"
+# The largest stand-in base is about 3 GB; a build and its checks hold about three copies
+# of it at once under vfs, plus the new layer.
+STANDIN_FREE_BYTES = 12 * 2**30
 
 
 def debian_mirror() -> str:
@@ -186,12 +189,24 @@ def standin_deps(release: Release, flavour: str, cache: Path, log=print) -> Path
     return ensure_engine_deps(release, cache, log=log)
 
 
+def check_free_space(where: Path, needed: int = STANDIN_FREE_BYTES) -> None:
+    """Refuse before a build that would fill the disk half-way (buildah then exits 125)."""
+    where.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise BuildError(f"{free / 2**30:.1f} GiB free at {where}; the stand-in build needs about "
+                         f"{needed / 2**30:.0f} GiB (vfs storage copies the whole image for each layer "
+                         "and working container)",
+                         "free disk space there, or point KVWARM_CACHE_DIR at a larger disk")
+
+
 def build_on_standin(release: Release, wheel: Path, record: dict, cache: Path, flavour: str = "cuda",
                      keep: bool = False, log=print) -> None:
     """The real Dockerfile on the flavour's stand-in base, checked from outside (build_and_check)."""
     started = time.monotonic()
     ensure_host_tools(("buildah", "debootstrap"), "the stand-in image build", log=log)
     builder = standin_builder(cache)
+    check_free_space(cache / "images")
     base = ensure_standin(builder, release, flavour, cache, standin_deps(release, flavour, cache, log=log), log=log)
     build_and_check(builder, release, wheel, record, base, keep=keep, log=log)
     log(f"stand-in image checks passed for {release.patched_version} ({flavour}) in {time.monotonic() - started:.0f} s")
