@@ -37,8 +37,11 @@ from kvwarm_build.releases import load_releases  # noqa: E402
 
 RELEASES = load_releases(project.RELEASES)
 # One CPU engine per pytest process: the tiny-llama tests, the hybrid ones, the sweep command.
-ENGINE_PROCESSES = [["-m", "not hybrid and not command and not multirank and not tp2"], ["-m", "hybrid"],
-                    ["-m", "command"]]
+ENGINE_PROCESSES = [["-m", "not hybrid and not mamba2 and not command and not multirank and not tp2"],
+                    ["-m", "hybrid"], ["-m", "command"]]
+# The Mamba2 engine (NemotronH) where the release's CPU engine runs it: where releases.toml
+# lets it run the smoke's nemotronh case.
+MAMBA2_PROCESS = ["-m", "mamba2"]
 # Engines on several ranks (subprocesses; about 7 minutes): run for one release, the newest
 # with a CPU engine (the overlay's rank code is the same on every release).
 MULTI_RANK_PROCESSES = [["-m", "multirank"], ["-m", "tp2"]]
@@ -131,13 +134,16 @@ def _release_sessions(release) -> None:
     if release.cpu_tier_missing is None:
         @nox.session(name=f"engine-{short}", tags=["engine"], default=False)
         def engine(session: nox.Session) -> None:
-            """tests/engine on the real CPU engine of the patched cpu-flavour wheel; the
+            """tests/engine on the real CPU engine of the patched cpu-flavour wheel, one
+            engine kind per pytest process; the Mamba2 engine where the release runs it; the
             multi-rank engines (data and tensor parallel) on the newest release with one."""
             _tooling(session, "pytest")
             _install_patched(session, short, flavour="cpu", deps=engine_deps)
             # Test support only (CPU communicator gaps under MoE data parallel, forced faults).
             session.install("-q", str(ROOT / "tests" / "engine" / "kvwarm_test_plugin"))
-            selections = ENGINE_PROCESSES + (MULTI_RANK_PROCESSES if release is NEWEST_CPU else [])
+            runs_mamba2 = release.cpu_smoke_cases is None or "nemotronh" in release.cpu_smoke_cases
+            selections = (ENGINE_PROCESSES + ([MAMBA2_PROCESS] if runs_mamba2 else [])
+                          + (MULTI_RANK_PROCESSES if release is NEWEST_CPU else []))
             for selection in selections if not session.posargs else [[]]:
                 session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 

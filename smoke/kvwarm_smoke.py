@@ -6,7 +6,8 @@
               moe        attention-only MoE, warm-up on: every point on real KV
               moe-off    the same with DYN_BENCH_KV_WARMUP=off: every point on fake KV (A/B)
               hybrid     Qwen3-Next layout (gated-delta-net + attention + MoE), align mode,
-                         state handed over by copy, then in place
+                         state handed over by copy, in place, then exact (every row's
+                         state depth is its own context)
               nemotronh  Mamba2 + attention (dense: DYN_BENCH_KV_WARMUP=force), copy; only
                          where this build's engine runs Mamba2 (--cases picks)
             Each artifact must validate, say complete, hold every point on the expected KV
@@ -88,7 +89,7 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
                          env={"DYN_BENCH_KV_WARMUP": "off"}, regime="legacy")],
         "hybrid": [dict(name=f"hybrid-{mode}", maker="tiny_qwen3_next", dtype="bfloat16", args=hybrid,
                         points=HYBRID_POINTS, env={"DYN_BENCH_KV_WARMUP_STATE": mode}, regime="real_kv", state=mode)
-                   for mode in ("copy", "inplace")],
+                   for mode in ("copy", "inplace", "exact")],
         "nemotronh": [dict(name="nemotronh", maker="tiny_nemotron_h", dtype="float32", args=state,
                            points=HYBRID_POINTS, regime="real_kv", state="copy",
                            env={"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": "copy"})],
@@ -127,6 +128,13 @@ def _check(artifact: dict, case: dict) -> list[str]:
         unstamped = [r["point"] for r in rows if f"kvwarm_state_{state}" not in r["sample_reasons"]]
         if meta["state_mode"] != state or unstamped:
             problems.append(f"state mode {meta['state_mode']!r} (wanted {state}); rows without the stamp: {unstamped}")
+        if state == "exact":
+            # uniform points: a row's context is K / B
+            off = [r["point"] for r in rows
+                   if f"kvwarm_state_depth={r['point']['total_kv_read_tokens'] // r['point']['batch_size']}"
+                   not in r["sample_reasons"]]
+            if off:
+                problems.append(f"exact rows whose kvwarm_state_depth is not their context: {off}")
     if meta["reset_prefix_cache"] is not True:
         problems.append(f"reset_prefix_cache() gave {meta['reset_prefix_cache']!r}")
     return problems

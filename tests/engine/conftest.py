@@ -20,11 +20,12 @@ import pytest  # noqa: E402
 from tiny_models import make_tiny_llama  # noqa: E402
 
 # Tests that need an engine of their own kind: one kind per pytest process.
-OWN_ENGINE_MARKERS = ("hybrid", "command", "multirank", "tp2")
+OWN_ENGINE_MARKERS = ("hybrid", "mamba2", "command", "multirank", "tp2")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "hybrid: needs the hybrid-model engine (its own process)")
+    config.addinivalue_line("markers", "mamba2: needs the Mamba2 hybrid engine, NemotronH (its own process)")
     config.addinivalue_line("markers", "command: starts its own engine through the sweep command (its own process)")
     config.addinivalue_line("markers", "multirank: starts data/tensor-parallel engines in subprocesses (its own process)")
     config.addinivalue_line("markers", "tp2: a tensor-parallel engine of two workers (its own process)")

@@ -74,3 +74,9 @@ def test_a_shadow_at_the_chain_depth_decodes_like_a_natural_request(hybrid, mode
     core.step()
     assert not [b for b in pool.blocks if b.ref_cnt and not b.is_null]
     assert pool.reset_prefix_cache()
+
+
+def test_exact_state_shadows_decode_like_natural_requests_off_the_boundaries(hybrid, capsys):
+    from exact_fidelity import check_exact_state, print_report
+
+    print_report(check_exact_state(hybrid, "qwen3-next", vocab=400), capsys)

@@ -311,11 +311,21 @@ PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemptio
     (PATCHED_028, "auto", COPY, None), (PATCHED_028, "inplace", INPLACE, None),
     (StateBuild(can_fork=False, inplace_ok=False), "auto", None, state_mode.STATE_HAND_OFF_UNSUPPORTED),
     (PATCHED_028, "fork", None, state_mode.STATE_MODE_INVALID),
+    (PATCHED_028, "exact", state_mode.EXACT, None), (STOCK_025, "Exact", state_mode.EXACT, None),
+    (STOCK_028, "exact", state_mode.EXACT, None),
+    (StateBuild(can_fork=False, inplace_ok=False), "exact", None, state_mode.STATE_EXACT_UNSUPPORTED),
 ])
 def test_state_mode_resolution(build, requested, mode, reason):
     layouts = group_layouts(_hybrid()[0])
     decision = resolve_state_mode(layouts, build, requested)
     assert (decision.mode, decision.reason, decision.requested) == (mode, reason, requested)
+
+
+@pytest.mark.parametrize("build, lending", [
+    (PATCHED_028, INPLACE), (STOCK_025, INPLACE), (STOCK_028, COPY), (StateBuild(False, False), None)])
+def test_exact_mode_lends_catch_ups_in_place_where_safe_else_by_copy(build, lending):
+    decision = resolve_state_mode(group_layouts(_hybrid()[0]), build, "exact")
+    assert decision.lending == lending
 
 
 def test_this_build_probes_as_a_patched_build(monkeypatch):

@@ -60,10 +60,11 @@ def chain_blocks(layouts: list[GroupLayout], depth: int) -> int:
 
 
 def trim_depth(layouts: list[GroupLayout], depth: int, batch: int, repeats: int, state_copy: bool,
-               free_blocks: int, floor: int = 8) -> int:
+               free_blocks: int, floor: int = 8, per_shadow: int = 0) -> int:
     """The deepest chain depth (at most `depth`, at least `floor`) at which a rung's
-    `batch` chains and their shadows' worst-case tails fit in `free_blocks`."""
-    tail = plan_tail_blocks(layouts, repeats, state_copy)
+    `batch` chains and their shadows' worst-case tails fit in `free_blocks`; `per_shadow`
+    more blocks for each shadow (exact mode: its catch-up chain)."""
+    tail = plan_tail_blocks(layouts, repeats, state_copy) + per_shadow
     while depth > floor and (chain_blocks(layouts, depth) + tail) * batch > free_blocks:
         depth -= 1
     return depth

@@ -39,6 +39,9 @@ class PendingPoint:
     fork: bool | None = None
     state_mode: str | None = None
     vocab_size: int = 0  # fake-KV points: the range of their synthetic tokens
+    # exact state (exact_state): the rung's chains, whose tokens the shadows' prompts take;
+    # `chains` are then catch-ups exactly ctx deep (their own next token is a sampled one)
+    prompt_chains: list | None = None
     shadows: list = field(default_factory=list)  # filled on admission
     failure: str | None = None  # the registration error, when the point was refused
 
@@ -96,9 +99,10 @@ class ShadowInjector:
                     point.shadows.append(request)
                     allocate_fake(kvm, request, ctx)
                     continue
-                request = shadow_request(request_id, point.chains[i], ctx, point.headroom + 1)
+                text = (point.prompt_chains or point.chains)[i]
+                request = shadow_request(request_id, text, ctx, point.headroom + 1)
                 register_shadow(kvm, request, point.chains[i], ctx, point.headroom, fork=point.fork,
-                                state_mode=point.state_mode)
+                                state_mode=point.state_mode, room_past_chain=point.prompt_chains is not None)
                 point.shadows.append(request)
         except BaseException:
             release_fork_retentions(kvm)  # drop the copies of the shadows registered so far

@@ -86,11 +86,13 @@ def check_pool(kv_cache_manager, layouts: list[GroupLayout], contexts: list[int]
 
 def register_shadow(
     kv_cache_manager, shadow, chain, ctx: int, headroom: int, *,
-    fork: bool | None = None, state_mode: str | None = None,
+    fork: bool | None = None, state_mode: str | None = None, room_past_chain: bool = False,
 ) -> ShadowRegistration:
     """Raises ShadowRegistrationError (with a reason) or the underlying error, in both
     cases with nothing left registered. `chain` is the lending Request; `state_mode`
-    (copy | inplace, see state_mode.resolve_state_mode) is required on hybrid layouts."""
+    (copy | inplace, see state_mode.resolve_state_mode) is required on hybrid layouts.
+    room_past_chain: the chain holds exactly ctx tokens (an exact-state catch-up); the
+    shadow's tail past it is fresh."""
     if ctx < 1 or headroom < 0:
         raise ValueError(f"need ctx >= 1 and headroom >= 0, got ctx={ctx}, headroom={headroom}")
     if not has_borrowing_hooks(kv_cache_manager):
@@ -105,7 +107,7 @@ def register_shadow(
     undo = Undo()
     try:
         commits = [
-            stage_attention(g, pool, chain, ctx, headroom, forked, undo) if g.kind == ATTENTION
+            stage_attention(g, pool, chain, ctx, headroom, forked, undo, room_past_chain) if g.kind == ATTENTION
             else stage_state(g, pool, chain, ctx, headroom, mode, undo)
             for g in layouts
         ]

@@ -1,8 +1,10 @@
 """How recurrent state is handed to shadows, decided from the layout and the build only.
 
-DYN_BENCH_KV_WARMUP_STATE = auto | copy | inplace (default auto, any case) is read only
-on layouts with align-mode state groups. auto means copy where every state manager can
-fork, else in place where every state manager allows it. The decision never looks at
+DYN_BENCH_KV_WARMUP_STATE = auto | copy | inplace | exact (default auto, any case) is read
+only on layouts with align-mode state groups. auto means copy where every state manager can
+fork, else in place where every state manager allows it. exact (exact_state.py) lends each
+shadow a catch-up chain prefilled to the shadow's own context, handed over by in place where
+that is safe, else by copy; a build with neither refuses it. The decision never looks at
 the free pool, so every data-parallel rank decides, and stamps, the same.
 
 In place is unsafe where a manager hashes partial state tails of a borrowed request
@@ -19,13 +21,15 @@ from .capabilities import hashes_partial_tails
 from .layout import STATE_ALIGN, STATE_OTHER, GroupLayout
 
 STATE_ENV = "DYN_BENCH_KV_WARMUP_STATE"
-AUTO, COPY, INPLACE = "auto", "copy", "inplace"
+AUTO, COPY, INPLACE, EXACT = "auto", "copy", "inplace", "exact"
+MODES = (AUTO, COPY, INPLACE, EXACT)
 
 # The gate's state reasons, in the order they are checked.
 HYBRID_STATE_LAYERS_UNSUPPORTED = "hybrid_state_layers_unsupported"
 STATE_MODE_INVALID = "state_mode_invalid"
 STATE_COPY_UNSUPPORTED = "state_copy_unsupported"
 STATE_INPLACE_UNSUPPORTED = "state_inplace_unsupported"
+STATE_EXACT_UNSUPPORTED = "state_exact_unsupported"
 STATE_HAND_OFF_UNSUPPORTED = "state_hand_off_unsupported"
 
 
@@ -36,12 +40,18 @@ class StateBuild:
     can_fork: bool  # every state manager has _apply_cow
     inplace_ok: bool  # no state manager hashes partial tails of borrowed requests
 
+    def lending_mode(self) -> str | None:
+        """How exact mode hands a catch-up chain's state over: in place (no copy; each
+        catch-up serves one shadow once) where that is safe, else copy; None: neither."""
+        return INPLACE if self.inplace_ok else COPY if self.can_fork else None
+
 
 @dataclass(frozen=True)
 class StateDecision:
     requested: str | None  # the raw environment value, as given (None: unset)
-    mode: str | None  # copy | inplace; None on layouts without state groups or when refused
+    mode: str | None  # copy | inplace | exact; None on layouts without state groups or when refused
     reason: str | None  # the gate's skip reason when refused
+    lending: str | None = None  # exact: how catch-up chains hand their state over (inplace | copy)
 
     def metadata(self) -> dict:
         return {"state_mode_requested": self.requested, "state_mode": self.mode}
@@ -73,8 +83,11 @@ def resolve_state_mode(layouts: list[GroupLayout], build: StateBuild, requested:
     if not any(g.kind == STATE_ALIGN for g in layouts):
         return StateDecision(requested, None, None)
     wanted = (requested or AUTO).strip().lower()
-    if wanted not in (AUTO, COPY, INPLACE):
+    if wanted not in MODES:
         return refuse(STATE_MODE_INVALID)
+    if wanted == EXACT:
+        lending = build.lending_mode()
+        return StateDecision(requested, EXACT, None, lending) if lending else refuse(STATE_EXACT_UNSUPPORTED)
     if wanted == COPY:
         return StateDecision(requested, COPY, None) if build.can_fork else refuse(STATE_COPY_UNSUPPORTED)
     if wanted == INPLACE:
@@ -92,9 +105,9 @@ def decide_state_mode(kv_cache_manager, layouts: list[GroupLayout], environ) -> 
 
 
 def state_stamps(mode: str | None, chain_depth: int) -> list[str]:
-    """A point's state stamps: the mode and the deepest chain its shadows read state from
-    (the recurrent layers see that whole depth, not the point's ctx). None for
-    pure-attention points."""
+    """A point's state stamps: the mode and the depth of the deepest state its shadows
+    read (copy, in place: the chain's whole depth, not the point's ctx; exact: the
+    point's context). None for pure-attention points."""
     if mode is None:
         return []
     return [f"kvwarm_state_{mode}", f"kvwarm_state_depth={chain_depth}"]

@@ -6,7 +6,8 @@ Phases, per rung (one batch size, deepest rung first):
           pool; points the trimmed chains cannot cover fall back to fake KV (measured last);
   build   add B chains of that depth, let vLLM prefill them, park them;
   points  per point: queue its B requests (shadows, or fake-KV requests), one token short
-          of each context; let the admission step run untimed; time the steady steps (the
+          of each context (in exact state mode the shadows borrow from catch-up chains
+          prefilled to their own contexts first: exact_state); let the admission step run untimed; time the steady steps (the
           gap between consecutive update_from_output calls), keep every time and the upper
           median (upstream's sorted[n // 2]);
           the requests then finish by length;
@@ -42,14 +43,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from .arithmetic import trim_depth
-from .borrowing import POINT_SKIP_REASON
+from .arithmetic import pool_shortfall, shadow_private_blocks, trim_depth
+from .borrowing import POINT_SKIP_REASON, POOL_EXHAUSTED
 from .chains import chain_request, is_prefilled, park
+from .exact_state import (
+    PrefillChunkCap, cached_tokens, catchup_blocks, catchup_request, is_caught_up, planned_catchup_blocks,
+    state_block_size,
+)
 from .injection import PendingPoint
 from .layout import group_layouts
 from .points import DecodePoint
 from .ranks import RankFailed, SoloExchange
-from .state_mode import COPY, INPLACE, state_stamps
+from .state_mode import COPY, EXACT, INPLACE, state_stamps
 
 BATCH_SIZE_MISMATCH = "measured_batch_size_mismatch"
 # A row whose timed steps spread more than this fraction of their median is stamped
@@ -85,17 +90,33 @@ class PointRow:
 class SweepConfig:
     repeats: int  # timed steady steps per point
     max_model_len: int
-    state_mode: str | None = None  # the state hand-off mode on hybrid layouts
+    state_mode: str | None = None  # the state hand-off mode on hybrid layouts: copy | inplace | exact
+    state_lending: str | None = None  # exact: how a catch-up's state is handed over (inplace | copy)
     fork: bool | None = None  # attention tails: fork (CoW) or fresh; None: fork where the build can
     real: bool = True  # False: no chains, every point on fake KV
     fake_regime: str = FAKE_FALLBACK  # the regime of fake-KV rows: fake_fallback | legacy
     giant_kv_threshold: int = 1_000_000  # fake points below it keep the single legacy step
+
+    @property
+    def hand_off(self) -> str | None:
+        """How shadows take state over (exact: from their catch-ups)."""
+        return self.state_lending if self.state_mode == EXACT else self.state_mode
 
 
 @dataclass
 class QueuedPoint:
     point: DecodePoint
     real: bool  # on borrowed (real) KV; False: on fake KV
+
+
+@dataclass
+class CatchUps:
+    """Exact mode: a point's catch-up chains, prefilling before its shadows are queued."""
+
+    queued: QueuedPoint
+    contexts: list[int]
+    headroom: int
+    requests: list
 
 
 @dataclass
@@ -158,6 +179,8 @@ class DecodeSweep:
         self._rung: Rung | None = None
         self._queue: list[QueuedPoint] = []
         self._point: tuple[QueuedPoint, PendingPoint] | None = None
+        self._catchups: CatchUps | None = None
+        self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
         self._times: list[float] = []
         self._last_update: float | None = None
         self._mismatch: str | None = None  # why the point's steps were not B alone
@@ -204,6 +227,9 @@ class DecodeSweep:
         for chain in self._rung.chains:
             if is_prefilled(chain):
                 park(scheduler, chain)  # before this step could decode it further
+        if self._catchups is not None and self._point is None:
+            self._advance_catchups(scheduler)  # until the point's shadows are queued on them
+            return
         if not self._all_parked(scheduler) or self._point is not None:
             return
         if not self._rung.built:
@@ -234,15 +260,15 @@ class DecodeSweep:
         scheduler.kvwarm.drop_pending()
         ids = [r.request_id for r in self._point[1].shadows] if self._point else []
         ids += [c.request_id for c in self._rung.chains] if self._rung else []
-        self._point = None
+        ids += [c.request_id for c in self._catchups.requests] if self._catchups else []
+        self._point, self._catchups = None, None
+        self._restore_chunks()
         live = [i for i in ids if i in scheduler.requests]
         if live:
             scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
 
     def _start_point(self, scheduler, queued: QueuedPoint, records: list[dict]) -> None:
-        at = {r["rank"]: r["index"] for r in records}
-        if len(set(at.values())) > 1:
-            raise RankFailed(f"the ranks are at different points: {at} (rank: point index)")
+        _check_same_point(records)
         self._queue_point(scheduler, queued)
 
     def after_update(self, scheduler, output) -> None:
@@ -252,7 +278,7 @@ class DecodeSweep:
         point = queued.point
         if pending.failure is not None:
             self._finish_point(PointRow(point.total_kv_read_tokens, point.batch_size,
-                                        f"skip:{POINT_SKIP_REASON}", detail=pending.failure))
+                                        f"skip:{POINT_SKIP_REASON}", detail=pending.failure), scheduler)
             return
         ids = {s.request_id for s in pending.shadows}
         scheduled = output.num_scheduled_tokens
@@ -270,7 +296,7 @@ class DecodeSweep:
         self._times.append(now - self._last_update)
         self._last_update = now
         if len(self._times) == pending.headroom:
-            self._finish_point(self._row(queued, pending))
+            self._finish_point(self._row(queued, pending), scheduler)
 
     # --- phases ------------------------------------------------------------------------------
 
@@ -332,11 +358,22 @@ class DecodeSweep:
             chain = chain_request(scheduler, name, self._chain_tokens(i, rung.depth), salt=salt)
             scheduler.add_request(chain)
             rung.chains.append(chain)
+        if self.config.state_mode == EXACT:
+            # One state block per prefill step: every boundary state is cached for the catch-ups.
+            self._chunk_cap = PrefillChunkCap(scheduler.scheduler_config,
+                                              state_block_size(group_layouts(scheduler.kv_cache_manager)))
+            self._chunk_cap.apply()
+
+    def _restore_chunks(self) -> None:
+        if self._chunk_cap is not None:
+            self._chunk_cap.restore()
+            self._chunk_cap = None
 
     def _trim(self, scheduler, rung: Rung, usable: int) -> None:
-        kvm = scheduler.kv_cache_manager
-        rung.depth = trim_depth(group_layouts(kvm), rung.depth, rung.batch_size, self.config.repeats,
-                                self.config.state_mode == COPY, usable)
+        layouts = group_layouts(scheduler.kv_cache_manager)
+        catchup = planned_catchup_blocks(layouts) if self.config.state_mode == EXACT else 0
+        rung.depth = trim_depth(layouts, rung.depth, rung.batch_size, self.config.repeats,
+                                self.config.hand_off == COPY, usable, per_shadow=catchup)
         # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
         covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]
         rung.fake_points = [p for p in rung.points if p not in covered]
@@ -347,6 +384,7 @@ class DecodeSweep:
     def _record_stage(self) -> None:
         rung = self._rung
         rung.built = True
+        self._restore_chunks()
         seconds = self._clock() - rung.started
         self.stages.append({"batch": rung.batch_size, "depth": rung.depth, "build_seconds": round(seconds, 3)})
         self._progress(f"rung batch={rung.batch_size}: {rung.batch_size} chain(s) built in {seconds:.1f} s")
@@ -356,6 +394,9 @@ class DecodeSweep:
         contexts = injected_contexts(point)
         # Fake points below the giant-KV threshold keep the single step of the legacy path.
         repeats = config.repeats if queued.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
+        if queued.real and config.state_mode == EXACT:
+            self._start_catchups(scheduler, queued, contexts, repeats)
+            return
         if queued.real:
             pending = PendingPoint(self._rung.chains[: point.batch_size], contexts, headroom=repeats,
                                    fork=config.fork, state_mode=config.state_mode)
@@ -363,6 +404,49 @@ class DecodeSweep:
             vocab = scheduler.vllm_config.model_config.get_vocab_size()
             pending = PendingPoint(None, contexts, headroom=repeats, vocab_size=vocab)
         self._point = (queued, scheduler.kvwarm.queue(pending))
+        self._times, self._mismatch = [], None
+
+    def _start_catchups(self, scheduler, queued: QueuedPoint, contexts: list[int], headroom: int) -> None:
+        """Exact mode: a catch-up chain per shadow, when the pool holds them and the
+        shadows beside them (else the point is skipped, named); the shadows follow once
+        every catch-up stands at its context (_advance_catchups)."""
+        kvm = scheduler.kv_cache_manager
+        layouts = group_layouts(kvm)
+        chains = self._rung.chains[: queued.point.batch_size]
+        requests = [catchup_request(scheduler, chain, ctx, f"catchup{len(self.rows)}_{i}")
+                    for i, (chain, ctx) in enumerate(zip(chains, contexts))]
+        need = sum(catchup_blocks(layouts, ctx, cached_tokens(kvm, r))
+                   + shadow_private_blocks(layouts, ctx, headroom, self.config.hand_off == COPY)
+                   for r, ctx in zip(requests, contexts))
+        short = pool_shortfall(need, kvm.block_pool.get_num_free_blocks())
+        if short:
+            point = queued.point
+            self._finish_point(PointRow(
+                point.total_kv_read_tokens, point.batch_size, f"skip:{POINT_SKIP_REASON}",
+                detail=f"{POOL_EXHAUSTED}: {short} more free block(s) needed for the catch-up chains and shadows"))
+            return
+        for request in requests:
+            scheduler.add_request(request)
+        self._catchups = CatchUps(queued, contexts, headroom, requests)
+
+    def _advance_catchups(self, scheduler) -> None:
+        """Park each catch-up once its prompt is scheduled; once all are back, the ranks
+        meet and the point's shadows are queued on them."""
+        catchups = self._catchups
+        for request in catchups.requests:
+            if is_caught_up(request):
+                park(scheduler, request)
+        if not all(is_prefilled(r) and r not in scheduler.running for r in catchups.requests):
+            return
+        self._meet("caught_up", {"index": len(self.rows)}, lambda records: self._queue_exact(scheduler, records))
+
+    def _queue_exact(self, scheduler, records: list[dict]) -> None:
+        _check_same_point(records)
+        catchups, config = self._catchups, self.config
+        pending = PendingPoint(catchups.requests, catchups.contexts, headroom=catchups.headroom, fork=config.fork,
+                               state_mode=config.state_lending,
+                               prompt_chains=self._rung.chains[: catchups.queued.point.batch_size])
+        self._point = (catchups.queued, scheduler.kvwarm.queue(pending))
         self._times, self._mismatch = [], None
 
     def _row(self, queued: QueuedPoint, pending: PendingPoint) -> PointRow:
@@ -375,7 +459,10 @@ class DecodeSweep:
         if queued.real:
             reasons.append("kvwarm_real_kv")
             chains = self._rung.chains[: point.batch_size]
-            reasons += state_stamps(config.state_mode, max(c.num_computed_tokens for c in chains))
+            # exact: the state stands at each shadow's context once its admission token is in
+            depth = (max(pending.contexts) + 1 if config.state_mode == EXACT
+                     else max(c.num_computed_tokens for c in chains))
+            reasons += state_stamps(config.state_mode, depth)
             if config.state_mode == INPLACE:
                 ids = {c.request_id for c in chains}
                 reasons += [STATE_DRIFTED] if ids & self._drifted else []
@@ -389,9 +476,14 @@ class DecodeSweep:
             row.sample_reasons.append(NOISY)
         return row
 
-    def _finish_point(self, row: PointRow) -> None:
+    def _finish_point(self, row: PointRow, scheduler=None) -> None:
         self.rows.append(row)
         self._point = None
+        if self._catchups is not None:
+            from vllm.v1.request import RequestStatus
+
+            scheduler.finish_requests([r.request_id for r in self._catchups.requests], RequestStatus.FINISHED_ABORTED)
+            self._catchups = None
         self._on_row(row)
         median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
         self._progress(f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
@@ -403,6 +495,12 @@ class DecodeSweep:
         if self._rung.chains:
             scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
             self._rung.chains = []
+
+
+def _check_same_point(records: list[dict]) -> None:
+    at = {r["rank"]: r["index"] for r in records}
+    if len(set(at.values())) > 1:
+        raise RankFailed(f"the ranks are at different points: {at} (rank: point index)")
 
 
 def _raise_on_peer_failure(records: list[dict]) -> None:

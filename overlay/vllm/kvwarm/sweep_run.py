@@ -27,7 +27,7 @@ from .points import DecodePoint, PointsFileError, load_points
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
 from .ranks import make_exchange, rank_layout
 from .record import run_record, utc_now
-from .state_mode import STATE_ENV, STATE_MODE_INVALID, decide_state_mode
+from .state_mode import MODES, STATE_ENV, STATE_MODE_INVALID, decide_state_mode
 from .sweep import FAKE_FALLBACK, LEGACY, NOISY_SPREAD, DecodeSweep, SweepConfig
 
 logger = init_logger(__name__)
@@ -165,7 +165,7 @@ class SweepRun:
         kvm = scheduler.kv_cache_manager
         decision = decide_state_mode(kvm, group_layouts(kvm), environ)
         if decision.reason == STATE_MODE_INVALID:
-            raise SettingsError(f"{STATE_ENV}={decision.requested!r} is not one of auto, copy, inplace")
+            raise SettingsError(f"{STATE_ENV}={decision.requested!r} is not one of {', '.join(MODES)}")
         reason = model_gate_reason(vllm_config, settings.warmup) or decision.reason
         chain_text = None
         if reason is None:
@@ -181,7 +181,8 @@ class SweepRun:
             reporter.progress(f"warm-up skipped ({reason}): every point on fake KV")
         config = SweepConfig(
             repeats=settings.repeats, max_model_len=max_model_len,
-            state_mode=decision.mode if reason is None else None, real=reason is None,
+            state_mode=decision.mode if reason is None else None, state_lending=decision.lending,
+            real=reason is None,
             fake_regime=LEGACY if settings.warmup == "off" else FAKE_FALLBACK,
             giant_kv_threshold=settings.giant_kv_threshold)
         return DecodeSweep(inputs.points, chain_text, config, progress=reporter.progress, on_row=self._on_row,

@@ -1,0 +1,89 @@
+"""Exact recurrent state (DYN_BENCH_KV_WARMUP_STATE=exact): catch-up chains.
+
+A copy or in-place shadow reads the chain's state at the chain's whole depth. In exact
+mode each shadow at context ctx borrows instead from a catch-up chain: a request over the
+chain's first ctx tokens, under the chain's cache salt. vLLM's own prefix cache gives it
+the chain's attention blocks and the recurrent state cached at the last block boundary it
+finds (align mode keeps the state of every boundary a prefill step ended on); vLLM then
+computes the rest, up to ctx, in untimed steps. Parked there, it holds the state of
+exactly ctx tokens, which the shadow takes over by in place (or copy) at its own depth.
+
+Exactness rests on vLLM's prefix caching, not on which boundaries are cached: a boundary
+state that was evicted only makes the catch-up start from an earlier one (from token 0 at
+worst), so the catch-up costs more and the row stays exact. To keep it cheap the rung's
+chains are prefilled in steps of one state block (cap_prefill_chunks) where the build
+lets the scheduler cap a prefill chunk, so every boundary state is cached.
+
+A catch-up is parked as soon as its prompt is scheduled, not once its sampled token is
+back: a decode step of it would advance its state past ctx.
+"""
+
+from __future__ import annotations
+
+from .arithmetic import cdiv
+from .chains import chain_request
+from .layout import ATTENTION, STATE_ALIGN, GroupLayout
+
+
+def state_block_size(layouts: list[GroupLayout]) -> int:
+    """The largest align-state block size (the boundaries whose states are cached)."""
+    return max(g.block_size for g in layouts if g.kind == STATE_ALIGN)
+
+
+def catchup_request(scheduler, chain, ctx: int, name: str):
+    """A chain over `chain`'s first ctx tokens that shares its cache salt (so its prefix
+    lookup finds the chain's blocks and boundary states)."""
+    return chain_request(scheduler, name, chain.prompt_token_ids[:ctx], salt=chain.cache_salt)
+
+
+def catchup_blocks(layouts: list[GroupLayout], ctx: int, hit: int) -> int:
+    """Free blocks a catch-up over ctx tokens takes when `hit` of them are found in the
+    prefix cache: the attention blocks past the hit; per state group the running block with
+    its scratch and, after a hit, the boundary block it starts from (cached but free: the
+    chain has moved on, so taking it lowers the free count too)."""
+    return sum(cdiv(ctx, g.block_size) - hit // g.block_size if g.kind == ATTENTION
+               else 1 + g.num_speculative_blocks + int(hit > 0)
+               for g in layouts if g.kind in (ATTENTION, STATE_ALIGN))
+
+
+def planned_catchup_blocks(layouts: list[GroupLayout]) -> int:
+    """catchup_blocks when the hit is the last state boundary before ctx (the chains'
+    boundaries are cached): at most one state block of tokens past the hit."""
+    span = state_block_size(layouts)
+    return sum(cdiv(span, g.block_size) + 1 if g.kind == ATTENTION else 2 + g.num_speculative_blocks
+               for g in layouts if g.kind in (ATTENTION, STATE_ALIGN))
+
+
+def cached_tokens(kv_cache_manager, request) -> int:
+    """How many of the request's tokens vLLM's prefix lookup finds cached now."""
+    return kv_cache_manager.get_computed_blocks(request)[1]
+
+
+def is_caught_up(catchup) -> bool:
+    """Its whole prompt is scheduled (its state will stand at exactly its prompt)."""
+    return catchup.num_computed_tokens >= catchup.num_prompt_tokens
+
+
+class PrefillChunkCap:
+    """Caps every prefill chunk at `size` tokens through the scheduler's long-prefill
+    threshold while chains are built, and puts the setting back after. A build whose
+    scheduler has no such setting prefills as it would (the catch-ups then start from
+    earlier boundaries: exact all the same, only slower)."""
+
+    SETTING = "long_prefill_token_threshold"
+
+    def __init__(self, scheduler_config, size: int):
+        self._config, self._size = scheduler_config, size
+        self._saved: int | None = None
+
+    def apply(self) -> None:
+        if self._saved is not None or not hasattr(self._config, self.SETTING):
+            return
+        self._saved = getattr(self._config, self.SETTING)
+        capped = self._size if not self._saved or self._saved <= 0 else min(self._saved, self._size)
+        setattr(self._config, self.SETTING, capped)
+
+    def restore(self) -> None:
+        if self._saved is not None:
+            setattr(self._config, self.SETTING, self._saved)
+            self._saved = None

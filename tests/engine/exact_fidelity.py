@@ -1,0 +1,143 @@
+"""Exact recurrent state on the real CPU engine, shared by the hybrid-model tests
+(Qwen3-Next, NemotronH): at contexts off the state-block boundaries, shadows lent by
+catch-up chains (DYN_BENCH_KV_WARMUP_STATE=exact) decode the same greedy tokens as natural
+requests over the chain's first ctx + 1 tokens. Copy and in place, which read the chain's
+state at its whole depth, are compared at the same contexts and reported, not asserted."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from vllm.kvwarm.chains import chain_request, is_prefilled, park
+from vllm.kvwarm.exact_state import PrefillChunkCap, cached_tokens, catchup_request, is_caught_up, state_block_size
+from vllm.kvwarm.injection import PendingPoint
+from vllm.kvwarm.layout import group_layouts
+from vllm.kvwarm.state_mode import STATE_ENV, decide_state_mode
+
+STEPS = 5  # the admission token and 4 steady steps
+
+
+def _step_until(core, done, limit=400):
+    for _ in range(limit):
+        if done():
+            return
+        core.step()
+    raise AssertionError("the engine did not get there in time")
+
+
+def off_boundary_contexts(depth: int, block: int) -> list[int]:
+    """Depth - 1, the middle of the last whole block, and just past each boundary."""
+    boundaries = range(block, depth - 1, block)
+    return sorted({depth - 1, block + block // 2, *(b + 1 for b in boundaries)})
+
+
+def _prefilled_chain(engine, name: str, tokens: list[int], block: int | None):
+    """A parked chain; with `block`, prefilled one state block per step (boundaries cached)."""
+    scheduler = engine.scheduler
+    chain = chain_request(scheduler, name, tokens)
+    cap = PrefillChunkCap(scheduler.scheduler_config, block) if block else None
+    if cap:
+        cap.apply()
+    try:
+        scheduler.add_request(chain)
+        _step_until(engine.core, lambda: is_prefilled(chain))
+    finally:
+        if cap:
+            cap.restore()
+    park(scheduler, chain)
+    return chain
+
+
+def _catch_up(engine, chain, ctx: int, name: str):
+    """A parked catch-up at ctx, and how many of its tokens the prefix cache held."""
+    scheduler = engine.scheduler
+    catchup = catchup_request(scheduler, chain, ctx, name)
+    hit = cached_tokens(scheduler.kv_cache_manager, catchup)
+    scheduler.add_request(catchup)
+
+    def ready() -> bool:
+        if is_caught_up(catchup):
+            park(scheduler, catchup)
+        return is_prefilled(catchup) and catchup not in scheduler.running
+
+    _step_until(engine.core, ready)
+    return catchup, hit
+
+
+def _shadow_tokens(engine, lenders: list, contexts: list[int], mode: str, prompt_chain=None) -> list[list[int]]:
+    prompts = [prompt_chain] * len(contexts) if prompt_chain else None
+    point = engine.scheduler.kvwarm.queue(
+        PendingPoint(lenders, contexts, headroom=STEPS - 1, state_mode=mode, prompt_chains=prompts))
+    _step_until(engine.core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
+    assert point.failure is None, point.failure
+    return [list(s.output_token_ids) for s in point.shadows]
+
+
+def _natural_tokens(engine, tokens: list[int], contexts: list[int], name: str) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=tokens[: ctx + 1], cache_salt=f"natural-{name}-{ctx}") for ctx in contexts]
+    return [list(out.outputs[0].token_ids) for out in engine.llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _release(engine, requests) -> None:
+    from vllm.v1.request import RequestStatus
+
+    engine.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ABORTED)
+    engine.core.step()
+
+
+def check_exact_state(engine, name: str, vocab: int) -> dict:
+    """Asserts the exact-mode fidelity and the catch-ups' boundary hits; returns what copy
+    and in place gave at the same contexts (for the report)."""
+    kvm = engine.kv_cache_manager
+    layouts = group_layouts(kvm)
+    decision = decide_state_mode(kvm, layouts, {STATE_ENV: "exact"})
+    assert decision.mode == "exact" and decision.lending in ("inplace", "copy"), decision
+    block = state_block_size(layouts)
+    depth = min(2 * block + block // 2, engine.llm.llm_engine.model_config.max_model_len - 16)
+    # the copy and in-place chains run STEPS past the deepest context (room for the shadows' tails)
+    tokens = random.Random(3).choices(range(3, vocab), k=depth + STEPS)
+    contexts = off_boundary_contexts(depth, block)
+    natural = _natural_tokens(engine, tokens, contexts, name)
+
+    chain = _prefilled_chain(engine, f"{name}-exact", tokens[:depth], block)
+    catchups, hits = zip(*[_catch_up(engine, chain, ctx, f"{name}-catchup-{ctx}") for ctx in contexts])
+    catchups, hits = list(catchups), list(hits)
+    # vLLM's prefix lookup found each the state of the last boundary before its context (or later)
+    assert all((ctx - 1) // block * block <= hit < ctx for hit, ctx in zip(hits, contexts)), (hits, contexts, block)
+    exact = _shadow_tokens(engine, catchups, contexts, decision.lending, prompt_chain=chain)
+    _release(engine, [chain, *catchups])
+    assert exact == natural, {"contexts": contexts, "exact": exact, "natural": natural}
+
+    report = {"model": name, "state_block": block, "chain_depth": depth + STEPS, "contexts": contexts,
+              "exact_catchup_hits": hits}
+    copy_chain = _prefilled_chain(engine, f"{name}-copy", tokens, None)
+    copied = _shadow_tokens(engine, [copy_chain] * len(contexts), contexts, "copy")
+    _release(engine, [copy_chain])
+    report["copy_matching_tokens"] = _matching(copied, natural)
+    # In place advances the chain's state: one chain per context.
+    in_place = []
+    for ctx in contexts:
+        own = _prefilled_chain(engine, f"{name}-inplace-{ctx}", tokens, None)
+        in_place += _shadow_tokens(engine, [own], [ctx], "inplace")
+        _release(engine, [own])
+    report["inplace_matching_tokens"] = _matching(in_place, natural)
+    pool = kvm.block_pool
+    assert not [b for b in pool.blocks if b.ref_cnt and not b.is_null]
+    assert pool.reset_prefix_cache()
+    return report
+
+
+def _matching(tokens: list[list[int]], natural: list[list[int]]) -> list[str]:
+    """Per context, how many of the STEPS greedy tokens match the natural request's."""
+    return [f"{sum(a == b for a, b in zip(got, want))}/{STEPS}" for got, want in zip(tokens, natural)]
+
+
+def print_report(report: dict, capsys) -> None:
+    """Shown in the test log whatever pytest captures: copy and in place off the boundaries."""
+    with capsys.disabled():
+        print("\nkvwarm exact-state report: " + json.dumps(report))
