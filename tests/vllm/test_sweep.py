@@ -167,3 +167,31 @@ def test_later_rungs_reuse_earlier_chains_only_where_their_state_was_not_advance
     _run(scheduler, sweep)
     first_rung, second_rung = salts[:2], salts[2:]
     assert (second_rung[0] == first_rung[0]) is reused
+
+
+@pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
+def test_exact_rows_borrow_from_catch_ups_that_start_at_the_last_cached_boundary(tmp_path, cls):
+    """Exact mode: the chains are prefilled one state block per step (every boundary's state
+    cached), each shadow's catch-up finds the chain's state at the last boundary before its
+    context and computes the rest, and is parked there (never decoded); rows are stamped with
+    the point's own context; the prefill cap is put back."""
+    scheduler = make_scheduler(tmp_path, num_blocks=160, scheduler_cls=cls, block_size=32, state_block_size=32)
+    chunks, catchups = [], []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        chunks.extend(n for r, n in output.num_scheduled_tokens.items() if "chain_b" in r)
+        catchups.extend((scheduler.requests[r], n) for r, n in output.num_scheduled_tokens.items() if "catchup" in r)
+        return output
+
+    scheduler.schedule = recording_schedule
+    sweep = make_sweep([DecodePoint(200, 2), DecodePoint(150, 2)], state_mode="exact", state_lending="inplace")
+    _run(scheduler, sweep)
+    assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
+        (200, "real_kv", ["kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=100"]),
+        (150, "real_kv", ["kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=75"])]
+    assert max(chunks) == 32  # the chains: one state block per step
+    # contexts 99 and 74 (one short): from the boundaries 96 and 64, one step each, never decoded
+    assert sorted((r.num_prompt_tokens, n) for r, n in catchups) == [(74, 10), (74, 10), (99, 3), (99, 3)]
+    assert scheduler.scheduler_config.long_prefill_token_threshold == 0
