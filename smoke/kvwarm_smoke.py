@@ -94,10 +94,10 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
                            points=HYBRID_POINTS, regime="real_kv", state="copy",
                            env={"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": "copy"})],
     }
-    if model is not None:  # the user's model (forced past the gate's heuristics), state by copy then in place
+    if model is not None:  # the user's model (forced past the gate's heuristics), state by copy, in place, exact
         return [dict(name=f"model-{mode}", maker=None, dtype="auto", args=[], points=POINTS, regime="real_kv",
                      env={"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": mode})
-                for mode in ("copy", "inplace")]
+                for mode in ("copy", "inplace", "exact")]
     unknown = sorted(set(selected) - set(table))
     if unknown:
         raise SystemExit(f"kvwarm smoke: unknown case(s) {unknown}; choose from {', '.join(CASES)}")

@@ -1,7 +1,7 @@
 """Recurrent-state hand-off on the real CPU engine: a tiny Qwen3-Next (gated-delta-net
 linear attention + full attention + MoE) in align mode. A shadow at the chain's computed
 depth decodes the same greedy tokens as a natural request over the same prefix, with the
-state handed over by copy and in place.
+state handed over by copy and in place; in exact mode at contexts off the boundaries too.
 
 Runs in its own pytest process (`-m hybrid`): one CPU engine per process.
 """
@@ -36,11 +36,12 @@ def hybrid(tmp_path_factory):
     ))
 
 
-def test_this_build_hands_state_over_by_copy_by_default(hybrid):
+def test_this_build_gives_exact_state_by_default_lent_in_place(hybrid):
     kvm = hybrid.kv_cache_manager
     layouts = group_layouts(kvm)
     assert [g.kind for g in layouts].count(STATE_ALIGN) == 3
-    assert decide_state_mode(kvm, layouts, {}).mode == "copy"
+    decision = decide_state_mode(kvm, layouts, {})
+    assert (decision.mode, decision.lending) == ("exact", "inplace")
 
 
 @pytest.mark.parametrize("mode", ["copy", "inplace"])

@@ -17,7 +17,7 @@ from vllm.kvwarm import borrowing, state_mode
 from vllm.kvwarm.layout import group_layouts
 from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
 from vllm.kvwarm.state_mode import (
-    COPY, INPLACE, StateBuild, decide_state_mode, resolve_state_mode, state_stamps,
+    COPY, EXACT, INPLACE, StateBuild, decide_state_mode, resolve_state_mode, state_stamps,
 )
 
 
@@ -303,16 +303,16 @@ PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemptio
 
 
 @pytest.mark.parametrize("build, requested, mode, reason", [
-    (STOCK_025, None, INPLACE, None), (STOCK_025, "copy", None, state_mode.STATE_COPY_UNSUPPORTED),
+    (STOCK_025, None, EXACT, None), (STOCK_025, "copy", None, state_mode.STATE_COPY_UNSUPPORTED),
     (STOCK_025, "inplace", INPLACE, None),
-    (PATCHED_025, None, COPY, None), (PATCHED_025, "COPY", COPY, None), (PATCHED_025, " InPlace ", INPLACE, None),
-    (STOCK_028, "auto", COPY, None), (STOCK_028, "copy", COPY, None),
+    (PATCHED_025, None, EXACT, None), (PATCHED_025, "COPY", COPY, None), (PATCHED_025, " InPlace ", INPLACE, None),
+    (STOCK_028, "auto", EXACT, None), (STOCK_028, "copy", COPY, None),
     (STOCK_028, "inplace", None, state_mode.STATE_INPLACE_UNSUPPORTED),
-    (PATCHED_028, "auto", COPY, None), (PATCHED_028, "inplace", INPLACE, None),
+    (PATCHED_028, "auto", EXACT, None), (PATCHED_028, "inplace", INPLACE, None),
     (StateBuild(can_fork=False, inplace_ok=False), "auto", None, state_mode.STATE_HAND_OFF_UNSUPPORTED),
     (PATCHED_028, "fork", None, state_mode.STATE_MODE_INVALID),
-    (PATCHED_028, "exact", state_mode.EXACT, None), (STOCK_025, "Exact", state_mode.EXACT, None),
-    (STOCK_028, "exact", state_mode.EXACT, None),
+    (PATCHED_028, "exact", EXACT, None), (STOCK_025, "Exact", EXACT, None),
+    (STOCK_028, "exact", EXACT, None),
     (StateBuild(can_fork=False, inplace_ok=False), "exact", None, state_mode.STATE_EXACT_UNSUPPORTED),
 ])
 def test_state_mode_resolution(build, requested, mode, reason):
@@ -332,7 +332,7 @@ def test_this_build_probes_as_a_patched_build(monkeypatch):
     kvm, _, _ = _hybrid()
     assert state_mode.probe_state_build(group_layouts(kvm), kvm) == PATCHED_028 == PATCHED_025
     monkeypatch.delenv(state_mode.STATE_ENV, raising=False)
-    assert decide_state_mode(kvm, group_layouts(kvm), {}).mode == COPY
+    assert decide_state_mode(kvm, group_layouts(kvm), {}).mode == EXACT
 
 
 def test_the_state_mode_is_validated_only_where_it_matters():
@@ -349,8 +349,8 @@ def test_stamps_and_metadata_are_the_same_whatever_the_free_pool():
         kvm.block_pool.get_new_blocks(kvm.block_pool.get_num_free_blocks() - 1)  # nearly empty
         decisions.append(decide_state_mode(kvm, group_layouts(kvm), environ))
     assert decisions[0] == decisions[1]
-    assert decisions[0].metadata() == {"state_mode_requested": "Auto", "state_mode": COPY}
-    assert state_stamps(decisions[0].mode, 192) == ["kvwarm_state_copy", "kvwarm_state_depth=192"]
+    assert decisions[0].metadata() == {"state_mode_requested": "Auto", "state_mode": EXACT}
+    assert state_stamps(decisions[0].mode, 192) == ["kvwarm_state_exact", "kvwarm_state_depth=192"]
     assert state_stamps(None, 192) == []  # pure-attention points carry no state stamp
 
 

@@ -1,10 +1,11 @@
 """How recurrent state is handed to shadows, decided from the layout and the build only.
 
 DYN_BENCH_KV_WARMUP_STATE = auto | copy | inplace | exact (default auto, any case) is read
-only on layouts with align-mode state groups. auto means copy where every state manager can
-fork, else in place where every state manager allows it. exact (exact_state.py) lends each
-shadow a catch-up chain prefilled to the shadow's own context, handed over by in place where
-that is safe, else by copy; a build with neither refuses it. The decision never looks at
+only on layouts with align-mode state groups. exact (exact_state.py) lends each shadow a
+catch-up chain prefilled to the shadow's own context, handed over in place where that is
+safe, else by copy; a build with neither refuses it. auto means exact (its extra cost is
+untimed; docs/state-handoff.md says why). copy and in place read the chain's state at its
+whole depth: cheaper, approximate, and only on request. The decision never looks at
 the free pool, so every data-parallel rank decides, and stamps, the same.
 
 In place is unsafe where a manager hashes partial state tails of a borrowed request
@@ -92,11 +93,9 @@ def resolve_state_mode(layouts: list[GroupLayout], build: StateBuild, requested:
         return StateDecision(requested, COPY, None) if build.can_fork else refuse(STATE_COPY_UNSUPPORTED)
     if wanted == INPLACE:
         return StateDecision(requested, INPLACE, None) if build.inplace_ok else refuse(STATE_INPLACE_UNSUPPORTED)
-    if build.can_fork:
-        return StateDecision(requested, COPY, None)
-    if build.inplace_ok:
-        return StateDecision(requested, INPLACE, None)
-    return refuse(STATE_HAND_OFF_UNSUPPORTED)
+    # auto: exact wherever the build can lend catch-ups (docs/state-handoff.md, "auto")
+    lending = build.lending_mode()
+    return StateDecision(requested, EXACT, None, lending) if lending else refuse(STATE_HAND_OFF_UNSUPPORTED)
 
 
 def decide_state_mode(kv_cache_manager, layouts: list[GroupLayout], environ) -> StateDecision:

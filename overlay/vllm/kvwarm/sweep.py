@@ -37,6 +37,7 @@ Scheduler with the model runner's part played by the test.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import statistics
 import time
@@ -136,6 +137,11 @@ def injected_contexts(point: DecodePoint) -> list[int]:
     return [max(1, c - 1) for c in point.contexts()]
 
 
+# Each sweep in a process names its requests apart: vLLM's runner forgets a finished
+# request's align-mode state slot only in a step that runs a forward, so a later sweep's
+# chain with an earlier one's id would start from that stale slot.
+_SWEEP_NUMBERS = itertools.count()
+
 # How long the end of a sweep waits for requests from outside before its leak check.
 END_WAIT_SECONDS = 60.0
 
@@ -172,6 +178,7 @@ class DecodeSweep:
         self.rows: list[PointRow] = []
         self.stages: list[dict] = []  # one per rung built: batch, depth, build_seconds
         self._points = points
+        self._number = next(_SWEEP_NUMBERS)  # in its requests' ids
         self._chain_tokens = chain_tokens
         self._clock, self._progress, self._on_row = clock, progress, on_row or (lambda row: None)
         self._exchange = exchange or SoloExchange()
@@ -353,7 +360,7 @@ class DecodeSweep:
             # The salt is the chain's index, not the rung's: chain i of a later rung extends
             # the same text, so it finds the earlier chain's blocks in the prefix cache. Not
             # in place: shadows advanced those chains' state, which must not be inherited.
-            name = f"b{rung.batch_size}_{i}"
+            name = f"b{rung.batch_size}_{i}_s{self._number}"
             salt = None if self.config.state_mode == INPLACE else f"__kvwarm_chain_{i}"
             chain = chain_request(scheduler, name, self._chain_tokens(i, rung.depth), salt=salt)
             scheduler.add_request(chain)
@@ -413,7 +420,7 @@ class DecodeSweep:
         kvm = scheduler.kv_cache_manager
         layouts = group_layouts(kvm)
         chains = self._rung.chains[: queued.point.batch_size]
-        requests = [catchup_request(scheduler, chain, ctx, f"catchup{len(self.rows)}_{i}")
+        requests = [catchup_request(scheduler, chain, ctx, f"catchup{len(self.rows)}_{i}_s{self._number}")
                     for i, (chain, ctx) in enumerate(zip(chains, contexts))]
         need = sum(catchup_blocks(layouts, ctx, cached_tokens(kvm, r))
                    + shadow_private_blocks(layouts, ctx, headroom, self.config.hand_off == COPY)
