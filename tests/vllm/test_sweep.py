@@ -195,3 +195,24 @@ def test_exact_rows_borrow_from_catch_ups_that_start_at_the_last_cached_boundary
     # contexts 99 and 74 (one short): from the boundaries 96 and 64, one step each, never decoded
     assert sorted((r.num_prompt_tokens, n) for r, n in catchups) == [(74, 10), (74, 10), (99, 3), (99, 3)]
     assert scheduler.scheduler_config.long_prefill_token_threshold == 0
+
+
+def test_an_exact_point_whose_catch_ups_do_not_fit_is_skipped_after_the_ranks_meet(tmp_path, monkeypatch):
+    """As if every boundary state had been evicted: each catch-up would recompute its whole
+    context, which this pool cannot hold beside the chains, so the point is skipped, named,
+    without adding a catch-up; the sweep goes on to the next point and ends clean."""
+    from vllm.kvwarm import sweep as sweep_module
+
+    scheduler = make_scheduler(tmp_path, num_blocks=40, scheduler_cls=KvWarmScheduler, block_size=32, state_block_size=32)
+    lookups = []
+    monkeypatch.setattr(sweep_module, "cached_tokens", lambda kvm, request: lookups.append(request) or 0)
+    meetings = []
+    sweep = make_sweep([DecodePoint(600, 2), DecodePoint(40, 2)], state_mode="exact", state_lending="inplace")
+    post = sweep._exchange.post
+    sweep._exchange.post = lambda kind, record: (meetings.append(kind), post(kind, record))[1]
+    _run(scheduler, sweep)
+    first, second = sweep.rows
+    assert first.kv_seed_regime == "skip:decode_injection_failed" and "pool_exhausted" in first.detail
+    assert second.kv_seed_regime == "real_kv"
+    assert meetings.count("caught_up") == 2  # the skipped point's meeting too
+    assert not [r for r in scheduler.requests if "catchup" in r]

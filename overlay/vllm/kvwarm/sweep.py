@@ -118,6 +118,7 @@ class CatchUps:
     contexts: list[int]
     headroom: int
     requests: list
+    short: str | None = None  # why none were added (the pool); the point is then skipped
 
 
 @dataclass
@@ -415,8 +416,9 @@ class DecodeSweep:
 
     def _start_catchups(self, scheduler, queued: QueuedPoint, contexts: list[int], headroom: int) -> None:
         """Exact mode: a catch-up chain per shadow, when the pool holds them and the
-        shadows beside them (else the point is skipped, named); the shadows follow once
-        every catch-up stands at its context (_advance_catchups)."""
+        shadows beside them (else none, and the point is skipped, named, after the ranks
+        meet as they would have: a rank with a smaller pool stays in step); the shadows
+        follow once every catch-up stands at its context (_advance_catchups)."""
         kvm = scheduler.kv_cache_manager
         layouts = group_layouts(kvm)
         chains = self._rung.chains[: queued.point.batch_size]
@@ -427,10 +429,8 @@ class DecodeSweep:
                    for r, ctx in zip(requests, contexts))
         short = pool_shortfall(need, kvm.block_pool.get_num_free_blocks())
         if short:
-            point = queued.point
-            self._finish_point(PointRow(
-                point.total_kv_read_tokens, point.batch_size, f"skip:{POINT_SKIP_REASON}",
-                detail=f"{POOL_EXHAUSTED}: {short} more free block(s) needed for the catch-up chains and shadows"))
+            self._catchups = CatchUps(queued, contexts, headroom, [], short=(
+                f"{POOL_EXHAUSTED}: {short} more free block(s) needed for the catch-up chains and shadows"))
             return
         for request in requests:
             scheduler.add_request(request)
@@ -450,6 +450,11 @@ class DecodeSweep:
     def _queue_exact(self, scheduler, records: list[dict]) -> None:
         _check_same_point(records)
         catchups, config = self._catchups, self.config
+        if catchups.short:
+            point = catchups.queued.point
+            self._finish_point(PointRow(point.total_kv_read_tokens, point.batch_size, f"skip:{POINT_SKIP_REASON}",
+                                        detail=catchups.short), scheduler)
+            return
         pending = PendingPoint(catchups.requests, catchups.contexts, headroom=catchups.headroom, fork=config.fork,
                                state_mode=config.state_lending,
                                prompt_chains=self._rung.chains[: catchups.queued.point.batch_size])
@@ -483,7 +488,7 @@ class DecodeSweep:
             row.sample_reasons.append(NOISY)
         return row
 
-    def _finish_point(self, row: PointRow, scheduler=None) -> None:
+    def _finish_point(self, row: PointRow, scheduler) -> None:
         self.rows.append(row)
         self._point = None
         if self._catchups is not None:
