@@ -9,21 +9,13 @@ from __future__ import annotations
 import json
 import random
 
+from fidelity import STEPS, step_core_until
+
 from vllm.kvwarm.chains import chain_request, is_prefilled, park
 from vllm.kvwarm.exact_state import PrefillChunkCap, cached_tokens, catchup_request, is_caught_up, state_block_size
 from vllm.kvwarm.injection import PendingPoint
 from vllm.kvwarm.layout import group_layouts
 from vllm.kvwarm.state_mode import STATE_ENV, decide_state_mode
-
-STEPS = 5  # the admission token and 4 steady steps
-
-
-def _step_until(core, done, limit=400):
-    for _ in range(limit):
-        if done():
-            return
-        core.step()
-    raise AssertionError("the engine did not get there in time")
 
 
 def off_boundary_contexts(depth: int, block: int) -> list[int]:
@@ -41,7 +33,7 @@ def _prefilled_chain(engine, name: str, tokens: list[int], block: int | None):
         cap.apply()
     try:
         scheduler.add_request(chain)
-        _step_until(engine.core, lambda: is_prefilled(chain))
+        step_core_until(engine.core, lambda: is_prefilled(chain))
     finally:
         if cap:
             cap.restore()
@@ -61,7 +53,7 @@ def _catch_up(engine, chain, ctx: int, name: str):
             park(scheduler, catchup)
         return is_prefilled(catchup) and catchup not in scheduler.running
 
-    _step_until(engine.core, ready)
+    step_core_until(engine.core, ready)
     return catchup, hit
 
 
@@ -69,7 +61,7 @@ def _shadow_tokens(engine, lenders: list, contexts: list[int], mode: str, prompt
     prompts = [prompt_chain] * len(contexts) if prompt_chain else None
     point = engine.scheduler.kvwarm.queue(
         PendingPoint(lenders, contexts, headroom=STEPS - 1, state_mode=mode, prompt_chains=prompts))
-    _step_until(engine.core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
+    step_core_until(engine.core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
     assert point.failure is None, point.failure
     return [list(s.output_token_ids) for s in point.shadows]
 

@@ -13,7 +13,7 @@ CONTEXTS = [100, 128, 200, 255]
 STEPS = 5  # decoded tokens per shadow: the admission token and 4 steady steps
 
 
-def _step_core_until(core, done, limit=200):
+def step_core_until(core, done, limit=200):
     for _ in range(limit):
         if done():
             return
@@ -33,11 +33,11 @@ def shadow_and_natural_tokens(llm, core, fork: bool, name: str) -> tuple[list, l
     tokens = random.Random(1).choices(range(3, 400), k=300)
     chain = chain_request(scheduler, name, tokens)
     scheduler.add_request(chain)
-    _step_core_until(core, lambda: is_prefilled(chain))
+    step_core_until(core, lambda: is_prefilled(chain))
     park(scheduler, chain)
 
     point = scheduler.kvwarm.queue(PendingPoint([chain] * len(CONTEXTS), CONTEXTS, headroom=STEPS - 1, fork=fork))
-    _step_core_until(core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
+    step_core_until(core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
     assert point.failure is None
     shadow_tokens = [list(s.output_token_ids) for s in point.shadows]
 

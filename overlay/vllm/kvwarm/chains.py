@@ -37,6 +37,11 @@ def is_prefilled(chain) -> bool:
     return chain.num_computed_tokens >= chain.num_prompt_tokens and not chain.num_output_placeholders
 
 
+def all_parked(scheduler, chains) -> bool:
+    """Every chain is prefilled and out of `running` (no step will touch it)."""
+    return all(is_prefilled(c) and c not in scheduler.running for c in chains)
+
+
 def park(scheduler, chain) -> None:
     """Stop scheduling the chain; its blocks stay resident and its depth fixed."""
     if chain in scheduler.running:

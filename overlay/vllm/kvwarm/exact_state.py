@@ -11,7 +11,7 @@ exactly ctx tokens, which the shadow takes over by in place (or copy) at its own
 Exactness rests on vLLM's prefix caching, not on which boundaries are cached: a boundary
 state that was evicted only makes the catch-up start from an earlier one (from token 0 at
 worst), so the catch-up costs more and the row stays exact. To keep it cheap the rung's
-chains are prefilled in steps of one state block (cap_prefill_chunks) where the build
+chains are prefilled in steps of one state block (PrefillChunkCap) where the build
 lets the scheduler cap a prefill chunk, so every boundary state is cached.
 
 A catch-up is parked as soon as its prompt is scheduled, not once its sampled token is

@@ -7,9 +7,9 @@ Phases, per rung (one batch size, deepest rung first):
   build   add B chains of that depth, let vLLM prefill them, park them;
   points  per point: queue its B requests (shadows, or fake-KV requests), one token short
           of each context (in exact state mode the shadows borrow from catch-up chains
-          prefilled to their own contexts first: exact_state); let the admission step run untimed; time the steady steps (the
-          gap between consecutive update_from_output calls), keep every time and the upper
-          median (upstream's sorted[n // 2]);
+          prefilled to their own contexts first: exact_state); let the admission step run
+          untimed; time the steady steps (the gap between consecutive update_from_output
+          calls), keep every time and the upper median (upstream's sorted[n // 2]);
           the requests then finish by length;
   shed    finish the rung's chains, then measure the rung's fake-KV points.
 At the end the prefix cache is reset (the leak check: it only succeeds when nothing but
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field
 
 from .arithmetic import pool_shortfall, shadow_private_blocks, trim_depth
 from .borrowing import POINT_SKIP_REASON, POOL_EXHAUSTED
-from .chains import chain_request, is_prefilled, park
+from .chains import all_parked, chain_request, is_prefilled, park
 from .exact_state import (
     PrefillChunkCap, cached_tokens, catchup_blocks, catchup_request, is_caught_up, planned_catchup_blocks,
     state_block_size,
@@ -238,7 +238,7 @@ class DecodeSweep:
         if self._catchups is not None and self._point is None:
             self._advance_catchups(scheduler)  # until the point's shadows are queued on them
             return
-        if not self._all_parked(scheduler) or self._point is not None:
+        if not all_parked(scheduler, self._rung.chains) or self._point is not None:
             return
         if not self._rung.built:
             self._record_stage()
@@ -285,8 +285,7 @@ class DecodeSweep:
         queued, pending = self._point
         point = queued.point
         if pending.failure is not None:
-            self._finish_point(PointRow(point.total_kv_read_tokens, point.batch_size,
-                                        f"skip:{POINT_SKIP_REASON}", detail=pending.failure), scheduler)
+            self._finish_point(_skipped(point, pending.failure), scheduler)
             return
         ids = {s.request_id for s in pending.shadows}
         scheduled = output.num_scheduled_tokens
@@ -323,9 +322,6 @@ class DecodeSweep:
             self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
         self.done = True
         self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
-
-    def _all_parked(self, scheduler) -> bool:
-        return all(is_prefilled(c) and c not in scheduler.running for c in self._rung.chains)
 
     def _start_next_rung(self, scheduler) -> None:
         if not self.rungs:
@@ -411,8 +407,7 @@ class DecodeSweep:
         else:
             vocab = scheduler.vllm_config.model_config.get_vocab_size()
             pending = PendingPoint(None, contexts, headroom=repeats, vocab_size=vocab)
-        self._point = (queued, scheduler.kvwarm.queue(pending))
-        self._times, self._mismatch = [], None
+        self._measure(scheduler, queued, pending)
 
     def _start_catchups(self, scheduler, queued: QueuedPoint, contexts: list[int], headroom: int) -> None:
         """Exact mode: a catch-up chain per shadow, when the pool holds them and the
@@ -443,7 +438,7 @@ class DecodeSweep:
         for request in catchups.requests:
             if is_caught_up(request):
                 park(scheduler, request)
-        if not all(is_prefilled(r) and r not in scheduler.running for r in catchups.requests):
+        if not all_parked(scheduler, catchups.requests):
             return
         self._meet("caught_up", {"index": len(self.rows)}, lambda records: self._queue_exact(scheduler, records))
 
@@ -451,14 +446,16 @@ class DecodeSweep:
         _check_same_point(records)
         catchups, config = self._catchups, self.config
         if catchups.short:
-            point = catchups.queued.point
-            self._finish_point(PointRow(point.total_kv_read_tokens, point.batch_size, f"skip:{POINT_SKIP_REASON}",
-                                        detail=catchups.short), scheduler)
+            self._finish_point(_skipped(catchups.queued.point, catchups.short), scheduler)
             return
         pending = PendingPoint(catchups.requests, catchups.contexts, headroom=catchups.headroom, fork=config.fork,
                                state_mode=config.state_lending,
                                prompt_chains=self._rung.chains[: catchups.queued.point.batch_size])
-        self._point = (catchups.queued, scheduler.kvwarm.queue(pending))
+        self._measure(scheduler, catchups.queued, pending)
+
+    def _measure(self, scheduler, queued: QueuedPoint, pending: PendingPoint) -> None:
+        """Queue the point's requests; its admission and timed steps follow (after_update)."""
+        self._point = (queued, scheduler.kvwarm.queue(pending))
         self._times, self._mismatch = [], None
 
     def _row(self, queued: QueuedPoint, pending: PendingPoint) -> PointRow:
@@ -507,6 +504,11 @@ class DecodeSweep:
         if self._rung.chains:
             scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
             self._rung.chains = []
+
+
+def _skipped(point: DecodePoint, detail: str) -> PointRow:
+    """The row of a point that could not be admitted, with why."""
+    return PointRow(point.total_kv_read_tokens, point.batch_size, f"skip:{POINT_SKIP_REASON}", detail=detail)
 
 
 def _check_same_point(records: list[dict]) -> None:
