@@ -176,7 +176,8 @@ def _release_sessions(release) -> None:
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
         _tooling(session)
-        names = session.posargs or sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+        # `_name.py` files are what benchmarks share, not benchmarks
+        names = session.posargs or sorted(p.stem for p in (ROOT / "benchmarks").glob("[!_]*.py"))
         scripts = [ROOT / "benchmarks" / f"{name}.py" for name in names]
         for script in scripts:
             if not script.is_file():

@@ -25,35 +25,22 @@ line is the JSON result.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _engine import load_tiny_models, release_label, run_in_temp_dir  # importing it sets the engine's environment
+
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
-# In-process engine core (the scheduler is reachable), one thread, nothing from the hub.
-for _key, _value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
-                     "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}.items():
-    os.environ.setdefault(_key, _value)
-
-ROOT = Path(__file__).resolve().parents[1]
 BATCHES, POINTS, REPEATS = (4, 16), 4, 3  # REPEATS: the sweep's default steady steps per point
 ROUNDS = 2
 MODES = ("copy", "exact")
 MAX_MODEL_LEN, BATCHED_TOKENS = 2048, 2048
 
-
-def load_tiny_models():
-    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "tests" / "engine" / "tiny_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def contexts(state_block: int) -> list[int]:
@@ -189,12 +176,10 @@ def sweep_side(log: StepLog, mode: str, decision, points, text, progress) -> dic
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:  # the model folder lives as long as the engine
-        run(Path(tmp))
+    run_in_temp_dir(run)
 
 
 def run(tmp: Path) -> None:
-    import vllm
     from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.dataset import ChainText, load_dataset
     from vllm.kvwarm.exact_state import state_block_size
@@ -203,7 +188,7 @@ def run(tmp: Path) -> None:
     from vllm.kvwarm.state_mode import STATE_ENV, decide_state_mode
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    release = ".".join((os.environ.get("KVWARM_RELEASE") or vllm.__version__).split(".")[:2])  # X.Y
+    release = release_label()
     tiny = load_tiny_models()
     model = tiny.make_tiny_qwen3_next(tmp / "tiny-qwen3-next")
     conversations, _ = load_dataset(tiny.write_sharegpt(tmp / "sharegpt.json"))

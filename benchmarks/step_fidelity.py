@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
+
+from _engine import load_tiny_models, release_label, run_in_temp_dir  # importing it sets the engine's environment
 
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
@@ -62,23 +62,21 @@ def point_medians(clock, points, batch: int, repeats: int, side: str) -> list[fl
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:  # the model folder lives as long as the engine
-        run(Path(tmp))
+    run_in_temp_dir(run)
 
 
 def run(tmp: Path) -> None:
-    base = load_sweep_vs_prefill()  # sets the engine's environment as it loads
-    import vllm
+    base = load_sweep_vs_prefill()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.dataset import ChainText, load_conversations
     from vllm.kvwarm.sweep import plan_rungs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    release = ".".join((os.environ.get("KVWARM_RELEASE") or vllm.__version__).split(".")[:2])
+    release = release_label()
     batch, repeats = base.BATCH, base.REPEATS
     # the sweep measures a rung deepest first: the natural side goes in the same order
     points = [p for rung in plan_rungs(base.ladder(), repeats, base.MAX_MODEL_LEN) for p in rung.points]
-    models = base.load_tiny_models()
+    models = load_tiny_models()
     model = models.make_small_llama(tmp / "small-llama")
     conversations = load_conversations(models.write_sharegpt(tmp / "sharegpt.json"))
     engine = LLMEngine.from_engine_args(EngineArgs(

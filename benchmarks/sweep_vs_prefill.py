@@ -25,34 +25,21 @@ first. The last line is the JSON result.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from _engine import load_tiny_models, release_label, run_in_temp_dir  # importing it sets the engine's environment
+
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
-# In-process engine core (the scheduler is reachable), one thread, nothing from the hub.
-for _key, _value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
-                     "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}.items():
-    os.environ.setdefault(_key, _value)
-
-ROOT = Path(__file__).resolve().parents[1]
 BATCH, REPEATS, POINTS = 4, 3, 8  # REPEATS: the sweep's default (DYN_BENCH_GIANT_KV_REPEATS)
 ROUNDS = 3  # alternating rounds of both sides; each side's median counts
 MAX_MODEL_LEN, BLOCK, BATCHED_TOKENS = 2048, 32, 2048
 TARGET_RATIO = 3.0
 
-
-def load_tiny_models():
-    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "tests" / "engine" / "tiny_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def ladder():
@@ -161,18 +148,16 @@ def prefill_side(clock: StepClock, points, text) -> float:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:  # the model folder lives as long as the engine
-        run(Path(tmp))
+    run_in_temp_dir(run)
 
 
 def run(tmp: Path) -> None:
-    import vllm
     from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.dataset import ChainText, load_dataset
     from vllm.kvwarm.sweep import plan_rungs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    release = ".".join((os.environ.get("KVWARM_RELEASE") or vllm.__version__).split(".")[:2])  # X.Y
+    release = release_label()
     points = ladder()
     model = load_tiny_models().make_small_llama(tmp / "small-llama")
     conversations, _ = load_dataset(load_tiny_models().write_sharegpt(tmp / "sharegpt.json"))
