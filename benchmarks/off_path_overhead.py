@@ -34,7 +34,6 @@ def drive_scheduler() -> dict:
     """One run: keep LIVE_REQUESTS requests going for STEPS steps; time schedule() +
     update_from_output() and digest every step's scheduled tokens."""
     from real_kv import make_request, make_scheduler
-
     from vllm.v1.outputs import ModelRunnerOutput
 
     with tempfile.TemporaryDirectory() as tmp:

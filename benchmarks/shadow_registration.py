@@ -27,7 +27,7 @@ TARGET_RATIO = 2.0
 
 
 def main() -> None:
-    from vllm.kvwarm.shadows import register_shadow, release_fork_retentions
+    from vllm.kvwarm.kv.shadows import register_shadow, release_fork_retentions
 
     chain_tokens = CTX + 1 + HEADROOM
     chain_blocks = -(-chain_tokens // BLOCK)

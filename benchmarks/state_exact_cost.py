@@ -4,7 +4,7 @@ hybrid model, against copy mode, on the real CPU engine.
 Runs inside a release's engine venv (`nox -s bench-S -- state_exact_cost`; NEEDS_ENGINE
 gives it the patched cpu-flavour engine). One in-process engine on a random-weight tiny
 Qwen3-Next (gated-delta-net + attention, align-mode state) serves both modes; the prefix
-cache is reset after each sweep. The same points are swept in each mode, by a DecodeSweep
+cache is reset after each sweep. The same points are swept in each mode, by a Sweep
 driven through the KvWarmScheduler adapter as `python -m vllm.kvwarm sweep` does, with the
 mode vllm.kvwarm.state_mode.decide_state_mode gives for DYN_BENCH_KV_WARMUP_STATE=copy|exact.
 
@@ -48,7 +48,7 @@ def contexts(state_block: int) -> list[int]:
     admitted at c - 1 tokens (its catch-up is that long), so c - 1 sits past a state
     boundary by a quarter, half or three quarters of a block: the catch-up computes that
     many tokens from the boundary state the chain left cached."""
-    from vllm.kvwarm.sweep import CHAIN_DEPTH_MARGIN
+    from vllm.kvwarm.sweep.plan import CHAIN_DEPTH_MARGIN
 
     deepest = MAX_MODEL_LEN - CHAIN_DEPTH_MARGIN - 1 - REPEATS  # the largest c - 1 a chain covers
     boundaries = deepest // state_block
@@ -70,7 +70,7 @@ class Step:
 
 class StepLog:
     """Times every step_fn() and keeps what the scheduler ran in it, plus the index of
-    each step in which the sweep started a point (its _queue_point, the one place both
+    each step in which the sweep started a point (its _start_point, the one place both
     modes start a point: copy queues the shadows there, exact its catch-up chains)."""
 
     def __init__(self, core):
@@ -88,13 +88,13 @@ class StepLog:
         self.scheduler.update_from_output = record  # the engine core calls it through the instance
 
     def watch(self, sweep) -> None:
-        queue_point = sweep._queue_point
+        start_point = sweep._start_point
 
-        def started(scheduler, queued):
+        def started(scheduler, plan, records):
             self.starts.append(len(self.steps))  # the step now running
-            queue_point(scheduler, queued)
+            start_point(scheduler, plan, records)
 
-        sweep._queue_point = started
+        sweep._start_point = started
 
     def step(self) -> None:
         self._last = Step(0.0)  # a step with nothing scheduled may skip the update
@@ -115,7 +115,7 @@ def admissions(mode: str, steps: list[Step], starts: list[int]) -> list[dict]:
     prefill  steps computing prompt tokens of requests new in this window (catch-ups);
     idle     nothing scheduled (the sweep parks the catch-ups and meets its ranks).
     Then the point's timed steps: REPEATS steps of its shadows alone, one token each."""
-    from vllm.kvwarm.injection import SHADOW_PREFIX
+    from vllm.kvwarm.kv.injector import SHADOW_PREFIX
 
     found = []
     for n, start in enumerate(starts):
@@ -149,10 +149,11 @@ def admissions(mode: str, steps: list[Step], starts: list[int]) -> list[dict]:
 
 def sweep_side(log: StepLog, mode: str, decision, points, text, progress) -> dict:
     """One sweep of every point in `mode`, from its first step to its end."""
-    from vllm.kvwarm.sweep import DecodeSweep, SweepConfig
+    from vllm.kvwarm.sweep.controller import Sweep
+    from vllm.kvwarm.sweep.plan import SweepConfig
 
     scheduler = log.scheduler
-    sweep = DecodeSweep(points, text, SweepConfig(repeats=REPEATS, max_model_len=MAX_MODEL_LEN,
+    sweep = Sweep(points, text, SweepConfig(steady_steps=REPEATS, max_model_len=MAX_MODEL_LEN,
                                                   state_mode=decision.mode, state_lending=decision.lending),
                         progress=lambda message: progress(f"  [{mode}] {message}"))
     log.watch(sweep)
@@ -181,11 +182,11 @@ def main() -> None:
 
 def run(tmp: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.kvwarm.dataset import ChainText, load_dataset
-    from vllm.kvwarm.exact_state import state_block_size
-    from vllm.kvwarm.layout import group_layouts
-    from vllm.kvwarm.points import DecodePoint
-    from vllm.kvwarm.state_mode import STATE_ENV, decide_state_mode
+    from vllm.kvwarm.kv.catchup import state_block_size
+    from vllm.kvwarm.kv.layout import group_layouts
+    from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
+    from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
+    from vllm.kvwarm.sweep.points import DecodePoint
     from vllm.v1.engine.llm_engine import LLMEngine
 
     release = release_label()

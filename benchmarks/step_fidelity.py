@@ -4,7 +4,7 @@ the same contexts after a real prefill, on the real CPU engine. The CPU stand-in
 seed's GPU metric (decode MAPE of the sweep's table against natural decoding).
 
 Runs inside a release's engine venv (`nox -s bench-S -- step_fidelity`). It reuses
-sweep_vs_prefill's engine, ladder and sides: the shadow side is a DecodeSweep driven
+sweep_vs_prefill's engine, ladder and sides: the shadow side is a Sweep driven
 through the KvWarmScheduler adapter; the natural side prefills each point's B prompts,
 then sends them again to decode the same R steady steps together. Every engine step is
 timed by the same clock (StepClock) on both sides; a point's figure is the median of its
@@ -46,7 +46,7 @@ def mape(measured: list[float], reference: list[float]) -> float:
     return 100 * statistics.fmean(abs(m - r) / r for m, r in zip(measured, reference))
 
 
-def point_medians(clock, points, batch: int, repeats: int, side: str) -> list[float]:
+def point_medians(clock, points, batch: int, steady_steps: int, side: str) -> list[float]:
     """Per point (in measuring order), the median of its steady steps, in ms. Steps are
     grouped by the set of requests they ran; each group must be R steps of B requests."""
     groups: dict[frozenset, list[float]] = {}
@@ -55,9 +55,9 @@ def point_medians(clock, points, batch: int, repeats: int, side: str) -> list[fl
             groups.setdefault(ids, []).append(seconds)
     clock.take()  # and start the next side afresh
     shapes = [(len(ids), len(times)) for ids, times in groups.items()]
-    if shapes != [(batch, repeats)] * len(points):
+    if shapes != [(batch, steady_steps)] * len(points):
         sys.exit(f"{side}: steady steps per point (batch, steps) {shapes}; expected {len(points)} x "
-                 f"({batch}, {repeats})")
+                 f"({batch}, {steady_steps})")
     return [1e3 * statistics.median(times) for times in groups.values()]
 
 
@@ -68,14 +68,14 @@ def main() -> None:
 def run(tmp: Path) -> None:
     base = load_sweep_vs_prefill()
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.kvwarm.dataset import ChainText, load_conversations
-    from vllm.kvwarm.sweep import plan_rungs
+    from vllm.kvwarm.sweep.dataset import ChainText, load_conversations
+    from vllm.kvwarm.sweep.plan import plan_rungs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     release = release_label()
-    batch, repeats = base.BATCH, base.REPEATS
+    batch, steady_steps = base.BATCH, base.REPEATS
     # the sweep measures a rung deepest first: the natural side goes in the same order
-    points = [p for rung in plan_rungs(base.ladder(), repeats, base.MAX_MODEL_LEN) for p in rung.points]
+    points = [p for rung in plan_rungs(base.ladder(), steady_steps, base.MAX_MODEL_LEN) for p in rung.points]
     models = load_tiny_models()
     model = models.make_small_llama(tmp / "small-llama")
     conversations = load_conversations(models.write_sharegpt(tmp / "sharegpt.json"))
@@ -90,7 +90,7 @@ def run(tmp: Path) -> None:
         return ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
 
     ks = [p.total_kv_read_tokens for p in points]
-    print(f"vLLM {release} CPU engine, small Llama (hidden 512, 2 layers); B={batch}, R={repeats} steady steps "
+    print(f"vLLM {release} CPU engine, small Llama (hidden 512, 2 layers); B={batch}, R={steady_steps} steady steps "
           f"per point, {ROUNDS} alternating rounds; ladder K = {ks}", flush=True)
 
     sides = {"shadow": lambda: base.warm_up_side(clock, points, chain_text(), lambda message: None),
@@ -100,7 +100,7 @@ def run(tmp: Path) -> None:
         order = ("shadow", "natural") if round_ % 2 else ("natural", "shadow")
         for name in order:
             sides[name]()
-            medians[name].append(point_medians(clock, points, batch, repeats, name))
+            medians[name].append(point_medians(clock, points, batch, steady_steps, name))
             if not clock.scheduler.reset_prefix_cache():
                 sys.exit(f"reset_prefix_cache() failed after the {name} side: blocks still in use")
         fidelity = mape(medians["shadow"][-1], medians["natural"][-1])

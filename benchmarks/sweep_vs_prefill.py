@@ -6,7 +6,7 @@ gives files with NEEDS_ENGINE = True the patched cpu-flavour engine). One in-pro
 serves both sides (start-up is shared and not timed); the prefix cache is reset after
 each side. A random-weight Llama and a small ShareGPT-format file are made on the spot.
 
-- warm-up: a DecodeSweep driven through the KvWarmScheduler adapter, as
+- warm-up: a Sweep driven through the KvWarmScheduler adapter, as
   `python -m vllm.kvwarm sweep` does: B chains prefilled once, then per point an admission
   step and R steady steps on borrowed KV;
 - full prefill: per point, B requests whose prompts are the point's contexts of real text
@@ -46,7 +46,7 @@ def ladder():
     """POINTS evenly spaced K up to the deepest the engine allows at batch B. A chain is
     c + 1 + REPEATS tokens deep and samples one token when its prefill ends; that token
     must not reach max_model_len, or vLLM finishes (and frees) the chain by length."""
-    from vllm.kvwarm.points import DecodePoint
+    from vllm.kvwarm.sweep.points import DecodePoint
 
     k_max = BATCH * (MAX_MODEL_LEN - 3 - REPEATS)
     return [DecodePoint(k_max * j // POINTS, BATCH) for j in range(1, POINTS + 1)]
@@ -105,18 +105,19 @@ class StepClock:
 
 def request(scheduler, request_id: str, salt: str, tokens: list[int], max_tokens: int):
     """An ordinary greedy request, hashed for the prefix cache like a frontend's."""
-    from vllm.kvwarm.chains import prefix_hasher
-    from vllm.kvwarm.request import greedy_request
+    from vllm.kvwarm.kv.chains import prefix_hasher
+    from vllm.kvwarm.kv.request import greedy_request
 
     return greedy_request(request_id, tokens, max_tokens, cache_salt=salt, block_hasher=prefix_hasher(scheduler))
 
 
 def warm_up_side(clock: StepClock, points, text, progress) -> float:
     """The sweep as `python -m vllm.kvwarm sweep` drives it, from its first step to its end."""
-    from vllm.kvwarm.sweep import DecodeSweep, SweepConfig
+    from vllm.kvwarm.sweep.controller import Sweep
+    from vllm.kvwarm.sweep.plan import SweepConfig
 
     scheduler = clock.scheduler
-    sweep = DecodeSweep(points, text, SweepConfig(repeats=REPEATS, max_model_len=MAX_MODEL_LEN),
+    sweep = Sweep(points, text, SweepConfig(steady_steps=REPEATS, max_model_len=MAX_MODEL_LEN),
                         progress=lambda message: progress(f"  [sweep] {message}"))
     started = time.perf_counter()
     scheduler.kvwarm_sweep = sweep
@@ -153,8 +154,8 @@ def main() -> None:
 
 def run(tmp: Path) -> None:
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.kvwarm.dataset import ChainText, load_dataset
-    from vllm.kvwarm.sweep import plan_rungs
+    from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
+    from vllm.kvwarm.sweep.plan import plan_rungs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     release = release_label()

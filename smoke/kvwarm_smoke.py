@@ -106,7 +106,7 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
 
 def _check(artifact: dict, case: dict) -> list[str]:
     """What is wrong with a case's artifact (empty when it is what the smoke expects)."""
-    from vllm.kvwarm.artifact import validate
+    from vllm.kvwarm.record.schema import validate
 
     problems = []
     try:

@@ -10,12 +10,11 @@ import json
 import random
 
 from fidelity import STEPS, step_core_until
-
-from vllm.kvwarm.chains import chain_request, is_prefilled, park
-from vllm.kvwarm.exact_state import PrefillChunkCap, cached_tokens, catchup_request, is_caught_up, state_block_size
-from vllm.kvwarm.injection import PendingPoint
-from vllm.kvwarm.layout import group_layouts
-from vllm.kvwarm.state_mode import STATE_ENV, decide_state_mode
+from vllm.kvwarm.kv.catchup import PrefillChunkCap, cached_tokens, catchup_request, is_caught_up, state_block_size
+from vllm.kvwarm.kv.chains import chain_request, is_prefilled, park
+from vllm.kvwarm.kv.injector import Admission
+from vllm.kvwarm.kv.layout import group_layouts
+from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
 
 
 def off_boundary_contexts(depth: int, block: int) -> list[int]:
@@ -59,8 +58,8 @@ def _catch_up(engine, chain, ctx: int, name: str):
 
 def _shadow_tokens(engine, lenders: list, contexts: list[int], mode: str, prompt_chain=None) -> list[list[int]]:
     prompts = [prompt_chain] * len(contexts) if prompt_chain else None
-    point = engine.scheduler.kvwarm.queue(
-        PendingPoint(lenders, contexts, headroom=STEPS - 1, state_mode=mode, prompt_chains=prompts))
+    point = engine.scheduler.kvwarm_injector.queue(
+        Admission(lenders, contexts, steady_steps=STEPS - 1, state_mode=mode, prompt_chains=prompts))
     step_core_until(engine.core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
     assert point.failure is None, point.failure
     return [list(s.output_token_ids) for s in point.shadows]

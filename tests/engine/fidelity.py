@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from vllm.kvwarm.chains import chain_request, is_prefilled, park
-from vllm.kvwarm.injection import PendingPoint
+from vllm.kvwarm.kv.chains import chain_request, is_prefilled, park
+from vllm.kvwarm.kv.injector import Admission
 
 CONTEXTS = [100, 128, 200, 255]
 STEPS = 5  # decoded tokens per shadow: the admission token and 4 steady steps
@@ -36,7 +36,7 @@ def shadow_and_natural_tokens(llm, core, fork: bool, name: str) -> tuple[list, l
     step_core_until(core, lambda: is_prefilled(chain))
     park(scheduler, chain)
 
-    point = scheduler.kvwarm.queue(PendingPoint([chain] * len(CONTEXTS), CONTEXTS, headroom=STEPS - 1, fork=fork))
+    point = scheduler.kvwarm_injector.queue(Admission([chain] * len(CONTEXTS), CONTEXTS, steady_steps=STEPS - 1, fork=fork))
     step_core_until(core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
     assert point.failure is None
     shadow_tokens = [list(s.output_token_ids) for s in point.shadows]

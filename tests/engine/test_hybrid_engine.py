@@ -11,11 +11,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from vllm.kvwarm.chains import chain_request, is_prefilled, park
-from vllm.kvwarm.injection import PendingPoint
-from vllm.kvwarm.layout import STATE_ALIGN, group_layouts
-from vllm.kvwarm.state_mode import decide_state_mode
+from vllm.kvwarm.kv.chains import chain_request, is_prefilled, park
+from vllm.kvwarm.kv.injector import Admission
+from vllm.kvwarm.kv.layout import STATE_ALIGN, group_layouts
+from vllm.kvwarm.kv.state_mode import decide_state_mode
 
 pytestmark = pytest.mark.hybrid
 STEPS = 5
@@ -25,7 +24,6 @@ STEPS = 5
 def hybrid(tmp_path_factory):
     from conftest import Engine
     from tiny_models import make_tiny_qwen3_next
-
     from vllm import LLM
 
     model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
@@ -58,7 +56,7 @@ def test_a_shadow_at_the_chain_depth_decodes_like_a_natural_request(hybrid, mode
     park(scheduler, chain)
     depth = chain.num_computed_tokens
 
-    point = scheduler.kvwarm.queue(PendingPoint([chain], [depth], headroom=STEPS - 1, state_mode=mode))
+    point = scheduler.kvwarm_injector.queue(Admission([chain], [depth], steady_steps=STEPS - 1, state_mode=mode))
     for _ in range(50):
         if point.shadows and point.shadows[0].is_finished():
             break

@@ -16,7 +16,6 @@ pytestmark = pytest.mark.mamba2
 def nemotron_h(tmp_path_factory):
     from conftest import Engine
     from tiny_models import make_tiny_nemotron_h
-
     from vllm import LLM
 
     model = make_tiny_nemotron_h(tmp_path_factory.mktemp("tiny-nemotron-h"))

@@ -13,9 +13,7 @@ import json
 import threading
 
 import pytest
-from multi_rank import (
-    ADAPTER, api_server, engine_args, medians_by_point, run_command, wait_final, write_points,
-)
+from multi_rank import ADAPTER, api_server, engine_args, medians_by_point, run_command, wait_final, write_points
 
 pytestmark = pytest.mark.multirank
 
@@ -38,7 +36,7 @@ def _env(inputs, **extra) -> dict:
 
 def _check_ranks(out, size: int, points) -> tuple[dict, list[dict]]:
     """Every rank complete on real KV with the same stages, and the combined view agreeing."""
-    from vllm.kvwarm.artifact import validate
+    from vllm.kvwarm.record.schema import validate
 
     combined = json.loads((out / "sweep.json").read_text())
     ranks = [json.loads((out / f"dp{r}" / "sweep.json").read_text()) for r in range(size)]
@@ -111,7 +109,7 @@ def test_the_command_sweeps_an_moe_model_in_lockstep_on_two_data_parallel_ranks(
 
 
 def test_a_tensor_parallel_sweep_measures_every_point_on_real_kv(inputs, tmp_path):
-    from vllm.kvwarm.artifact import validate
+    from vllm.kvwarm.record.schema import validate
 
     out = tmp_path / "out"
     points = POINTS[::4]

@@ -17,9 +17,8 @@ pytestmark = pytest.mark.command
 
 def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path, monkeypatch):
     from tiny_models import make_tiny_llama, write_sharegpt
-
-    from vllm.kvwarm.artifact import validate
-    from vllm.kvwarm.sweep_command import run
+    from vllm.kvwarm.record.schema import validate
+    from vllm.kvwarm.sweep.command import run
 
     model = make_tiny_llama(tmp_path / "tiny-llama")
     points = tmp_path / "points.json"

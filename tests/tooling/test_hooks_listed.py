@@ -1,6 +1,6 @@
 """docs/hooks.md lists every vLLM internal the overlay touches.
 
-The overlay (`overlay/vllm/kvwarm/*.py`) is parsed with `ast`, without vLLM. Collected:
+The overlay (`overlay/vllm/kvwarm/**/*.py`) is parsed with `ast`, without vLLM. Collected:
 every name imported from `vllm` (outside `vllm.kvwarm`), every attribute read or written
 (`x.name`), and every name probed as a string (`getattr`/`hasattr`/`setattr` with a literal
 or a module-level string constant, the dotted path of a capability row). Not vLLM's, so
@@ -44,25 +44,34 @@ BUILTIN_METHODS = frozenset(
 }
 
 
-# Modules that work on files and plain data only (the report reads artifacts; matplotlib's
+# The record room works on files and plain data only (artifacts, the report; matplotlib's
 # and pathlib's names are not vLLM's): left out of the scan, and checked to import nothing
-# of vLLM (nor of the overlay modules that do) so the exemption cannot hide a real access.
-PLAIN_DATA_MODULES = frozenset({"report.py"})
+# of vLLM, nor of the overlay's other rooms, so the exemption cannot hide a real access.
+PLAIN_DATA_ROOM = "record"
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {path.name: ast.parse(path.read_text(), str(path)) for path in sorted(OVERLAY.glob("*.py"))
-            if path.name not in PLAIN_DATA_MODULES}
+    """Every overlay module outside the record room, by its path in the overlay."""
+    return {path.relative_to(OVERLAY).as_posix(): ast.parse(path.read_text(), str(path))
+            for path in sorted(OVERLAY.rglob("*.py")) if path.relative_to(OVERLAY).parts[0] != PLAIN_DATA_ROOM}
 
 
-def test_the_modules_left_out_of_the_scan_import_nothing_of_vllm():
-    for name in sorted(PLAIN_DATA_MODULES):
-        tree = ast.parse((OVERLAY / name).read_text())
-        imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+def _record_room() -> dict[str, ast.Module]:
+    """The record room's modules: not scanned, but what they define is the overlay's own."""
+    return {path.relative_to(OVERLAY).as_posix(): ast.parse(path.read_text(), str(path))
+            for path in sorted((OVERLAY / PLAIN_DATA_ROOM).rglob("*.py"))}
+
+
+def test_the_record_room_imports_nothing_of_vllm_nor_of_the_other_rooms():
+    paths = sorted((OVERLAY / PLAIN_DATA_ROOM).rglob("*.py"))
+    assert len(paths) > 3
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        imported = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level]
         imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        assert not [m for m in imported if m == "vllm" or m.startswith("vllm.")], name
-        relative = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level]
-        assert not relative, f"{name} imports overlay modules {relative}: scan it instead"
+        assert not [m for m in imported if m == "vllm" or m.startswith("vllm.")], path
+        outside = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level > 1]
+        assert not outside, f"{path} imports overlay modules outside the record room: {outside}"
 
 
 def _string_constants(tree: ast.Module) -> dict[str, str]:
@@ -93,7 +102,8 @@ def _self_assigned(trees: dict[str, ast.Module]) -> set[str]:
 def _own_names(trees: dict[str, ast.Module]) -> set[str]:
     """Names the overlay defines: modules, functions, classes, class attributes and
     dataclass fields, `self.x` it assigns, module-level names."""
-    own = {name.removesuffix(".py") for name in trees} | {"kvwarm"} | _self_assigned(trees)
+    own = {part.removesuffix(".py") for name in trees for part in name.split("/")} | {"kvwarm"}
+    own |= _self_assigned(trees)
     for tree in trees.values():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -177,7 +187,7 @@ def unlisted(trees: dict[str, ast.Module], hooks_text: str) -> dict[str, list[st
     overlay defines that name itself; a probed one only when it is the overlay's own
     instance state (e.g. `getattr(scheduler, "kvwarm_run", None)`)."""
     common = BUILTIN_METHODS | set(dir(builtins)) | listed_in_hooks(hooks_text)
-    own, instance_state = _own_names(trees) | common, _self_assigned(trees) | common
+    own, instance_state = _own_names({**trees, **_record_room()}) | common, _self_assigned(trees) | common
     missing = {}
     for name, uses in touched(trees).items():
         where = [w for w, probed in uses if name not in (instance_state if probed else own)]

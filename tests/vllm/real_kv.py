@@ -6,7 +6,6 @@ Plain functions (no pytest), shared by tests/vllm and the benchmarks.
 from __future__ import annotations
 
 import torch
-
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
@@ -52,9 +51,7 @@ def make_scheduler(
     import dataclasses
     import json
 
-    from vllm.config import (
-        CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig,
-    )
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from real_kv import attention_manager, in_use, make_request, make_scheduler, mamba_align_manager
 
 

@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from vllm.kvwarm.dataset import ChainText, DatasetError, load_dataset
+from vllm.kvwarm.sweep.dataset import ChainText, DatasetError, load_dataset
 
 
 def _conversation(n: int) -> dict:

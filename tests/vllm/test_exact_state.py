@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
-
-from vllm.kvwarm import exact_state
-from vllm.kvwarm.layout import group_layouts
-from vllm.kvwarm.shadows import CHAIN_TOO_SHALLOW, ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.kv import catchup as catchup_module
+from vllm.kvwarm.kv.layout import group_layouts
+from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.record.vocabulary import CHAIN_TOO_SHALLOW
 
 
 def test_a_catch_up_exactly_ctx_deep_lends_its_blocks_and_the_tail_past_it_is_fresh():
@@ -18,12 +18,12 @@ def test_a_catch_up_exactly_ctx_deep_lends_its_blocks_and_the_tail_past_it_is_fr
     catchup = make_chain(kvm, "catchup", 45)  # 3 blocks: 2 full, 1 holding positions 32..44
     baseline = in_use(kvm.block_pool)
     with pytest.raises(ShadowRegistrationError) as err:  # a plain chain must cover the tail
-        register_shadow(kvm, make_request("plain", 46), catchup, ctx=45, headroom=3)
+        register_shadow(kvm, make_request("plain", 46), catchup, ctx=45, steady_steps=3)
     assert err.value.reason == CHAIN_TOO_SHALLOW
     assert in_use(kvm.block_pool) == baseline
 
     shadow = make_request("shadow", 46)
-    registration = register_shadow(kvm, shadow, catchup, ctx=45, headroom=3, room_past_chain=True)
+    registration = register_shadow(kvm, shadow, catchup, ctx=45, steady_steps=3, room_past_chain=True)
     chain_ids = [b.block_id for b in kvm.coordinator.single_type_managers[0].req_to_blocks["catchup"]]
     table = registration.groups[0]
     assert table.num_shared == 2
@@ -41,7 +41,7 @@ def test_a_catch_up_that_has_not_computed_its_context_is_too_shallow():
     catchup = make_chain(kvm, "catchup", 45)
     catchup.num_computed_tokens = 40
     with pytest.raises(ShadowRegistrationError, match="40 computed token") as err:
-        register_shadow(kvm, make_request("shadow", 46), catchup, ctx=45, headroom=3, room_past_chain=True)
+        register_shadow(kvm, make_request("shadow", 46), catchup, ctx=45, steady_steps=3, room_past_chain=True)
     assert err.value.reason == CHAIN_TOO_SHALLOW
 
 
@@ -50,17 +50,17 @@ def test_the_prefix_lookup_finds_what_a_chain_cached_and_a_catch_up_counts_the_r
     kvm = make_kv_cache_manager([16])
     chain = make_chain(kvm, "chain", 64)
     catchup = make_request("catchup", 40, hash_block_size=16)  # the same tokens, 40 of them
-    hit = exact_state.cached_tokens(kvm, catchup)
+    hit = catchup_module.cached_tokens(kvm, catchup)
     assert hit == 32  # two full blocks; the third is not full in a 40-token prompt
     layouts = group_layouts(kvm)
-    assert exact_state.catchup_blocks(layouts, 40, hit) == 1  # the block holding 32..39
-    assert exact_state.catchup_blocks(layouts, 40, 0) == 3
+    assert catchup_module.catchup_blocks(layouts, 40, hit) == 1  # the block holding 32..39
+    assert catchup_module.catchup_blocks(layouts, 40, 0) == 3
     kvm.free(chain)
 
 
 def test_the_prefill_cap_is_put_back_and_never_raises_a_smaller_setting():
     config = SimpleNamespace(long_prefill_token_threshold=0)
-    cap = exact_state.PrefillChunkCap(config, 256)
+    cap = catchup_module.PrefillChunkCap(config, 256)
     cap.apply()
     assert config.long_prefill_token_threshold == 256
     cap.apply()  # twice is once
@@ -72,5 +72,5 @@ def test_the_prefill_cap_is_put_back_and_never_raises_a_smaller_setting():
     cap.restore()
     assert config.long_prefill_token_threshold == 100
     bare = SimpleNamespace()
-    exact_state.PrefillChunkCap(bare, 256).apply()  # a build without the setting: left alone
+    catchup_module.PrefillChunkCap(bare, 256).apply()  # a build without the setting: left alone
     assert not vars(bare)

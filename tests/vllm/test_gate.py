@@ -7,11 +7,11 @@ import json
 
 import pytest
 from real_kv import in_use, make_request, make_scheduler, step_scheduler
-
-from vllm.kvwarm import gate
-from vllm.kvwarm.artifact import validate
+from vllm.kvwarm.record import vocabulary
+from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import KvWarmScheduler
-from vllm.kvwarm.settings import SettingsError
+from vllm.kvwarm.sweep import gate
+from vllm.kvwarm.sweep.settings import SettingsError
 
 
 @pytest.fixture(autouse=True)
@@ -31,13 +31,13 @@ def _config(tmp_path, experts: int = 0, expert_parallel: bool = False, prefix_ca
 
 
 @pytest.mark.parametrize(("warmup", "experts", "expert_parallel", "prefix_caching", "reason"), [
-    ("off", 8, True, True, gate.FLAG_OFF),
-    ("on", 0, True, True, gate.DENSE_MODEL),
-    ("on", 8, False, True, gate.MOE_TP_BALANCED),
-    ("on", 8, True, False, gate.PREFIX_CACHING_DISABLED),
+    ("off", 8, True, True, vocabulary.FLAG_OFF),
+    ("on", 0, True, True, vocabulary.DENSE_MODEL),
+    ("on", 8, False, True, vocabulary.MOE_TP_BALANCED),
+    ("on", 8, True, False, vocabulary.PREFIX_CACHING_DISABLED),
     ("on", 8, True, True, None),
     ("force", 0, False, True, None),  # force skips the two cost-saving heuristics ...
-    ("force", 0, False, False, gate.PREFIX_CACHING_DISABLED),  # ... never the correctness checks
+    ("force", 0, False, False, vocabulary.PREFIX_CACHING_DISABLED),  # ... never the correctness checks
 ])
 def test_the_model_gate_gives_upstreams_reasons_in_order(tmp_path, warmup, experts, expert_parallel,
                                                          prefix_caching, reason):
@@ -109,7 +109,7 @@ def test_a_dense_model_is_measured_on_fake_kv_with_the_gates_reason(tmp_path, mo
     _drive(scheduler)
     artifact = json.loads((out / "sweep.json").read_text())
     meta = artifact["kvwarm"]
-    assert (meta["enabled"], meta["warm_eligible"], meta["skip_reason"]) == (True, False, gate.DENSE_MODEL)
+    assert (meta["enabled"], meta["warm_eligible"], meta["skip_reason"]) == (True, False, vocabulary.DENSE_MODEL)
     assert meta["dataset"]["collection_pool"] == "conversation_sha256_even" and len(meta["dataset"]["sha256"]) == 64
     (row,) = artifact["results"]
     assert row["kv_seed_regime"] == "fake_fallback" and row["sample_reasons"] == ["kvwarm_fake_fallback"]
@@ -148,14 +148,14 @@ def failing_on_the_second_point(tmp_path, monkeypatch, *points):
     out = tmp_path / "out"
     scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
         "kvwarm_sweep": {"points": _points(tmp_path, *points), "out": str(out)}})
-    sweep, queue_point = scheduler.kvwarm_sweep, scheduler.kvwarm_sweep._queue_point
+    sweep, start_point = scheduler.kvwarm_sweep, scheduler.kvwarm_sweep._start_point
 
     def fail_on_the_second_point(*args):
         if sweep.rows:
             raise RuntimeError("the worker went away")
-        return queue_point(*args)
+        return start_point(*args)
 
-    sweep._queue_point = fail_on_the_second_point
+    sweep._start_point = fail_on_the_second_point
     return scheduler, out
 
 
@@ -180,7 +180,7 @@ def assert_serves(scheduler) -> None:
 
 
 def test_a_failed_artifact_write_ends_the_sweep_as_failed_and_the_engine_serves_on(tmp_path, monkeypatch):
-    from vllm.kvwarm import artifact as artifact_module
+    from vllm.kvwarm.record import artifact as artifact_module
 
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
@@ -209,12 +209,12 @@ def test_the_command_records_a_failure_inside_a_sweep_hook_once(tmp_path, monkey
     must not record it again."""
     from types import SimpleNamespace
 
-    from vllm.kvwarm import sweep_command
-    from vllm.kvwarm.sweep_run import Reporter
+    from vllm.kvwarm.sweep import command as sweep_command
+    from vllm.kvwarm.sweep.writer import ArtifactWriter
 
     scheduler, _ = failing_on_the_second_point(tmp_path, monkeypatch, (300, 2), (200, 2))
-    statuses, write = [], Reporter.write
-    monkeypatch.setattr(Reporter, "write", lambda self, status, error=None: (
+    statuses, write = [], ArtifactWriter.write
+    monkeypatch.setattr(ArtifactWriter, "write", lambda self, status, error=None: (
         statuses.append(status), write(self, status, error))[1])
     core_stand_in = SimpleNamespace(scheduler=scheduler, step_fn=lambda: step_scheduler(scheduler))
     assert sweep_command._step(core_stand_in) == "failed"

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 from real_kv import in_use, make_request, make_scheduler, step_scheduler
-
-from vllm.kvwarm.injection import SHADOW_PREFIX, PendingPoint
+from vllm.kvwarm.kv.injector import SHADOW_PREFIX, Admission
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 
 
@@ -42,7 +41,7 @@ def test_a_point_is_admitted_one_token_short_then_decoded_by_the_stock_loop(sche
     baseline = in_use(kvm.block_pool)
     assert not scheduler.has_requests() or scheduler.has_finished_requests()
 
-    point = scheduler.kvwarm.queue(PendingPoint(chains, contexts=[60, 99], headroom=3, fork=fork))
+    point = scheduler.kvwarm_injector.queue(Admission(chains, contexts=[60, 99], steady_steps=3, fork=fork))
     assert scheduler.has_requests()  # a queued point makes the engine step
     admission = _step(scheduler)
 
@@ -84,7 +83,7 @@ def test_a_point_that_cannot_be_registered_leaves_nothing_behind(scheduler):
     chains = _parked_chains(scheduler, [100, 40])
     baseline = in_use(kvm.block_pool)
     # The second chain is too shallow for ctx 60: the first shadow is unwound with it.
-    point = scheduler.kvwarm.queue(PendingPoint(chains, contexts=[60, 60], headroom=3))
+    point = scheduler.kvwarm_injector.queue(Admission(chains, contexts=[60, 60], steady_steps=3))
     output = _step(scheduler)
     assert "too shallow" in point.failure and point.shadows == []
     assert not output.scheduled_new_reqs and not output.kv_cache_block_copies
@@ -98,7 +97,7 @@ def test_a_point_beyond_the_free_pool_is_refused_before_any_registration(tmp_pat
     kvm = scheduler.kv_cache_manager
     chains = _parked_chains(scheduler, [100, 100])  # 14 of 19 usable blocks
     baseline = in_use(kvm.block_pool)
-    point = scheduler.kvwarm.queue(PendingPoint(chains * 3, contexts=[90] * 6, headroom=3))
+    point = scheduler.kvwarm_injector.queue(Admission(chains * 3, contexts=[90] * 6, steady_steps=3))
     output = _step(scheduler)
     assert point.failure.startswith("pool_exhausted") and not output.scheduled_new_reqs
     assert in_use(kvm.block_pool) == baseline
@@ -122,5 +121,5 @@ def test_with_nothing_queued_the_adapter_schedules_like_stock(tmp_path):
 def test_a_point_needs_one_chain_per_context(tmp_path):
     scheduler = make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler)
     with pytest.raises(ValueError, match="one chain per context, got 1 chain.* for 2 context"):
-        scheduler.kvwarm.queue(PendingPoint([object()], contexts=[10, 20], headroom=1))
-    assert not scheduler.kvwarm.has_pending()
+        scheduler.kvwarm_injector.queue(Admission([object()], contexts=[10, 20], steady_steps=1))
+    assert not scheduler.kvwarm_injector.has_pending()

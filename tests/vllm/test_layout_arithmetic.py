@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
-
-from vllm.kvwarm import layout
-from vllm.kvwarm.arithmetic import (
-    attention_private_blocks, plan_tail_blocks, pool_shortfall, shadow_private_blocks, state_private_blocks,
+from vllm.kvwarm.kv import layout
+from vllm.kvwarm.kv.arithmetic import (
+    attention_private_blocks,
+    plan_tail_blocks,
+    pool_shortfall,
+    shadow_private_blocks,
+    state_private_blocks,
 )
-from vllm.kvwarm.layout import ATTENTION, STATE_ALIGN, GroupLayout
+from vllm.kvwarm.kv.layout import ATTENTION, STATE_ALIGN, GroupLayout
+from vllm.kvwarm.record import vocabulary
 
 
 def _attention_spec(cls_name="FullAttentionSpec", **extra):
@@ -84,8 +88,7 @@ def test_a_spec_of_unknown_kind_is_unknown_with_its_reason_never_attention(make_
 
 
 def test_registration_refuses_a_group_of_unknown_kind_by_name():
-    from vllm.kvwarm import borrowing
-    from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow
+    from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow
 
     kvm = make_kv_cache_manager([16])
     chain = make_chain(kvm, "chain", 64)
@@ -94,8 +97,8 @@ def test_registration_refuses_a_group_of_unknown_kind_by_name():
     baseline = in_use(kvm.block_pool)
     with pytest.raises(ShadowRegistrationError, match="group 0: RenamedWindowSpecStandIn extends full attention "
                                                       "with field.s. reference_window") as err:
-        register_shadow(kvm, make_request("shadow", 41), chain, ctx=40, headroom=3)
-    assert err.value.reason == borrowing.LAYOUT_UNKNOWN
+        register_shadow(kvm, make_request("shadow", 41), chain, ctx=40, steady_steps=3)
+    assert err.value.reason == vocabulary.LAYOUT_UNKNOWN
     assert in_use(kvm.block_pool) == baseline and "shadow" not in manager.req_to_blocks
 
 
@@ -110,15 +113,15 @@ def _group(kind, block_size, speculative=0):
     return GroupLayout(0, kind, block_size, speculative, manager=None)
 
 
-@pytest.mark.parametrize("ctx, headroom, block, expected", [
+@pytest.mark.parametrize("ctx, steady_steps, block, expected", [
     (40, 3, 16, 1), (47, 3, 16, 2), (48, 0, 16, 1), (100, 3, 16, 1), (126, 3, 16, 2), (127, 0, 128, 1),
 ])
-def test_attention_private_blocks(ctx, headroom, block, expected):
-    assert attention_private_blocks(ctx, headroom, block) == expected
+def test_attention_private_blocks(ctx, steady_steps, block, expected):
+    assert attention_private_blocks(ctx, steady_steps, block) == expected
 
 
 def test_pool_precheck_example_of_the_mechanism_notes():
-    # Attention bs 16 + align state bs 64, headroom 3, copy mode, shadows at ctx 100 and 126.
+    # Attention bs 16 + align state bs 64, steady_steps 3, copy mode, shadows at ctx 100 and 126.
     groups = [_group(ATTENTION, 16), _group(STATE_ALIGN, 64)]
     need = sum(shadow_private_blocks(groups, ctx, 3, state_copy=True) for ctx in (100, 126))
     assert (state_private_blocks(100, 3, 64, True, 0), state_private_blocks(126, 3, 64, True, 0)) == (1, 2)
@@ -126,7 +129,7 @@ def test_pool_precheck_example_of_the_mechanism_notes():
     assert pool_shortfall(need, 10) == 0 and pool_shortfall(need, 4) == 2
 
 
-@pytest.mark.parametrize("groups, repeats, state_copy, expected", [
+@pytest.mark.parametrize("groups, steady_steps, state_copy, expected", [
     ([_group(ATTENTION, 16)], 3, False, 2),
     ([_group(ATTENTION, 16)], 1, False, 2),
     ([_group(ATTENTION, 16)], 20, False, 3),
@@ -134,13 +137,13 @@ def test_pool_precheck_example_of_the_mechanism_notes():
     ([_group(ATTENTION, 16), _group(STATE_ALIGN, 16)], 3, True, 4),
     ([_group(ATTENTION, 16), _group(STATE_ALIGN, 16)], 3, False, 3),
 ])
-def test_shadow_tail_blocks_worst_case(groups, repeats, state_copy, expected):
-    assert plan_tail_blocks(groups, repeats, state_copy) == expected
+def test_shadow_tail_blocks_worst_case(groups, steady_steps, state_copy, expected):
+    assert plan_tail_blocks(groups, steady_steps, state_copy) == expected
 
 
 def test_worst_case_bounds_every_point():
     groups = [_group(ATTENTION, 16), _group(STATE_ALIGN, 32, speculative=1)]
-    for repeats in (0, 1, 3, 7):
-        worst = plan_tail_blocks(groups, repeats, state_copy=True)
-        headroom = max(1, repeats)  # what a shadow gets for `repeats` steady steps
-        assert all(shadow_private_blocks(groups, ctx, headroom, True) <= worst for ctx in range(1, 300))
+    for planned in (0, 1, 3, 7):
+        worst = plan_tail_blocks(groups, planned, state_copy=True)
+        steady_steps = max(1, planned)  # what a shadow gets for `planned` steady steps
+        assert all(shadow_private_blocks(groups, ctx, steady_steps, True) <= worst for ctx in range(1, 300))

@@ -9,7 +9,7 @@ import sys
 
 import vllm
 from vllm.kvwarm import build_record
-from vllm.kvwarm.capabilities import CAPABILITIES, probe
+from vllm.kvwarm.kv.capabilities import CAPABILITIES, probe
 
 SCHEDULER_SIDE = {c.name for c in CAPABILITIES if c.module.startswith("vllm.v1.core")}
 
@@ -37,8 +37,8 @@ def test_probe_reports_every_scheduler_side_capability_as_seen():
 
 
 def test_probe_sees_a_real_attribute_and_misses_a_fake_one():
-    from vllm.kvwarm.capabilities import _has
     import vllm.v1.core.block_pool as block_pool
+    from vllm.kvwarm.kv.capabilities import _has
 
     assert _has(block_pool, "BlockPool.touch")
     assert not _has(block_pool, "BlockPool.no_such_hook")

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from vllm.kvwarm.points import DecodePoint, PointsFileError, load_points
+from vllm.kvwarm.sweep.points import DecodePoint, PointsFileError, load_points
 
 
 def _write(tmp_path, data) -> str:
@@ -18,7 +17,7 @@ def _write(tmp_path, data) -> str:
 def test_points_partition_their_kv_over_the_batch(tmp_path):
     path = _write(tmp_path, {"schema_version": 1, "decode": [
         {"total_kv_read_tokens": 1000, "batch_size": 3}, {"total_kv_read_tokens": 64, "batch_size": 64}]})
-    points = load_points(path, max_model_len=1024, headroom=3)
+    points = load_points(path, max_model_len=1024, steady_steps=3)
     assert points == [DecodePoint(1000, 3), DecodePoint(64, 64)]
     assert points[0].contexts() == [334, 333, 333] and sum(points[0].contexts()) == 1000
     assert points[1].contexts() == [1] * 64
@@ -40,7 +39,7 @@ def test_points_partition_their_kv_over_the_batch(tmp_path):
 def test_bad_points_files_name_the_file_and_the_problem(tmp_path, content, message):
     path = _write(tmp_path, content)
     with pytest.raises(PointsFileError, match=message) as err:
-        load_points(path, max_model_len=1024, headroom=3)
+        load_points(path, max_model_len=1024, steady_steps=3)
     assert path in str(err.value)
 
 
@@ -55,11 +54,11 @@ def test_bad_points_files_name_the_file_and_the_problem(tmp_path, content, messa
 def test_an_unknown_key_is_named_with_the_allowed_ones(tmp_path, content, key, allowed):
     path = _write(tmp_path, content)
     with pytest.raises(PointsFileError) as err:
-        load_points(path, max_model_len=1024, headroom=3)
+        load_points(path, max_model_len=1024, steady_steps=3)
     message = str(err.value)
     assert f"unknown key {key!r}" in message and f"allowed: {allowed}" in message and path in message
 
 
 def test_a_missing_points_file_says_which(tmp_path):
     with pytest.raises(PointsFileError, match=r"points file .*nope\.json not found"):
-        load_points(tmp_path / "nope.json", max_model_len=1024, headroom=3)
+        load_points(tmp_path / "nope.json", max_model_len=1024, steady_steps=3)

@@ -10,13 +10,12 @@ import json
 import pytest
 from real_kv import in_use, make_request, make_scheduler, step_scheduler
 from test_sweep import make_sweep
-
-from vllm.kvwarm import ranks
-from vllm.kvwarm.artifact import validate
-from vllm.kvwarm.points import DecodePoint
-from vllm.kvwarm.ranks import FileExchange, RankFailed
+from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import KvWarmScheduler
-from vllm.kvwarm.sweep_run import SweepRun
+from vllm.kvwarm.sweep import ranks
+from vllm.kvwarm.sweep.points import DecodePoint
+from vllm.kvwarm.sweep.ranks import FileExchange, RankFailed
+from vllm.kvwarm.sweep.run import SweepRun
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +88,7 @@ def test_ranks_with_different_free_pools_plan_the_same_rung_from_the_smallest(tm
 
 def test_a_plan_mismatch_stops_every_rank_with_both_digests_and_no_hang(tmp_path):
     # rank 1 was started with another repeat count: its plan (and its rows) would differ
-    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2)], repeats=5)
+    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2)], steady_steps=5)
     errors = []
     for sweep in sweeps:
         _stop_on_rank_failure(sweep, errors)
@@ -177,14 +176,14 @@ def test_each_rank_writes_its_own_folder_and_the_combined_view_says_complete_whe
 def test_the_combined_view_names_the_rank_that_failed(tmp_path, monkeypatch):
     schedulers, out = _rank_runs(tmp_path, monkeypatch, [(400, 2), (300, 2), (200, 2)])
     rank_1 = schedulers[1].kvwarm_sweep
-    queue_point = rank_1._queue_point
+    start_point = rank_1._start_point
 
     def fail_the_second_point(*args):
         if rank_1.rows:
             raise RuntimeError("rank 1 lost its worker")
-        return queue_point(*args)
+        return start_point(*args)
 
-    rank_1._queue_point = fail_the_second_point
+    rank_1._start_point = fail_the_second_point
     _step_all(schedulers)
     combined = json.loads((out / "sweep.json").read_text())
     assert combined["status"] == "failed"
@@ -223,7 +222,7 @@ def test_requests_from_outside_wait_while_a_point_is_measured_and_run_between_po
 
 
 def test_a_sweep_ends_without_its_leak_check_when_outside_requests_outlast_the_wait(tmp_path):
-    from vllm.kvwarm.sweep import END_WAIT_SECONDS
+    from vllm.kvwarm.sweep.controller import END_WAIT_SECONDS
 
     scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler)
     endless = make_request("user-endless", 20)

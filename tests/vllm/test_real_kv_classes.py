@@ -69,10 +69,10 @@ def test_align_mode_mamba_keeps_one_state_block_at_the_token_slot(pool):
 def test_a_group_allocating_from_a_pool_of_its_own_is_refused_by_name():
     """A group whose manager has its own block pool (how a HiSparse host tier is built: a
     plain full-attention spec, another pool) is never borrowed as plain attention."""
-    from vllm.kvwarm import borrowing
-    from vllm.kvwarm.layout import ATTENTION, OWN_POOL, group_layouts
-    from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow
-    from vllm.kvwarm.state_mode import COPY
+    from vllm.kvwarm.kv.layout import ATTENTION, OWN_POOL, group_layouts
+    from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow
+    from vllm.kvwarm.record import vocabulary
+    from vllm.kvwarm.record.vocabulary import COPY
 
     kvm = make_kv_cache_manager([16, 32])
     chain = make_chain(kvm, "chain", 64)
@@ -80,8 +80,8 @@ def test_a_group_allocating_from_a_pool_of_its_own_is_refused_by_name():
     host.block_pool = make_kv_cache_manager([16], num_blocks=8).block_pool  # another pool
     assert [g.kind for g in group_layouts(kvm)] == [ATTENTION, OWN_POOL]
     with pytest.raises(ShadowRegistrationError) as err:
-        register_shadow(kvm, make_request("shadow", 40), chain, ctx=40, headroom=3, state_mode=COPY)
-    assert err.value.reason == borrowing.LAYOUT_UNSUPPORTED and "group 1 (own_pool: " in str(err.value)
+        register_shadow(kvm, make_request("shadow", 40), chain, ctx=40, steady_steps=3, state_mode=COPY)
+    assert err.value.reason == vocabulary.LAYOUT_UNSUPPORTED and "group 1 (own_pool: " in str(err.value)
     assert kvm.coordinator.single_type_managers[0].req_to_blocks.get("shadow") in (None, [])
 
 
@@ -103,7 +103,7 @@ def _state_shadow_decodes(mode: str, speculative: int, checkpoint: int = 0, ctx:
     """A chain of 192 tokens, then a state shadow at ctx decoding `steps` tokens through the
     real KVCacheManager, across the state block boundary at 128 (where align mode nulls the
     old slot and, with speculative blocks, relocates the scratch block)."""
-    from vllm.kvwarm.shadows import register_shadow, release_fork_retentions
+    from vllm.kvwarm.kv.shadows import register_shadow, release_fork_retentions
 
     kvm = make_kv_cache_manager([16], num_blocks=96, state_groups=[(64, speculative, "align")],
                                 state_extra=_checkpoint_fields(checkpoint))
@@ -112,7 +112,7 @@ def _state_shadow_decodes(mode: str, speculative: int, checkpoint: int = 0, ctx:
     chain_tables = [list(m.req_to_blocks["chain"]) for m in (attention, state)]
     baseline = in_use(kvm.block_pool)
     shadow = make_request("shadow", ctx + 1)
-    register_shadow(kvm, shadow, chain, ctx=ctx, headroom=steps, state_mode=mode)
+    register_shadow(kvm, shadow, chain, ctx=ctx, steady_steps=steps, state_mode=mode)
     release_fork_retentions(kvm)
     shadow.num_computed_tokens = ctx  # admitted one short of its prompt
     for _ in range(steps):

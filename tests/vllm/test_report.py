@@ -4,14 +4,17 @@ computed figures, and every bad input named."""
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import sys
 
 import pytest
-
-from vllm.kvwarm.report import REGIMES, compare, figure, from_artifact, labels_for, load_run, plot_png, run
+from vllm.kvwarm.record.artifact import KvwarmMeta, PointRow, build_artifact
+from vllm.kvwarm.record.plot import REGIMES, figure, plot_png
+from vllm.kvwarm.record.schema import validate
+from vllm.kvwarm.sweep.rows import NOISY_SPREAD
+from vllm.kvwarm.record.report import compare, run
+from vllm.kvwarm.record.runs import from_artifact, labels_for, load_run
 
 META_V1 = {"enabled": True, "warm_eligible": True, "skip_reason": None, "points_real_kv": 3,
            "points_fake_fallback": 1, "giant_kv_repeats": 3, "giant_kv_threshold": 1_000_000,
@@ -40,34 +43,37 @@ def v1_artifact(status="complete", error=None):
                                 "reason": "pool_exhausted: 3 more free block(s) needed"}]}
 
 
-def v2_artifact(medians_ms=(10.0, 20.0), regime="real_kv", status="complete", reasons=None):
-    """A rank artifact of schema 2 at B=4, K 1000 and 2000, with the given medians."""
-    results = []
+RUN = {"started_at": "2026-11-30T14:00:00Z", "finished_at": "2026-11-30T14:03:10Z", "torch": "2.13.0+cpu",
+       "build": {"version": "9.9.1+kvwarm.3", "release": "9.9.1", "flavour": "cpu", "series_digest": "d" * 16,
+                 "overlay_digest": "e" * 16, "revision": "abc1234"},
+       "hardware": {"cpu": "AMD EPYC 7B13", "cores": 2, "gpus": [], "driver": None, "cuda_runtime": None},
+       "engine_args": {"given": ["--model", "/models/tiny-qwen3-moe", "--enforce-eager"],
+                       "resolved": {"block_sizes": {"0:FullAttentionSpec": 16}, "max_num_seqs": 8,
+                                    "max_num_batched_tokens": 2048, "max_model_len": 2048, "dtype": "float32",
+                                    "kv_cache_dtype": "auto", "enable_prefix_caching": True,
+                                    "mamba_cache_mode": None, "enforce_eager": True, "cudagraph_mode": None}}}
+LAYOUT = {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 2,
+          "pipeline_parallel_size": 1, "expert_parallel": True}
+
+
+def v2_artifact(medians_ms=(10.0, 20.0), regime="real_kv", status="complete", reasons=None, extra=(),
+                data_parallel_size=1):
+    """A rank artifact of schema 2 at B=4, K 1000 and 2000 (as many as medians are given),
+    with the given medians and `extra` rows, made by the sweep's own writer."""
+    rows = []
     for k, m in zip((1000, 2000), medians_ms):
         steps = [m * 0.98 / 1e3, m / 1e3, m * 1.04 / 1e3]
-        row = _row(k, 4, regime, steps, reasons)
-        row.update(global_batch_size=4, median_seconds=m / 1e3, min_seconds=min(steps), max_seconds=max(steps),
-                   spread=(max(steps) - min(steps)) / (m / 1e3))
-        results.append(row)
-    return {
-        "schema_version": 2, "artifact_type": "rank", "status": status,
-        "error": None if status != "failed" else "rank 0: RuntimeError: pool exhausted",
-        "started_at": "2026-11-30T14:00:00Z", "finished_at": "2026-11-30T14:03:10Z",
-        "config": {"points": "/bench/points.json", "model": "/models/tiny-qwen3-moe",
-                   "engine_args": {"given": {"enforce_eager": True},
-                                   "resolved": {"block_sizes": {"0": 16}, "max_num_seqs": 8,
-                                                "max_num_batched_tokens": 2048, "max_model_len": 2048,
-                                                "dtype": "float32", "kv_cache_dtype": "auto",
-                                                "enable_prefix_caching": True, "mamba_cache_mode": None,
-                                                "enforce_eager": True, "cuda_graphs": False}}},
-        "build": {"version": "9.9.1+kvwarm.3", "release": "9.9.1", "flavour": "cpu", "series_digest": "d" * 16,
-                  "overlay_digest": "e" * 16, "revision": "abc1234"},
-        "layout": {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 2,
-                   "pipeline_parallel_size": 1, "expert_parallel": True},
-        "hardware": {"cpu": "AMD EPYC 7B13", "cores": 2, "gpus": [], "driver": None, "cuda_runtime": None},
-        "torch": "2.13.0+cpu", "kvwarm": {**META_V1, "batch_semantics": "per_rank", "global_batch_factor": 1,
-                                          "noisy_threshold": 0.5},
-        "results": results, "skipped_points": [], "a_field_from_the_future": {"ignored": True}}
+        stamps = reasons or ([f"kvwarm_{regime}"] if regime != "legacy" else [])
+        rows.append(PointRow(k, 4, regime, list(stamps), steps, m / 1e3))
+    rows += extra
+    meta = KvwarmMeta(enabled=True, warm_eligible=True, giant_kv_repeats=3, giant_kv_threshold=1_000_000,
+                      reset_prefix_cache=True, stages=[{"batch": 4, "depth": 1004, "build_seconds": 2.5}],
+                      dataset=META_V1["dataset"], noisy_spread=NOISY_SPREAD)
+    error = None if status != "failed" else "rank 0: RuntimeError: pool exhausted"
+    artifact = build_artifact(rows, meta, {"points": "/bench/points.json", "model": "/models/tiny-qwen3-moe"},
+                              status, error, run=RUN, layout={**LAYOUT, "data_parallel_size": data_parallel_size})
+    validate(artifact)
+    return {**artifact, "a_field_from_the_future": {"ignored": True}}
 
 
 def _save(folder, artifact) -> str:
@@ -114,23 +120,21 @@ def test_a_v2_artifact_names_model_build_and_layout_with_ticks_and_units(tmp_pat
         shown = [t.get_text() for t in labels if t.get_text()]
         assert len(shown) >= 4, shown
     assert "2,000" in [t.get_text() for t in ax.get_xticklabels()]
-    # the min-max bars of the repeats: one bar per point, from min to max
+    # the min-max bars of the steady_steps: one bar per point, from min to max
     bars = [c for c in ax.containers if c.has_yerr]
     segments = [seg for bar in bars for seg in bar.lines[2][0].get_segments()]
     assert sorted((round(s[0][1], 3), round(s[1][1], 3)) for s in segments) == [(9.8, 10.4), (19.6, 20.8)]
 
 
 def test_a_combined_data_parallel_artifact_shows_its_ranks(tmp_path):
-    combined = v2_artifact()
-    combined.update(artifact_type="combined", ranks=[
-        {"rank": 0, "status": "complete", "rows": 2, "error": None, "path": "dp0/sweep.json"},
-        {"rank": 1, "status": "complete", "rows": 2, "error": None, "path": "dp1/sweep.json"}])
-    combined["layout"].update(data_parallel_size=2, data_parallel_rank=None)
-    for row in combined["results"]:
-        row.update(global_batch_size=8, ranks=[{"rank": 0, "median_seconds": row["median_seconds"] * 0.9},
-                                               {"rank": 1, "median_seconds": row["median_seconds"]}])
+    from vllm.kvwarm.record.combined import combine
+
+    ranks = [v2_artifact(medians_ms=(9.0, 18.0), data_parallel_size=2),
+             v2_artifact(medians_ms=(10.0, 20.0), data_parallel_size=2)]
+    combined = combine(ranks)
+    validate(combined)
     source = _save(tmp_path / "dp", combined)
-    _save(tmp_path / "dp" / "dp0", v2_artifact())
+    _save(tmp_path / "dp" / "dp0", ranks[0])
     assert run([source, "--out", str(tmp_path / "r")]) == 0
     page = (tmp_path / "r" / "report.html").read_text()
     assert "Data-parallel ranks" in page and "dp1/sweep.json" in page and "0: 9.000 1: 10.000" in page
@@ -144,6 +148,43 @@ def test_the_legend_lists_only_the_regimes_drawn_and_noisy_rows(tmp_path):
     assert _legend(legacy) == ["B=4", REGIMES["legacy"][0]]
     noisy = figure([from_artifact(v2_artifact(reasons=["kvwarm_real_kv", "kvwarm_noisy"]), "n", "n")])
     assert _legend(noisy) == ["B=4", REGIMES["real_kv"][0], "noisy (spread over 50%)"]
+
+
+def test_a_real_sweeps_noisy_row_names_the_threshold_in_the_report(tmp_path):
+    """A sweep stepped on a real Scheduler under a jittering clock (every other reading 3 s
+    late): the sweep stamps the row noisy, its writer records the threshold, and the
+    report's legend names that figure."""
+    import itertools
+
+    from real_kv import make_scheduler, step_scheduler
+
+    from vllm.kvwarm.scheduler import KvWarmScheduler
+    from vllm.kvwarm.sweep.controller import Sweep
+    from vllm.kvwarm.sweep.plan import SweepConfig
+    from vllm.kvwarm.sweep.points import DecodePoint
+    from vllm.kvwarm.sweep.writer import ArtifactWriter
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    readings = itertools.accumulate(itertools.cycle([1.0, 3.0]))
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
+    sweep = Sweep([DecodePoint(120, 2)], lambda i, depth: [(5 * i + t) % 200 + 2 for t in range(depth)],
+                  SweepConfig(steady_steps=3, max_model_len=1024), clock=lambda: next(readings),
+                  progress=lambda _: None)
+    scheduler.kvwarm_sweep = sweep
+    for _ in range(200):
+        if sweep.done:
+            break
+        step_scheduler(scheduler)
+    (row,) = sweep.rows
+    assert "kvwarm_noisy" in row.sample_reasons and row.spread > NOISY_SPREAD
+    writer = ArtifactWriter(str(tmp_path / "out"), {"model": "/m/tiny"})
+    writer.rows = sweep.rows
+    writer.write("complete")
+    run_ = load_run(str(tmp_path / "out"))
+    assert run_.meta.noisy_spread == NOISY_SPREAD
+    assert _legend(figure([run_]))[-1] == f"noisy (spread over {100 * NOISY_SPREAD:g}%)"
 
 
 def test_plot_png_gives_the_png_of_an_artifact(monkeypatch):
@@ -161,9 +202,8 @@ def test_without_matplotlib_the_command_says_how_to_get_it(tmp_path, monkeypatch
 
 def test_ab_ratios_and_mape_match_a_hand_computation(tmp_path, capsys):
     a = _save(tmp_path / "off", v2_artifact(medians_ms=(10.0, 20.0), regime="legacy"))
-    b = v2_artifact(medians_ms=(11.0, 18.0))
-    b["results"].append(_row(8000, 4, "real_kv", [0.08, 0.08, 0.08]))  # only in B
-    b = _save(tmp_path / "on", b)
+    only_in_b = PointRow(8000, 4, "real_kv", ["kvwarm_real_kv"], [0.08, 0.08, 0.08], 0.08)
+    b = _save(tmp_path / "on", v2_artifact(medians_ms=(11.0, 18.0), extra=[only_in_b]))
     assert run([a, b, "--out", str(tmp_path / "ab")]) == 0
     # by hand: |11 - 10| / 10 = 10%, |18 - 20| / 20 = 10%: MAPE 10%; ratios 1.1 and 0.9
     out = capsys.readouterr().out
@@ -189,11 +229,8 @@ def test_runs_are_named_by_their_folder_unless_two_share_a_name():
 
 def test_three_runs_are_each_compared_with_the_first_and_unmatched_points_named(tmp_path):
     first = from_artifact(v2_artifact(medians_ms=(10.0, 20.0)), "a", "a")
-    third = v2_artifact(medians_ms=(12.0, 20.0))
-    third["results"].pop(1)
-    third["skipped_points"] = [{"point": {"total_kv_read_tokens": 2000, "batch_size": 4},
-                                "kv_seed_regime": "skip:pool_too_small", "reason": "no room"}]
-    third = from_artifact(third, "c", "c")
+    skipped = PointRow(2000, 4, "skip:pool_too_small", detail="no room")
+    third = from_artifact(v2_artifact(medians_ms=(12.0,), extra=[skipped]), "c", "c")
     c = compare(first, third)
     assert [(x.k, y.k) for x, y in c.joined] == [(1000, 1000)] and c.mape == pytest.approx(20.0)
     assert [r.k for r in c.only_base] == [2000] and c.only_other == []
@@ -275,13 +312,9 @@ def test_every_bad_input_is_named_at_once(tmp_path, capsys):
 
 def test_the_sweeps_own_artifact_renders(tmp_path):
     """Whatever schema version the writer makes today, the report reads it."""
-    from vllm.kvwarm.artifact import build_artifact, write_artifact
-    from vllm.kvwarm.sweep import PointRow
+    from vllm.kvwarm.record.artifact import write_artifact
 
     rows = [PointRow(1000, 4, "real_kv", ["kvwarm_real_kv"], [0.010, 0.012, 0.011], 0.011)]
-    meta = copy.deepcopy(META_V1)
-    for derived in ("points_real_kv", "points_fake_fallback"):
-        meta.pop(derived)
-    write_artifact(tmp_path / "sweep", build_artifact(rows, meta, {"model": "/m/tiny"}, "complete"))
+    write_artifact(tmp_path / "sweep", build_artifact(rows, KvwarmMeta(), {"model": "/m/tiny"}, "complete"))
     assert run([str(tmp_path / "sweep"), "--out", str(tmp_path / "r")]) == 0
     assert [r.median_ms for r in load_run(str(tmp_path / "sweep")).rows] == [pytest.approx(11.0)]

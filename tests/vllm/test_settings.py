@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
-
-from vllm.kvwarm.settings import Settings, SettingsError, read_settings
+from vllm.kvwarm.sweep.settings import Settings, SettingsError, read_settings
 
 
 def test_defaults():
-    assert read_settings({}) == Settings(warmup="on", repeats=3, giant_kv_threshold=1_000_000, dataset=None)
+    assert read_settings({}) == Settings(warmup="on", steady_steps=3, giant_kv_threshold=1_000_000, dataset=None)
 
 
 @pytest.mark.parametrize("raw, warmup", [("OFF", "off"), ("0", "off"), (" false ", "off"), ("on", "on"),
@@ -19,8 +18,8 @@ def test_warmup_switch(raw, warmup):
 
 def test_integers_in_range_are_taken_as_given():
     settings = read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "1", "DYN_BENCH_GIANT_KV_THRESHOLD": " 0 "})
-    assert (settings.repeats, settings.giant_kv_threshold) == (1, 0)
-    assert read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "7"}).repeats == 7
+    assert (settings.steady_steps, settings.giant_kv_threshold) == (1, 0)
+    assert read_settings({"DYN_BENCH_GIANT_KV_REPEATS": "7"}).steady_steps == 7
 
 
 @pytest.mark.parametrize("name, raw, minimum", [

@@ -3,7 +3,7 @@
 Each example builds a real KVCacheManager (one to three attention groups of random block
 sizes, or one or two next to an align-mode state group with 0 or 1 speculative blocks),
 prefills a chain, registers a few shadows (attention tails forked or zero-filled, state
-by copy or in place, random contexts and headroom, crossing state slots or not) while one
+by copy or in place, random contexts and steady_steps, crossing state slots or not) while one
 call of the pool or a manager may be made to fail, then releases everything. After every registration attempt and at the end the invariants must hold:
 a failed registration leaves no trace, a successful one has the planned tables, and the
 pool returns to its baseline, with the null block never queued and reset_prefix_cache()
@@ -17,16 +17,13 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-
-from vllm.kvwarm.arithmetic import cdiv, shadow_private_blocks
-from vllm.kvwarm.layout import ATTENTION, STATE_ALIGN, group_layouts
-from vllm.kvwarm.shadows import (
-    CHAIN_TOO_SHALLOW, POOL_EXHAUSTED, ShadowRegistrationError, register_shadow, release_fork_retentions,
-)
-from vllm.kvwarm.state_mode import COPY, INPLACE
+from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+from vllm.kvwarm.kv.arithmetic import cdiv, shadow_private_blocks
+from vllm.kvwarm.kv.layout import ATTENTION, STATE_ALIGN, group_layouts
+from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.record.vocabulary import CHAIN_TOO_SHALLOW, COPY, INPLACE, POOL_EXHAUSTED
 
 EXAMPLES = int(os.environ.get("KVWARM_PROPERTY_EXAMPLES", "2000"))
 # Every call a registration makes that could fail in the stage or commit phase.
@@ -91,25 +88,25 @@ def lifecycles(draw):
     }
 
 
-def _expected_refusal(kvm, chain_tables, ctx, headroom, state_mode) -> str | None:
+def _expected_refusal(kvm, chain_tables, ctx, steady_steps, state_mode) -> str | None:
     """The reason the arithmetic predicts (the pool pre-check comes first), or None."""
     layouts = group_layouts(kvm)
-    if shadow_private_blocks(layouts, ctx, headroom, state_mode == COPY) > kvm.block_pool.get_num_free_blocks():
+    if shadow_private_blocks(layouts, ctx, steady_steps, state_mode == COPY) > kvm.block_pool.get_num_free_blocks():
         return POOL_EXHAUSTED
-    if any(g.kind == ATTENTION and cdiv(ctx + 1 + headroom, g.block_size) > len(chain)
+    if any(g.kind == ATTENTION and cdiv(ctx + 1 + steady_steps, g.block_size) > len(chain)
            for g, chain in zip(layouts, chain_tables)):
         return CHAIN_TOO_SHALLOW
     return None
 
 
 def _check_registered(kvm, chain, shadow, registration, chain_tables):
-    ctx, headroom = registration.ctx, registration.headroom
+    ctx, steady_steps = registration.ctx, registration.steady_steps
     for group, table, chain_ids in zip(group_layouts(kvm), registration.groups, chain_tables):
         manager, bs = group.manager, group.block_size
         blocks = manager.req_to_blocks[shadow.request_id]
         ids = [b.block_id for b in blocks]
         if group.kind == STATE_ALIGN:
-            read, last = (ctx - 1) // bs, (ctx + headroom) // bs
+            read, last = (ctx - 1) // bs, (ctx + steady_steps) // bs
             state = chain_ids[(chain.num_computed_tokens - 1) // bs]
             assert len(ids) == last + 1 + group.num_speculative_blocks == manager.num_cached_block[shadow.request_id]
             assert all(b.is_null for b in blocks[:read]) and table.state_slot == read
@@ -119,7 +116,7 @@ def _check_registered(kvm, chain, shadow, registration, chain_tables):
             else:
                 assert ids[read] == state and table.forks == []
             continue
-        n_shared, n_total = ctx // bs, cdiv(ctx + 1 + headroom, bs)
+        n_shared, n_total = ctx // bs, cdiv(ctx + 1 + steady_steps, bs)
         assert len(ids) == n_total and table.num_shared == n_shared
         assert ids[:n_shared] == chain_ids[:n_shared]
         assert not set(ids[n_shared:]) & set(chain_ids)  # the tail is private
@@ -153,13 +150,13 @@ def test_random_shadow_lifecycles_keep_the_pool_whole(case):
     point, nth = case["fault"] or (None, 0)
 
     with fail_on_call(kvm, point, nth):
-        for i, (ctx, headroom) in enumerate(case["shadows"]):
+        for i, (ctx, steady_steps) in enumerate(case["shadows"]):
             shadow = make_request(f"shadow{i}", ctx + 1)
             pool_before = in_use(pool)
             pending_before = [list(m._pending_cow_copies) for m in managers]
-            expected = _expected_refusal(kvm, chain_tables, ctx, headroom, case["state_mode"])
+            expected = _expected_refusal(kvm, chain_tables, ctx, steady_steps, case["state_mode"])
             try:
-                registration = register_shadow(kvm, shadow, chain, ctx, headroom, fork=case["fork"],
+                registration = register_shadow(kvm, shadow, chain, ctx, steady_steps, fork=case["fork"],
                                                state_mode=case["state_mode"])
             except InjectedFault:
                 event(f"refused: injected {point}")

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
-
-from vllm.kvwarm import shadows
-from vllm.kvwarm.arithmetic import attention_private_blocks
-from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.kv.arithmetic import attention_private_blocks
+from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.record import vocabulary
 
 
 def _ids(blocks) -> list[int]:
@@ -50,7 +49,7 @@ def test_shadow_registration_shares_prefix_and_forks_tail_with_cow():
     chain_blocks = list(manager.req_to_blocks["chain"])
     shadow = _shadow("shadow", 40)
 
-    registration = register_shadow(kvm, shadow, chain, ctx=40, headroom=3)
+    registration = register_shadow(kvm, shadow, chain, ctx=40, steady_steps=3)
 
     (table,) = registration.groups
     shadow_ids = _ids(manager.req_to_blocks["shadow"])
@@ -75,7 +74,7 @@ def test_mla_groups_are_borrowed_like_attention(fork):
     manager = kvm.coordinator.single_type_managers[0]
     chain = make_chain(kvm, "chain", 64)
     shadow = _shadow("shadow", 40)
-    registration = register_shadow(kvm, shadow, chain, ctx=40, headroom=3, fork=fork)
+    registration = register_shadow(kvm, shadow, chain, ctx=40, steady_steps=3, fork=fork)
     assert _ids(manager.req_to_blocks["shadow"])[:2] == _ids(manager.req_to_blocks["chain"][:2])
     assert len(registration.groups[0].forks if fork else registration.groups[0].zero_filled) == 1
     release_fork_retentions(kvm)
@@ -90,7 +89,7 @@ def test_shadow_registration_zero_fills_tail_without_cow():
     manager.take_new_block_ids()
     shadow = _shadow("shadow", 47)
 
-    registration = register_shadow(kvm, shadow, chain, ctx=47, headroom=3, fork=False)
+    registration = register_shadow(kvm, shadow, chain, ctx=47, steady_steps=3, fork=False)
 
     (table,) = registration.groups
     shadow_ids = _ids(manager.req_to_blocks["shadow"])
@@ -112,7 +111,7 @@ def test_shadow_registration_takes_tail_before_touching_prefix(monkeypatch):
         monkeypatch.setattr(pool, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
 
     shadow = _shadow("shadow", 50)
-    register_shadow(kvm, shadow, chain, ctx=50, headroom=2)
+    register_shadow(kvm, shadow, chain, ctx=50, steady_steps=2)
 
     assert calls[:2] == ["get_new_blocks", "get_new_blocks"] and "get_new_blocks" not in calls[2:]
     monkeypatch.undo()
@@ -120,23 +119,23 @@ def test_shadow_registration_takes_tail_before_touching_prefix(monkeypatch):
     _assert_clean_end(kvm, shadow, chain)
 
 
-@pytest.mark.parametrize("ctx, headroom", [(40, 3), (47, 3), (48, 0), (63, 9)])
-def test_shadow_pool_shortfall_matches_tail_arithmetic(ctx, headroom):
+@pytest.mark.parametrize("ctx, steady_steps", [(40, 3), (47, 3), (48, 0), (63, 9)])
+def test_shadow_pool_shortfall_matches_tail_arithmetic(ctx, steady_steps):
     kvm = make_kv_cache_manager([16], num_blocks=12)
     chain = make_chain(kvm, "chain", 80)  # 5 of 11 usable blocks
-    need = attention_private_blocks(ctx, headroom, 16)
+    need = attention_private_blocks(ctx, steady_steps, 16)
     pool = kvm.block_pool
     spare = pool.get_new_blocks(pool.get_num_free_blocks() - need + 1)  # one block short
     baseline = in_use(pool)
     shadow = _shadow("shadow", ctx)
 
     with pytest.raises(ShadowRegistrationError) as err:
-        register_shadow(kvm, shadow, chain, ctx=ctx, headroom=headroom)
-    assert err.value.reason == shadows.POOL_EXHAUSTED and "1 more free block" in str(err.value)
+        register_shadow(kvm, shadow, chain, ctx=ctx, steady_steps=steady_steps)
+    assert err.value.reason == vocabulary.POOL_EXHAUSTED and "1 more free block" in str(err.value)
     _assert_nothing_registered(kvm, shadow, baseline)
 
     pool.free_blocks(spare[:1])  # now exactly enough
-    register_shadow(kvm, shadow, chain, ctx=ctx, headroom=headroom)
+    register_shadow(kvm, shadow, chain, ctx=ctx, steady_steps=steady_steps)
     assert pool.get_num_free_blocks() == 0
     release_fork_retentions(kvm)
     pool.free_blocks(spare[1:])
@@ -149,8 +148,8 @@ def test_shadow_registration_rejects_too_shallow_chain():
     baseline = in_use(kvm.block_pool)
     shadow = _shadow("shadow", 45)
     with pytest.raises(ShadowRegistrationError, match="too shallow: it holds 3 block.*needs 4") as err:
-        register_shadow(kvm, shadow, chain, ctx=45, headroom=3)
-    assert err.value.reason == shadows.CHAIN_TOO_SHALLOW
+        register_shadow(kvm, shadow, chain, ctx=45, steady_steps=3)
+    assert err.value.reason == vocabulary.CHAIN_TOO_SHALLOW
     _assert_nothing_registered(kvm, shadow, baseline)
     _assert_clean_end(kvm, chain)
 
@@ -178,7 +177,7 @@ def test_shadow_registration_unwinds_earlier_groups_on_failure(monkeypatch, fail
     shadow = _shadow("shadow", 40)
 
     with pytest.raises((ShadowRegistrationError, ValueError, AssertionError)):
-        register_shadow(kvm, shadow, chain, ctx=40, headroom=8)
+        register_shadow(kvm, shadow, chain, ctx=40, steady_steps=8)
 
     monkeypatch.undo()
     _assert_nothing_registered(kvm, shadow, baseline)
@@ -193,7 +192,7 @@ def test_shadow_lifecycle_returns_every_reference(fork):
     registered, forks = [], []
     for i, ctx in enumerate([31, 32, 33, 100, 150, 190]):
         shadow = _shadow(f"shadow{i}", ctx)
-        registration = register_shadow(kvm, shadow, chains[i % 2], ctx=ctx, headroom=3, fork=fork)
+        registration = register_shadow(kvm, shadow, chains[i % 2], ctx=ctx, steady_steps=3, fork=fork)
         registered.append(shadow)
         forks += [pair for table in registration.groups for pair in table.forks]
     assert sorted(release_fork_retentions(kvm)) == sorted(forks) and bool(forks) == fork
@@ -212,7 +211,7 @@ def test_steady_steps_of_a_borrowed_shadow_hash_nothing():
     hashes_before = {b.block_id: b.block_hash for b in manager.req_to_blocks["chain"]}
     shadow = _shadow("shadow", 30)
     shadow.append_output_token_ids([5] * 8)  # what the steady steps sample
-    register_shadow(kvm, shadow, chain, ctx=30, headroom=1)
+    register_shadow(kvm, shadow, chain, ctx=30, steady_steps=1)
     release_fork_retentions(kvm)
     shadow.num_computed_tokens = 30
     for _ in range(6):  # writes positions 30..35, crossing into block 2 at 32
@@ -232,6 +231,6 @@ def test_registration_refuses_a_request_that_already_has_blocks():
     other = make_chain(kvm, "other", 20)
     baseline = in_use(kvm.block_pool)
     with pytest.raises(ValueError, match="already has blocks"):
-        register_shadow(kvm, other, chain, ctx=20, headroom=2)
+        register_shadow(kvm, other, chain, ctx=20, steady_steps=2)
     assert in_use(kvm.block_pool) == baseline
     _assert_clean_end(kvm, chain, other)

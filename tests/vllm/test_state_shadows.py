@@ -4,7 +4,7 @@ whose state slot cannot be established; the gate's state reasons, the mode table
 build, stamps).
 
 Layout unless said otherwise: attention bs 16 + align-mode state bs 64 (hash unit 16),
-headroom 3, a 192-token chain whose state table is [null, null, S].
+steady_steps 3, a 192-token chain whose state table is [null, null, S].
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 from real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler, step_scheduler
-
-from vllm.kvwarm import borrowing, state_mode
-from vllm.kvwarm.layout import group_layouts
-from vllm.kvwarm.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
-from vllm.kvwarm.state_mode import (
-    COPY, EXACT, INPLACE, StateBuild, decide_state_mode, resolve_state_mode, state_stamps,
-)
+from vllm.kvwarm.kv import state_mode
+from vllm.kvwarm.kv.layout import group_layouts
+from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.kv.state_mode import StateBuild, decide_state_mode, resolve_state_mode
+from vllm.kvwarm.record import vocabulary
+from vllm.kvwarm.record.vocabulary import COPY, EXACT, INPLACE, state_stamps
 
 
 def _hybrid(num_blocks=64, speculative=0, mode="align"):
@@ -52,7 +51,7 @@ def test_state_shadow_in_place_puts_the_chain_state_at_the_read_slot():
     chain_attention, (null, _, chain_state) = _ids(attention.req_to_blocks["chain"]), state.req_to_blocks["chain"]
     shadow = make_request("shadow", 101)
 
-    registration = register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=INPLACE)
+    registration = register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=INPLACE)
 
     assert registration.state_mode == INPLACE
     assert _ids(attention.req_to_blocks["shadow"])[:6] == chain_attention[:6]
@@ -69,7 +68,7 @@ def test_state_shadow_copy_forks_the_chain_state_like_an_attention_tail():
     chain_tail, chain_state = attention.req_to_blocks["chain"][6], state.req_to_blocks["chain"][2]
     shadow = make_request("shadow", 101)
 
-    registration = register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=COPY)
+    registration = register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=COPY)
 
     attention_copy = attention.req_to_blocks["shadow"][6]
     state_copy = state.req_to_blocks["shadow"][1]
@@ -89,7 +88,7 @@ def test_state_shadow_pre_places_a_blank_block_at_the_crossing(ctx, expected):
     chain = make_chain(kvm, "chain", 192)
     chain_state = state.req_to_blocks["chain"][2]
     shadow = make_request("shadow", ctx + 1)
-    registration = register_shadow(kvm, shadow, chain, ctx=ctx, headroom=3, state_mode=INPLACE)
+    registration = register_shadow(kvm, shadow, chain, ctx=ctx, steady_steps=3, state_mode=INPLACE)
 
     table = state.req_to_blocks["shadow"]
     blanks = registration.groups[1].blanks
@@ -105,7 +104,7 @@ def test_state_shadow_keeps_the_speculative_scratch_after_the_state():
     chain = make_chain(kvm, "chain", 192)
     null, _, chain_state, chain_scratch = state.req_to_blocks["chain"]
     shadow = make_request("shadow", 101)
-    registration = register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=COPY)
+    registration = register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=COPY)
 
     fork_, scratch = state.req_to_blocks["shadow"][1:]
     assert state.req_to_blocks["shadow"][0] is null
@@ -126,7 +125,7 @@ def test_state_shadow_reads_the_state_slot_from_the_chain_depth():
     assert state.req_to_blocks["chain"][1] is old_state and new_state is not old_state
 
     shadow = make_request("shadow", 101)
-    register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=INPLACE)
+    register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=INPLACE)
     assert state.req_to_blocks["shadow"][1] is new_state
     _release_all(kvm, shadow, chain)
 
@@ -138,8 +137,8 @@ def test_state_shadow_refuses_a_chain_without_a_state_block():
     shadow = make_request("shadow", 51)
     baseline = in_use(kvm.block_pool)
     with pytest.raises(ShadowRegistrationError, match="holds no recurrent state block at slot 1") as err:
-        register_shadow(kvm, shadow, chain, ctx=50, headroom=3, state_mode=INPLACE)
-    assert err.value.reason == borrowing.STATE_MISSING
+        register_shadow(kvm, shadow, chain, ctx=50, steady_steps=3, state_mode=INPLACE)
+    assert err.value.reason == vocabulary.STATE_MISSING
     assert in_use(kvm.block_pool) == baseline
     chain.num_computed_tokens = 192
     _release_all(kvm, chain)
@@ -149,8 +148,8 @@ def _refused_as_state_missing(kvm, chain, mode, message):
     """A shadow at ctx 100 of `chain` is refused with state_missing and takes nothing."""
     baseline = in_use(kvm.block_pool)
     with pytest.raises(ShadowRegistrationError, match=message) as err:
-        register_shadow(kvm, make_request("shadow", 101), chain, ctx=100, headroom=3, state_mode=mode)
-    assert err.value.reason == borrowing.STATE_MISSING
+        register_shadow(kvm, make_request("shadow", 101), chain, ctx=100, steady_steps=3, state_mode=mode)
+    assert err.value.reason == vocabulary.STATE_MISSING
     assert in_use(kvm.block_pool) == baseline
     assert all("shadow" not in m.req_to_blocks for m in kvm.coordinator.single_type_managers)
     _release_all(kvm, chain)
@@ -184,7 +183,7 @@ def test_state_shadow_refuses_a_table_that_runs_past_its_state_and_scratch(specu
     ("inplace-where-partial-tails-are-hashed", "never hash a borrowed request's partial tail"),
 ])
 def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, detail):
-    from vllm.kvwarm import shadows
+    from vllm.kvwarm.kv import shadows
 
     kvm, attention, state = _hybrid()
     chain = make_chain(kvm, "chain", 192)
@@ -197,8 +196,8 @@ def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, de
     baseline = in_use(kvm.block_pool)
     shadow = make_request("shadow", 101)
     with pytest.raises(ShadowRegistrationError, match=detail) as err:
-        register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=mode)
-    assert err.value.reason == borrowing.STATE_MODE_UNUSABLE
+        register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=mode)
+    assert err.value.reason == vocabulary.STATE_MODE_UNUSABLE
     assert in_use(kvm.block_pool) == baseline and "shadow" not in attention.req_to_blocks
     monkeypatch.undo()
     _release_all(kvm, chain)
@@ -211,7 +210,7 @@ def test_state_shadow_unwinds_the_attention_group_when_the_state_fork_fails(monk
     monkeypatch.setattr(state, "_apply_cow", lambda *a: (_ for _ in ()).throw(AssertionError("injected")))
     shadow = make_request("shadow", 101)
     with pytest.raises(AssertionError, match="injected"):
-        register_shadow(kvm, shadow, chain, ctx=100, headroom=3, state_mode=COPY)
+        register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=COPY)
     monkeypatch.undo()
     assert in_use(kvm.block_pool) == baseline
     assert attention.take_pending_cow_copies() == [] and state.take_pending_cow_copies() == []
@@ -221,7 +220,7 @@ def test_state_shadow_unwinds_the_attention_group_when_the_state_fork_fails(monk
 
 
 def test_state_groups_are_keyed_on_the_cache_mode_not_the_class_name():
-    from vllm.kvwarm.layout import STATE_ALIGN, STATE_OTHER, classify_spec
+    from vllm.kvwarm.kv.layout import STATE_ALIGN, STATE_OTHER, classify_spec
     from vllm.v1.kv_cache_interface import MambaSpec
 
     class LinearAttentionStateSpec(MambaSpec):  # another name, the same cache modes
@@ -250,16 +249,16 @@ def test_state_shadow_rejects_a_non_align_mamba_group():
     kvm, _, _ = _non_align_hybrid()
     layouts = group_layouts(kvm)
     assert resolve_state_mode(layouts, StateBuild(True, True), None).reason == \
-        state_mode.HYBRID_STATE_LAYERS_UNSUPPORTED
+        vocabulary.HYBRID_STATE_LAYERS_UNSUPPORTED
     shadow = make_request("shadow", 101)
     with pytest.raises(ShadowRegistrationError) as err:
-        register_shadow(kvm, shadow, make_request("chain", 1), ctx=100, headroom=3, state_mode=COPY)
-    assert err.value.reason == borrowing.LAYOUT_UNSUPPORTED and "state_other" in str(err.value)
+        register_shadow(kvm, shadow, make_request("chain", 1), ctx=100, steady_steps=3, state_mode=COPY)
+    assert err.value.reason == vocabulary.LAYOUT_UNSUPPORTED and "state_other" in str(err.value)
 
 
 @pytest.mark.parametrize("mode", [COPY, INPLACE])
 def test_shadow_pool_shortfall_adds_the_state_group_blocks(mode):
-    # ctx 126, headroom 3: attention 2 blocks; state (1 fork in copy mode) + 1 blank.
+    # ctx 126, steady_steps 3: attention 2 blocks; state (1 fork in copy mode) + 1 blank.
     kvm, _, _ = _hybrid(num_blocks=40)
     chain = make_chain(kvm, "chain", 192)  # 12 + 1 blocks
     need = 2 + (mode == COPY) + 1
@@ -267,10 +266,10 @@ def test_shadow_pool_shortfall_adds_the_state_group_blocks(mode):
     spare = pool.get_new_blocks(pool.get_num_free_blocks() - need + 1)
     shadow = make_request("shadow", 127)
     with pytest.raises(ShadowRegistrationError, match="1 more free block") as err:
-        register_shadow(kvm, shadow, chain, ctx=126, headroom=3, state_mode=mode)
-    assert err.value.reason == borrowing.POOL_EXHAUSTED
+        register_shadow(kvm, shadow, chain, ctx=126, steady_steps=3, state_mode=mode)
+    assert err.value.reason == vocabulary.POOL_EXHAUSTED
     pool.free_blocks(spare[:1])
-    register_shadow(kvm, shadow, chain, ctx=126, headroom=3, state_mode=mode)
+    register_shadow(kvm, shadow, chain, ctx=126, steady_steps=3, state_mode=mode)
     assert pool.get_num_free_blocks() == 0
     pool.free_blocks(spare[1:])
     _release_all(kvm, shadow, chain)
@@ -285,7 +284,7 @@ def test_state_shadow_lifecycle_returns_every_reference(mode, fork):
     shadows = []
     for i, ctx in enumerate([63, 64, 65, 126, 128, 191]):
         shadow = make_request(f"shadow{i}", ctx + 1)
-        register_shadow(kvm, shadow, chains[i % 2], ctx=ctx, headroom=3, fork=fork, state_mode=mode)
+        register_shadow(kvm, shadow, chains[i % 2], ctx=ctx, steady_steps=3, fork=fork, state_mode=mode)
         shadows.append(shadow)
     release_fork_retentions(kvm)
     for shadow in shadows:
@@ -303,17 +302,17 @@ PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemptio
 
 
 @pytest.mark.parametrize("build, requested, mode, reason", [
-    (STOCK_025, None, EXACT, None), (STOCK_025, "copy", None, state_mode.STATE_COPY_UNSUPPORTED),
+    (STOCK_025, None, EXACT, None), (STOCK_025, "copy", None, vocabulary.STATE_COPY_UNSUPPORTED),
     (STOCK_025, "inplace", INPLACE, None),
     (PATCHED_025, None, EXACT, None), (PATCHED_025, "COPY", COPY, None), (PATCHED_025, " InPlace ", INPLACE, None),
     (STOCK_028, "auto", EXACT, None), (STOCK_028, "copy", COPY, None),
-    (STOCK_028, "inplace", None, state_mode.STATE_INPLACE_UNSUPPORTED),
+    (STOCK_028, "inplace", None, vocabulary.STATE_INPLACE_UNSUPPORTED),
     (PATCHED_028, "auto", EXACT, None), (PATCHED_028, "inplace", INPLACE, None),
-    (StateBuild(can_fork=False, inplace_ok=False), "auto", None, state_mode.STATE_HAND_OFF_UNSUPPORTED),
-    (PATCHED_028, "fork", None, state_mode.STATE_MODE_INVALID),
+    (StateBuild(can_fork=False, inplace_ok=False), "auto", None, vocabulary.STATE_HAND_OFF_UNSUPPORTED),
+    (PATCHED_028, "fork", None, vocabulary.STATE_MODE_INVALID),
     (PATCHED_028, "exact", EXACT, None), (STOCK_025, "Exact", EXACT, None),
     (STOCK_028, "exact", EXACT, None),
-    (StateBuild(can_fork=False, inplace_ok=False), "exact", None, state_mode.STATE_EXACT_UNSUPPORTED),
+    (StateBuild(can_fork=False, inplace_ok=False), "exact", None, vocabulary.STATE_EXACT_UNSUPPORTED),
 ])
 def test_state_mode_resolution(build, requested, mode, reason):
     layouts = group_layouts(_hybrid()[0])
@@ -383,7 +382,7 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
 
     shadow = make_request("shadow", 112, hash_block_size=16)  # the chain's own tokens
     shadow.max_tokens = shadow.sampling_params.max_tokens = steps + 5
-    register_shadow(kvm, shadow, chain, ctx=111, headroom=steps, state_mode=INPLACE)
+    register_shadow(kvm, shadow, chain, ctx=111, steady_steps=steps, state_mode=INPLACE)
     release_fork_retentions(kvm)
     shadow.borrowed_kv = borrowed_kv  # False: what a build without the exemption does
     shadow.num_computed_tokens, shadow.status = 111, RequestStatus.RUNNING  # admitted one short
@@ -407,7 +406,7 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
 def _partial_tail_damage_missing(tmp_path) -> str | None:
     """Why this build shows no partial-tail damage to reproduce, or None where it does: the
     first steady step of a shadow without the exemption drops its cached state count."""
-    from vllm.kvwarm.capabilities import hashes_partial_tails
+    from vllm.kvwarm.kv.capabilities import hashes_partial_tails
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
     if not hashes_partial_tails(MambaManager):

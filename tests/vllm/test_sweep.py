@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 from real_kv import in_use, make_scheduler, step_scheduler
-
-from vllm.kvwarm.points import DecodePoint
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
-from vllm.kvwarm.sweep import DecodeSweep, SweepConfig, plan_rungs
+from vllm.kvwarm.sweep.controller import Sweep
+from vllm.kvwarm.sweep.plan import SweepConfig, plan_rungs
+from vllm.kvwarm.sweep.points import DecodePoint
 
 REPEATS = 3
 
@@ -28,18 +28,18 @@ def _tokens(i: int, depth: int) -> list[int]:
     return [(7 * i + 3 * t) % 200 + 2 for t in range(depth)]
 
 
-def make_sweep(points, chain_tokens=_tokens, *, clock=None, exchange=None, **config) -> DecodeSweep:
+def make_sweep(points, chain_tokens=_tokens, *, clock=None, exchange=None, **config) -> Sweep:
     """A sweep with the test's settings; its clock ticks one second per reading, so step
     times are exact (and no row is stamped noisy by the host's jitter)."""
-    config = SweepConfig(**{"repeats": REPEATS, "max_model_len": 1024, **config})
+    config = SweepConfig(**{"steady_steps": REPEATS, "max_model_len": 1024, **config})
     ticks = itertools.count()
-    return DecodeSweep(points, chain_tokens, config, clock=clock or (lambda: float(next(ticks))),
+    return Sweep(points, chain_tokens, config, clock=clock or (lambda: float(next(ticks))),
                        progress=lambda _: None, exchange=exchange)
 
 
 def test_rungs_are_one_per_batch_size_deepest_first():
     points = [DecodePoint(200, 2), DecodePoint(90, 3), DecodePoint(500, 2), DecodePoint(30, 3)]
-    rungs = plan_rungs(points, repeats=3, max_model_len=1024)
+    rungs = plan_rungs(points, steady_steps=3, max_model_len=1024)
     assert [(r.batch_size, r.depth, [p.total_kv_read_tokens for p in r.points]) for r in rungs] == [
         (3, 29 + 1 + 3, [90, 30]), (2, 249 + 1 + 3, [500, 200])]  # one token short, admission, steady
 
@@ -91,7 +91,7 @@ def test_a_tight_pool_trims_the_chains_and_measures_what_they_cannot_cover_on_fa
 
 def test_a_point_that_cannot_be_admitted_is_skipped_with_its_reason(tmp_path):
     scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
-    queue = scheduler.kvwarm.queue
+    queue = scheduler.kvwarm_injector.queue
 
     def queue_after_something_else_took_the_pool(point):
         pool = scheduler.kv_cache_manager.block_pool
@@ -99,7 +99,7 @@ def test_a_point_that_cannot_be_admitted_is_skipped_with_its_reason(tmp_path):
         return queue(point)
 
     taken = []
-    scheduler.kvwarm.queue = queue_after_something_else_took_the_pool
+    scheduler.kvwarm_injector.queue = queue_after_something_else_took_the_pool
     sweep = make_sweep([DecodePoint(300, 2)])
     scheduler.kvwarm_sweep = sweep
     for _ in range(100):
@@ -201,11 +201,11 @@ def test_an_exact_point_whose_catch_ups_do_not_fit_is_skipped_after_the_ranks_me
     """As if every boundary state had been evicted: each catch-up would recompute its whole
     context, which this pool cannot hold beside the chains, so the point is skipped, named,
     without adding a catch-up; the sweep goes on to the next point and ends clean."""
-    from vllm.kvwarm import sweep as sweep_module
+    from vllm.kvwarm.sweep import catchups
 
     scheduler = make_scheduler(tmp_path, num_blocks=40, scheduler_cls=KvWarmScheduler, block_size=32, state_block_size=32)
     lookups = []
-    monkeypatch.setattr(sweep_module, "cached_tokens", lambda kvm, request: lookups.append(request) or 0)
+    monkeypatch.setattr(catchups, "cached_tokens", lambda kvm, request: lookups.append(request) or 0)
     meetings = []
     sweep = make_sweep([DecodePoint(600, 2), DecodePoint(40, 2)], state_mode="exact", state_lending="inplace")
     post = sweep._exchange.post

@@ -8,9 +8,9 @@ import csv
 import json
 
 import pytest
-
-from vllm.kvwarm.artifact import build_artifact, validate, write_artifact
-from vllm.kvwarm.sweep import PointRow
+from vllm.kvwarm.record.artifact import KvwarmMeta, PointRow, build_artifact, write_artifact
+from vllm.kvwarm.record.plot import write_plot
+from vllm.kvwarm.record.schema import validate
 
 
 def _rows():
@@ -22,20 +22,20 @@ def _rows():
     ]
 
 
-META = {"enabled": True, "warm_eligible": True, "skip_reason": None, "giant_kv_repeats": 3,
-        "giant_kv_threshold": 1_000_000, "state_mode_requested": "auto", "state_mode": "copy",
-        "reset_prefix_cache": True, "stages": [{"batch": 4, "depth": 2254, "build_seconds": 1.5}],
-        "dataset": {"path": "/d/sharegpt.json", "sha256": "ab" * 32, "collection_pool": "conversation_sha256_even",
-                    "conversations": 10}}
+META = KvwarmMeta(enabled=True, warm_eligible=True, giant_kv_repeats=3, giant_kv_threshold=1_000_000,
+                  state_mode_requested="auto", state_mode="copy", reset_prefix_cache=True,
+                  stages=[{"batch": 4, "depth": 2254, "build_seconds": 1.5}],
+                  dataset={"path": "/d/sharegpt.json", "sha256": "ab" * 32,
+                           "collection_pool": "conversation_sha256_even", "conversations": 10})
 
 
 def test_artifact_files_are_written_and_valid(tmp_path):
     import importlib.util
 
     artifact = build_artifact(_rows(), META, {"model": "m"}, "complete")
-    paths = write_artifact(tmp_path, artifact)
+    paths = write_artifact(tmp_path, artifact) + [write_plot(tmp_path, artifact)]
     plots = importlib.util.find_spec("matplotlib") is not None
-    assert [p.name for p in paths] == ["sweep.json", "sweep.csv"] + (["sweep.png"] if plots else [])
+    assert [p.name for p in paths if p] == ["sweep.json", "sweep.csv"] + (["sweep.png"] if plots else [])
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert data["schema_version"] == 2 and data["artifact_type"] == "rank"
     assert data["kvwarm"]["points_real_kv"] == 2 and data["kvwarm"]["points_fake_fallback"] == 0
@@ -57,7 +57,7 @@ def test_concurrent_writers_never_collide_on_a_temporary_file(tmp_path):
     """Two ranks (threads here) rewriting files in one folder: every write lands whole."""
     import threading
 
-    from vllm.kvwarm.artifact import write_atomically
+    from vllm.kvwarm.record.files import write_atomically
 
     errors = []
 
@@ -97,7 +97,7 @@ def test_the_schema_rejects_malformed_artifacts(break_it):
 
 
 def _sweep(tmp_path, monkeypatch, points, env):
-    from vllm.kvwarm.sweep_command import run
+    from vllm.kvwarm.sweep.command import run
 
     for name in ("DYN_BENCH_KV_WARMUP", "DYN_BENCH_KV_WARMUP_DATASET", "DYN_BENCH_GIANT_KV_REPEATS"):
         monkeypatch.delenv(name, raising=False)
@@ -136,7 +136,7 @@ def test_the_command_stops_waiting_when_the_engine_core_dies_without_a_final_art
     says so. The client is a stand-in (no engine process can be made to die here)."""
     from types import SimpleNamespace
 
-    from vllm.kvwarm import sweep_command
+    from vllm.kvwarm.sweep import command as sweep_command
 
     artifact = tmp_path / "sweep.json"
     artifact.write_text(json.dumps({"status": "running"}))
@@ -156,7 +156,7 @@ def test_the_command_stops_waiting_when_the_engine_core_dies_without_a_final_art
 def test_the_command_waits_through_a_missing_or_half_replaced_artifact(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from vllm.kvwarm import sweep_command
+    from vllm.kvwarm.sweep import command as sweep_command
 
     artifact = tmp_path / "sweep.json"
     states = iter([None, "not json {", json.dumps({"status": "running"}), json.dumps({"status": "complete"})])

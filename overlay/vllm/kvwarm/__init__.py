@@ -1,7 +1,21 @@
-"""KV warm-up for real-KV decode benchmarking (overlay of the patched vLLM build).
+"""KV warm-up for real-KV step-time benchmarking (the overlay of the patched vLLM build).
 
-This package is copied into the vLLM tree by the kvwarm build tooling. It never branches on
-vLLM's version: what a build can do is probed (see `capabilities`).
+Copied into the vLLM tree by the kvwarm build tooling. It never branches on vLLM's version:
+what a build can do is probed (kv.capabilities). The rooms, and which way imports go:
+
+  scheduler.py  the adapter (`--scheduler-cls vllm.kvwarm.scheduler.KvWarmScheduler` or
+                `KvWarmAsyncScheduler`): stock scheduling plus the sweep's hooks
+  __main__.py   `python -m vllm.kvwarm info | sweep | report | selfcheck`
+  ranks.py      `note_launch`, which the series' rank hook calls
+  sweep/        the measurement controller and its inputs: points, settings, dataset, gate,
+                plan, rows, ranks; the run that ties them to an engine and writes the record
+  kv/           everything that touches vLLM's KV-cache internals (docs/hooks.md): layout,
+                capabilities, shadow registration, state hand-off, chains, fake KV,
+                catch-ups, the injector
+  record/       the measurement record as plain data (vocabulary, artifact, schema,
+                combined view) and its readers (runs, plot, report); imports nothing of vLLM
+
+  scheduler -> sweep -> kv -> record.vocabulary; sweep -> record; record -> nothing above.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import json
 import sys
 
 from vllm.kvwarm import build_record
-from vllm.kvwarm.capabilities import probe
+from vllm.kvwarm.kv.capabilities import probe
 
 
 def _info(as_json: bool) -> int:
@@ -40,11 +40,11 @@ def _info(as_json: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sweep"]:  # takes every vLLM engine argument: its own parser
-        from vllm.kvwarm.sweep_command import run
+        from vllm.kvwarm.sweep.command import run
 
         return run(argv[1:])
     if argv[:1] == ["report"]:  # its own parser too: the page, the CSV and the A/B comparison
-        from vllm.kvwarm.report import run
+        from vllm.kvwarm.record.report import run
 
         return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")

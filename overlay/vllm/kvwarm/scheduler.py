@@ -1,11 +1,11 @@
 """The scheduler adapter (`--scheduler-cls vllm.kvwarm.scheduler.KvWarmScheduler`, or
 `KvWarmAsyncScheduler` with async scheduling): stock scheduling, plus the admission of
 queued shadows at the end of each `schedule()`. Everything else lives in plain objects
-(ShadowInjector) that tests drive against a real scheduler without an engine.
+(kv.injector.ShadowInjector, sweep.controller.Sweep) that tests drive against a real scheduler without an engine.
 
 With nothing queued it schedules exactly as the class it extends. With
 additional_config {"kvwarm_sweep": {"points": FILE, "out": DIR}} it runs a decode sweep
-(sweep_run.SweepRun) from its first step, in whichever process the scheduler lives.
+(sweep.run.SweepRun) from its first step, in whichever process the scheduler lives.
 
 A configured sweep never takes the engine down: every sweep hook runs under one failure
 handling that records the error in the artifact (status "failed"), gives back the
@@ -21,8 +21,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from .injection import ShadowInjector
-from .sweep_run import CONFIG_KEY, SweepRun
+from .kv.injector import ShadowInjector
+from .sweep.run import CONFIG_KEY, SweepRun
 
 logger = init_logger(__name__)
 
@@ -30,8 +30,8 @@ logger = init_logger(__name__)
 class KvWarmSchedulerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.kvwarm = ShadowInjector()
-        self.kvwarm_sweep = None  # a sweep.DecodeSweep while one runs
+        self.kvwarm_injector = ShadowInjector()
+        self.kvwarm_sweep = None  # a sweep.controller.Sweep while one runs
         self.kvwarm_run = None  # the SweepRun that owns it, when configured
         additional = self.vllm_config.additional_config
         spec = additional.get(CONFIG_KEY) if isinstance(additional, dict) else None
@@ -65,8 +65,8 @@ class KvWarmSchedulerMixin:
             self._drive(self._sweep_step)
         measuring = sweep.measuring() if sweep is not None and not sweep.done else None
         output = self._schedule_only(measuring, *args, **kwargs)
-        if self.kvwarm.has_pending():
-            self._drive(self.kvwarm.admit_pending, self, output)
+        if self.kvwarm_injector.has_pending():
+            self._drive(self.kvwarm_injector.admit_pending, self, output)
         return output
 
     def _schedule_only(self, allowed: set[str] | None, *args, **kwargs):
@@ -100,7 +100,7 @@ class KvWarmSchedulerMixin:
         # Queued shadows and a running sweep need schedule() calls even when nothing else
         # is waiting (parked chains are not in `running`); without this the engine idles.
         sweeping = self.kvwarm_sweep is not None and self.kvwarm_sweep.has_work()
-        return super().has_requests() or self.kvwarm.has_pending() or sweeping
+        return super().has_requests() or self.kvwarm_injector.has_pending() or sweeping
 
 
 class KvWarmScheduler(KvWarmSchedulerMixin, Scheduler):

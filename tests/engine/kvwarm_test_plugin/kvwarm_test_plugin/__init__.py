@@ -56,6 +56,6 @@ def register() -> None:
         CpuCommunicator.all_gatherv = _all_gatherv
         CpuCommunicator.reduce_scatterv = _reduce_scatterv
     if os.environ.get("KVWARM_TEST_PLAN_SKEW") == "1":
-        from vllm.kvwarm.sweep import DecodeSweep
+        from vllm.kvwarm.sweep.controller import Sweep
 
-        DecodeSweep.plan_digest = _skewed_plan_digest(DecodeSweep.plan_digest)
+        Sweep.plan_digest = _skewed_plan_digest(Sweep.plan_digest)

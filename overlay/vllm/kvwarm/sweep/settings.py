@@ -30,7 +30,7 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     warmup: str  # on | off | force
-    repeats: int  # timed steady steps per point (the median is kept)
+    steady_steps: int  # timed steady steps per point (the median is kept)
     giant_kv_threshold: int
     dataset: str | None
 
@@ -57,7 +57,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise SettingsError(f"{WARMUP_ENV}={raw!r} is not one of on, off, force (or 1/0, true/false, yes/no)")
     return Settings(
         warmup=warmup,
-        repeats=_int(environ, REPEATS_ENV, default=3, minimum=1),
+        steady_steps=_int(environ, REPEATS_ENV, default=3, minimum=1),
         giant_kv_threshold=_int(environ, THRESHOLD_ENV, default=1_000_000, minimum=0),
         dataset=environ.get(DATASET_ENV) or None,
     )

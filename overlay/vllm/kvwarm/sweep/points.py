@@ -50,8 +50,8 @@ def _known_keys(entry: dict, allowed: tuple[str, ...], where: str) -> None:
             raise PointsFileError(f"{where}: unknown key {key!r} (allowed: {', '.join(allowed)})")
 
 
-def parse_points(data, source: str, max_model_len: int, headroom: int) -> list[DecodePoint]:
-    """The points of a parsed points file; `headroom` is the steady steps each request
+def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> list[DecodePoint]:
+    """The points of a parsed points file; `steady_steps` is the steady steps each request
     decodes after its context, which must still fit in max_model_len."""
     if not isinstance(data, dict):
         raise PointsFileError(f"{source}: expected a JSON object with schema_version and decode")
@@ -79,17 +79,17 @@ def parse_points(data, source: str, max_model_len: int, headroom: int) -> list[D
             raise PointsFileError(f"{where}: total_kv_read_tokens {k} is less than batch_size {b} "
                                   "(every request reads at least one token)")
         point = DecodePoint(k, b)
-        longest = point.tokens_spanned(headroom)
+        longest = point.tokens_spanned(steady_steps)
         if longest > max_model_len:
             raise PointsFileError(
-                f"{where}: a request at context {point.contexts()[0]} plus {1 + headroom} decode "
+                f"{where}: a request at context {point.contexts()[0]} plus {1 + steady_steps} decode "
                 f"steps needs {longest} tokens, beyond max_model_len {max_model_len}; lower K, "
                 "raise batch_size or start the engine with a larger --max-model-len")
         points.append(point)
     return points
 
 
-def load_points(path: str | Path, max_model_len: int, headroom: int) -> list[DecodePoint]:
+def load_points(path: str | Path, max_model_len: int, steady_steps: int) -> list[DecodePoint]:
     path = Path(path)
     try:
         text = path.read_text()
@@ -99,4 +99,4 @@ def load_points(path: str | Path, max_model_len: int, headroom: int) -> list[Dec
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise PointsFileError(f"points file {path} is not valid JSON: {err}") from None
-    return parse_points(data, f"points file {path}", max_model_len, headroom)
+    return parse_points(data, f"points file {path}", max_model_len, steady_steps)

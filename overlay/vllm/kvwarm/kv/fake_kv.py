@@ -11,14 +11,15 @@ is never hashed, so nothing it holds can be found by the prefix cache.
 
 from __future__ import annotations
 
-from .borrowing import POOL_EXHAUSTED, ShadowRegistrationError
+from ..record.vocabulary import POOL_EXHAUSTED
+from .borrowing import ShadowRegistrationError
 from .request import greedy_request
 
 
-def fake_request(request_id: str, ctx: int, decode_steps: int, vocab_size: int, salt: int):
-    """A greedy request over ctx + 1 synthetic tokens that decodes `decode_steps` tokens."""
+def fake_request(request_id: str, ctx: int, max_tokens: int, vocab_size: int, salt: int):
+    """A greedy request over ctx + 1 synthetic tokens that decodes `max_tokens` tokens."""
     tokens = [(salt * 7919 + 31 * t) % vocab_size for t in range(ctx + 1)]
-    request = greedy_request(request_id, tokens, decode_steps, cache_salt=request_id)
+    request = greedy_request(request_id, tokens, max_tokens, cache_salt=request_id)
     request.borrowed_kv = True  # KV it did not compute: never hashed
     return request
 

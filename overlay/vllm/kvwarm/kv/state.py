@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .borrowing import STATE_MISSING, GroupTable, ShadowRegistrationError, adopt, fork, take_fresh, touch
-from .state_mode import COPY
+from ..record.vocabulary import COPY, STATE_MISSING
+from .borrowing import GroupTable, ShadowRegistrationError, adopt, fork, take_fresh, touch
 
 
 def chain_state_slot(group, chain) -> int:
@@ -49,11 +49,11 @@ def chain_state_slot(group, chain) -> int:
     return slot
 
 
-def stage_state(group, pool, chain, ctx: int, headroom: int, mode: str, undo) -> Callable:
+def stage_state(group, pool, chain, ctx: int, steady_steps: int, mode: str, undo) -> Callable:
     manager, bs = group.manager, group.block_size
     spec = group.num_speculative_blocks
     state = manager.req_to_blocks[chain.request_id][chain_state_slot(group, chain)]
-    read_slot, last_slot = (ctx - 1) // bs, (ctx + headroom) // bs
+    read_slot, last_slot = (ctx - 1) // bs, (ctx + steady_steps) // bs
     copy = mode == COPY
     fresh = take_fresh(pool, int(copy) + (last_slot - read_slot) + spec, undo)
     forked_copy, blanks = (fresh[0], fresh[1:]) if copy else (None, fresh)

@@ -1,7 +1,7 @@
 """How recurrent state is handed to shadows, decided from the layout and the build only.
 
 DYN_BENCH_KV_WARMUP_STATE = auto | copy | inplace | exact (default auto, any case) is read
-only on layouts with align-mode state groups. exact (exact_state.py) lends each shadow a
+only on layouts with align-mode state groups. exact (kv/catchup.py) lends each shadow a
 catch-up chain prefilled to the shadow's own context, handed over in place where that is
 safe, else by copy; a build with neither refuses it. auto means exact (its extra cost is
 untimed; docs/state-handoff.md says why). copy and in place read the chain's state at its
@@ -18,20 +18,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..record.vocabulary import (
+    AUTO, COPY, EXACT, HYBRID_STATE_LAYERS_UNSUPPORTED, INPLACE, STATE_COPY_UNSUPPORTED, STATE_EXACT_UNSUPPORTED,
+    STATE_HAND_OFF_UNSUPPORTED, STATE_INPLACE_UNSUPPORTED, STATE_MODE_INVALID, STATE_MODES,
+)
 from .capabilities import hashes_partial_tails
 from .layout import STATE_ALIGN, STATE_OTHER, GroupLayout
 
 STATE_ENV = "DYN_BENCH_KV_WARMUP_STATE"
-AUTO, COPY, INPLACE, EXACT = "auto", "copy", "inplace", "exact"
-MODES = (AUTO, COPY, INPLACE, EXACT)
-
-# The gate's state reasons, in the order they are checked.
-HYBRID_STATE_LAYERS_UNSUPPORTED = "hybrid_state_layers_unsupported"
-STATE_MODE_INVALID = "state_mode_invalid"
-STATE_COPY_UNSUPPORTED = "state_copy_unsupported"
-STATE_INPLACE_UNSUPPORTED = "state_inplace_unsupported"
-STATE_EXACT_UNSUPPORTED = "state_exact_unsupported"
-STATE_HAND_OFF_UNSUPPORTED = "state_hand_off_unsupported"
 
 
 @dataclass(frozen=True)
@@ -84,7 +78,7 @@ def resolve_state_mode(layouts: list[GroupLayout], build: StateBuild, requested:
     if not any(g.kind == STATE_ALIGN for g in layouts):
         return StateDecision(requested, None, None)
     wanted = (requested or AUTO).strip().lower()
-    if wanted not in MODES:
+    if wanted not in STATE_MODES:
         return refuse(STATE_MODE_INVALID)
     if wanted == EXACT:
         lending = build.lending_mode()
@@ -101,12 +95,3 @@ def resolve_state_mode(layouts: list[GroupLayout], build: StateBuild, requested:
 def decide_state_mode(kv_cache_manager, layouts: list[GroupLayout], environ) -> StateDecision:
     """resolve_state_mode for the live manager and the environment."""
     return resolve_state_mode(layouts, probe_state_build(layouts, kv_cache_manager), environ.get(STATE_ENV))
-
-
-def state_stamps(mode: str | None, chain_depth: int) -> list[str]:
-    """A point's state stamps: the mode and the depth of the deepest state its shadows
-    read (copy, in place: the chain's whole depth, not the point's ctx; exact: the
-    point's context). None for pure-attention points."""
-    if mode is None:
-        return []
-    return [f"kvwarm_state_{mode}", f"kvwarm_state_depth={chain_depth}"]

@@ -6,20 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Why a shadow was not registered. The point that needed it is skipped with upstream's
-# reason POINT_SKIP_REASON (explicit points raise); these say which check refused it.
-POINT_SKIP_REASON = "decode_injection_failed"
-CHAIN_TOO_SHALLOW = "chain_too_shallow"
-POOL_EXHAUSTED = "pool_exhausted"
-LAYOUT_UNSUPPORTED = "layout_unsupported"
-LAYOUT_UNKNOWN = "layout_unknown"  # a group whose spec the layout cannot classify
-FORK_UNSUPPORTED = "fork_unsupported"
-HOOKS_MISSING = "hooks_missing"
-STATE_MODE_UNUSABLE = "state_mode_unusable"
-STATE_MISSING = "state_missing"
-
 
 class ShadowRegistrationError(RuntimeError):
+    """Why a shadow was not registered: `reason` is a registration reason of the
+    vocabulary (the point that needed it is skipped as decode_injection_failed)."""
+
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason

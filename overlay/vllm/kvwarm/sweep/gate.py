@@ -7,7 +7,7 @@ the artifact names the reason.
 3. moe_tp_balanced_by_construction   MoE without --enable-expert-parallel  } heuristics:
                                      (routing cannot skew one rank's load)   `force` skips them
 4. prefix_caching_disabled           chains are found and kept by the prefix cache
-5. the state reasons (state_mode)    correctness: never overridden
+5. the state reasons (kv.state_mode) correctness: never overridden
 6. content_too_shallow: H < N        the dataset's collection half is shorter than the
                                      deepest chain (N tokens)
 """
@@ -16,11 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-FLAG_OFF = "flag_off"
-DENSE_MODEL = "dense_model_content_insensitive"
-MOE_TP_BALANCED = "moe_tp_balanced_by_construction"
-PREFIX_CACHING_DISABLED = "prefix_caching_disabled"
-CONTENT_TOO_SHALLOW = "content_too_shallow"
+from ..record.vocabulary import CONTENT_TOO_SHALLOW, DENSE_MODEL, FLAG_OFF, MOE_TP_BALANCED, PREFIX_CACHING_DISABLED
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 

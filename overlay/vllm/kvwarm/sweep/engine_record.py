@@ -8,11 +8,6 @@ from __future__ import annotations
 import os
 import platform
 import sys
-from datetime import datetime, timezone
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def resolved_engine_args(scheduler) -> dict:

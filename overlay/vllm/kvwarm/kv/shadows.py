@@ -1,8 +1,8 @@
 """Shadows: a request that borrows a chain's KV by position, in every group or none.
 
 `register_shadow` gives a shadow request (a vLLM Request with no blocks yet) the chain's
-KV up to position ctx and private room for `headroom` steady steps, group by group:
-attention/MLA groups as in attention_shadow, align-mode state groups as in state_shadow.
+KV up to position ctx and private room for `steady_steps` steady steps, group by group:
+attention/MLA groups as in kv.attention, align-mode state groups as in kv.state.
 The shadow is marked `borrowed_kv`, so nothing of it is ever hashed.
 
 It stages first (the pool pre-check, every depth check, every fresh block), then commits
@@ -18,21 +18,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .arithmetic import pool_shortfall, shadow_private_blocks
-from .attention_shadow import stage_attention
-from .borrowing import (  # noqa: F401  (the reasons are part of this module's API)
-    CHAIN_TOO_SHALLOW, FORK_UNSUPPORTED, HOOKS_MISSING, LAYOUT_UNKNOWN, LAYOUT_UNSUPPORTED, POINT_SKIP_REASON,
-    POOL_EXHAUSTED, STATE_MISSING, STATE_MODE_UNUSABLE, GroupTable, ShadowRegistrationError, Undo,
+from ..record.vocabulary import (
+    COPY, FORK_UNSUPPORTED, HOOKS_MISSING, INPLACE, LAYOUT_UNKNOWN, LAYOUT_UNSUPPORTED, POOL_EXHAUSTED,
+    STATE_MODE_UNUSABLE,
 )
+from .attention import stage_attention
+from .borrowing import GroupTable, ShadowRegistrationError, Undo
 from .layout import ATTENTION, STATE_ALIGN, UNKNOWN, GroupLayout, group_layouts
-from .state_mode import COPY, INPLACE, probe_state_build
-from .state_shadow import stage_state
+from .state import stage_state
+from .state_mode import probe_state_build
 
 
 @dataclass
 class ShadowRegistration:
     shadow_id: str
     ctx: int
-    headroom: int
+    steady_steps: int
     forked: bool  # attention tails forked (else zero-filled)
     state_mode: str | None  # copy | inplace on layouts with state groups
     groups: list[GroupTable]
@@ -75,17 +76,17 @@ def _check_layout(kv_cache_manager, layouts: list[GroupLayout], state_mode: str 
     return state_mode
 
 
-def check_pool(kv_cache_manager, layouts: list[GroupLayout], contexts: list[int], headroom: int,
+def check_pool(kv_cache_manager, layouts: list[GroupLayout], contexts: list[int], steady_steps: int,
                state_mode: str | None, what: str = "") -> None:
     """The pool pre-check: every private block the shadows at `contexts` need is free now."""
-    need = sum(shadow_private_blocks(layouts, ctx, headroom, state_copy=state_mode == COPY) for ctx in contexts)
+    need = sum(shadow_private_blocks(layouts, ctx, steady_steps, state_copy=state_mode == COPY) for ctx in contexts)
     shortfall = pool_shortfall(need, kv_cache_manager.block_pool.get_num_free_blocks())
     if shortfall:
         raise ShadowRegistrationError(POOL_EXHAUSTED, f"{shortfall} more free block(s) needed{what}")
 
 
 def register_shadow(
-    kv_cache_manager, shadow, chain, ctx: int, headroom: int, *,
+    kv_cache_manager, shadow, chain, ctx: int, steady_steps: int, *,
     fork: bool | None = None, state_mode: str | None = None, room_past_chain: bool = False,
 ) -> ShadowRegistration:
     """Raises ShadowRegistrationError (with a reason) or the underlying error, in both
@@ -93,8 +94,8 @@ def register_shadow(
     (copy | inplace, see state_mode.resolve_state_mode) is required on hybrid layouts.
     room_past_chain: the chain holds exactly ctx tokens (an exact-state catch-up); the
     shadow's tail past it is fresh."""
-    if ctx < 1 or headroom < 0:
-        raise ValueError(f"need ctx >= 1 and headroom >= 0, got ctx={ctx}, headroom={headroom}")
+    if ctx < 1 or steady_steps < 0:
+        raise ValueError(f"need ctx >= 1 and steady_steps >= 0, got ctx={ctx}, steady_steps={steady_steps}")
     if not has_borrowing_hooks(kv_cache_manager):
         raise ShadowRegistrationError(
             HOOKS_MISSING, "this vLLM build lacks adopt_blocks / Request.borrowed_kv (install a kvwarm build)")
@@ -102,13 +103,13 @@ def register_shadow(
     mode = _check_layout(kv_cache_manager, layouts, state_mode)
     forked = resolve_fork(layouts, fork)
     pool = kv_cache_manager.block_pool
-    check_pool(kv_cache_manager, layouts, [ctx], headroom, mode)
+    check_pool(kv_cache_manager, layouts, [ctx], steady_steps, mode)
 
     undo = Undo()
     try:
         commits = [
-            stage_attention(g, pool, chain, ctx, headroom, forked, undo, room_past_chain) if g.kind == ATTENTION
-            else stage_state(g, pool, chain, ctx, headroom, mode, undo)
+            stage_attention(g, pool, chain, ctx, steady_steps, forked, undo, room_past_chain) if g.kind == ATTENTION
+            else stage_state(g, pool, chain, ctx, steady_steps, mode, undo)
             for g in layouts
         ]
         tables = [commit(shadow.request_id) for commit in commits]
@@ -116,7 +117,7 @@ def register_shadow(
     except BaseException:
         undo.run()
         raise
-    return ShadowRegistration(shadow.request_id, ctx, headroom, forked, mode, tables)
+    return ShadowRegistration(shadow.request_id, ctx, steady_steps, forked, mode, tables)
 
 
 def release_fork_retentions(kv_cache_manager) -> list:

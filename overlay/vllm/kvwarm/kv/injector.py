@@ -13,9 +13,9 @@ From the next step on the stock running loop schedules them as ordinary decode r
 A fake-KV point (fake_kv) goes the same way with requests whose blocks are allocated,
 not borrowed.
 
-A point is admitted whole or not at all: if any shadow cannot be registered, the ones
-already registered are released, their copies dropped, and the point is reported with
-its reason (the artifact skips it as POINT_SKIP_REASON).
+An Admission (one point's requests) is admitted whole or not at all: if any shadow cannot
+be registered, the ones already registered are released, their copies dropped, and the
+admission records the reason (the artifact skips the point as decode_injection_failed).
 """
 
 from __future__ import annotations
@@ -32,83 +32,85 @@ SHADOW_PREFIX = "__kvwarm_shadow_"  # frontend ids never start like this
 
 
 @dataclass
-class PendingPoint:
+class Admission:
+    """One point's requests as the injector admits them."""
+
     chains: list | None  # the lending Requests, one per shadow; None for a fake-KV point
     contexts: list[int]
-    headroom: int  # steady steps after the admission step
+    steady_steps: int  # steady steps after the admission step
     fork: bool | None = None
     state_mode: str | None = None
     vocab_size: int = 0  # fake-KV points: the range of their synthetic tokens
-    # exact state (exact_state): the rung's chains, whose tokens the shadows' prompts take;
+    # exact state (kv/catchup): the rung's chains, whose tokens the shadows' prompts take;
     # `chains` are then catch-ups exactly ctx deep (their own next token is a sampled one)
     prompt_chains: list | None = None
     shadows: list = field(default_factory=list)  # filled on admission
     failure: str | None = None  # the registration error, when the point was refused
 
 
-def shadow_request(request_id: str, chain, ctx: int, decode_steps: int):
-    """A greedy request over the chain's first ctx + 1 tokens that decodes `decode_steps`."""
+def shadow_request(request_id: str, chain, ctx: int, max_tokens: int):
+    """A greedy request over the chain's first ctx + 1 tokens that decodes `max_tokens`."""
     # Never hashed (borrowed_kv), so no block hasher; the salt keeps it out of prefix hits.
-    return greedy_request(request_id, chain.all_token_ids[: ctx + 1], decode_steps, cache_salt=request_id)
+    return greedy_request(request_id, chain.all_token_ids[: ctx + 1], max_tokens, cache_salt=request_id)
 
 
 class ShadowInjector:
-    """Queues points and admits them from inside the scheduler's `schedule()`."""
+    """Queues admissions and admits them from inside the scheduler's `schedule()`."""
 
     def __init__(self):
-        self._pending: list[PendingPoint] = []
+        self._pending: list[Admission] = []
         self._next = 0
 
     def has_pending(self) -> bool:
         return bool(self._pending)
 
     def drop_pending(self) -> None:
-        """Forget points not admitted yet (nothing of theirs is registered before admission)."""
+        """Forget admissions not admitted yet (nothing of theirs is registered before admission)."""
         self._pending = []
 
-    def queue(self, point: PendingPoint) -> PendingPoint:
-        if not point.contexts or (point.chains is None and point.vocab_size < 1):
-            raise ValueError("a point needs contexts, and a vocabulary size when it is fake")
-        if point.chains is not None and len(point.chains) != len(point.contexts):
-            raise ValueError(f"a point needs one chain per context, got {len(point.chains)} chain(s) "
-                             f"for {len(point.contexts)} context(s)")
-        self._pending.append(point)
-        return point
+    def queue(self, admission: Admission) -> Admission:
+        if not admission.contexts or (admission.chains is None and admission.vocab_size < 1):
+            raise ValueError("an admission needs contexts, and a vocabulary size when it is fake")
+        if admission.chains is not None and len(admission.chains) != len(admission.contexts):
+            raise ValueError(f"an admission needs one chain per context, got {len(admission.chains)} chain(s) "
+                             f"for {len(admission.contexts)} context(s)")
+        self._pending.append(admission)
+        return admission
 
     def admit_pending(self, scheduler, output) -> None:
-        """Register, emit and account every queued point on this step's output."""
-        points, self._pending = self._pending, []
-        for point in points:
+        """Register, emit and account every queued admission on this step's output."""
+        admissions, self._pending = self._pending, []
+        for admission in admissions:
             try:
-                self._register_point(scheduler, point)
+                self._register_point(scheduler, admission)
             except ShadowRegistrationError as err:
-                point.failure = str(err)
+                admission.failure = str(err)
                 continue
-            self._emit(scheduler, output, point.shadows)
+            self._emit(scheduler, output, admission.shadows)
 
-    def _register_point(self, scheduler, point: PendingPoint) -> None:
+    def _register_point(self, scheduler, admission: Admission) -> None:
         kvm = scheduler.kv_cache_manager
-        if point.chains is not None:
-            check_pool(kvm, group_layouts(kvm), point.contexts, point.headroom, point.state_mode, " for the point")
+        if admission.chains is not None:
+            check_pool(kvm, group_layouts(kvm), admission.contexts, admission.steady_steps, admission.state_mode, " for the point")
         try:
-            for i, ctx in enumerate(point.contexts):
+            for i, ctx in enumerate(admission.contexts):
                 request_id = f"{SHADOW_PREFIX}{self._next}"
                 self._next += 1
-                if point.chains is None:
-                    request = fake_request(request_id, ctx, point.headroom + 1, point.vocab_size, salt=self._next)
-                    point.shadows.append(request)
+                if admission.chains is None:
+                    request = fake_request(request_id, ctx, admission.steady_steps + 1, admission.vocab_size, salt=self._next)
+                    admission.shadows.append(request)
                     allocate_fake(kvm, request, ctx)
                     continue
-                text = (point.prompt_chains or point.chains)[i]
-                request = shadow_request(request_id, text, ctx, point.headroom + 1)
-                register_shadow(kvm, request, point.chains[i], ctx, point.headroom, fork=point.fork,
-                                state_mode=point.state_mode, room_past_chain=point.prompt_chains is not None)
-                point.shadows.append(request)
+                text = (admission.prompt_chains or admission.chains)[i]
+                request = shadow_request(request_id, text, ctx, admission.steady_steps + 1)
+                register_shadow(kvm, request, admission.chains[i], ctx, admission.steady_steps, fork=admission.fork,
+                                state_mode=admission.state_mode, room_past_chain=admission.prompt_chains is not None)
+                admission.shadows.append(request)
         except BaseException:
             release_fork_retentions(kvm)  # drop the copies of the shadows registered so far
-            for shadow in point.shadows:
+            for shadow in admission.shadows:
                 kvm.free(shadow)
-            point.shadows = []
+            admission.shadows = []
             raise
 
     def _emit(self, scheduler, output, shadows) -> None:

@@ -3,7 +3,7 @@ the real engine, writing the artifact after every point.
 
 Every input is checked before the engine starts; any failure still writes an artifact
 (status "failed", the error, and every row measured before it). The sweep itself runs
-inside the scheduler (sweep_run.SweepRun, configured through additional_config): by
+inside the scheduler (sweep.run.SweepRun, configured through additional_config): by
 default the engine core runs in this process and this command steps it; with
 VLLM_ENABLE_V1_MULTIPROCESSING=1 it runs in vLLM's engine-core process, the way it runs
 under `vllm serve`, and this command waits for the artifact to be complete.
@@ -23,7 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-from .sweep_run import CONFIG_KEY, INPUT_ERRORS, Reporter, read_inputs
+from ..record import vocabulary as v
+from ..record.combined import rank_path
+from .run import CONFIG_KEY, INPUT_ERRORS, new_writer, read_inputs
 
 ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 POLL_SECONDS = 1.0
@@ -56,20 +58,20 @@ def run(argv: list[str]) -> int:
     args, engine_argv = parser().parse_known_args(argv)
     spec = {"points": str(Path(args.points).resolve()), "out": str(Path(args.out).resolve()),
             "engine_args": engine_argv}  # recorded as given
-    reporter = Reporter(spec["out"], {"points": spec["points"], "engine_args": {"given": engine_argv}}, os.environ)
+    writer = new_writer(spec["out"], {"points": spec["points"], "engine_args": {"given": engine_argv}}, os.environ)
     try:
         read_inputs(spec["points"])  # max_model_len is checked again once the engine knows it
     except INPUT_ERRORS as err:
         print(f"kvwarm sweep: {err}", file=sys.stderr)
-        reporter.write("failed", str(err))
+        writer.write(v.FAILED, str(err))
         return 2
-    reporter.write("running")  # replaces any earlier run's artifact in --out
+    writer.write(v.RUNNING)  # replaces any earlier run's artifact in --out
     engine_args = engine_args_from(engine_argv, spec)
     if engine_args.data_parallel_size > 1:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             print("kvwarm sweep: --data-parallel-size > 1 needs the engine cores in vLLM's own processes; "
                   "unset VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 1)", file=sys.stderr)
-            reporter.write("failed", "data parallel with VLLM_ENABLE_V1_MULTIPROCESSING=0")
+            writer.write(v.FAILED, "data parallel with VLLM_ENABLE_V1_MULTIPROCESSING=0")
             return 2
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         print(f"kvwarm sweep: {engine_args.data_parallel_size} data-parallel ranks, each writing "
@@ -77,35 +79,36 @@ def run(argv: list[str]) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    artifact = Path(spec["out"]) / "sweep.json"
+    artifact = Path(spec["out"]) / v.ARTIFACT
     try:
         engine = LLMEngine.from_engine_args(engine_args)
     except Exception:
         # Input found wrong once the engine knew max_model_len and the layout: the sweep
         # (in this process or the engine core's) recorded why in the artifact.
         recorded = _recorded(spec["out"], engine_args.data_parallel_size)
-        if recorded is None or recorded["status"] != "failed":
+        if recorded is None or recorded["status"] != v.FAILED:
             raise
         print(f"kvwarm sweep: {recorded['error']}", file=sys.stderr)
         return 2
     core = getattr(engine.engine_core, "engine_core", None)
     status = _step(core) if core is not None else _wait(engine, artifact)
-    if status != "complete":
+    if status != v.COMPLETE:
         recorded = _recorded(spec["out"], engine_args.data_parallel_size) or {}
         print(f"kvwarm sweep: {status}: {recorded.get('error') or 'see the log above'}", file=sys.stderr)
     engine.engine_core.shutdown()
-    return 0 if status == "complete" else 1
+    return 0 if status == v.COMPLETE else 1
 
 
 def _recorded(out: str, dp_size: int) -> dict | None:
     """The artifact that says how the run ended: a rank's, when one failed at start-up."""
-    paths = [Path(out) / "sweep.json"] + [Path(out) / f"dp{r}" / "sweep.json" for r in range(dp_size if dp_size > 1 else 0)]
+    ranks = range(dp_size if dp_size > 1 else 0)
+    paths = [Path(out) / v.ARTIFACT] + [Path(out) / rank_path(r) for r in ranks]
     for path in reversed(paths):
         try:
             recorded = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if recorded.get("status") == "failed":
+        if recorded.get("status") == v.FAILED:
             return recorded
     try:
         return json.loads(paths[0].read_text())
@@ -126,7 +129,7 @@ def _step(core) -> str:
     except Exception as err:  # the rows already measured stay in the artifact
         run.fail(err)
         raise
-    return json.loads((Path(run.reporter.out) / "sweep.json").read_text())["status"]
+    return json.loads(run.writer.artifact_path.read_text())["status"]
 
 
 def _engine_dead(engine) -> bool:
@@ -143,7 +146,7 @@ def _wait(engine, artifact: Path) -> str:
             status = json.loads(artifact.read_text()).get("status")
         except (OSError, ValueError):  # not written yet, or being replaced
             status = None
-        if status in ("complete", "failed"):
+        if status in (v.COMPLETE, v.FAILED):
             return status
         if _engine_dead(engine):
             print("kvwarm sweep: an engine core died before the sweep's artifact was final; see its log above",

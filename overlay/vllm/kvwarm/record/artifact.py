@@ -1,0 +1,135 @@
+"""One rank's measurement record: sweep.json (checked against record.schema) and sweep.csv
+(the plot, sweep.png, is record.plot's). Written after every point, each file through an
+atomic replace, so a failure mid-sweep never loses the rows already measured.
+
+Plain data: nothing here imports vLLM. The sweep builds PointRows and a KvwarmMeta, and
+`build_artifact` turns them into the JSON document; tests build their fixtures through it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import vocabulary as v
+from .files import write_atomically
+from .schema import validate
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class PointRow:
+    """One point as measured (or skipped)."""
+
+    total_kv_read_tokens: int  # what the steps measured (a clamped point's differs from the file's)
+    batch_size: int
+    kv_seed_regime: str  # a vocabulary regime, or skip:<reason>
+    sample_reasons: list[str] = field(default_factory=list)
+    steady_seconds: list[float] = field(default_factory=list)
+    median_seconds: float | None = None
+    detail: str | None = None  # why a point was skipped, in words
+
+    @property
+    def skipped(self) -> bool:
+        return v.is_skipped(self.kv_seed_regime)
+
+    @property
+    def spread(self) -> float | None:
+        """(max - min) / median of the timed steps."""
+        if not self.steady_seconds or not self.median_seconds:
+            return None
+        return (max(self.steady_seconds) - min(self.steady_seconds)) / self.median_seconds
+
+
+@dataclass
+class KvwarmMeta:
+    """The artifact's `kvwarm` block: what the warm-up decided and did for the whole sweep."""
+
+    enabled: bool = False  # warm-up on or force
+    warm_eligible: bool = False  # the gate admitted the model
+    skip_reason: str | None = None  # the gate's reason when it did not
+    dataset: dict | None = None  # {path, sha256, collection_pool, conversations}
+    stages: list[dict] = field(default_factory=list)  # one per rung built: batch, depth, build_seconds
+    giant_kv_repeats: int = 1  # the steady steps timed per point
+    giant_kv_threshold: int | None = None
+    state_mode_requested: str | None = None  # DYN_BENCH_KV_WARMUP_STATE as given
+    state_mode: str | None = None  # what the sweep used on a hybrid layout
+    reset_prefix_cache: bool | None = None  # the leak check at the end (None: not made)
+    noisy_spread: float | None = None  # a row whose steps spread more than this is stamped noisy
+    batch_semantics: str = "per_rank"
+    global_batch_factor: int = 1  # B x this = the batch over every data-parallel rank
+
+    @classmethod
+    def read(cls, block: dict | None) -> KvwarmMeta:
+        """The block of any artifact version (fields it lacks keep their defaults)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: val for k, val in (block or {}).items() if k in names})
+
+    def as_dict(self, measured: list[PointRow]) -> dict:
+        return {**dataclasses.asdict(self),
+                "points_real_kv": sum(r.kv_seed_regime == v.REAL_KV for r in measured),
+                "points_fake_fallback": sum(r.kv_seed_regime == v.FAKE_FALLBACK for r in measured)}
+
+
+SINGLE_RANK = {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 1,
+               "pipeline_parallel_size": 1, "expert_parallel": False}
+
+
+def _result(r: PointRow, dp_size: int) -> dict:
+    times = r.steady_seconds
+    return {"point": {"total_kv_read_tokens": r.total_kv_read_tokens, "batch_size": r.batch_size},
+            "global_batch_size": r.batch_size * dp_size, "kv_seed_regime": r.kv_seed_regime,
+            "sample_reasons": r.sample_reasons, "steady_seconds": times, "median_seconds": r.median_seconds,
+            "min_seconds": min(times), "max_seconds": max(times), "spread": r.spread or 0.0}
+
+
+def build_artifact(rows: list[PointRow], meta: KvwarmMeta, config: dict, status: str, error: str | None = None, *,
+                   run: dict | None = None, layout: dict | None = None) -> dict:
+    """One rank's artifact. `run` holds the run record (build, torch, hardware, engine
+    arguments) and the times; `layout` the rank layout (default: one rank)."""
+    run = run or {}
+    layout = layout or SINGLE_RANK
+    measured = [r for r in rows if not r.skipped]
+    engine_args = run.get("engine_args")
+    return {
+        "schema_version": v.SCHEMA_VERSION, "artifact_type": v.RANK, "status": status, "error": error,
+        "started_at": run.get("started_at", ""), "finished_at": run.get("finished_at"),
+        "config": {**config, **({"engine_args": engine_args} if engine_args else {})},
+        "build": run.get("build"), "layout": layout, "hardware": run.get("hardware"), "torch": run.get("torch"),
+        "kvwarm": meta.as_dict(measured),
+        "results": [_result(r, layout["data_parallel_size"]) for r in measured],
+        "skipped_points": [{"point": {"total_kv_read_tokens": r.total_kv_read_tokens, "batch_size": r.batch_size},
+                            "kv_seed_regime": r.kv_seed_regime, "reason": r.detail or ""}
+                           for r in rows if r.skipped],
+    }
+
+
+def results_csv(results: list[dict]) -> bytes:
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["total_kv_read_tokens", "batch_size", "global_batch_size", "kv_seed_regime", "median_ms",
+                     "min_ms", "max_ms", "spread", "steady_ms", "sample_reasons"])
+    for row in results:
+        writer.writerow([row["point"]["total_kv_read_tokens"], row["point"]["batch_size"], row["global_batch_size"],
+                         row["kv_seed_regime"], f"{row['median_seconds'] * 1e3:.4f}",
+                         f"{row['min_seconds'] * 1e3:.4f}", f"{row['max_seconds'] * 1e3:.4f}",
+                         f"{row['spread']:.4f}", " ".join(f"{t * 1e3:.4f}" for t in row["steady_seconds"]),
+                         " ".join(row["sample_reasons"])])
+    return text.getvalue().encode()
+
+
+def write_artifact(out_dir: str | Path, artifact: dict) -> list[Path]:
+    """sweep.json and sweep.csv, after checking the artifact against the schema."""
+    validate(artifact)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomically(out / v.ARTIFACT, json.dumps(artifact, indent=2).encode())
+    write_atomically(out / v.ARTIFACT_CSV, results_csv(artifact["results"]))
+    return [out / v.ARTIFACT, out / v.ARTIFACT_CSV]

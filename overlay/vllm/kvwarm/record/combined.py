@@ -1,0 +1,94 @@
+"""The combined view of a data-parallel sweep: OUT/sweep.json over every rank's artifact.
+
+Every rank's status and row count, and per point each rank's median and the maximum across
+ranks. It says "complete" only when every rank completed, and "failed" (naming the rank and
+its error) once every rank is done and one did not. It is rebuilt under a file lock after
+each write of any rank, so the last rank to write always sees every rank's latest record.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+from . import vocabulary as v
+from .artifact import results_csv
+from .files import write_atomically
+
+LOCK = ".kvwarm-combine.lock"
+
+
+@contextmanager
+def _locked(folder: Path):
+    with open(folder / LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def rank_path(rank: int) -> str:
+    return f"dp{rank}/{v.ARTIFACT}"
+
+
+def _read_rank(folder: Path, rank: int) -> dict | None:
+    try:
+        return json.loads((folder / rank_path(rank)).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def combine(ranks: list[dict | None]) -> dict:
+    """The combined view of every rank's artifact (None: that rank has written nothing yet)."""
+    summary = []
+    for rank, artifact in enumerate(ranks):
+        status = artifact["status"] if artifact else v.RUNNING
+        summary.append({"rank": rank, "status": status, "rows": len(artifact["results"]) if artifact else 0,
+                        "error": artifact["error"] if artifact else None, "path": rank_path(rank)})
+    statuses = {s["status"] for s in summary}
+    status = v.RUNNING if v.RUNNING in statuses else v.COMPLETE if statuses == {v.COMPLETE} else v.FAILED
+    failed = [s for s in summary if s["status"] == v.FAILED]
+    error = "; ".join(f"rank {s['rank']}: {s['error']}" for s in failed) or None
+    first = next((a for a in ranks if a), None) or {}
+    by_point: dict[tuple, list] = {}
+    for rank, artifact in enumerate(ranks):
+        for row in (artifact or {}).get("results", []):
+            key = (row["point"]["total_kv_read_tokens"], row["point"]["batch_size"])
+            by_point.setdefault(key, []).append((rank, row))
+    results = []
+    for entries in by_point.values():
+        base = dict(min(entries, key=lambda e: e[0])[1])  # rank 0's row where it has one
+        medians = [row["median_seconds"] for _, row in entries]
+        base.update(median_seconds=max(medians), min_seconds=min(row["min_seconds"] for _, row in entries),
+                    max_seconds=max(row["max_seconds"] for _, row in entries),
+                    ranks=[{"rank": rank, "median_seconds": row["median_seconds"]} for rank, row in entries])
+        base["spread"] = (base["max_seconds"] - base["min_seconds"]) / base["median_seconds"]
+        results.append(base)
+    skipped = [{**s, "rank": rank} for rank, a in enumerate(ranks) for s in (a or {}).get("skipped_points", [])]
+    finished = [a["finished_at"] for a in ranks if a and a["finished_at"]]
+    return {
+        "schema_version": v.SCHEMA_VERSION, "artifact_type": v.COMBINED, "status": status, "error": error,
+        "ranks": summary, "started_at": first.get("started_at", ""),
+        "finished_at": max(finished, default=None) if status != v.RUNNING else None,
+        "config": first.get("config", {}), "build": first.get("build"), "torch": first.get("torch"),
+        "hardware": first.get("hardware"),
+        "layout": {**first.get("layout", {"data_parallel_size": len(ranks), "tensor_parallel_size": 1,
+                                          "pipeline_parallel_size": 1, "expert_parallel": False}),
+                   "data_parallel_rank": None},
+        "kvwarm": first.get("kvwarm", {}), "results": results, "skipped_points": skipped,
+    }
+
+
+def write_combined(root: str | Path, size: int) -> dict:
+    """Rebuild OUT/sweep.json from every rank's latest artifact (under a lock, so the last
+    writer has read every rank's last write)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        combined = combine([_read_rank(root, r) for r in range(size)])
+        write_atomically(root / v.ARTIFACT, json.dumps(combined, indent=2).encode())
+        write_atomically(root / v.ARTIFACT_CSV, results_csv(combined["results"]))
+    return combined

@@ -1,0 +1,83 @@
+"""The words of the measurement record, spelled once: every writer and reader imports them.
+
+Plain data, no vLLM. The strings are the compatible surface (existing collectors read them):
+never rename one; add new words here.
+"""
+
+from __future__ import annotations
+
+# --- the artifact --------------------------------------------------------------------------
+SCHEMA_VERSION = 2
+ARTIFACT = "sweep.json"
+ARTIFACT_CSV = "sweep.csv"
+ARTIFACT_PNG = "sweep.png"
+RANK, COMBINED = "rank", "combined"  # artifact_type
+RUNNING, COMPLETE, FAILED = "running", "complete", "failed"  # status
+STATUSES = (RUNNING, COMPLETE, FAILED)
+
+# --- kv_seed_regime: what the KV a row's steps read was ------------------------------------
+REAL_KV = "real_kv"  # borrowed from chains of real text
+FAKE_FALLBACK = "fake_fallback"  # warm-up on, but no chain covers the point: fake KV
+LEGACY = "legacy"  # warm-up off: every point on fake KV (the A/B baseline)
+REGIMES = (REAL_KV, FAKE_FALLBACK, LEGACY)
+SKIP_PREFIX = "skip:"  # a skipped point's regime is skip:<reason>
+
+
+def skip_regime(reason: str) -> str:
+    return f"{SKIP_PREFIX}{reason}"
+
+
+def is_skipped(regime: str) -> bool:
+    return regime.startswith(SKIP_PREFIX)
+
+
+# --- sample_reasons: the stamps a row carries ------------------------------------------------
+STAMP_REAL_KV = "kvwarm_real_kv"
+STAMP_FAKE_FALLBACK = "kvwarm_fake_fallback"
+NOISY = "kvwarm_noisy"  # the timed steps spread more than the artifact's noisy_spread
+CONTEXT_CLAMPED = "context_clamped"  # 1-token contexts admitted at 1: the row has the measured K
+# An in-place shadow advanced its chain's recurrent state: later points of the rung read
+# the state of more tokens than the chain holds (docs/state-handoff.md).
+STATE_DRIFTED = "kvwarm_state_drifted"
+STATE_STAMP_PREFIX = "kvwarm_state_"
+STATE_DEPTH_STAMP = "kvwarm_state_depth="
+
+
+def state_stamps(mode: str | None, depth: int) -> list[str]:
+    """A point's state stamps: the mode and the depth of the deepest state its shadows read
+    (copy, in place: the chain's whole depth; exact: the point's context). None: no stamps."""
+    if mode is None:
+        return []
+    return [f"{STATE_STAMP_PREFIX}{mode}", f"{STATE_DEPTH_STAMP}{depth}"]
+
+
+# --- state hand-off modes (DYN_BENCH_KV_WARMUP_STATE) ---------------------------------------
+AUTO, COPY, INPLACE, EXACT = "auto", "copy", "inplace", "exact"
+STATE_MODES = (AUTO, COPY, INPLACE, EXACT)
+
+# --- the gate's reasons (skip_reason), in the order they are checked -------------------------
+FLAG_OFF = "flag_off"
+DENSE_MODEL = "dense_model_content_insensitive"
+MOE_TP_BALANCED = "moe_tp_balanced_by_construction"
+PREFIX_CACHING_DISABLED = "prefix_caching_disabled"
+HYBRID_STATE_LAYERS_UNSUPPORTED = "hybrid_state_layers_unsupported"
+STATE_MODE_INVALID = "state_mode_invalid"
+STATE_COPY_UNSUPPORTED = "state_copy_unsupported"
+STATE_INPLACE_UNSUPPORTED = "state_inplace_unsupported"
+STATE_EXACT_UNSUPPORTED = "state_exact_unsupported"
+STATE_HAND_OFF_UNSUPPORTED = "state_hand_off_unsupported"
+CONTENT_TOO_SHALLOW = "content_too_shallow"  # written "content_too_shallow: H < N"
+
+# --- why a point was skipped (skip:<reason>) -------------------------------------------------
+POINT_SKIP_REASON = "decode_injection_failed"  # a shadow (or fake request) could not be registered
+BATCH_SIZE_MISMATCH = "measured_batch_size_mismatch"  # a timed step ran other than the point's B
+
+# --- why a shadow registration was refused (the detail of decode_injection_failed) ---------
+CHAIN_TOO_SHALLOW = "chain_too_shallow"
+POOL_EXHAUSTED = "pool_exhausted"
+LAYOUT_UNSUPPORTED = "layout_unsupported"
+LAYOUT_UNKNOWN = "layout_unknown"  # a group whose spec the layout cannot classify
+FORK_UNSUPPORTED = "fork_unsupported"
+HOOKS_MISSING = "hooks_missing"
+STATE_MODE_UNUSABLE = "state_mode_unusable"
+STATE_MISSING = "state_missing"

@@ -1,0 +1,376 @@
+"""The sweep as a plain controller that the scheduler adapter drives, one phase at a time.
+
+Per rung (one batch size, deepest rung first; sweep.plan):
+  plan    the ranks agree on the smallest usable pool, every rank trims to it, and they
+          compare plan digests (a mismatch stops every rank);
+  build   B chains of the rung's depth are added; vLLM prefills them; each is parked;
+  points  per point the ranks meet, then its B requests (shadows, or fake-KV requests) are
+          queued one token short of each context (exact state mode: borrowing from
+          catch-up chains prefilled to their own contexts first, sweep.catchups); the
+          admission step runs untimed; the steady steps are timed (the gap between
+          consecutive update_from_output calls), every time kept (sweep.rows); the
+          requests then finish by length;
+  shed    the rung's chains are finished, then the rung's fake-KV points are measured.
+At the end the prefix cache is reset (the leak check: it only succeeds when nothing but the
+null block is in use).
+
+A sweep that is not `real` (warm-up off, or the gate refused the model) plans no chains:
+every point runs on fake KV, stamped with `fake_regime`.
+
+Across data-parallel ranks (sweep.ranks) every rank runs this same controller and they meet
+at its boundaries (MEETING), so every rank enters its admission and timed steps together and
+no rank's timed step overlaps another's chain prefill. B is per rank.
+
+While a point is measured, `measuring()` names the only requests the step may run; the
+adapter keeps every other request (a server's own) queued until the point ends.
+
+The adapter calls `before_schedule(scheduler)` at the start of each schedule() and
+`after_update(scheduler, output)` after each update_from_output(); `has_work()` keeps the
+engine stepping. Nothing here imports the engine; tests step it against a real Scheduler
+with the model runner's part played by the test.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+
+from ..kv.catchup import PrefillChunkCap, state_block_size
+from ..kv.chains import all_parked, chain_request, is_prefilled, park
+from ..kv.injector import Admission
+from ..kv.layout import group_layouts
+from ..record import vocabulary as v
+from ..record.artifact import PointRow
+from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
+from .plan import PointPlan, Rung, SweepConfig, injected_contexts, plan_digest, plan_rungs, trim_rung
+from .points import DecodePoint
+from .ranks import RankFailed, SoloExchange
+from .rows import measured_row, skipped_row
+
+
+class Phase(enum.Enum):
+    NEXT_RUNG = "next_rung"  # between rungs: the next one is planned, or the sweep ends
+    MEETING = "meeting"  # waiting for every rank at a boundary (then `_then` runs)
+    BUILDING = "building"  # the rung's chains are prefilling
+    NEXT_POINT = "next_point"  # the rung is built: its next point starts, or it is shed
+    CATCHING_UP = "catching_up"  # exact state: the point's catch-up chains are prefilling
+    MEASURING = "measuring"  # the point's requests are queued, admitted and timed
+    ENDING = "ending"  # the sweep waits for requests from outside before its leak check
+    DONE = "done"
+
+
+# Each sweep in a process names its requests apart: vLLM's runner forgets a finished
+# request's align-mode state slot only in a step that runs a forward, so a later sweep's
+# chain with an earlier one's id would start from that stale slot.
+_SWEEP_NUMBERS = itertools.count()
+
+# How long the end of a sweep waits for requests from outside before its leak check.
+END_WAIT_SECONDS = 60.0
+
+
+class Sweep:
+    def __init__(self, points: list[DecodePoint], chain_tokens: Callable[[int, int], list[int]] | None,
+                 config: SweepConfig, *, clock: Callable[[], float] = time.perf_counter,
+                 progress: Callable[[str], None] = print, on_row: Callable[[PointRow], None] | None = None,
+                 exchange=None):
+        self.config = config
+        self.rungs = plan_rungs(points, config.steady_steps, config.max_model_len, config.real)
+        self.rows: list[PointRow] = []
+        self.stages: list[dict] = []  # one per rung built: batch, depth, build_seconds
+        self.phase = Phase.NEXT_RUNG
+        self.reset_prefix_cache_ok: bool | None = None
+        self._points = points
+        self._number = next(_SWEEP_NUMBERS)  # in its requests' ids
+        self._chain_tokens = chain_tokens
+        self._clock, self._progress, self._on_row = clock, progress, on_row or (lambda row: None)
+        self._exchange = exchange or SoloExchange()
+        self._then: Callable[[list[dict]], None] | None = None  # what runs once the ranks meet
+        self._rung: Rung | None = None
+        self._queue: list[PointPlan] = []
+        self._point: tuple[PointPlan, Admission] | None = None  # the point being measured
+        self._catchups: CatchUps | None = None
+        self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
+        self._times: list[float] = []
+        self._last_update: float | None = None
+        self._mismatch: str | None = None  # why the point's steps were not B alone
+        self._drifted: set[str] = set()  # chains an in-place shadow has advanced
+        self._ending: float | None = None  # when the sweep began waiting for outside requests to end
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.DONE
+
+    def has_work(self) -> bool:
+        return not self.done
+
+    def measuring(self) -> set[str] | None:
+        """While a point is admitted and measured: the ids of its requests, the only ones
+        its steps may schedule (empty until they are admitted). None between points."""
+        if self._point is None:
+            return None
+        return {r.request_id for r in self._point[1].shadows}
+
+    def plan_digest(self, rung: Rung) -> str:
+        return plan_digest(self._points, self.config, rung)
+
+    # --- driven by the adapter -------------------------------------------------------------
+
+    def before_schedule(self, scheduler) -> None:
+        phase = self.phase
+        if phase is Phase.MEETING:
+            self._poll_meeting()
+        elif phase is Phase.NEXT_RUNG:
+            self._start_next_rung(scheduler)
+        elif phase is Phase.BUILDING:
+            self._build_step(scheduler)
+        elif phase is Phase.NEXT_POINT:
+            self._next_point(scheduler)
+        elif phase is Phase.CATCHING_UP:
+            self._catch_up_step(scheduler)
+        elif phase is Phase.ENDING:
+            self._end(scheduler)
+
+    def after_update(self, scheduler, output) -> None:
+        if self.phase is not Phase.MEASURING:
+            return
+        plan, admission = self._point
+        if admission.failure is not None:
+            self._finish_point(skipped_row(plan.point, v.POINT_SKIP_REASON, admission.failure), scheduler)
+            return
+        ids = {s.request_id for s in admission.shadows}
+        scheduled = output.num_scheduled_tokens
+        now = self._clock()
+        if any(r.req_id in ids for r in output.scheduled_new_reqs):
+            self._last_update = now  # the admission step: scaffolding, not timed
+            return
+        if not ids & set(scheduled):
+            return
+        if set(scheduled) != ids or set(scheduled.values()) != {1}:
+            foreign = len(set(scheduled) - ids)
+            self._mismatch = self._mismatch or (
+                f"step scheduled {len(scheduled)} request(s) for a point of {len(ids)}"
+                + (f", {foreign} of them not the sweep's" if foreign else ""))
+        self._times.append(now - self._last_update)
+        self._last_update = now
+        if len(self._times) == admission.steady_steps:
+            self._finish_point(self._row(plan, admission), scheduler)
+
+    def abandon(self, scheduler, error: str) -> None:
+        """This rank's sweep stopped on `error`: give back what it holds (chains, the point's
+        requests) so the engine serves on, and tell the other ranks at their next boundary
+        instead of leaving them waiting."""
+        from vllm.v1.request import RequestStatus
+
+        self.phase = Phase.DONE
+        self._then = None
+        self._exchange.post_failure(error)
+        scheduler.kvwarm_injector.drop_pending()
+        ids = [r.request_id for r in self._point[1].shadows] if self._point else []
+        ids += [c.request_id for c in self._rung.chains] if self._rung else []
+        ids += [c.request_id for c in self._catchups.requests] if self._catchups else []
+        self._point, self._catchups = None, None
+        self._restore_chunks()
+        live = [i for i in ids if i in scheduler.requests]
+        if live:
+            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+
+    # --- meetings ----------------------------------------------------------------------------
+
+    def _meet(self, kind: str, record: dict, then: Callable[[list[dict]], None]) -> None:
+        """Post this rank's record for a boundary; `then` runs once every rank has posted."""
+        self._exchange.post(kind, {**record, "failed": None})
+        self._then = then
+        self.phase = Phase.MEETING
+
+    def _poll_meeting(self) -> None:
+        records = self._exchange.poll()
+        if records is None:
+            time.sleep(0.001)  # the other ranks are not there yet: let them have the CPU
+            return
+        _raise_on_peer_failure(records)
+        then, self._then = self._then, None
+        then(records)
+
+    # --- rungs -------------------------------------------------------------------------------
+
+    def _start_next_rung(self, scheduler) -> None:
+        if not self.rungs:
+            self.phase = Phase.ENDING
+            self._end(scheduler)
+            return
+        rung = self._rung = self.rungs.pop(0)
+        kvm = scheduler.kv_cache_manager
+        # Where the manager keeps a watermark free when it admits waiting requests (the
+        # chains are such requests), the chains cannot use those blocks.
+        usable = kvm.block_pool.get_num_free_blocks() - getattr(kvm, "watermark_blocks", 0)
+        self._meet("pool", {"usable_blocks": usable}, lambda records: self._plan_rung(scheduler, rung, records))
+
+    def _plan_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
+        """Every rank trims to the smallest usable pool, then the ranks compare plans."""
+        if rung.depth:
+            trim_rung(rung, group_layouts(scheduler.kv_cache_manager), self.config,
+                      min(r["usable_blocks"] for r in records))
+        digest = self.plan_digest(rung)
+        self._meet("plan", {"digest": digest}, lambda records: self._build_rung(scheduler, rung, records))
+
+    def _build_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
+        digests = {r["rank"]: r["digest"] for r in records}
+        if len(set(digests.values())) > 1:
+            raise RankFailed(f"plan mismatch before rung batch={rung.batch_size}: "
+                             + ", ".join(f"rank {r} {d}" for r, d in sorted(digests.items())))
+        rung.started = self._clock()
+        self._queue = rung.plans()
+        if not rung.depth:
+            self.phase = Phase.NEXT_POINT
+            return
+        self._progress(f"rung batch={rung.batch_size}: building {rung.batch_size} chain(s) of {rung.depth} tokens"
+                       + (f" ({len(rung.fake_points)} point(s) beyond them on fake KV)" if rung.fake_points else ""))
+        for i in range(rung.batch_size):
+            # The salt is the chain's index, not the rung's: chain i of a later rung extends
+            # the same text, so it finds the earlier chain's blocks in the prefix cache. Not
+            # in place: shadows advanced those chains' state, which must not be inherited.
+            name = f"b{rung.batch_size}_{i}_s{self._number}"
+            salt = None if self.config.state_mode == v.INPLACE else f"__kvwarm_chain_{i}"
+            chain = chain_request(scheduler, name, self._chain_tokens(i, rung.depth), salt=salt)
+            scheduler.add_request(chain)
+            rung.chains.append(chain)
+        if self.config.state_mode == v.EXACT:
+            # One state block per prefill step: every boundary state is cached for the catch-ups.
+            self._chunk_cap = PrefillChunkCap(scheduler.scheduler_config,
+                                              state_block_size(group_layouts(scheduler.kv_cache_manager)))
+            self._chunk_cap.apply()
+        self.phase = Phase.BUILDING
+
+    def _build_step(self, scheduler) -> None:
+        """Park each chain once prefilled (before a step could decode it further); once all
+        are parked the rung is built and its first point starts in this same call."""
+        rung = self._rung
+        for chain in rung.chains:
+            if is_prefilled(chain):
+                park(scheduler, chain)
+        if not all_parked(scheduler, rung.chains):
+            return
+        self._restore_chunks()
+        seconds = self._clock() - rung.started
+        self.stages.append({"batch": rung.batch_size, "depth": rung.depth, "build_seconds": round(seconds, 3)})
+        self._progress(f"rung batch={rung.batch_size}: {rung.batch_size} chain(s) built in {seconds:.1f} s")
+        self.phase = Phase.NEXT_POINT
+        self._next_point(scheduler)
+
+    def _restore_chunks(self) -> None:
+        if self._chunk_cap is not None:
+            self._chunk_cap.restore()
+            self._chunk_cap = None
+
+    def _shed(self, scheduler) -> None:
+        from vllm.v1.request import RequestStatus
+
+        if self._rung.chains:
+            scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
+            self._rung.chains = []
+
+    # --- points ------------------------------------------------------------------------------
+
+    def _next_point(self, scheduler) -> None:
+        if self._queue and not self._queue[0].real:
+            self._shed(scheduler)  # fake points need no chains, and their blocks may not fit beside them
+        if not self._queue:
+            self._shed(scheduler)
+            self._rung = None
+            self.phase = Phase.NEXT_RUNG
+            return
+        plan = self._queue.pop(0)
+        self._meet("point", {"index": len(self.rows)}, lambda records: self._start_point(scheduler, plan, records))
+
+    def _start_point(self, scheduler, plan: PointPlan, records: list[dict]) -> None:
+        _check_same_point(records)
+        point, config = plan.point, self.config
+        contexts = injected_contexts(point)
+        # Fake points below the giant-KV threshold keep the single step of the legacy path.
+        steps = config.steady_steps if plan.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
+        chains = self._rung.chains[: point.batch_size]
+        if plan.real and config.state_mode == v.EXACT:
+            self._catchups = start_catchups(scheduler, plan, chains, contexts, steps, config,
+                                            f"catchup{len(self.rows)}_s{self._number}")
+            self.phase = Phase.CATCHING_UP
+            return
+        if plan.real:
+            admission = Admission(chains, contexts, steady_steps=steps, fork=config.fork, state_mode=config.state_mode)
+        else:
+            vocab = scheduler.vllm_config.model_config.get_vocab_size()
+            admission = Admission(None, contexts, steady_steps=steps, vocab_size=vocab)
+        self._measure(scheduler, plan, admission)
+
+    def _catch_up_step(self, scheduler) -> None:
+        """Once every catch-up stands at its context, the ranks meet and the point's shadows
+        are queued on them (or the point is skipped where its catch-ups did not fit)."""
+        if park_caught_up(scheduler, self._catchups):
+            self._meet("caught_up", {"index": len(self.rows)}, lambda records: self._after_catch_up(scheduler, records))
+
+    def _after_catch_up(self, scheduler, records: list[dict]) -> None:
+        _check_same_point(records)
+        catchups = self._catchups
+        if catchups.short:
+            self._finish_point(skipped_row(catchups.plan.point, v.POINT_SKIP_REASON, catchups.short), scheduler)
+            return
+        chains = self._rung.chains[: catchups.plan.point.batch_size]
+        self._measure(scheduler, catchups.plan, catchup_admission(catchups, chains, self.config))
+
+    def _measure(self, scheduler, plan: PointPlan, admission: Admission) -> None:
+        """Queue the point's requests; its admission and timed steps follow (after_update)."""
+        self._point = (plan, scheduler.kvwarm_injector.queue(admission))
+        self._times, self._mismatch = [], None
+        self.phase = Phase.MEASURING
+
+    def _row(self, plan: PointPlan, admission: Admission) -> PointRow:
+        point = plan.point
+        if self._mismatch:
+            return skipped_row(point, v.BATCH_SIZE_MISMATCH, f"{v.BATCH_SIZE_MISMATCH}: {self._mismatch}")
+        return measured_row(plan, admission.contexts, self._times, self.config, self._rung.chains[: point.batch_size],
+                            self._drifted)
+
+    def _finish_point(self, row: PointRow, scheduler) -> None:
+        self.rows.append(row)
+        self._point = None
+        if self._catchups is not None:
+            from vllm.v1.request import RequestStatus
+
+            scheduler.finish_requests([r.request_id for r in self._catchups.requests], RequestStatus.FINISHED_ABORTED)
+            self._catchups = None
+        self.phase = Phase.NEXT_POINT
+        self._on_row(row)
+        median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
+        self._progress(f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
+                       f"B={row.batch_size} ({row.kv_seed_regime}): {median}")
+
+    # --- the end -----------------------------------------------------------------------------
+
+    def _end(self, scheduler) -> None:
+        """The leak check: reset_prefix_cache() succeeds only when nothing but the null
+        block is in use, so requests from outside (a server's) must be done first. They are
+        waited for up to END_WAIT_SECONDS; after that the check is not made (None)."""
+        if scheduler.requests:
+            if self._ending is None:
+                self._ending = self._clock()
+            if self._clock() - self._ending < END_WAIT_SECONDS:
+                return
+            self._progress(f"{len(scheduler.requests)} request(s) from outside still running: "
+                           "no leak check (reset_prefix_cache) this time")
+        else:
+            self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+        self.phase = Phase.DONE
+        self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
+
+
+def _check_same_point(records: list[dict]) -> None:
+    at = {r["rank"]: r["index"] for r in records}
+    if len(set(at.values())) > 1:
+        raise RankFailed(f"the ranks are at different points: {at} (rank: point index)")
+
+
+def _raise_on_peer_failure(records: list[dict]) -> None:
+    failed = [r for r in records if r.get("failed")]
+    if failed:
+        raise RankFailed("; ".join(f"rank {r['rank']} failed: {r['failed']}" for r in failed))

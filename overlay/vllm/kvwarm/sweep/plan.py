@@ -1,0 +1,112 @@
+"""A sweep's plan: one rung per batch size, each with a chain depth and the points it covers.
+
+Words: a *point* is what the points file asks (points.DecodePoint); a *point plan* is a point
+with how it will be measured (on real, borrowed KV or on fake KV); the injector's
+*admission* is the point's requests (kv.injector.Admission); a *row* is what was measured
+(record.artifact.PointRow).
+
+A rung's chains cover its deepest point plus the admission token and the steady steps, within
+max_model_len less a margin; the depth is trimmed until B chains and their shadows'
+worst-case tails fit the free pool, and the points the trimmed chains cannot cover fall back
+to fake KV. Pure functions of the points, the config and the layout, so every data-parallel
+rank computes the same plan (they compare digests before a rung).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from ..kv.arithmetic import trim_depth
+from ..kv.catchup import planned_catchup_blocks
+from ..kv.layout import GroupLayout
+from ..record.vocabulary import COPY, EXACT, FAKE_FALLBACK
+from .points import DecodePoint
+
+# A parked chain has sampled a token or two (async scheduling) after its prompt; at
+# max_model_len vLLM would finish it, freeing the blocks its shadows borrow.
+CHAIN_DEPTH_MARGIN = 4
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    steady_steps: int  # timed steady steps per point
+    max_model_len: int
+    state_mode: str | None = None  # the state hand-off mode on hybrid layouts: copy | inplace | exact
+    state_lending: str | None = None  # exact: how a catch-up's state is handed over (inplace | copy)
+    fork: bool | None = None  # attention tails: fork (CoW) or fresh; None: fork where the build can
+    real: bool = True  # False: no chains, every point on fake KV
+    fake_regime: str = FAKE_FALLBACK  # the regime of fake-KV rows: fake_fallback | legacy
+    giant_kv_threshold: int = 1_000_000  # fake points below it keep the single legacy step
+
+    @property
+    def hand_off(self) -> str | None:
+        """How shadows take state over (exact: from their catch-ups)."""
+        return self.state_lending if self.state_mode == EXACT else self.state_mode
+
+
+@dataclass
+class PointPlan:
+    point: DecodePoint
+    real: bool  # on borrowed (real) KV; False: on fake KV
+
+
+@dataclass
+class Rung:
+    batch_size: int
+    depth: int  # 0: no chains (every point on fake KV)
+    points: list[DecodePoint]
+    fake_points: list[DecodePoint] = field(default_factory=list)
+    chains: list = field(default_factory=list)
+    started: float = 0.0
+
+    def plans(self) -> list[PointPlan]:
+        """The rung's points in the order they run: on real KV, then on fake KV."""
+        return [PointPlan(p, True) for p in self.points] + [PointPlan(p, False) for p in self.fake_points]
+
+
+def injected_contexts(point: DecodePoint) -> list[int]:
+    """One token short of each context (the admission step computes the last one); a
+    1-token context cannot be, so it is admitted at 1 and the point is clamped."""
+    return [max(1, c - 1) for c in point.contexts()]
+
+
+def plan_rungs(points: list[DecodePoint], steady_steps: int, max_model_len: int, real: bool = True) -> list[Rung]:
+    """One rung per batch size, deepest first."""
+    by_batch: dict[int, list[DecodePoint]] = {}
+    for point in points:
+        by_batch.setdefault(point.batch_size, []).append(point)
+    rungs = []
+    for batch, rung_points in sorted(by_batch.items(), reverse=True):
+        rung_points.sort(key=lambda p: p.total_kv_read_tokens, reverse=True)
+        if not real:
+            rungs.append(Rung(batch, 0, [], fake_points=rung_points))
+            continue
+        # admitted one token short: the chain holds that much, the admission token and the steps
+        depth = max(max(injected_contexts(p)) for p in rung_points) + 1 + steady_steps
+        rungs.append(Rung(batch, min(depth, max_model_len - CHAIN_DEPTH_MARGIN), rung_points))
+    return rungs
+
+
+def trim_rung(rung: Rung, layouts: list[GroupLayout], config: SweepConfig, usable: int) -> None:
+    """Trim the rung's depth to `usable` free blocks; what the chains no longer cover goes
+    to fake KV, and a rung covering nothing gets no chains."""
+    catchup = planned_catchup_blocks(layouts) if config.state_mode == EXACT else 0
+    rung.depth = trim_depth(layouts, rung.depth, rung.batch_size, config.steady_steps,
+                            config.hand_off == COPY, usable, per_shadow=catchup)
+    # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
+    covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]
+    rung.fake_points = [p for p in rung.points if p not in covered]
+    rung.points = covered
+    if not covered:  # nothing to borrow from: no chains at all
+        rung.depth = 0
+
+
+def plan_digest(points: list[DecodePoint], config: SweepConfig, rung: Rung) -> str:
+    """What every rank must agree on before it builds a rung: the points, the rung's depth
+    and points, and the settings that shape rows and stamps."""
+    plan = {"points": [asdict(p) for p in points], "config": asdict(config),
+            "rung": {"batch": rung.batch_size, "depth": rung.depth,
+                     "real": [asdict(p) for p in rung.points], "fake": [asdict(p) for p in rung.fake_points]}}
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,49 @@
+"""A point's row: its regime, its stamps and its timed steps, from what the sweep measured.
+
+The median is upstream's upper median (sorted[n // 2]); a row whose timed steps spread more
+than NOISY_SPREAD of it is stamped noisy (its median may be polluted, e.g. by the first steps
+after a rung build).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ..record import vocabulary as v
+from ..record.artifact import PointRow
+from .plan import PointPlan, SweepConfig
+from .points import DecodePoint
+
+NOISY_SPREAD = 0.5
+
+
+def skipped_row(point: DecodePoint, reason: str, detail: str) -> PointRow:
+    """The row of a point that was not measured, with why (`detail`, in words)."""
+    return PointRow(point.total_kv_read_tokens, point.batch_size, v.skip_regime(reason), detail=detail)
+
+
+def measured_row(plan: PointPlan, contexts: list[int], times: list[float], config: SweepConfig, chains: list,
+                 drifted: set[str]) -> PointRow:
+    """The row of a point whose requests decoded at `contexts` (as admitted) in the steps
+    `times`. `chains`: the requests whose state the shadows read (their depth is stamped);
+    `drifted`: the ids of chains an in-place shadow has advanced, updated here."""
+    point = plan.point
+    measured = sum(contexts) + point.batch_size
+    reasons = [v.CONTEXT_CLAMPED] if measured != point.total_kv_read_tokens else []
+    if plan.real:
+        reasons.append(v.STAMP_REAL_KV)
+        # exact: the state stands at each shadow's context once its admission token is in
+        depth = (max(contexts) + 1 if config.state_mode == v.EXACT
+                 else max(c.num_computed_tokens for c in chains))
+        reasons += v.state_stamps(config.state_mode, depth)
+        if config.state_mode == v.INPLACE:
+            ids = {c.request_id for c in chains}
+            reasons += [v.STATE_DRIFTED] if ids & drifted else []
+            drifted |= ids
+    elif config.fake_regime == v.FAKE_FALLBACK:
+        reasons.append(v.STAMP_FAKE_FALLBACK)
+    regime = v.REAL_KV if plan.real else config.fake_regime
+    row = PointRow(measured, point.batch_size, regime, reasons, list(times), statistics.median_high(times))
+    if len(times) > 1 and row.spread > NOISY_SPREAD:
+        row.sample_reasons.append(v.NOISY)
+    return row

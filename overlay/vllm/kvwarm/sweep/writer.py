@@ -1,0 +1,76 @@
+"""The artifact writer: a rank's sweep.json after every point, and progress lines with the time
+left. Under data parallel each rank writes OUT/dp<R>/ and, after each of its writes, the
+combined view OUT/sweep.json (record.combined).
+
+A write that fails raises ArtifactWriteError for the caller to end the sweep with; it never
+reaches the engine (the scheduler adapter handles it).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from vllm.logger import init_logger
+
+from ..record import vocabulary as v
+from ..record.artifact import KvwarmMeta, PointRow, build_artifact, utc_now, write_artifact
+from ..record.combined import write_combined
+from .ranks import RankLayout, remove_sync_folder
+from .rows import NOISY_SPREAD
+
+logger = init_logger(__name__)
+
+
+class ArtifactWriteError(RuntimeError):
+    pass
+
+
+class ArtifactWriter:
+    def __init__(self, out: str, config: dict, rank_out: str | None = None, layout: RankLayout | None = None):
+        self.root = out  # where the combined view goes under data parallel
+        self.out = rank_out or out  # where this rank's artifact goes
+        self.config = config
+        self.layout = layout
+        self.meta = KvwarmMeta(noisy_spread=NOISY_SPREAD)
+        self.run: dict = {"started_at": utc_now(), "finished_at": None}
+        self.rows: list[PointRow] = []
+        self.total = 0  # points the sweep will measure (for the time left)
+        self.started = time.monotonic()
+
+    @property
+    def artifact_path(self) -> Path:
+        return Path(self.out) / v.ARTIFACT
+
+    def write(self, status: str, error: str | None = None) -> None:
+        if status != v.RUNNING:
+            self.run["finished_at"] = utc_now()
+        layout = self.layout.as_dict() if self.layout is not None else None
+        artifact = build_artifact(self.rows, self.meta, self.config, status, error, run=self.run, layout=layout)
+        try:
+            write_artifact(self.out, artifact)
+            if status == v.RUNNING:  # no plot of an earlier run stays beside this record
+                (Path(self.out) / v.ARTIFACT_PNG).unlink(missing_ok=True)
+            else:  # drawn once, at the end: a plot stalls the engine about half a second
+                from ..record.plot import write_plot
+
+                write_plot(self.out, artifact)
+        except Exception as err:
+            raise ArtifactWriteError(f"writing the artifact to {self.out} failed: {type(err).__name__}: {err}") from err
+        if self.layout is not None and self.layout.data_parallel_size > 1:
+            try:
+                combined = write_combined(self.root, self.layout.data_parallel_size)
+            except Exception as err:
+                raise ArtifactWriteError(f"writing the combined view to {self.root} failed: "
+                                         f"{type(err).__name__}: {err}") from err
+            if combined["status"] != v.RUNNING:
+                remove_sync_folder(self.root)
+
+    def progress(self, message: str) -> None:
+        done = len(self.rows)
+        left = ""
+        if 0 < done < self.total:
+            per_point = (time.monotonic() - self.started) / done
+            left = f", about {per_point * (self.total - done):.0f} s left"
+        rank = f" dp{self.layout.data_parallel_rank}" if self.layout and self.layout.data_parallel_size > 1 else ""
+        logger.info("[kvwarm sweep%s] %s%s", rank, message, left)
