@@ -3,26 +3,15 @@ whose name starts with `_`). Importing it sets the in-process engine's environme
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from kvwarm_testing.engine import use_in_process_engine
 
-# In-process engine core (the scheduler is reachable), one thread, nothing from the hub.
-for _key, _value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
-                     "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}.items():
-    os.environ.setdefault(_key, _value)
-
-
-def load_tiny_models():
-    """tests/engine/tiny_models.py: the random-weight models and the ShareGPT file the tests make."""
-    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "tests" / "engine" / "tiny_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+# The in-process engine (the scheduler is reachable), with room for the benchmarks' chains.
+use_in_process_engine(kv_cache_gib=2)
 
 
 def release_label() -> str:

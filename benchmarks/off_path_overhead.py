@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parents[1] / "tests" / "vllm"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 STEPS, LIVE_REQUESTS, MAX_TOKENS, RUNS, REPEATS = 3000, 32, 200, 5, 3
@@ -33,7 +32,7 @@ TARGET_RATIO = 1.01
 def drive_scheduler() -> dict:
     """One run: keep LIVE_REQUESTS requests going for STEPS steps; time schedule() +
     update_from_output() and digest every step's scheduled tokens."""
-    from real_kv import make_request, make_scheduler
+    from kvwarm_testing.real_kv import make_request, make_scheduler
     from vllm.v1.outputs import ModelRunnerOutput
 
     with tempfile.TemporaryDirectory() as tmp:

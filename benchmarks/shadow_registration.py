@@ -13,14 +13,11 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-from real_kv import make_chain, make_kv_cache_manager, make_request  # noqa: E402
+from kvwarm_testing.real_kv import make_chain, make_kv_cache_manager, make_request  # noqa: E402  (after the device)
 
 BATCH, CTX, BLOCK, HEADROOM, ROUNDS = 128, 32_768, 16, 3, 5
 TARGET_RATIO = 2.0

@@ -32,7 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _engine import load_tiny_models, release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from kvwarm_testing import tiny_models
 
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
@@ -190,7 +191,7 @@ def run(tmp: Path) -> None:
     from vllm.v1.engine.llm_engine import LLMEngine
 
     release = release_label()
-    tiny = load_tiny_models()
+    tiny = tiny_models
     model = tiny.make_tiny_qwen3_next(tmp / "tiny-qwen3-next")
     conversations, _ = load_dataset(tiny.write_sharegpt(tmp / "sharegpt.json"))
     engine = LLMEngine.from_engine_args(EngineArgs(

@@ -25,7 +25,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from _engine import load_tiny_models, release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from kvwarm_testing import tiny_models
 
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
@@ -76,7 +77,7 @@ def run(tmp: Path) -> None:
     batch, steady_steps = base.BATCH, base.REPEATS
     # the sweep measures a rung deepest first: the natural side goes in the same order
     points = [p for rung in plan_rungs(base.ladder(), steady_steps, base.MAX_MODEL_LEN) for p in rung.points]
-    models = load_tiny_models()
+    models = tiny_models
     model = models.make_small_llama(tmp / "small-llama")
     conversations = load_conversations(models.write_sharegpt(tmp / "sharegpt.json"))
     engine = LLMEngine.from_engine_args(EngineArgs(

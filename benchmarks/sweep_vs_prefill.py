@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from _engine import load_tiny_models, release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from kvwarm_testing import tiny_models
 
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
@@ -160,8 +161,8 @@ def run(tmp: Path) -> None:
 
     release = release_label()
     points = ladder()
-    model = load_tiny_models().make_small_llama(tmp / "small-llama")
-    conversations, _ = load_dataset(load_tiny_models().write_sharegpt(tmp / "sharegpt.json"))
+    model = tiny_models.make_small_llama(tmp / "small-llama")
+    conversations, _ = load_dataset(tiny_models.write_sharegpt(tmp / "sharegpt.json"))
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(model), dtype="float32", seed=0, enforce_eager=True, block_size=BLOCK,
         max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=2 * BATCH,

@@ -18,7 +18,8 @@
             scheduler adapter), then
   compare   checks the two are token-identical.
 
-Runs inside a venv that has vLLM; tiny models come from tests/engine/tiny_models.py.
+Runs inside a venv that has vLLM and the test-support package (tests/support: the tiny models
+and the engine's environment).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
+from kvwarm_testing.engine import engine_env
+
 
 ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 # Points per case: two rungs, deepest first; K/B stays within max_model_len less the steps.
@@ -44,13 +45,6 @@ CASES = ["moe", "moe-off", "hybrid", "nemotronh"]
 
 def _log(message: str) -> None:
     print(f"[kvwarm smoke] {message}", flush=True)
-
-
-def _engine_env(device: str) -> dict[str, str]:
-    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    if device == "cpu":
-        env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1")
-    return env
 
 
 def _dtype(device: str, dtype: str) -> str:
@@ -70,7 +64,7 @@ def _engine_args(device: str, model: Path, dtype: str, extra: list[str]) -> list
 def _model(work: Path, maker: str, given: Path | None) -> Path:
     if given is not None:
         return given
-    import tiny_models
+    from kvwarm_testing import tiny_models
 
     directory = work / "models" / maker
     if not (directory / "config.json").exists():
@@ -143,7 +137,7 @@ def _check(artifact: dict, case: dict) -> list[str]:
 def sweeps(args) -> int:
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    from tiny_models import write_sharegpt
+    from kvwarm_testing.tiny_models import write_sharegpt
 
     dataset = write_sharegpt(work / "sharegpt.json", conversations=400)
     failures = 0
@@ -157,7 +151,7 @@ def sweeps(args) -> int:
         # The engine core in its own process (as under `vllm serve`) for every GPU case and
         # for the first CPU case; the others in-process, which starts faster.
         multiprocess = args.device == "cuda" or n == 0
-        env = {**os.environ, **_engine_env(args.device), "DYN_BENCH_KV_WARMUP_DATASET": str(dataset),
+        env = {**os.environ, **engine_env(args.device), "DYN_BENCH_KV_WARMUP_DATASET": str(dataset),
                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **case["env"]}
         cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--points", str(points), "--out", str(out),
                *_engine_args(args.device, model, case["dtype"], case["args"])]
@@ -206,7 +200,7 @@ PROMPTS = ["The quick brown fox", "Decode step time depends on", "Prefix caching
 
 def generate(args) -> int:
     """Greedy tokens on the tiny MoE model (made once in --work, shared by both runs)."""
-    for key, value in _engine_env(args.device).items():
+    for key, value in engine_env(args.device).items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ["DYN_BENCH_KV_WARMUP"] = "off"

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from conftest import BLOCK_SIZE
+from kvwarm_testing.engine import BLOCK_SIZE
 
 CTX = 100  # tokens the forked request borrows; 100 % 32 = 4 tokens in the tail block
 TAIL = CTX // BLOCK_SIZE

@@ -22,8 +22,8 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from conftest import Engine
-    from tiny_models import make_tiny_qwen3_next
+    from kvwarm_testing.engine import Engine
+    from kvwarm_testing.tiny_models import make_tiny_qwen3_next
     from vllm import LLM
 
     model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
@@ -76,6 +76,6 @@ def test_a_shadow_at_the_chain_depth_decodes_like_a_natural_request(hybrid, mode
 
 
 def test_exact_state_shadows_decode_like_natural_requests_off_the_boundaries(hybrid, capsys):
-    from exact_fidelity import check_exact_state, print_report
+    from kvwarm_testing.exact_fidelity import check_exact_state, print_report
 
     print_report(check_exact_state(hybrid, "qwen3-next", vocab=400), capsys)

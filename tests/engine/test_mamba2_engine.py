@@ -14,8 +14,8 @@ pytestmark = pytest.mark.mamba2
 
 @pytest.fixture(scope="module")
 def nemotron_h(tmp_path_factory):
-    from conftest import Engine
-    from tiny_models import make_tiny_nemotron_h
+    from kvwarm_testing.engine import Engine
+    from kvwarm_testing.tiny_models import make_tiny_nemotron_h
     from vllm import LLM
 
     model = make_tiny_nemotron_h(tmp_path_factory.mktemp("tiny-nemotron-h"))
@@ -27,6 +27,6 @@ def nemotron_h(tmp_path_factory):
 
 
 def test_exact_state_shadows_decode_like_natural_requests_off_the_boundaries(nemotron_h, capsys):
-    from exact_fidelity import check_exact_state, print_report
+    from kvwarm_testing.exact_fidelity import check_exact_state, print_report
 
     print_report(check_exact_state(nemotron_h, "nemotron-h", vocab=400), capsys)

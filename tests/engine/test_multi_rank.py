@@ -13,7 +13,7 @@ import json
 import threading
 
 import pytest
-from multi_rank import ADAPTER, api_server, engine_args, medians_by_point, run_command, wait_final, write_points
+from kvwarm_testing.multi_rank import ADAPTER, api_server, engine_args, medians_by_point, run_command, wait_final, write_points
 
 pytestmark = pytest.mark.multirank
 
@@ -23,7 +23,7 @@ POINTS = [(k, b) for b in (1, 2, 3) for k in range(60 * b, 60 * b + 14 * 40 * b,
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from tiny_models import make_tiny_llama, make_tiny_qwen3_moe, write_sharegpt
+    from kvwarm_testing.tiny_models import make_tiny_llama, make_tiny_qwen3_moe, write_sharegpt
 
     root = tmp_path_factory.mktemp("multirank")
     return {"llama": make_tiny_llama(root / "tiny-llama"), "moe": make_tiny_qwen3_moe(root / "tiny-moe"),

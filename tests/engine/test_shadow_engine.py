@@ -5,7 +5,7 @@ chain's first ctx + 1 tokens, with the tail forked and with it zero-filled."""
 from __future__ import annotations
 
 import pytest
-from fidelity import CONTEXTS, shadow_and_natural_tokens
+from kvwarm_testing.fidelity import CONTEXTS, shadow_and_natural_tokens
 
 
 @pytest.mark.parametrize("fork", [True, False])

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.command
 
 
 def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path, monkeypatch):
-    from tiny_models import make_tiny_llama, write_sharegpt
+    from kvwarm_testing.tiny_models import make_tiny_llama, write_sharegpt
     from vllm.kvwarm.record.schema import validate
     from vllm.kvwarm.sweep.command import run
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 
 import pytest
-from fidelity import shadow_and_natural_tokens
-from multi_rank import ENV
+from kvwarm_testing.fidelity import shadow_and_natural_tokens
+from kvwarm_testing.multi_rank import ENV
 
 pytestmark = pytest.mark.tp2
 
 
 def test_forked_shadows_decode_like_natural_requests_on_two_tensor_parallel_workers(tmp_path):
-    from tiny_models import make_tiny_llama
+    from kvwarm_testing.tiny_models import make_tiny_llama
     from vllm import LLM
 
     for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_HOST_IP"):

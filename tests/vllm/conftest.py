@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from real_kv import BLOCK_SIZE, BlockPool
+from kvwarm_testing.real_kv import BLOCK_SIZE, BlockPool
 
 # The worker's page copies run on every device this host has: CPU here, CUDA on a GPU host.
 TORCH_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from real_kv import attention_manager, in_use, make_request, make_scheduler, mamba_align_manager
+from kvwarm_testing.real_kv import attention_manager, in_use, make_request, make_scheduler, mamba_align_manager
 
 
 def borrow(pool, manager, owner: str, borrower: str) -> list:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+from kvwarm_testing.real_kv import in_use, make_chain, make_kv_cache_manager, make_request
 from vllm.kvwarm.kv import catchup as catchup_module
 from vllm.kvwarm.kv.layout import group_layouts
 from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions

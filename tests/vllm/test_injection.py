@@ -5,7 +5,7 @@ request that finished its prompt)."""
 from __future__ import annotations
 
 import pytest
-from real_kv import in_use, make_request, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_scheduler
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX, Admission
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 

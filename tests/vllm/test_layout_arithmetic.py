@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+from kvwarm_testing.real_kv import in_use, make_chain, make_kv_cache_manager, make_request
 from vllm.kvwarm.kv import layout
 from vllm.kvwarm.kv.arithmetic import (
     attention_private_blocks,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from real_kv import in_use, make_request, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_scheduler
 from test_sweep import make_sweep
 from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import KvWarmScheduler

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from real_kv import attention_manager, in_use, make_chain, make_kv_cache_manager, make_request, mamba_align_manager
+from kvwarm_testing.real_kv import attention_manager, in_use, make_chain, make_kv_cache_manager, make_request, mamba_align_manager
 
 
 def test_block_pool_allocate_touch_free_reset(pool):

@@ -156,7 +156,7 @@ def test_a_real_sweeps_noisy_row_names_the_threshold_in_the_report(tmp_path):
     report's legend names that figure."""
     import itertools
 
-    from real_kv import make_scheduler, step_scheduler
+    from kvwarm_testing.real_kv import make_scheduler, step_scheduler
 
     from vllm.kvwarm.scheduler import KvWarmScheduler
     from vllm.kvwarm.sweep.controller import Sweep

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+from kvwarm_testing.real_kv import in_use, make_chain, make_kv_cache_manager, make_request
 from vllm.kvwarm.kv.arithmetic import cdiv, shadow_private_blocks
 from vllm.kvwarm.kv.layout import ATTENTION, STATE_ALIGN, group_layouts
 from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions

@@ -10,7 +10,7 @@ queued, and reset_prefix_cache() succeeds.
 from __future__ import annotations
 
 import pytest
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+from kvwarm_testing.real_kv import in_use, make_chain, make_kv_cache_manager, make_request
 from vllm.kvwarm.kv.arithmetic import attention_private_blocks
 from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
 from vllm.kvwarm.record import vocabulary

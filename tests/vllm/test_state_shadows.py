@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler, step_scheduler
 from vllm.kvwarm.kv import state_mode
 from vllm.kvwarm.kv.layout import group_layouts
 from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions

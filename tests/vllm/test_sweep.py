@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from real_kv import in_use, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep.controller import Sweep
 from vllm.kvwarm.sweep.plan import SweepConfig, plan_rungs

@@ -15,11 +15,10 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-# What multi-rank CPU engines need here: one thread per rank, not pinned (two ranks share
-# two cores), loopback for DP's message queues, nothing from the hub.
-ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false",
-       "DYN_BENCH_GIANT_KV_REPEATS": "3"}
+from .engine import MULTI_RANK_ENV
+
+# The multi-rank engine environment, and three steady steps per point.
+ENV = {**MULTI_RANK_ENV, "DYN_BENCH_GIANT_KV_REPEATS": "3"}
 ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 
-from fidelity import STEPS, step_core_until
+from .fidelity import STEPS, step_core_until
 from vllm.kvwarm.kv.catchup import PrefillChunkCap, cached_tokens, catchup_request, is_caught_up, state_block_size
 from vllm.kvwarm.kv.chains import chain_request, is_prefilled, park
 from vllm.kvwarm.kv.injector import Admission
