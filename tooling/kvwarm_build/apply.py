@@ -11,8 +11,8 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .errors import BuildError
 from .series import FLAVOUR_SPECIFIC, Patch, Series
@@ -24,7 +24,7 @@ def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(cwd.parent), LC_ALL="C")
     # Outside any repository `git apply` works on plain files; the ceiling stops it from
     # discovering an enclosing repository and resolving paths against that instead.
-    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=False)
 
 
 def touched_paths(patch: Patch, scratch: Path) -> list[str]:
@@ -63,8 +63,7 @@ def apply_series(series: Series, read: Callable[[str], bytes | None]) -> dict[st
             bad = sorted(set(paths) & set(FLAVOUR_SPECIFIC))
             if bad:
                 raise BuildError(
-                    f"{patch.path} touches {', '.join(bad)}, which differ between the cuda and "
-                    "cpu wheels",
+                    f"{patch.path} touches {', '.join(bad)}, which differ between the cuda and cpu wheels",
                     "hook the behaviour elsewhere; the build tooling owns the version file",
                 )
             for path in paths:
@@ -82,8 +81,7 @@ def apply_series(series: Series, read: Callable[[str], bytes | None]) -> dict[st
                 raise BuildError(
                     f"{patch.name} does not apply: first failing file "
                     f"{_first_failing_file(check.stderr)}\n{check.stderr.strip()}",
-                    f"refresh {patch.path} against this release (see docs/maintaining.md); "
-                    "nothing was written",
+                    f"refresh {patch.path} against this release (see docs/maintaining.md); nothing was written",
                 )
             applied = _git(["apply", patch_file], scratch)
             if applied.returncode != 0:  # --check passed, so this is unexpected

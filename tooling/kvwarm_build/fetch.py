@@ -43,8 +43,7 @@ def project_files(project: str, index: str | None, cache: Path) -> list[dict]:
     except (urllib.error.URLError, OSError) as err:
         raise BuildError(
             f"cannot reach the package index {index} for {project} ({err})",
-            f"connect to the network or set KVWARM_INDEX_URL; to build offline, place the pinned "
-            f"files in {cache}",
+            f"connect to the network or set KVWARM_INDEX_URL; to build offline, place the pinned files in {cache}",
         ) from None
 
 
@@ -54,8 +53,9 @@ def _url_for(artifact: Artifact, index: str, cache: Path) -> str:
     try:
         files = project_files(project, index, cache)
     except BuildError as err:
-        raise BuildError(f"{err.problem}, to fetch {artifact.file}",
-                         f"{err.fix} ({artifact.file}, sha256 {artifact.sha256})") from None
+        raise BuildError(
+            f"{err.problem}, to fetch {artifact.file}", f"{err.fix} ({artifact.file}, sha256 {artifact.sha256})"
+        ) from None
     for entry in files:
         if entry.get("filename") == artifact.file:
             return entry["url"]

@@ -22,19 +22,28 @@ from .series import Series, header_problems, read_series
 
 UPSTREAM_TAG = "upstream"
 EXPORT_FLAGS = [
-    "--keep-subject", "--no-stat", "--no-signature", "--zero-commit", "--full-index",
-    "--no-renames", "--no-binary", "--minimal",
+    "--keep-subject",
+    "--no-stat",
+    "--no-signature",
+    "--zero-commit",
+    "--full-index",
+    "--no-renames",
+    "--no-binary",
+    "--minimal",
 ]
 _IDENTITY = {
-    "GIT_AUTHOR_NAME": "kvwarm", "GIT_AUTHOR_EMAIL": "kvwarm@localhost",
-    "GIT_COMMITTER_NAME": "kvwarm", "GIT_COMMITTER_EMAIL": "kvwarm@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+    "GIT_AUTHOR_NAME": "kvwarm",
+    "GIT_AUTHOR_EMAIL": "kvwarm@localhost",
+    "GIT_COMMITTER_NAME": "kvwarm",
+    "GIT_COMMITTER_EMAIL": "kvwarm@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
 }
 
 
 def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, LC_ALL="C", **_IDENTITY)
-    result = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True)
+    result = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=False)
     if check and result.returncode != 0:
         raise BuildError(f"git {' '.join(args)} in {repo} failed: {result.stderr.strip()}", "see the git message")
     return result
@@ -83,8 +92,10 @@ def materialise(upstream: Path, series: Series, into: Path, force: bool = False,
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    log(f"{into}: pristine tree tagged {UPSTREAM_TAG!r} + {len(series.patches)} commit(s); "
-        "edit, commit, then run the export session")
+    log(
+        f"{into}: pristine tree tagged {UPSTREAM_TAG!r} + {len(series.patches)} commit(s); "
+        "edit, commit, then run the export session"
+    )
     return into
 
 

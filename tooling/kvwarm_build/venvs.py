@@ -32,8 +32,16 @@ from .errors import BuildError
 # (PyPI's builds break `import vllm` beside a CPU torch: transformers fails on torchvision::nms).
 TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 GPU_ONLY = TORCH_FAMILY | {
-    "pynvvideocodec", "tilelang", "nvtx", "fastsafetensors", "instanttensor", "quack-kernels",
-    "tokenspeed-mla", "humming-kernels", "triton", "xformers",
+    "pynvvideocodec",
+    "tilelang",
+    "nvtx",
+    "fastsafetensors",
+    "instanttensor",
+    "quack-kernels",
+    "tokenspeed-mla",
+    "humming-kernels",
+    "triton",
+    "xformers",
 }
 GPU_ONLY_PREFIXES = ("nvidia-", "flashinfer-", "cupy-")
 _COMPLETE = ".kvwarm-complete"
@@ -64,15 +72,18 @@ def wheel_requirements(wheel: Path) -> list[str]:
     return wanted
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torch_versions() -> frozenset[str]:
     """Every torch version pip's configured indexes and find-links offer."""
-    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "torch"],
-                         capture_output=True, text=True)
-    found = re.search(r"^Available versions: (.*)$", out.stdout, re.M)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "torch"], capture_output=True, text=True, check=False
+    )
+    found = re.search(r"^Available versions: (.*)$", out.stdout, re.MULTILINE)
     if out.returncode != 0 or not found:
-        raise BuildError(f"cannot list torch versions on the package indexes: {out.stderr.strip()[-500:]}",
-                         "check network access to the index (pip config list shows which)")
+        raise BuildError(
+            f"cannot list torch versions on the package indexes: {out.stderr.strip()[-500:]}",
+            "check network access to the index (pip config list shows which)",
+        )
     return frozenset(v.strip() for v in found.group(1).split(","))
 
 
@@ -87,15 +98,17 @@ def cpu_torch(flavour, log=print, available=None) -> str:
             f"no index we reach has torch {wanted}, the CPU build of the torch {flavour.wheel.file} pins",
             "set torch_fallback for that flavour in releases.toml (a torch that runs its code on CPU)",
         )
-    log(f"torch {wanted} is on no index we reach: using torch_fallback {flavour.torch_fallback} "
-        f"from releases.toml ({flavour.wheel.file})")
+    log(
+        f"torch {wanted} is on no index we reach: using torch_fallback {flavour.torch_fallback} "
+        f"from releases.toml ({flavour.wheel.file})"
+    )
     return flavour.torch_fallback
 
 
 def pip_install(python: Path, *args: str, log=print) -> None:
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
     log("  $ pip install " + " ".join(args))
-    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     if result.returncode != 0:
         tail = "\n".join(result.stdout.splitlines()[-20:])
         raise BuildError(f"pip install {' '.join(args)} failed:\n{tail}", "check network access to PyPI and retry")
@@ -108,7 +121,9 @@ def venv_python(venv: Path) -> Path:
 def site_packages(python: Path) -> Path:
     out = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return Path(out.stdout.strip())
 
@@ -147,10 +162,12 @@ def deps_key(inputs) -> str:
 def remove_gpu_only(python: Path, keep: str = "torch") -> None:
     """Uninstall what dependencies pulled in that only serves a GPU (xgrammar needs triton on
     x86_64 Linux), `keep` excepted."""
-    listing = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
-                             check=True)
-    extra = sorted(d["name"] for d in json.loads(listing.stdout) if gpu_only(d["name"]) and
-                   canonicalize_name(d["name"]) != keep)
+    listing = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
+    )
+    extra = sorted(
+        d["name"] for d in json.loads(listing.stdout) if gpu_only(d["name"]) and canonicalize_name(d["name"]) != keep
+    )
     if extra:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *extra], check=True, capture_output=True)
 
@@ -168,8 +185,12 @@ def ensure_deps_venv(release, cache: Path, log=print) -> Path:
         pip_install(python, "-c", str(pinned), *requirements, log=log)
         remove_gpu_only(python)
 
-    return ensure_venv(cache / "venvs" / f"vllm-deps-{deps_key(inputs)}", install,
-                       f"the vLLM dependency venv for {release.version}'s pins ({', '.join(constraints)})", log=log)
+    return ensure_venv(
+        cache / "venvs" / f"vllm-deps-{deps_key(inputs)}",
+        install,
+        f"the vLLM dependency venv for {release.version}'s pins ({', '.join(constraints)})",
+        log=log,
+    )
 
 
 def layer_on_deps(python: Path, deps_site: Path) -> None:
@@ -199,4 +220,3 @@ def ensure_layered_venv(venv: Path, deps_site: Path, installs: list[list[str]], 
         pip_install(python, *args, log=log)
     marker.write_text(wanted)
     return python
-
