@@ -1,5 +1,5 @@
 """Small, real fixtures for the build tooling: a tiny release wheel in vLLM's layout, a
-patch series made with git format-patch, a project tree (releases.toml, patches, overlay)."""
+patch series made by the export, a project tree (releases.toml, patches, overlay)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 from wheel.wheelfile import WheelFile
 
 from kvwarm_build import project
-from kvwarm_build.maint import EXPORT_FLAGS
+from kvwarm_build.maint import export_patches, write_series
 
 VERSION = "9.9.1"
 WHEEL_NAME = f"vllm-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -105,7 +105,8 @@ HEADERS = (
 
 
 def make_patches(out: Path, edits: list[tuple[str, str, str, str]]) -> list[Path]:
-    """format-patch one commit per (subject, path, old, new) edit of the fixture sources."""
+    """One commit per (subject, path, old, new) edit of the fixture sources, exported as the
+    export session does; the patch files in series order."""
     repo = out.parent / f".repo-{out.name}"
     shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir(parents=True)
@@ -124,12 +125,10 @@ def make_patches(out: Path, edits: list[tuple[str, str, str, str]]) -> list[Path
         target.write_text(text.replace(old, new, 1))
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "-m", subject + HEADERS)
-    out.mkdir(parents=True, exist_ok=True)
-    git(repo, "format-patch", *EXPORT_FLAGS, "-o", str(out), "upstream..HEAD")
-    patches = sorted(out.glob("*.patch"))
-    (out / "series").write_text("".join(p.name + "\n" for p in patches))
+    exported = export_patches(repo)
+    write_series(out, exported)
     shutil.rmtree(repo)
-    return patches
+    return [out / name for name in exported]
 
 
 GOOD_EDITS = [

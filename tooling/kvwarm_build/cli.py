@@ -12,7 +12,7 @@ from .build import check_reproducible, ensure_built, output_name
 from .bundle_resolve import Target
 from .errors import BuildError
 from .fetch import fetch
-from .maint import export_patches, lint, materialise, write_series
+from .maint import export_patches, lint_releases, materialise, write_series
 from .releases import FLAVOURS, find_release, load_releases
 from .series import read_series, series_folder
 from .venvs import current_python, ensure_deps_venv, layer_on_deps
@@ -54,17 +54,12 @@ def cmd_wheel_path(args) -> int:
 
 
 def cmd_lint(args) -> int:
-    releases = load_releases(args.releases)
-    names = {r.version for r in releases}
-    folders = sorted(project.PATCHES.glob("vllm-*"))
-    problems = [f"{f}: no release {f.name[5:]} in releases.toml" for f in folders if f.name[5:] not in names]
-    for release in releases:
-        upstream = None
-        if not args.no_staleness:
-            upstream = fetch(release.flavour("cuda").wheel, _cache(args) / "downloads", log=_log)
-        found = lint(series_folder(project.PATCHES, release.version), upstream)
-        _log(f"vllm-{release.version}: {len(found)} problem(s)")
-        problems += found
+    def upstream_of(release):
+        return fetch(release.flavour("cuda").wheel, _cache(args) / "downloads", log=_log)
+
+    problems = lint_releases(
+        load_releases(args.releases), project.PATCHES, None if args.no_staleness else upstream_of, log=_log
+    )
     for problem in problems:
         print(f"lint-patches: {problem}")
     return 1 if problems else 0
@@ -263,7 +258,7 @@ def parser() -> argparse.ArgumentParser:
         "whether the newest series applies ($KVWARM_INDEX_URL or PyPI)",
     )
     us.set_defaults(func=cmd_upstream_status)
-    lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
+    lp = sub.add_parser("lint-patches", help="series <-> files, headers, file names, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)
     return p
