@@ -6,9 +6,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
-import os
 import shutil
-import subprocess
 import threading
 import zipfile
 from pathlib import Path
@@ -18,6 +16,7 @@ import pytest
 from wheel.wheelfile import WheelFile
 
 from kvwarm_build import project
+from kvwarm_build.git import git as run_git
 from kvwarm_build.maint import export_patches, write_series
 
 VERSION = "9.9.1"
@@ -82,18 +81,8 @@ sdist = {{ file = "vllm-{version}.tar.gz", sha256 = "{"0" * 64}" }}
 
 
 def git(cwd: Path, *args: str) -> str:
-    env = dict(
-        os.environ,
-        GIT_CONFIG_GLOBAL=os.devnull,
-        GIT_CONFIG_NOSYSTEM="1",
-        GIT_AUTHOR_NAME="t",
-        GIT_AUTHOR_EMAIL="t@localhost",
-        GIT_COMMITTER_NAME="t",
-        GIT_COMMITTER_EMAIL="t@localhost",
-        GIT_AUTHOR_DATE="2001-01-01T00:00:00Z",
-        GIT_COMMITTER_DATE="2001-01-01T00:00:00Z",
-    )
-    return subprocess.run(["git", "-C", str(cwd), *args], env=env, check=True, capture_output=True, text=True).stdout
+    """Git as the tooling runs it (kvwarm_build.git); its output."""
+    return run_git(cwd, *args).stdout
 
 
 HEADERS = (

@@ -10,20 +10,17 @@ install the patched wheel `--no-deps`.
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
-import sys
 from pathlib import Path
 
+from .digests import cache_key
 from .fetch import fetch
 from .releases import Release
 from .venvs import TORCH_FAMILY, cpu_torch, ensure_layered_venv, ensure_venv, pip_install, wheel_requirements
 
 
 def engine_venv_path(release: Release, cache: Path, torch: str, requirements: list[str]) -> Path:
-    key = repr((torch, requirements, release.test_pins, sys.version_info[:2]))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache / "venvs" / f"engine-deps-{release.version}-{digest}"
+    return cache / "venvs" / f"engine-deps-{release.version}-{cache_key(torch, requirements, release.test_pins)}"
 
 
 def ensure_engine_deps(release: Release, cache: Path, log=print) -> Path:

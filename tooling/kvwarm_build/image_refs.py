@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import project
 from .errors import BuildError
+from .git import git
 from .image_builders import KEPT, Builder, image_config, inspect_image
 from .releases import Release
 from .repack import WheelName
@@ -65,9 +66,7 @@ def source_url() -> str:
     env = os.environ.get("KVWARM_SOURCE_URL")
     if env:
         return env
-    out = subprocess.run(
-        ["git", "remote", "get-url", "origin"], cwd=project.ROOT, capture_output=True, text=True, check=False
-    )
+    out = git(project.ROOT, "remote", "get-url", "origin", check=False, user_config=True)
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 

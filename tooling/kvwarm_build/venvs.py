@@ -11,8 +11,9 @@ wheel itself (`--no-deps`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
-import hashlib
 import json
 import re
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from .digests import cache_key
 from .errors import BuildError
 
 # What a release wheel requires that only serves a GPU or that the index has only as a CUDA
@@ -128,20 +130,37 @@ def site_packages(python: Path) -> Path:
     return Path(out.stdout.strip())
 
 
+@contextlib.contextmanager
+def venv_lock(venv: Path, log=print):
+    """Held while `venv` is made, so processes sharing a cache (KVWARM_CACHE_DIR) never make
+    one venv at once: the second waits, then finds it made. An flock on VENV.lock beside it,
+    released when its holder exits, however it exits; the file stays (removing it would
+    race with a process about to lock it)."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.with_name(venv.name + ".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process making {venv}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_venv(venv: Path, install, what: str, log=print) -> Path:
-    """`venv`'s site-packages, made on first use by install(python); the marker is written
-    last, so a half-made venv is removed and made again."""
-    if (venv / _COMPLETE).exists():
-        return site_packages(venv_python(venv))
-    if venv.exists():
-        log(f"removing incomplete {venv}")
-        shutil.rmtree(venv)
-    log(f"creating {what} {venv} (once per cache; a few minutes)")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv_python(venv)
-    install(python)
-    (venv / _COMPLETE).write_text(venv.name + "\n")
-    return site_packages(python)
+    """`venv`'s site-packages, made on first use by install(python) under venv_lock; the
+    marker is written last, so a half-made venv is removed and made again."""
+    marker = venv / _COMPLETE
+    if not marker.exists():
+        with venv_lock(venv, log=log):
+            if not marker.exists():  # else another process made it while this one waited
+                if venv.exists():
+                    log(f"removing incomplete {venv}")
+                    shutil.rmtree(venv)
+                log(f"creating {what} {venv} (once per cache; a few minutes)")
+                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+                install(venv_python(venv))
+                marker.write_text(venv.name + "\n")
+    return site_packages(venv_python(venv))
 
 
 def deps_inputs(release, cache: Path, log=print) -> tuple[str, list[str], list[str]]:
@@ -156,7 +175,7 @@ def deps_inputs(release, cache: Path, log=print) -> tuple[str, list[str], list[s
 
 def deps_key(inputs) -> str:
     # "resolved": requirements installed with their dependencies, GPU-only ones removed after.
-    return hashlib.sha256(repr((inputs, "resolved", sys.version_info[:2])).encode()).hexdigest()[:12]
+    return cache_key(inputs, "resolved")
 
 
 def remove_gpu_only(python: Path, keep: str = "torch") -> None:
@@ -205,18 +224,23 @@ def current_python() -> Path:
 def ensure_layered_venv(venv: Path, deps_site: Path, installs: list[list[str]], log=print) -> Path:
     """A venv on top of the deps venv with `installs` (pip argument lists) done in order.
 
-    Recreated whenever what it should hold changes; the marker is written last, so a
-    half-made venv is made again.
+    Recreated (under venv_lock) whenever what it should hold changes; the marker is written
+    last, so a half-made venv is made again.
     """
     python = venv_python(venv)
     marker = venv / _COMPLETE
     wanted = json.dumps([str(deps_site), installs])
-    if marker.exists() and marker.read_text() == wanted:
-        return python
-    log(f"creating {venv}")
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    layer_on_deps(python, deps_site)
-    for args in installs:
-        pip_install(python, *args, log=log)
-    marker.write_text(wanted)
+
+    def current() -> bool:
+        return marker.exists() and marker.read_text() == wanted
+
+    if not current():
+        with venv_lock(venv, log=log):
+            if not current():  # else another process made it while this one waited
+                log(f"creating {venv}")
+                subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+                layer_on_deps(python, deps_site)
+                for args in installs:
+                    pip_install(python, *args, log=log)
+                marker.write_text(wanted)
     return python
