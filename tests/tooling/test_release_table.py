@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import tarfile
@@ -61,6 +62,86 @@ def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
         assert (f"engine-{release.short}" in names) == has_cpu == (release.cpu_tier_missing is None)
     kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases) :]]
     assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
+
+
+def _cpu_release(tree, **changes):
+    """The fixture's row with a cpu flavour, as another row when `changes` say so."""
+    path = tree["root"] / "releases.toml"
+    if CPU_FLAVOUR not in path.read_text():
+        path.write_text(path.read_text() + CPU_FLAVOUR)
+    (release,) = load_releases(path)
+    return dataclasses.replace(release, **changes)
+
+
+def test_engine_s_runs_the_multi_rank_engines_on_the_newest_cpu_release_only(tree):
+    older = _cpu_release(tree, short="9.8", version="9.8.0")
+    newest = _cpu_release(tree)
+    no_cpu = dataclasses.replace(newest, short="9.10", version="9.10.0", flavours={"cuda": newest.flavour("cuda")})
+    table = [older, newest, no_cpu]  # the last row has no CPU engine: the multi-rank ones go to 9.9
+    single = [list(p) for p in sessions.ENGINE_PROCESSES] + [list(sessions.MAMBA2_PROCESS)]
+    assert sessions.engine_selections(older, table) == single
+    assert sessions.engine_selections(newest, table) == single + [list(p) for p in sessions.MULTI_RANK_PROCESSES]
+
+
+def test_engine_s_runs_the_mamba2_engine_only_where_the_release_runs_its_smoke_case(tree):
+    release = _cpu_release(tree, cpu_smoke_cases=("moe", "hybrid"))
+    selections = sessions.engine_selections(release, [release])
+    assert ["-m", "mamba2"] not in selections and ["-m", "hybrid"] in selections
+    with_it = dataclasses.replace(release, cpu_smoke_cases=("nemotronh",))
+    assert ["-m", "mamba2"] in sessions.engine_selections(with_it, [with_it])
+
+
+def test_ci_plan_checks_builds_for_reproducibility_and_ends_with_one_standin_image(tree):
+    older = _cpu_release(tree, short="9.8", version="9.8.0")
+    newest = _cpu_release(tree)
+    plan = sessions.ci_plan([older, newest])
+    assert [name for name, _ in plan[:-1]] == sessions.ci_sessions([older, newest])
+    assert {name: args for name, args in plan if args} == {
+        "build-9.8": ["--check-reproducible"],
+        "build-9.9": ["--check-reproducible"],
+    }
+    assert plan[-1] == ("image-standin-9.9", None)
+
+
+BENCHMARKS = {
+    "_shared.py": "NEEDS_ENGINE = True\n",  # what benchmarks share: never run
+    "on_engine.py": '"""Doc."""\n\nimport os\n\nNEEDS_ENGINE = True  # the CPU engine\n',
+    "annotated.py": "NEEDS_ENGINE: bool = True\n",
+    "says_false.py": "NEEDS_ENGINE = False\n",
+    "mentions_it.py": '"""Not this one: NEEDS_ENGINE = True is only in the text."""\n',
+    "in_a_function.py": "def f():\n    NEEDS_ENGINE = True\n    return NEEDS_ENGINE\n",
+}
+
+
+@pytest.fixture
+def benchmarks(tmp_path):
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    for name, text in BENCHMARKS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_bench_s_runs_scheduler_only_benchmarks_first_then_those_that_set_needs_engine(tree, benchmarks):
+    release = _cpu_release(tree)
+    groups = sessions.benchmark_groups(benchmarks, [], release)
+    assert [(engine, [s.name for s in scripts]) for engine, scripts in groups] == [
+        (False, ["in_a_function.py", "mentions_it.py", "says_false.py"]),
+        (True, ["annotated.py", "on_engine.py"]),
+    ]
+    assert sessions.benchmark_groups(benchmarks, ["says_false"], release) == [(False, [benchmarks / "says_false.py"])]
+
+
+def test_bench_s_refuses_an_unknown_benchmark_and_engine_ones_without_a_cpu_flavour(tree, benchmarks):
+    release = _cpu_release(tree)
+    with pytest.raises(BuildError) as err:
+        sessions.benchmark_groups(benchmarks, ["says_false", "nope"], release)
+    assert "'nope'" in err.value.problem and "on_engine" in err.value.fix and "_shared" not in err.value.fix
+    no_cpu = dataclasses.replace(release, flavours={"cuda": release.flavour("cuda")})
+    assert sessions.benchmark_groups(benchmarks, ["says_false"], no_cpu) == [(False, [benchmarks / "says_false.py"])]
+    with pytest.raises(BuildError) as err:
+        sessions.benchmark_groups(benchmarks, [], no_cpu)
+    assert "annotated, on_engine need the CPU engine" in err.value.problem and "no cpu flavour" in err.value.problem
 
 
 @pytest.mark.parametrize(

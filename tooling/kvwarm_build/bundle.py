@@ -108,6 +108,21 @@ def _place(source: Path, dest: Path) -> None:
         shutil.copyfile(source, dest)
 
 
+def index_options(index_url: str | None, find_links: list[str], no_index: bool) -> list[str]:
+    """pip's options for where the bundle's wheels come from: an index (default: pip's own
+    configuration), folders of wheels, or those folders alone."""
+    if no_index and not find_links:
+        raise BuildError(
+            "--no-index without --find-links leaves pip nowhere to find wheels",
+            "add --find-links FOLDER (repeatable), or drop --no-index",
+        )
+    return (
+        (["--index-url", index_url] if index_url else [])
+        + [option for link in find_links for option in ("--find-links", link)]
+        + (["--no-index"] if no_index else [])
+    )
+
+
 def make_bundle(
     wheel: Path,
     out: Path,

@@ -159,17 +159,13 @@ def cmd_image_standin(args) -> int:
 
 
 def cmd_bundle(args) -> int:
-    from .bundle import make_bundle
+    from .bundle import index_options, make_bundle
 
     release = _release(args)
     wheel, record = _patched_wheel(args, release)
     out = args.out or args.dist / f"bundle-{record['version']}-{args.flavour}"
     target = Target(args.python_version, tuple(args.platform or Target.platforms), args.implementation)
-    pip_args = (
-        (["--index-url", args.index_url] if args.index_url else [])
-        + [a for link in args.find_links for a in ("--find-links", link)]
-        + (["--no-index"] if args.no_index else [])
-    )
+    pip_args = index_options(args.index_url, args.find_links, args.no_index)
     make_bundle(wheel, out, args.have, target, args.split_mib, pip_args, log=_log)
     print(out)
     return 0
