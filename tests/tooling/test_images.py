@@ -58,6 +58,7 @@ def release_args(release, flavour: str = "cuda") -> dict[str, str]:
 
 # --- the Dockerfile against releases.toml and the build -------------------------------------
 
+
 def test_from_defaults_to_the_newest_releases_official_image():
     (base,) = instructions("FROM")
     assert base == "${BASE_IMAGE}"
@@ -83,8 +84,9 @@ def test_the_default_wheel_is_what_build_produces_for_the_newest_release():
     assert resolved_args()["WHEEL"] == output_name(NEWEST, "cuda")
 
 
-@pytest.mark.parametrize("release, flavour", [(r, f) for r in RELEASES for f in r.flavours],
-                         ids=lambda v: getattr(v, "short", v))
+@pytest.mark.parametrize(
+    "release, flavour", [(r, f) for r in RELEASES for f in r.flavours], ids=lambda v: getattr(v, "short", v)
+)
 def test_the_wheel_name_follows_each_release_and_flavour(release, flavour):
     assert resolved_args(release_args(release, flavour))["WHEEL"] == output_name(release, flavour)
 
@@ -118,7 +120,7 @@ def test_one_layer_installs_the_mounted_wheel_and_checks_it():
     assert used == ["FROM", "RUN"]  # no COPY/ADD: the wheel never lands in a layer
     (run,) = instructions("RUN")
     assert run.startswith("--mount=type=bind,target=/tmp/kvwarm-context")
-    assert "--no-deps --force-reinstall \"$wheel\"" in run
+    assert '--no-deps --force-reinstall "$wheel"' in run
     assert "uv pip install $where" in run and "python3 -m pip install" in run
     assert "python3 -m vllm.kvwarm selfcheck" in run and "${KVWARM_SERIES_DIGEST}" in run
 
@@ -126,8 +128,8 @@ def test_one_layer_installs_the_mounted_wheel_and_checks_it():
 def test_a_flavour_whose_dist_is_not_vllm_gets_the_metadata_alias_before_the_selfcheck():
     (run,) = instructions("RUN")
     alias = run.index('if [ "$ours" != vllm ]; then')
-    assert run.index('$install --no-deps') < alias < run.index("vllm.kvwarm selfcheck")
-    body = run[alias:run.index("fi;", alias)]
+    assert run.index("$install --no-deps") < alias < run.index("vllm.kvwarm selfcheck")
+    body = run[alias : run.index("fi;", alias)]
     assert 'python3 "$alias" "$VLLM_DIST";' in body and 'python3 "$alias" --check "$VLLM_DIST";' in body
     assert "/tmp/kvwarm-context/" + images.DIST_ALIAS.name in body
 
@@ -139,6 +141,7 @@ def test_build_args_refuse_a_wheel_of_another_version():
 
 
 # --- builder detection ----------------------------------------------------------------------
+
 
 def fake_tools(folder: Path, **tools: int) -> str:
     """Executables that exit with the given code (docker's only for `buildx version`)."""
@@ -164,11 +167,14 @@ def test_docker_without_buildx_is_not_a_builder(tmp_path):
     assert image_builders.detect_builder(path=fake_tools(tmp_path / "bin", docker=1, buildah=0)).name == "buildah"
 
 
-@pytest.mark.parametrize("tools, chosen", [
-    ({"docker": 0, "podman": 0, "buildah": 0}, "docker"),
-    ({"podman": 0, "buildah": 0}, "podman"),
-    ({"buildah": 0}, "buildah"),
-])
+@pytest.mark.parametrize(
+    "tools, chosen",
+    [
+        ({"docker": 0, "podman": 0, "buildah": 0}, "docker"),
+        ({"podman": 0, "buildah": 0}, "podman"),
+        ({"buildah": 0}, "buildah"),
+    ],
+)
 def test_builder_preference(tmp_path, tools, chosen):
     assert image_builders.detect_builder(path=fake_tools(tmp_path / "bin", **tools)).name == chosen
 
@@ -183,8 +189,12 @@ def test_build_commands_per_builder():
 
 # --- tags, digests, times, config checks ----------------------------------------------------
 
+
 def test_default_tag_and_untagged_names():
-    assert image_refs.default_tag(f"vllm/vllm-openai:v{NEWEST.version}", NEWEST) == f"vllm/vllm-openai-kvwarm:v{NEWEST.version}-{NEWEST.label}"
+    assert (
+        image_refs.default_tag(f"vllm/vllm-openai:v{NEWEST.version}", NEWEST)
+        == f"vllm/vllm-openai-kvwarm:v{NEWEST.version}-{NEWEST.label}"
+    )
     assert image_refs.default_tag("vllm/vllm-openai@sha256:" + "1" * 64, NEWEST).startswith("vllm/vllm-openai-kvwarm:")
     assert image_refs.untagged("registry:5000/vllm/vllm-openai:v1") == "registry:5000/vllm/vllm-openai"
     assert image_refs.untagged("registry:5000/vllm/vllm-openai") == "registry:5000/vllm/vllm-openai"
@@ -218,6 +228,7 @@ def test_config_problems_name_a_changed_entrypoint_and_a_wrong_label():
 
 # --- a failing builder command names its subcommand -----------------------------------------
 
+
 def test_a_failing_builder_command_names_the_subcommand_and_the_whole_command(tmp_path, monkeypatch):
     """The stand-in builder's global options (--root PATH --runroot PATH ...) come before
     the subcommand, so the message must not stop at the first few words."""
@@ -234,7 +245,9 @@ def test_a_failing_builder_command_names_the_subcommand_and_the_whole_command(tm
 def test_a_failing_streamed_command_ends_its_message_with_the_last_lines_it_printed(tmp_path):
     """A CI log cut in the middle of a long build still shows why it failed."""
     script = tmp_path / "noisy"
-    script.write_text("#!/bin/sh\nfor i in $(seq 1 60); do echo line $i; done\necho 'no space left on device' >&2\nexit 125\n")
+    script.write_text(
+        "#!/bin/sh\nfor i in $(seq 1 60); do echo line $i; done\necho 'no space left on device' >&2\nexit 125\n"
+    )
     script.chmod(0o755)
     with pytest.raises(BuildError) as err:
         image_builders.run_command([str(script)], log=lambda *_: None, name="buildah build")
@@ -249,10 +262,3 @@ def test_a_standin_build_without_room_is_refused_before_it_starts(tmp_path):
         image_standin.check_free_space(tmp_path, needed=2**60)
     assert str(tmp_path) in str(err.value) and "KVWARM_CACHE_DIR" in err.value.fix
     image_standin.check_free_space(tmp_path, needed=1)
-
-
-def test_the_debian_mirror_is_read_when_the_rootfs_is_made(monkeypatch):
-    monkeypatch.setenv("KVWARM_DEBIAN_MIRROR", "http://mirror.example/debian")
-    assert image_standin.debian_mirror() == "http://mirror.example/debian"
-    monkeypatch.delenv("KVWARM_DEBIAN_MIRROR")
-    assert image_standin.debian_mirror() == "http://deb.debian.org/debian"

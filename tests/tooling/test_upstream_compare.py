@@ -9,7 +9,15 @@ import pytest
 
 from kvwarm_build.errors import BuildError
 from kvwarm_build.upstream_tests import (
-    CONNECTOR_UNIT, CORE, Selection, compare, extract_tests, gate, hub_ids, parse_junit, run_gate,
+    CONNECTOR_UNIT,
+    CORE,
+    Selection,
+    compare,
+    extract_tests,
+    gate,
+    hub_ids,
+    parse_junit,
+    run_gate,
 )
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -146,7 +154,9 @@ def test_the_gate_selects_marked_core_unmarked_core_without_e2e_and_the_connecto
     root = _tests_tree(tmp_path)
     runs = gate(root)
     assert [r.paths for r in runs] == [
-        (CORE,), (f"{CORE}/sub/test_deeper.py", f"{CORE}/test_unmarked.py"), (CONNECTOR_UNIT,),
+        (CORE,),
+        (f"{CORE}/sub/test_deeper.py", f"{CORE}/test_unmarked.py"),
+        (CONNECTOR_UNIT,),
     ]
     assert runs[0].args[:2] == ("-m", "cpu_test")
     assert all("not test_priority_scheduling_blast" in r.args for r in runs)
@@ -166,8 +176,10 @@ def test_run_gate_runs_each_selection_and_keeps_a_missing_package_a_failure(tmp_
     results = run_gate(sys.executable, root, tmp_path / "side", tmp_path / "hf", gate(root, full=full))
     stress = {f"tests.v1.core.test_marked::test_priority_scheduling_blast[{n}]" for n in (1, 2)}
     expected = {
-        "tests.v1.core.test_marked::test_fast", "tests.v1.core.test_unmarked::test_plain",
-        "tests.v1.core.sub.test_deeper::test_deeper", "tests.v1.kv_connector.unit.test_connector::test_connector",
+        "tests.v1.core.test_marked::test_fast",
+        "tests.v1.core.test_unmarked::test_plain",
+        "tests.v1.core.sub.test_deeper::test_deeper",
+        "tests.v1.kv_connector.unit.test_connector::test_connector",
         *(stress if full else ()),
     }
     assert {t for t, s in results.items() if s == "passed"} == expected

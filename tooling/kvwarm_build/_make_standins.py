@@ -202,9 +202,7 @@ def _processor(kind: str, tokenizer):
     if kind == "llava":
         from transformers import CLIPImageProcessor, LlavaProcessor
 
-        images = CLIPImageProcessor(
-            size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336}
-        )
+        images = CLIPImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336})
         return LlavaProcessor(
             image_processor=images, tokenizer=tokenizer, patch_size=14,
             vision_feature_select_strategy="default", num_additional_image_tokens=1,

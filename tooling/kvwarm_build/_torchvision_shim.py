@@ -17,10 +17,10 @@ import sys
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != "torchvision":
-            return None
+            return
         sys.meta_path.remove(self)
         _define_missing_ops()
-        return None  # let the normal finders import torchvision
+        return  # let the normal finders import torchvision
 
 
 def _define_missing_ops():

@@ -7,28 +7,26 @@ first failing file and nothing outside the scratch folder has been written.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .errors import BuildError
+from .git import git
 from .series import FLAVOUR_SPECIFIC, Patch, Series
 
 _FAILED_FILE = re.compile(r"error: (?:patch failed: )?(?P<file>[^:\s]+)(?::\d+)?:?")
 
 
-def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(cwd.parent), LC_ALL="C")
-    # Outside any repository `git apply` works on plain files; the ceiling stops it from
-    # discovering an enclosing repository and resolving paths against that instead.
-    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+def git_apply(scratch: Path, *args: str) -> subprocess.CompletedProcess:
+    """`git apply ARGS` on the plain files in `scratch` (returncode for the caller to read)."""
+    return git(scratch, "apply", *args, check=False, outside_repo=True)
 
 
 def touched_paths(patch: Patch, scratch: Path) -> list[str]:
-    result = _git(["apply", "--numstat", "-z", str(patch.path.resolve())], scratch)
+    result = git_apply(scratch, "--numstat", "-z", str(patch.path.resolve()))
     if result.returncode != 0:
         raise BuildError(
             f"{patch.path} is not a patch git can read: {result.stderr.strip()}",
@@ -63,8 +61,7 @@ def apply_series(series: Series, read: Callable[[str], bytes | None]) -> dict[st
             bad = sorted(set(paths) & set(FLAVOUR_SPECIFIC))
             if bad:
                 raise BuildError(
-                    f"{patch.path} touches {', '.join(bad)}, which differ between the cuda and "
-                    "cpu wheels",
+                    f"{patch.path} touches {', '.join(bad)}, which differ between the cuda and cpu wheels",
                     "hook the behaviour elsewhere; the build tooling owns the version file",
                 )
             for path in paths:
@@ -77,15 +74,14 @@ def apply_series(series: Series, read: Callable[[str], bytes | None]) -> dict[st
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(content)
             patch_file = str(patch.path.resolve())
-            check = _git(["apply", "--check", patch_file], scratch)
+            check = git_apply(scratch, "--check", patch_file)
             if check.returncode != 0:
                 raise BuildError(
                     f"{patch.name} does not apply: first failing file "
                     f"{_first_failing_file(check.stderr)}\n{check.stderr.strip()}",
-                    f"refresh {patch.path} against this release (see docs/maintaining.md); "
-                    "nothing was written",
+                    f"refresh {patch.path} against this release (see docs/maintaining.md); nothing was written",
                 )
-            applied = _git(["apply", patch_file], scratch)
+            applied = git_apply(scratch, patch_file)
             if applied.returncode != 0:  # --check passed, so this is unexpected
                 raise BuildError(f"{patch.name}: git apply failed: {applied.stderr.strip()}", "report this")
         result = {}

@@ -52,7 +52,7 @@ def read_built_record(wheel: Path) -> dict | None:
     try:
         with WheelFile(wheel) as zf:
             return json.loads(zf.read(project.BUILD_RECORD_PATH))
-    except Exception:  # a missing, partial or foreign wheel is simply not up to date
+    except Exception:  # noqa: BLE001 - a missing, partial or foreign wheel is simply not up to date
         return None
 
 
@@ -107,16 +107,25 @@ def build(
     return final
 
 
-def current_record(release: Release, flavour: str, patches_root: Path = project.PATCHES,
-                   overlay_root: Path = project.OVERLAY) -> dict:
+def current_record(
+    release: Release, flavour: str, patches_root: Path = project.PATCHES, overlay_root: Path = project.OVERLAY
+) -> dict:
     """The build record a build from these roots would write now."""
     series = read_series(series_folder(patches_root, release.version))
     return build_record(release, flavour, project.overlay_files(overlay_root), series.digest())
 
 
-def ensure_built(release: Release, flavour: str, cache: Path, dist: Path = project.DIST,
-                 if_stale: bool = False, check: bool = True, log=print,
-                 patches_root: Path = project.PATCHES, overlay_root: Path = project.OVERLAY) -> Path:
+def ensure_built(
+    release: Release,
+    flavour: str,
+    cache: Path,
+    dist: Path = project.DIST,
+    if_stale: bool = False,
+    check: bool = True,
+    log=print,
+    patches_root: Path = project.PATCHES,
+    overlay_root: Path = project.OVERLAY,
+) -> Path:
     """Build and validate (unless check=False); with if_stale, reuse a wheel in `dist` that
     was built from exactly the current inputs (same build record)."""
     existing = dist / output_name(release, flavour)
@@ -128,18 +137,31 @@ def ensure_built(release: Release, flavour: str, cache: Path, dist: Path = proje
     if check:
         deps_site = ensure_deps_venv(release, cache, log=log)
         dist_name = release.flavour(flavour).dist
-        checker = lambda wheel, upstream, record: validate_wheel(  # noqa: E731
-            wheel, upstream, dist_name, record, deps_site)
+        checker = lambda wheel, upstream, record: validate_wheel(wheel, upstream, dist_name, record, deps_site)
     return build(release, flavour, cache, dist=dist, validate=checker, log=log, **roots)
 
 
-def check_reproducible(release: Release, flavour: str, cache: Path, wheel: Path, log=print,
-                       patches_root: Path = project.PATCHES, overlay_root: Path = project.OVERLAY) -> None:
+def check_reproducible(
+    release: Release,
+    flavour: str,
+    cache: Path,
+    wheel: Path,
+    log=print,
+    patches_root: Path = project.PATCHES,
+    overlay_root: Path = project.OVERLAY,
+) -> None:
     """Build again from the same inputs and require the very same bytes."""
     log(f"rebuilding to check that {wheel.name} is reproducible")
     with tempfile.TemporaryDirectory(prefix="kvwarm-repro-", dir=cache) as tmp:
-        again = build(release, flavour, cache, dist=Path(tmp), log=lambda *_: None,
-                      patches_root=patches_root, overlay_root=overlay_root)
+        again = build(
+            release,
+            flavour,
+            cache,
+            dist=Path(tmp),
+            log=lambda *_: None,
+            patches_root=patches_root,
+            overlay_root=overlay_root,
+        )
         if again.read_bytes() == wheel.read_bytes():
             log("second build is byte-identical")
             return

@@ -37,12 +37,25 @@ def _download(plan: Plan, root: Wheel, dest: Path, target: Target, pip_args: lis
     if not pins:
         return
     log(f"downloading {len(pins)} dependency wheel(s) for Python {target.python_version}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(dest),
-           *target.pip_options(), *pip_args, *pins]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        "--dest",
+        str(dest),
+        *target.pip_options(),
+        *pip_args,
+        *pins,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise BuildError(f"pip could not download the planned wheels:\n{done.stderr.strip()[-3000:]}",
-                         "check the index options (--index-url/--find-links) and the network")
+        raise BuildError(
+            f"pip could not download the planned wheels:\n{done.stderr.strip()[-3000:]}",
+            "check the index options (--index-url/--find-links) and the network",
+        )
 
 
 def _wheel_files(folder: Path, plan: Plan) -> dict[Path, Wheel]:
@@ -56,8 +69,10 @@ def _wheel_files(folder: Path, plan: Plan) -> dict[Path, Wheel]:
         files[path] = wheel
     missing = set(plan.wheels) - {w.name for w in files.values()}
     if missing or len(files) != len(plan.wheels):
-        raise BuildError(f"the bundle lacks wheels for {sorted(missing)} or holds two of one",
-                         "check the index options; pip downloads one wheel per pin")
+        raise BuildError(
+            f"the bundle lacks wheels for {sorted(missing)} or holds two of one",
+            "check the index options; pip downloads one wheel per pin",
+        )
     return files
 
 
@@ -74,8 +89,13 @@ def _split(path: Path, part_bytes: int) -> list[dict]:
 
 
 def _entry(path: Path, wheel: Wheel, split_mib: int | None) -> dict:
-    entry = {"file": path.name, "name": wheel.name, "version": str(wheel.version),
-             "size": path.stat().st_size, "sha256": sha256_of(path)}
+    entry = {
+        "file": path.name,
+        "name": wheel.name,
+        "version": str(wheel.version),
+        "size": path.stat().st_size,
+        "sha256": sha256_of(path),
+    }
     if split_mib and entry["size"] > split_mib * MIB:
         entry["parts"] = _split(path, split_mib * MIB)
     return entry
@@ -88,12 +108,35 @@ def _place(source: Path, dest: Path) -> None:
         shutil.copyfile(source, dest)
 
 
-def make_bundle(wheel: Path, out: Path, have_file: Path | None = None, target: Target = Target(),
-                split_mib: int | None = None, pip_args: list[str] = (), log=print) -> dict:
+def index_options(index_url: str | None, find_links: list[str], no_index: bool) -> list[str]:
+    """pip's options for where the bundle's wheels come from: an index (default: pip's own
+    configuration), folders of wheels, or those folders alone."""
+    if no_index and not find_links:
+        raise BuildError(
+            "--no-index without --find-links leaves pip nowhere to find wheels",
+            "add --find-links FOLDER (repeatable), or drop --no-index",
+        )
+    return (
+        (["--index-url", index_url] if index_url else [])
+        + [option for link in find_links for option in ("--find-links", link)]
+        + (["--no-index"] if no_index else [])
+    )
+
+
+def make_bundle(
+    wheel: Path,
+    out: Path,
+    have_file: Path | None = None,
+    target: Target | None = None,
+    split_mib: int | None = None,
+    pip_args: list[str] = (),
+    log=print,
+) -> dict:
     """Write the bundle for the patched `wheel` into `out` and return its manifest."""
     started = time.monotonic()
     if split_mib is not None and split_mib < 1:
         raise BuildError(f"--split-mib {split_mib} is not a size", "give the largest part size in MiB, 1 or more")
+    target = target or Target()
     record = read_built_record(wheel)
     if record is None:
         raise BuildError(f"{wheel} has no kvwarm build record", "bundle a wheel built by `kvwarm-build build`")
@@ -111,12 +154,20 @@ def make_bundle(wheel: Path, out: Path, have_file: Path | None = None, target: T
         files = [_entry(path, w, split_mib) for path, w in _wheel_files(staging / WHEELS, plan).items()]
         manifest = {
             "schema": 1,
-            "root": {"file": wheel.name, "dist": root.name, "version": str(root.version),
-                     "series_digest": record["series_digest"], "release": record["release"],
-                     "flavour": record["flavour"]},
-            "target": {"python_version": target.python_version, "platforms": list(target.platforms),
-                       "implementation": target.implementation,
-                       "have": have_file.name if have_file else None},
+            "root": {
+                "file": wheel.name,
+                "dist": root.name,
+                "version": str(root.version),
+                "series_digest": record["series_digest"],
+                "release": record["release"],
+                "flavour": record["flavour"],
+            },
+            "target": {
+                "python_version": target.python_version,
+                "platforms": list(target.platforms),
+                "implementation": target.implementation,
+                "have": have_file.name if have_file else None,
+            },
             "split_mib": split_mib,
             "left_out": dict(sorted(plan.left_out.items())),
             "replaced": dict(sorted(plan.replaced.items())),
@@ -130,6 +181,8 @@ def make_bundle(wheel: Path, out: Path, have_file: Path | None = None, target: T
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     total = sum(e["size"] for e in manifest["files"])
-    log(f"bundle {out}: {len(files)} wheel(s), {total / MIB:.1f} MiB, "
-        f"{len(plan.left_out)} dependency(ies) left to the target, in {time.monotonic() - started:.1f} s")
+    log(
+        f"bundle {out}: {len(files)} wheel(s), {total / MIB:.1f} MiB, "
+        f"{len(plan.left_out)} dependency(ies) left to the target, in {time.monotonic() - started:.1f} s"
+    )
     return manifest

@@ -83,8 +83,10 @@ def stage(bundle: Path, manifest: dict, work: Path) -> list[Path]:
                     with open(bundle / WHEELS / part["file"], "rb") as f:
                         shutil.copyfileobj(f, out, CHUNK)
             if sha256(dest) != entry["sha256"]:
-                raise SystemExit(f"install.py: the parts of {entry['file']} join to the wrong sha256 "
-                                 f"(the manifest's parts list is inconsistent): make the bundle again")
+                raise SystemExit(
+                    f"install.py: the parts of {entry['file']} join to the wrong sha256 "
+                    f"(the manifest's parts list is inconsistent): make the bundle again"
+                )
         staged.append(dest)
     return staged
 
@@ -106,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--venv", type=Path, help="install into this venv (made if missing)")
     where.add_argument("--target", type=Path, help="install the wheels into this folder (pip --target)")
     where.add_argument("--verify-only", action="store_true", help="check every file and part, install nothing")
-    parser.add_argument("--no-deps", action="store_true",
-                        help="install exactly the bundle's wheels without pip's dependency check")
+    parser.add_argument(
+        "--no-deps", action="store_true", help="install exactly the bundle's wheels without pip's dependency check"
+    )
     parser.add_argument("--no-selfcheck", action="store_true", help="skip `python -m vllm.kvwarm selfcheck`")
     parser.add_argument("--work", type=Path, help="scratch folder for joined files (default: the system's)")
     args = parser.parse_args(argv)
@@ -137,19 +140,32 @@ def main(argv: list[str] | None = None) -> int:
             pip += ["--no-deps", *map(str, wheels)]
         else:
             pip += [f"{root['dist']}=={root['version']}"]
-        if subprocess.run(pip).returncode != 0:
-            print("install.py: pip failed. Without --no-deps, pip also checks that this host has every package "
-                  "the bundle left out (manifest.json \"left_out\"); make the bundle again with "
-                  "`--have` set to `pip freeze` of this host.", file=sys.stderr)
+        if subprocess.run(pip, check=False).returncode != 0:
+            print(
+                "install.py: pip failed. Without --no-deps, pip also checks that this host has every package "
+                'the bundle left out (manifest.json "left_out"); make the bundle again with '
+                "`--have` set to `pip freeze` of this host.",
+                file=sys.stderr,
+            )
             return 1
         if args.no_selfcheck:
             return 0
         env = dict(os.environ)
         if args.target:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.target.resolve()), env.get("PYTHONPATH")]))
-        check = [python, "-m", "vllm.kvwarm", "selfcheck", "--dist", root["dist"],
-                 "--expect-version", root["version"], "--expect-series-digest", root["series_digest"]]
-        return subprocess.run(check, env=env, cwd=work).returncode
+        check = [
+            python,
+            "-m",
+            "vllm.kvwarm",
+            "selfcheck",
+            "--dist",
+            root["dist"],
+            "--expect-version",
+            root["version"],
+            "--expect-series-digest",
+            root["series_digest"],
+        ]
+        return subprocess.run(check, env=env, cwd=work, check=False).returncode
 
 
 if __name__ == "__main__":

@@ -46,8 +46,19 @@ class Target:
         return f"{self.implementation}{self.python_version.replace('.', '')}"
 
     def pip_options(self) -> list[str]:
-        options = ["--only-binary=:all:", "--python-version", self.python_version,
-                   "--implementation", self.implementation, "--abi", self.abi, "--abi", "abi3", "--abi", "none"]
+        options = [
+            "--only-binary=:all:",
+            "--python-version",
+            self.python_version,
+            "--implementation",
+            self.implementation,
+            "--abi",
+            self.abi,
+            "--abi",
+            "abi3",
+            "--abi",
+            "none",
+        ]
         for platform in self.platforms:
             for tag in _older_manylinux(platform):
                 options += ["--platform", tag]
@@ -56,10 +67,17 @@ class Target:
     def marker_environment(self) -> dict[str, str]:
         """Markers as the target's interpreter evaluates them."""
         machine = re.sub(r"^[a-z]*linux[0-9]*(_[0-9]+_[0-9]+)?_", "", self.platforms[0])
-        return {**default_environment(), "python_version": self.python_version,
-                "python_full_version": f"{self.python_version}.0", "implementation_name": "cpython",
-                "platform_python_implementation": "CPython", "sys_platform": "linux",
-                "platform_system": "Linux", "os_name": "posix", "platform_machine": machine}
+        return {
+            **default_environment(),
+            "python_version": self.python_version,
+            "python_full_version": f"{self.python_version}.0",
+            "implementation_name": "cpython",
+            "platform_python_implementation": "CPython",
+            "sys_platform": "linux",
+            "platform_system": "Linux",
+            "os_name": "posix",
+            "platform_machine": machine,
+        }
 
 
 _MANYLINUX = re.compile(r"^manylinux_2_(\d+)_(\w+)$")
@@ -92,8 +110,10 @@ def read_have(path: Path) -> dict[NormalizedName, Version]:
             req = Requirement(line)
             (spec,) = req.specifier
         except (InvalidRequirement, ValueError):
-            raise BuildError(f"{where} is not a `name==version` line",
-                             "write what `pip freeze` prints on the target, one `name==version` a line") from None
+            raise BuildError(
+                f"{where} is not a `name==version` line",
+                "write what `pip freeze` prints on the target, one `name==version` a line",
+            ) from None
         if spec.operator not in ("==", "===") or "*" in spec.version:
             raise BuildError(f"{where} does not pin one version", "write the installed version as name==X.Y.Z")
         have[canonicalize_name(req.name)] = Version(spec.version)
@@ -109,7 +129,7 @@ class Wheel:
     requires: tuple[Requirement, ...]
 
     @classmethod
-    def read(cls, path: Path) -> "Wheel":
+    def read(cls, path: Path) -> Wheel:
         with zipfile.ZipFile(path) as zf:
             metadata = [n for n in zf.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
             if len(metadata) != 1:
@@ -117,7 +137,7 @@ class Wheel:
             return cls.parse(zf.read(metadata[0]).decode())
 
     @classmethod
-    def parse(cls, text: str) -> "Wheel":
+    def parse(cls, text: str) -> Wheel:
         message = email.parser.HeaderParser().parsestr(text)
         requires = tuple(Requirement(r) for r in message.get_all("Requires-Dist") or [])
         return cls(canonicalize_name(message["Name"]), Version(message["Version"]), requires)
@@ -132,8 +152,12 @@ class Plan:
     replaced: dict[NormalizedName, str] = field(default_factory=dict)  # name -> "target's -> bundled"
 
 
-def walk(root: Wheel, candidates: dict[NormalizedName, Wheel], have: dict[NormalizedName, Version],
-         environment: dict[str, str]) -> tuple[Plan, list[Requirement]]:
+def walk(
+    root: Wheel,
+    candidates: dict[NormalizedName, Wheel],
+    have: dict[NormalizedName, Version],
+    environment: dict[str, str],
+) -> tuple[Plan, list[Requirement]]:
     """From the root, every requirement the target's markers select: satisfied by the target's
     own packages (left out), by a candidate (carried), or by nothing yet (returned)."""
     plan, missing = Plan(), []
@@ -183,25 +207,39 @@ def _stub_environment(folder: Path, have: dict[NormalizedName, Version], metadat
 def check_pip() -> None:
     found = Version(md.version("pip"))
     if found < MIN_PIP:
-        raise BuildError(f"pip {found} in {sys.prefix} cannot plan for another platform with --dry-run",
-                         f"python -m pip install 'pip>={MIN_PIP}' (the nox session does)")
+        raise BuildError(
+            f"pip {found} in {sys.prefix} cannot plan for another platform with --dry-run",
+            f"python -m pip install 'pip>={MIN_PIP}' (the nox session does)",
+        )
 
 
 def _pip_report(python: Path, args: list[str], scratch: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """pip's install plan (--dry-run --report) for the environment of `python`."""
     report = scratch / "report.json"
     report.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--dry-run", "--quiet",
-           "--report", str(report), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "--python",
+        str(python),
+        "install",
+        "--dry-run",
+        "--quiet",
+        "--report",
+        str(report),
+        *args,
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     return done, json.loads(report.read_text())["install"] if done.returncode == 0 else []
 
 
 _NOT_FOUND = re.compile(r"No matching distribution found for ([A-Za-z0-9._-]+)")
 
 
-def _host_metadata(have: dict[NormalizedName, Version], empty: Path, target: Target, pip_args: list[str],
-                   scratch: Path, log) -> dict[NormalizedName, dict]:
+def _host_metadata(
+    have: dict[NormalizedName, Version], empty: Path, target: Target, pip_args: list[str], scratch: Path, log
+) -> dict[NormalizedName, dict]:
     """The index's metadata of each of the target's packages (by public version: a local
     label such as +cu130 is not on the index); those the index lacks get none."""
     pins = {name: f"{name}=={version.public}" for name, version in have.items()}
@@ -211,27 +249,34 @@ def _host_metadata(have: dict[NormalizedName, Version], empty: Path, target: Tar
             return {canonicalize_name(i["metadata"]["name"]): i["metadata"] for i in report}
         lacking = [canonicalize_name(n) for n in _NOT_FOUND.findall(done.stderr)]
         if not lacking or not set(lacking) & set(pins):
-            raise BuildError(f"pip could not look up the target's packages:\n{done.stderr.strip()[-3000:]}",
-                             "check the --have file and the index options")
+            raise BuildError(
+                f"pip could not look up the target's packages:\n{done.stderr.strip()[-3000:]}",
+                "check the --have file and the index options",
+            )
         log(f"no metadata on the index for {', '.join(lacking)}: their own requirements stay unknown")
         for name in lacking:
             pins.pop(name, None)
     return {}
 
 
-def _pip_plan(requirements: list[str], stub_python: Path, target: Target, pip_args: list[str],
-              scratch: Path) -> dict[NormalizedName, Wheel]:
+def _pip_plan(
+    requirements: list[str], stub_python: Path, target: Target, pip_args: list[str], scratch: Path
+) -> dict[NormalizedName, Wheel]:
     done, report = _pip_report(stub_python, [*target.pip_options(), *pip_args, *requirements], scratch)
     if done.returncode != 0:
-        raise BuildError(f"pip could not resolve the bundle for Python {target.python_version} on "
-                         f"{target.platforms[0]} next to the target's packages:\n{done.stderr.strip()[-3000:]}",
-                         "check the requirement pip names; --platform/--python-version must match the target, "
-                         "and the --have file must hold together (`pip check` on the target)")
+        raise BuildError(
+            f"pip could not resolve the bundle for Python {target.python_version} on "
+            f"{target.platforms[0]} next to the target's packages:\n{done.stderr.strip()[-3000:]}",
+            "check the requirement pip names; --platform/--python-version must match the target, "
+            "and the --have file must hold together (`pip check` on the target)",
+        )
     plan = {}
     for item in report:
         meta = item["metadata"]
         requires = tuple(Requirement(r) for r in meta.get("requires_dist", []))
-        plan[canonicalize_name(meta["name"])] = Wheel(canonicalize_name(meta["name"]), Version(meta["version"]), requires)
+        plan[canonicalize_name(meta["name"])] = Wheel(
+            canonicalize_name(meta["name"]), Version(meta["version"]), requires
+        )
     return plan
 
 
@@ -241,8 +286,9 @@ def _without_marker(req: Requirement) -> str:
     return str(copy)
 
 
-def resolve(root_wheel: Path, have: dict[NormalizedName, Version], target: Target,
-            pip_args: list[str] = (), log=print) -> Plan:
+def resolve(
+    root_wheel: Path, have: dict[NormalizedName, Version], target: Target, pip_args: list[str] = (), log=print
+) -> Plan:
     """The wheels (name, version) the target needs besides its own packages, root included."""
     check_pip()
     root = Wheel.read(root_wheel)
@@ -257,13 +303,17 @@ def resolve(root_wheel: Path, have: dict[NormalizedName, Version], target: Targe
             metadata = _host_metadata(have, empty, target, list(pip_args), Path(tmp), log)
         stub = _stub_environment(Path(tmp) / "target", have, metadata)
         for _ in range(ROUNDS):
-            log(f"pip plans {len(requirements) - len(have)} requirement(s) for Python {target.python_version}, "
-                f"{len(have)} package(s) on the target")
+            log(
+                f"pip plans {len(requirements) - len(have)} requirement(s) for Python {target.python_version}, "
+                f"{len(have)} package(s) on the target"
+            )
             candidates = _pip_plan(requirements, stub, target, list(pip_args), Path(tmp))
             plan, missing = walk(root, candidates, have, environment)
             if not missing:
                 return plan
             log(f"the target's markers also need: {', '.join(map(str, missing))}")
             requirements += [_without_marker(r) for r in missing]
-    raise BuildError(f"after {ROUNDS} rounds pip's plan still lacks {', '.join(map(str, missing))} for the target",
-                     "add them to the target's freeze file (--have) if the host has them")
+    raise BuildError(
+        f"after {ROUNDS} rounds pip's plan still lacks {', '.join(map(str, missing))} for the target",
+        "add them to the target's freeze file (--have) if the host has them",
+    )

@@ -12,7 +12,7 @@ from .build import check_reproducible, ensure_built, output_name
 from .bundle_resolve import Target
 from .errors import BuildError
 from .fetch import fetch
-from .maint import export_patches, lint, materialise, write_series
+from .maint import export_patches, lint_releases, materialise, write_series
 from .releases import FLAVOURS, find_release, load_releases
 from .series import read_series, series_folder
 from .venvs import current_python, ensure_deps_venv, layer_on_deps
@@ -32,8 +32,15 @@ def _cache(args) -> Path:
 
 def cmd_build(args) -> int:
     release = _release(args)
-    wheel = ensure_built(release, args.flavour, _cache(args), dist=args.dist, if_stale=args.if_stale,
-                         check=not args.no_validate, log=_log)
+    wheel = ensure_built(
+        release,
+        args.flavour,
+        _cache(args),
+        dist=args.dist,
+        if_stale=args.if_stale,
+        check=not args.no_validate,
+        log=_log,
+    )
     if args.check_reproducible:
         check_reproducible(release, args.flavour, _cache(args), wheel, log=_log)
     print(wheel)
@@ -47,17 +54,12 @@ def cmd_wheel_path(args) -> int:
 
 
 def cmd_lint(args) -> int:
-    releases = load_releases(args.releases)
-    names = {r.version for r in releases}
-    folders = sorted(project.PATCHES.glob("vllm-*"))
-    problems = [f"{f}: no release {f.name[5:]} in releases.toml" for f in folders if f.name[5:] not in names]
-    for release in releases:
-        upstream = None
-        if not args.no_staleness:
-            upstream = fetch(release.flavour("cuda").wheel, _cache(args) / "downloads", log=_log)
-        found = lint(series_folder(project.PATCHES, release.version), upstream)
-        _log(f"vllm-{release.version}: {len(found)} problem(s)")
-        problems += found
+    def upstream_of(release):
+        return fetch(release.flavour("cuda").wheel, _cache(args) / "downloads", log=_log)
+
+    problems = lint_releases(
+        load_releases(args.releases), project.PATCHES, None if args.no_staleness else upstream_of, log=_log
+    )
     for problem in problems:
         print(f"lint-patches: {problem}")
     return 1 if problems else 0
@@ -152,20 +154,18 @@ def cmd_image_standin(args) -> int:
 
     release = _release(args)
     wheel, record = _patched_wheel(args, release)
-    image_standin.build_on_standin(release, wheel, record, _cache(args), flavour=args.flavour,
-                                   keep=args.keep, log=_log)
+    image_standin.build_on_standin(release, wheel, record, _cache(args), flavour=args.flavour, keep=args.keep, log=_log)
     return 0
 
 
 def cmd_bundle(args) -> int:
-    from .bundle import make_bundle
+    from .bundle import index_options, make_bundle
 
     release = _release(args)
     wheel, record = _patched_wheel(args, release)
     out = args.out or args.dist / f"bundle-{record['version']}-{args.flavour}"
     target = Target(args.python_version, tuple(args.platform or Target.platforms), args.implementation)
-    pip_args = (["--index-url", args.index_url] if args.index_url else []) + \
-        [a for link in args.find_links for a in ("--find-links", link)] + (["--no-index"] if args.no_index else [])
+    pip_args = index_options(args.index_url, args.find_links, args.no_index)
     make_bundle(wheel, out, args.have, target, args.split_mib, pip_args, log=_log)
     print(out)
     return 0
@@ -174,7 +174,9 @@ def cmd_bundle(args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvwarm-build", description=__doc__)
     p.add_argument("--releases", type=Path, default=project.RELEASES, help="the release table")
-    p.add_argument("--cache", type=Path, help="cache for downloads and venvs (default: $KVWARM_CACHE_DIR or .nox/.cache)")
+    p.add_argument(
+        "--cache", type=Path, help="cache for downloads and venvs (default: $KVWARM_CACHE_DIR or .nox/.cache)"
+    )
     p.add_argument("--dist", type=Path, default=project.DIST, help="where built wheels go")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -197,37 +199,62 @@ def parser() -> argparse.ArgumentParser:
     e = with_release("export", cmd_export, "re-export the tree's commits into patches/vllm-X.Y.Z")
     e.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
     with_release("layer-deps", cmd_layer_deps, "make this venv see the release's vLLM dependency venv")
-    with_release("layer-engine-deps", cmd_layer_engine_deps,
-                 "make this venv see the release's CPU engine dependency venv")
-    with_release("stock-engine-python", cmd_stock_engine_python,
-                 "print the python of a venv with the official cpu wheel on the engine venv (made if missing)")
+    with_release(
+        "layer-engine-deps", cmd_layer_engine_deps, "make this venv see the release's CPU engine dependency venv"
+    )
+    with_release(
+        "stock-engine-python",
+        cmd_stock_engine_python,
+        "print the python of a venv with the official cpu wheel on the engine venv (made if missing)",
+    )
     ut = with_release("upstream-tests", cmd_upstream_tests, "vLLM's own CPU tests: stock vs patched")
-    ut.add_argument("--full", action="store_true",
-                    help="keep the stress cases in (minutes; when a release is added or its build bumped)")
+    ut.add_argument(
+        "--full",
+        action="store_true",
+        help="keep the stress cases in (minutes; when a release is added or its build bumped)",
+    )
     with_release("stock-check", cmd_stock_check, "on the stock wheel: series_tests must fail, stock_tests pass")
-    im = with_release("image", cmd_image, "images/Dockerfile on the official base (docker buildx, podman or buildah)",
-                      flavour=True)
+    im = with_release(
+        "image", cmd_image, "images/Dockerfile on the official base (docker buildx, podman or buildah)", flavour=True
+    )
     im.add_argument("--base", help="base image (default: the flavour's image in releases.toml)")
     im.add_argument("--tag", help="default: <base repository>-kvwarm:vX.Y.Z-kvwarm.N")
-    st = with_release("image-standin", cmd_image_standin,
-                      "images/Dockerfile on a local stand-in base with buildah, checked from outside", flavour=True)
+    st = with_release(
+        "image-standin",
+        cmd_image_standin,
+        "images/Dockerfile on a local stand-in base with buildah, checked from outside",
+        flavour=True,
+    )
     st.add_argument("--keep", action="store_true", help="keep the built image (the stand-in base is always kept)")
-    bu = with_release("bundle", cmd_bundle, "a folder for a host without a package index: the patched wheel, "
-                      "the dependency wheels it lacks, manifest.json and install.py", flavour=True)
+    bu = with_release(
+        "bundle",
+        cmd_bundle,
+        "a folder for a host without a package index: the patched wheel, "
+        "the dependency wheels it lacks, manifest.json and install.py",
+        flavour=True,
+    )
     bu.add_argument("--out", type=Path, help="default: dist/bundle-<version>-<flavour>")
     bu.add_argument("--have", type=Path, help="`pip freeze` of the target: what it has is left out (default: nothing)")
     bu.add_argument("--split-mib", type=int, help="cut files larger than this into parts of at most this many MiB")
-    bu.add_argument("--python-version", default=Target.python_version, help="the target's Python (default: %(default)s)")
-    bu.add_argument("--platform", action="append",
-                    help=f"the target's wheel platform tag, repeatable (default: {Target.platforms[0]})")
+    bu.add_argument(
+        "--python-version", default=Target.python_version, help="the target's Python (default: %(default)s)"
+    )
+    bu.add_argument(
+        "--platform",
+        action="append",
+        help=f"the target's wheel platform tag, repeatable (default: {Target.platforms[0]})",
+    )
     bu.add_argument("--implementation", default=Target.implementation, help="(default: %(default)s)")
     bu.add_argument("--index-url", help="pip's index (default: pip's own configuration)")
     bu.add_argument("--find-links", action="append", default=[], help="a folder of wheels for pip, repeatable")
     bu.add_argument("--no-index", action="store_true", help="only --find-links folders")
-    us = sub.add_parser("upstream-status", help="newer vLLM releases on the index: cpu wheel, torch pin, "
-                        "whether the newest series applies ($KVWARM_INDEX_URL or PyPI)")
+    us = sub.add_parser(
+        "upstream-status",
+        help="newer vLLM releases on the index: cpu wheel, torch pin, "
+        "whether the newest series applies ($KVWARM_INDEX_URL, else pip's configured index)",
+    )
     us.set_defaults(func=cmd_upstream_status)
-    lp = sub.add_parser("lint-patches", help="series <-> files, headers, staleness")
+    lp = sub.add_parser("lint-patches", help="series <-> files, headers, file names, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
     lp.set_defaults(func=cmd_lint)
     return p

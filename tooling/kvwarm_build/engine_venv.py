@@ -10,20 +10,17 @@ install the patched wheel `--no-deps`.
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
-import sys
 from pathlib import Path
 
+from .digests import cache_key
 from .fetch import fetch
 from .releases import Release
 from .venvs import TORCH_FAMILY, cpu_torch, ensure_layered_venv, ensure_venv, pip_install, wheel_requirements
 
 
 def engine_venv_path(release: Release, cache: Path, torch: str, requirements: list[str]) -> Path:
-    key = repr((torch, requirements, release.test_pins, sys.version_info[:2]))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return cache / "venvs" / f"engine-deps-{release.version}-{digest}"
+    return cache / "venvs" / f"engine-deps-{release.version}-{cache_key(torch, requirements, release.test_pins)}"
 
 
 def ensure_engine_deps(release: Release, cache: Path, log=print) -> Path:
@@ -41,16 +38,27 @@ def ensure_engine_deps(release: Release, cache: Path, log=print) -> Path:
         constraints = python.parents[1] / "kvwarm-constraints.txt"
         constraints.write_text("\n".join([torch_pin, *release.test_pins]) + "\n")
         pip_install(python, "-c", str(constraints), *requirements, log=log)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *sorted(TORCH_FAMILY - {"torch"})],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "uninstall", "-q", "-y", *sorted(TORCH_FAMILY - {"torch"})],
+            check=True,
+            capture_output=True,
+        )
 
-    return ensure_venv(engine_venv_path(release, cache, torch, requirements), install,
-                       f"the CPU engine venv for vLLM {release.version} ({torch_pin})", log=log)
+    return ensure_venv(
+        engine_venv_path(release, cache, torch, requirements),
+        install,
+        f"the CPU engine venv for vLLM {release.version} ({torch_pin})",
+        log=log,
+    )
 
 
 def stock_engine_venv(release: Release, cache: Path, log=print) -> Path:
     """Python of a venv with the official cpu-flavour wheel on the engine dependency venv:
     the reference a patched build's engine output is compared with."""
     wheel = fetch(release.flavour("cpu").wheel, cache / "downloads", log=log)
-    return ensure_layered_venv(cache / "venvs" / f"stock-engine-{release.version}",
-                               ensure_engine_deps(release, cache, log=log), [["--no-deps", str(wheel)]], log=log)
+    return ensure_layered_venv(
+        cache / "venvs" / f"stock-engine-{release.version}",
+        ensure_engine_deps(release, cache, log=log),
+        [["--no-deps", str(wheel)]],
+        log=log,
+    )

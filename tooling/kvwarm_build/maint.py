@@ -1,16 +1,17 @@
 """Maintainer round trip: a release's pristine tree as a git repo with the series applied as
 commits (edit there), and a deterministic export of those commits back into patches/.
 
-Export flags follow git-format-patch conventions for committed series: no stat, no
-signature, zeroed commit ids, full index lines, subjects kept as written. Git is run with
-no user or system config so the output does not depend on who runs it.
+The export is a function of the commits alone: the same commits give the same bytes on
+any machine (EXPORT_FLAGS says why each flag is set; git runs without user or system
+config, whose format.* and diff.* settings would change the output), and each file is
+named from its subject (series.patch_file_name), so a patch has one name on every release
+and the series file alone holds the order.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -18,26 +19,33 @@ from wheel.wheelfile import WheelFile
 
 from .apply import apply_series
 from .errors import BuildError
-from .series import Series, header_problems, read_series
+from .git import git
+from .series import Patch, Series, header_problems, parse_headers, patch_file_name, read_series, series_folder
 
 UPSTREAM_TAG = "upstream"
 EXPORT_FLAGS = [
-    "--keep-subject", "--no-stat", "--no-signature", "--zero-commit", "--full-index",
-    "--no-renames", "--no-binary", "--minimal",
+    # The subject as written, without "[PATCH n/m]": a file's bytes must not depend on its
+    # place in the series or on how many patches there are.
+    "--keep-subject",
+    # No diffstat: it repeats the hunks and would change with every edit of a patch.
+    "--no-stat",
+    # No "-- " trailer with the git version: it would differ with whoever exports.
+    "--no-signature",
+    # 0000... on the From line instead of the commit id, which every materialise, rebase
+    # and amend changes.
+    "--zero-commit",
+    # Whole blob ids on index lines: an abbreviated id's length grows with the number of
+    # objects in the repository.
+    "--full-index",
+    # A moved file as a deletion and an addition: rename detection is a similarity
+    # heuristic, and the patch should say what each path gets.
+    "--no-renames",
+    # The materialised tree holds text only; a binary change is written as a notice that
+    # `git apply` refuses, never as a blob in the series.
+    "--no-binary",
+    # The smallest diff git finds rather than the quick one: hunks as small as they can be.
+    "--minimal",
 ]
-_IDENTITY = {
-    "GIT_AUTHOR_NAME": "kvwarm", "GIT_AUTHOR_EMAIL": "kvwarm@localhost",
-    "GIT_COMMITTER_NAME": "kvwarm", "GIT_COMMITTER_EMAIL": "kvwarm@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-}
-
-
-def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, LC_ALL="C", **_IDENTITY)
-    result = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True)
-    if check and result.returncode != 0:
-        raise BuildError(f"git {' '.join(args)} in {repo} failed: {result.stderr.strip()}", "see the git message")
-    return result
 
 
 def _is_text(data: bytes) -> bool:
@@ -83,20 +91,37 @@ def materialise(upstream: Path, series: Series, into: Path, force: bool = False,
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    log(f"{into}: pristine tree tagged {UPSTREAM_TAG!r} + {len(series.patches)} commit(s); "
-        "edit, commit, then run the export session")
+    log(
+        f"{into}: pristine tree tagged {UPSTREAM_TAG!r} + {len(series.patches)} commit(s); "
+        "edit, commit, then run the export session"
+    )
     return into
 
 
 def export_patches(repo: Path) -> dict[str, bytes]:
-    """format-patch upstream..HEAD of `repo` into {file name: bytes} (writes nothing)."""
+    """format-patch upstream..HEAD of `repo` into {file name: bytes} in commit order, each
+    named from its subject (series.patch_file_name); writes nothing."""
     if not (repo / ".git").exists():
         raise BuildError(f"{repo} is not a materialised tree", "run the materialise session first")
     if git(repo, "status", "--porcelain").stdout.strip():
         raise BuildError(f"{repo} has uncommitted changes", "commit (or stash) them, then export")
+    patches: dict[str, bytes] = {}
     with tempfile.TemporaryDirectory(prefix="kvwarm-export-") as tmp:
         git(repo, "format-patch", *EXPORT_FLAGS, "-o", tmp, f"{UPSTREAM_TAG}..HEAD")
-        return {p.name: p.read_bytes() for p in sorted(Path(tmp).glob("*.patch"))}
+        # format-patch's own NNNN-... names only give the commit order here.
+        for path in sorted(Path(tmp).glob("*.patch")):
+            subject = parse_headers(Patch(path)).subject
+            try:
+                name = patch_file_name(subject)
+            except BuildError as err:
+                raise BuildError(f"{repo}: {err.problem}", f"reword that commit: {err.fix}") from None
+            if name in patches:
+                raise BuildError(
+                    f"{repo}: two commits give the patch file name {name} (subject {subject!r})",
+                    "reword one of them (git rebase -i upstream) so the subjects differ in a letter or digit",
+                )
+            patches[name] = path.read_bytes()
+    return patches
 
 
 def write_series(dest: Path, patches: dict[str, bytes]) -> None:
@@ -132,7 +157,8 @@ def stale_patches(upstream: Path, series: Series) -> list[str]:
 
 
 def lint(series_folder: Path, upstream: Path | None) -> list[str]:
-    """All lint problems of one release's series; upstream=None skips the staleness check."""
+    """All lint problems of one release's series (headers, file names, and with `upstream`
+    staleness against a fresh export)."""
     try:
         series = read_series(series_folder)
     except BuildError as err:
@@ -144,3 +170,39 @@ def lint(series_folder: Path, upstream: Path | None) -> list[str]:
         except BuildError as err:
             problems.append(err.problem)
     return problems
+
+
+def names_across_releases(folders: list[Path]) -> list[str]:
+    """One problem per subject whose patch file has different names in these series (a
+    patch carried between releases keeps its name, so the docs can name it once)."""
+    names: dict[str, dict[str, list[str]]] = {}
+    for folder in folders:
+        try:
+            series = read_series(folder)
+        except BuildError:
+            continue  # lint reports it for that folder
+        for patch in series.patches:
+            subject = parse_headers(patch).subject
+            if subject:
+                names.setdefault(subject, {}).setdefault(patch.name, []).append(folder.name)
+    return [
+        f"the patch {subject!r} has different file names: "
+        + "; ".join(f"{name} in {', '.join(where)}" for name, where in sorted(by_name.items()))
+        for subject, by_name in names.items()
+        if len(by_name) > 1
+    ]
+
+
+def lint_releases(releases, patches_root: Path, upstream_of=None, log=print) -> list[str]:
+    """Every lint problem of the project's series: a series folder without a release row,
+    each release's own problems (lint; `upstream_of(release)` gives the wheel for the
+    staleness check, None skips it), and patch names that differ between releases."""
+    versions = {r.version for r in releases}
+    folders = sorted(patches_root.glob("vllm-*"))
+    problems = [f"{f}: no release {f.name[5:]} in releases.toml" for f in folders if f.name[5:] not in versions]
+    for release in releases:
+        upstream = upstream_of(release) if upstream_of is not None else None
+        found = lint(series_folder(patches_root, release.version), upstream)
+        log(f"vllm-{release.version}: {len(found)} problem(s)")
+        problems += found
+    return problems + names_across_releases([series_folder(patches_root, r.version) for r in releases])

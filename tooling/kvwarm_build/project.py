@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
+
+from .git import git
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASES = ROOT / "releases.toml"
@@ -27,13 +28,11 @@ def revision() -> str:
     if env:
         return env
 
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-
-    head = git("rev-parse", "HEAD")
+    head = git(ROOT, "rev-parse", "HEAD", check=False, user_config=True)
     if head.returncode != 0:
         return "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=normal", "--", "patches", "overlay", "tooling", "releases.toml")
+    inputs = ("patches", "overlay", "tooling", "releases.toml")
+    dirty = git(ROOT, "status", "--porcelain", "--untracked-files=normal", "--", *inputs, check=False, user_config=True)
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
@@ -44,4 +43,3 @@ def overlay_files(overlay: Path = OVERLAY) -> dict[str, bytes]:
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
             files[path.relative_to(overlay).as_posix()] = path.read_bytes()
     return files
-

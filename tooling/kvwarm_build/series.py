@@ -1,4 +1,4 @@
-"""A release's patch series: the `series` file, its patches, their headers and digest."""
+"""A release's patch series: the `series` file, its patches, their headers, names and digest."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ UPSTREAM_STATUSES = ("Pending", "Submitted", "Accepted", "Backport", "Inappropri
 # Both flavours share one series; these files differ between them, so no patch may touch them.
 FLAVOUR_SPECIFIC = ("vllm/_version.py", "vllm/platforms/__init__.py")
 _TRAILER = re.compile(r"^(?P<key>[A-Za-z][A-Za-z-]*):\s*(?P<value>.*)$")
+_NOT_IN_NAMES = re.compile(r"[^a-z0-9._]+")
+# Well under the 255 bytes a file name may have; a subject is at most 72 characters anyway.
+NAME_MAX = 200
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,39 @@ def parse_headers(patch: Patch) -> Headers:
     return Headers(subject, trailers)
 
 
+def patch_file_name(subject: str) -> str:
+    """The file name of a patch with this subject, the same on every release.
+
+    The rule: the whole subject, lower-cased, each run of characters other than a-z, 0-9,
+    "." and "_" made one "-", with "-", "." and "_" trimmed from both ends, then ".patch".
+    No number (the series file holds the order, so inserting a patch renames nothing) and
+    nothing cut (git format-patch cuts at 64 characters, mid-word), so a patch carried to
+    another release keeps its name: `kvwarm hook: never hash the blocks of a borrowed
+    request` is kvwarm-hook-never-hash-the-blocks-of-a-borrowed-request.patch everywhere.
+    """
+    slug = _NOT_IN_NAMES.sub("-", subject.lower()).strip("-._")
+    if not slug:
+        raise BuildError(f"the subject {subject!r} gives no file name", "start the subject with a word in a-z or 0-9")
+    if len(slug) > NAME_MAX:
+        raise BuildError(
+            f"the subject {subject!r} gives a file name of {len(slug)} characters",
+            f"shorten the subject (at most {NAME_MAX} characters of a-z, 0-9, '.', '_' and '-')",
+        )
+    return f"{slug}.patch"
+
+
+def name_problems(patch: Patch, subject: str) -> list[str]:
+    """The patch's file name against the rule of patch_file_name."""
+    try:
+        expected = patch_file_name(subject)
+    except BuildError as err:
+        return [f"{patch.path}: {err.problem}"]
+    if patch.name == expected:
+        return []
+    fix = "rename the file and its series entry (tree-S then export-S rename every patch of a release)"
+    return [f"{patch.path}: its subject gives the file name {expected}: {fix}"]
+
+
 def header_problems(patch: Patch) -> list[str]:
     """Everything wrong with a patch's headers, as messages that name the patch."""
     headers = parse_headers(patch)
@@ -102,6 +138,8 @@ def header_problems(patch: Patch) -> list[str]:
     where = patch.path
     if not headers.subject:
         problems.append(f"{where}: no Subject")
+    else:
+        problems += name_problems(patch, headers.subject)
     status = headers.trailers.get("upstream-status", "")
     if not status:
         problems.append(f"{where}: no Upstream-Status: header")

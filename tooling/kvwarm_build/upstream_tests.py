@@ -58,6 +58,7 @@ def torchvision_for(torch: str) -> str:
         raise BuildError(f"no known torchvision for torch {torch}", "extend torchvision_for for this torch")
     return f"torchvision==0.{minor + 15}.0"
 
+
 # vLLM's ModelConfig() defaults to this id, so tests that build configs without
 # naming a model need it even though the test text never says so.
 IMPLICIT_HUB_IDS = {"Qwen/Qwen3-0.6B"}
@@ -131,10 +132,13 @@ def unmarked_files(tests_root: Path, folder: str) -> tuple[str, ...]:
     """Test files under `folder` that carry no cpu_test marker and are not end-to-end runs
     (those start an engine on a real model)."""
     root = Path(tests_root)
-    return tuple(sorted(
-        p.relative_to(root).as_posix() for p in (root / folder).rglob("test_*.py")
-        if "e2e" not in p.name and "cpu_test" not in p.read_text(errors="replace")
-    ))
+    return tuple(
+        sorted(
+            p.relative_to(root).as_posix()
+            for p in (root / folder).rglob("test_*.py")
+            if "e2e" not in p.name and "cpu_test" not in p.read_text(errors="replace")
+        )
+    )
 
 
 def gate(tests_root: Path, full: bool = False) -> list[Selection]:
@@ -144,8 +148,9 @@ def gate(tests_root: Path, full: bool = False) -> list[Selection]:
     runs = [
         Selection("core cpu_test", (CORE,), ("-m", "cpu_test", *deselect)),
         Selection("core unmarked", unmarked_files(tests_root, CORE), deselect),
-        Selection("kv_connector unit", (CONNECTOR_UNIT,) if (Path(tests_root) / CONNECTOR_UNIT).is_dir() else (),
-                  deselect),
+        Selection(
+            "kv_connector unit", (CONNECTOR_UNIT,) if (Path(tests_root) / CONNECTOR_UNIT).is_dir() else (), deselect
+        ),
     ]
     return [r for r in runs if r.paths]
 
@@ -184,7 +189,11 @@ def prepare_site(tests_root: Path) -> Path:
 
 
 def run_suite(
-    python: str, tests_root: Path, junit: Path, hf_home: Path, run: Selection,
+    python: str,
+    tests_root: Path,
+    junit: Path,
+    hf_home: Path,
+    run: Selection,
     output: Path | None = None,
 ) -> dict[str, str]:
     """Run one selection; return {test_id: status}.
@@ -222,10 +231,12 @@ def run_suite(
     ]  # fmt: skip
     print(f"+ (cd {tests_root} && {' '.join(cmd)})" + (f" > {output}" if output else ""), flush=True)
     if output is None:
-        rc = subprocess.run(cmd, cwd=tests_root, env=env).returncode
+        rc = subprocess.run(cmd, cwd=tests_root, env=env, check=False).returncode
     else:
         with open(output, "w") as out:
-            rc = subprocess.run(cmd, cwd=tests_root, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                cmd, cwd=tests_root, env=env, stdout=out, stderr=subprocess.STDOUT, check=False
+            ).returncode
     if rc not in (0, 1) or not junit.exists():
         raise BuildError(
             f"pytest in {tests_root} exited {rc} without a usable report ({junit})",
@@ -236,7 +247,12 @@ def run_suite(
 
 
 def run_gate(
-    python: str, tests_root: Path, prefix: Path, hf_home: Path, runs: list[Selection], to_files: bool = False,
+    python: str,
+    tests_root: Path,
+    prefix: Path,
+    hf_home: Path,
+    runs: list[Selection],
+    to_files: bool = False,
 ) -> dict[str, str]:
     """Every selection in turn, junit (and with to_files, output) beside `prefix`; the merged results."""
     results: dict[str, str] = {}

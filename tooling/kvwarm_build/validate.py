@@ -93,20 +93,36 @@ def import_problems(built: Path, dist: str, record: dict, deps_site: Path, modul
         python = venv_python(venv)
         layer_on_deps(python, deps_site)  # brings torch and pip from the deps venv
         install = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-             "--disable-pip-version-check", str(built)],
-            capture_output=True, text=True,
+            [
+                str(python),
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-index",
+                "--disable-pip-version-check",
+                str(built),
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         if install.returncode != 0:
             return [f"pip install --no-deps {built.name} failed: {install.stderr.strip()[-2000:]}"]
-        probe = subprocess.run([str(python), "-c", _PROBE, dist, *(overlay_imports(built) if modules is None else modules)],
-                               capture_output=True, text=True)
+        probe = subprocess.run(
+            [str(python), "-c", _PROBE, dist, *(overlay_imports(built) if modules is None else modules)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     lines = [l for l in probe.stdout.splitlines() if l.startswith(_MARK)]
     if probe.returncode != 0 or not lines:
         return [f"import vllm from {built.name} failed:\n{probe.stderr.strip()[-3000:]}"]
-    seen = json.loads(lines[-1][len(_MARK):])
-    problems = [f"import {name} failed (the overlay uses it): {why}"
-                for name, why in sorted(seen["failed_imports"].items())]
+    seen = json.loads(lines[-1][len(_MARK) :])
+    problems = [
+        f"import {name} failed (the overlay uses it): {why}" for name, why in sorted(seen["failed_imports"].items())
+    ]
     version = WheelName.parse(built.name).version
     for key in ("dist_version", "vllm_version"):
         if seen[key] != version:

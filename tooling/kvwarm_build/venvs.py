@@ -11,8 +11,9 @@ wheel itself (`--no-deps`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
-import hashlib
 import json
 import re
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from .digests import cache_key
 from .errors import BuildError
 
 # What a release wheel requires that only serves a GPU or that the index has only as a CUDA
@@ -32,8 +34,16 @@ from .errors import BuildError
 # (PyPI's builds break `import vllm` beside a CPU torch: transformers fails on torchvision::nms).
 TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio", "torchcodec"})
 GPU_ONLY = TORCH_FAMILY | {
-    "pynvvideocodec", "tilelang", "nvtx", "fastsafetensors", "instanttensor", "quack-kernels",
-    "tokenspeed-mla", "humming-kernels", "triton", "xformers",
+    "pynvvideocodec",
+    "tilelang",
+    "nvtx",
+    "fastsafetensors",
+    "instanttensor",
+    "quack-kernels",
+    "tokenspeed-mla",
+    "humming-kernels",
+    "triton",
+    "xformers",
 }
 GPU_ONLY_PREFIXES = ("nvidia-", "flashinfer-", "cupy-")
 _COMPLETE = ".kvwarm-complete"
@@ -64,15 +74,18 @@ def wheel_requirements(wheel: Path) -> list[str]:
     return wanted
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torch_versions() -> frozenset[str]:
     """Every torch version pip's configured indexes and find-links offer."""
-    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "torch"],
-                         capture_output=True, text=True)
-    found = re.search(r"^Available versions: (.*)$", out.stdout, re.M)
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "torch"], capture_output=True, text=True, check=False
+    )
+    found = re.search(r"^Available versions: (.*)$", out.stdout, re.MULTILINE)
     if out.returncode != 0 or not found:
-        raise BuildError(f"cannot list torch versions on the package indexes: {out.stderr.strip()[-500:]}",
-                         "check network access to the index (pip config list shows which)")
+        raise BuildError(
+            f"cannot list torch versions on the package indexes: {out.stderr.strip()[-500:]}",
+            "check network access to the index (pip config list shows which)",
+        )
     return frozenset(v.strip() for v in found.group(1).split(","))
 
 
@@ -87,18 +100,23 @@ def cpu_torch(flavour, log=print, available=None) -> str:
             f"no index we reach has torch {wanted}, the CPU build of the torch {flavour.wheel.file} pins",
             "set torch_fallback for that flavour in releases.toml (a torch that runs its code on CPU)",
         )
-    log(f"torch {wanted} is on no index we reach: using torch_fallback {flavour.torch_fallback} "
-        f"from releases.toml ({flavour.wheel.file})")
+    log(
+        f"torch {wanted} is on no index we reach: using torch_fallback {flavour.torch_fallback} "
+        f"from releases.toml ({flavour.wheel.file})"
+    )
     return flavour.torch_fallback
 
 
 def pip_install(python: Path, *args: str, log=print) -> None:
     cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
     log("  $ pip install " + " ".join(args))
-    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
     if result.returncode != 0:
         tail = "\n".join(result.stdout.splitlines()[-20:])
-        raise BuildError(f"pip install {' '.join(args)} failed:\n{tail}", "check network access to PyPI and retry")
+        raise BuildError(
+            f"pip install {' '.join(args)} failed:\n{tail}",
+            "check network access to the package index (`pip config list` shows which) and retry",
+        )
 
 
 def venv_python(venv: Path) -> Path:
@@ -108,25 +126,44 @@ def venv_python(venv: Path) -> Path:
 def site_packages(python: Path) -> Path:
     out = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return Path(out.stdout.strip())
 
 
+@contextlib.contextmanager
+def venv_lock(venv: Path, log=print):
+    """Held while `venv` is made, so processes sharing a cache (KVWARM_CACHE_DIR) never make
+    one venv at once: the second waits, then finds it made. An flock on VENV.lock beside it,
+    released when its holder exits, however it exits; the file stays (removing it would
+    race with a process about to lock it)."""
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.with_name(venv.name + ".lock"), "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process making {venv}")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
 def ensure_venv(venv: Path, install, what: str, log=print) -> Path:
-    """`venv`'s site-packages, made on first use by install(python); the marker is written
-    last, so a half-made venv is removed and made again."""
-    if (venv / _COMPLETE).exists():
-        return site_packages(venv_python(venv))
-    if venv.exists():
-        log(f"removing incomplete {venv}")
-        shutil.rmtree(venv)
-    log(f"creating {what} {venv} (once per cache; a few minutes)")
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv_python(venv)
-    install(python)
-    (venv / _COMPLETE).write_text(venv.name + "\n")
-    return site_packages(python)
+    """`venv`'s site-packages, made on first use by install(python) under venv_lock; the
+    marker is written last, so a half-made venv is removed and made again."""
+    marker = venv / _COMPLETE
+    if not marker.exists():
+        with venv_lock(venv, log=log):
+            if not marker.exists():  # else another process made it while this one waited
+                if venv.exists():
+                    log(f"removing incomplete {venv}")
+                    shutil.rmtree(venv)
+                log(f"creating {what} {venv} (once per cache; a few minutes)")
+                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+                install(venv_python(venv))
+                marker.write_text(venv.name + "\n")
+    return site_packages(venv_python(venv))
 
 
 def deps_inputs(release, cache: Path, log=print) -> tuple[str, list[str], list[str]]:
@@ -141,16 +178,18 @@ def deps_inputs(release, cache: Path, log=print) -> tuple[str, list[str], list[s
 
 def deps_key(inputs) -> str:
     # "resolved": requirements installed with their dependencies, GPU-only ones removed after.
-    return hashlib.sha256(repr((inputs, "resolved", sys.version_info[:2])).encode()).hexdigest()[:12]
+    return cache_key(inputs, "resolved")
 
 
 def remove_gpu_only(python: Path, keep: str = "torch") -> None:
     """Uninstall what dependencies pulled in that only serves a GPU (xgrammar needs triton on
     x86_64 Linux), `keep` excepted."""
-    listing = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
-                             check=True)
-    extra = sorted(d["name"] for d in json.loads(listing.stdout) if gpu_only(d["name"]) and
-                   canonicalize_name(d["name"]) != keep)
+    listing = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
+    )
+    extra = sorted(
+        d["name"] for d in json.loads(listing.stdout) if gpu_only(d["name"]) and canonicalize_name(d["name"]) != keep
+    )
     if extra:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *extra], check=True, capture_output=True)
 
@@ -168,8 +207,12 @@ def ensure_deps_venv(release, cache: Path, log=print) -> Path:
         pip_install(python, "-c", str(pinned), *requirements, log=log)
         remove_gpu_only(python)
 
-    return ensure_venv(cache / "venvs" / f"vllm-deps-{deps_key(inputs)}", install,
-                       f"the vLLM dependency venv for {release.version}'s pins ({', '.join(constraints)})", log=log)
+    return ensure_venv(
+        cache / "venvs" / f"vllm-deps-{deps_key(inputs)}",
+        install,
+        f"the vLLM dependency venv for {release.version}'s pins ({', '.join(constraints)})",
+        log=log,
+    )
 
 
 def layer_on_deps(python: Path, deps_site: Path) -> None:
@@ -184,19 +227,23 @@ def current_python() -> Path:
 def ensure_layered_venv(venv: Path, deps_site: Path, installs: list[list[str]], log=print) -> Path:
     """A venv on top of the deps venv with `installs` (pip argument lists) done in order.
 
-    Recreated whenever what it should hold changes; the marker is written last, so a
-    half-made venv is made again.
+    Recreated (under venv_lock) whenever what it should hold changes; the marker is written
+    last, so a half-made venv is made again.
     """
     python = venv_python(venv)
     marker = venv / _COMPLETE
     wanted = json.dumps([str(deps_site), installs])
-    if marker.exists() and marker.read_text() == wanted:
-        return python
-    log(f"creating {venv}")
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
-    layer_on_deps(python, deps_site)
-    for args in installs:
-        pip_install(python, *args, log=log)
-    marker.write_text(wanted)
-    return python
 
+    def current() -> bool:
+        return marker.exists() and marker.read_text() == wanted
+
+    if not current():
+        with venv_lock(venv, log=log):
+            if not current():  # else another process made it while this one waited
+                log(f"creating {venv}")
+                subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+                layer_on_deps(python, deps_site)
+                for args in installs:
+                    pip_install(python, *args, log=log)
+                marker.write_text(wanted)
+    return python
