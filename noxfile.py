@@ -38,6 +38,9 @@ from kvwarm_build.releases import load_releases
 
 RELEASES = load_releases(project.RELEASES)
 SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"
+# What the tests, the benchmarks and the smoke share (tiny models, real-KV builders, the
+# fidelity oracle, the engine's environment, a vLLM test plugin): never shipped.
+TEST_SUPPORT = ROOT / "tests" / "support"
 TOOLING_TEST_DEPS = ("pytest", "hypothesis", "dockerfile-parse")
 # Pinned: a newer ruff may format differently or add rules to its default set.
 RUFF = "ruff==0.17.5"
@@ -54,6 +57,10 @@ def _env(session: nox.Session) -> dict[str, str]:
 
 def _tooling(session: nox.Session, *extra: str) -> None:
     session.install("-q", "-e", ".", *extra)
+
+
+def _test_support(session: nox.Session) -> None:
+    session.install("-q", "-e", str(TEST_SUPPORT))
 
 
 def _kvwarm_build(session: nox.Session, *args: str, **kwargs):
@@ -99,7 +106,19 @@ def _smoke(
     shutil.rmtree(work, ignore_errors=True)
     common = ["--device", device, "--work", str(work)]
     official, patched = str(work / "official.json"), str(work / "patched.json")
-    session.run(official_python, str(SMOKE), "generate", *common, *model, "--out", official, external=True)
+    # The official build's venv is vLLM's own; the test support reaches it by path, not install.
+    session.run(
+        official_python,
+        str(SMOKE),
+        "generate",
+        *common,
+        *model,
+        "--out",
+        official,
+        external=True,
+        env={"PYTHONPATH": str(TEST_SUPPORT)},
+    )
+    _test_support(session)
     install_patched()
     session.run("python", str(SMOKE), "generate", *common, *model, "--adapter", "--out", patched)
     session.run("python", str(SMOKE), "compare", official, patched)
@@ -125,6 +144,7 @@ def _release_sessions(release) -> None:
         # jsonschema: a vLLM requirement the minimal deps venv leaves out; the artifact uses it.
         # matplotlib: not a vLLM requirement; the report's tests render with it.
         _tooling(session, "pytest", "hypothesis", "jsonschema", "matplotlib")
+        _test_support(session)
         _install_patched(session, short)
         # The cuda wheel on a CPU host: a release that reads its target device from here
         # needs it (pinned host memory); the tests pass a DeviceConfig where one ignores it.
@@ -141,9 +161,8 @@ def _release_sessions(release) -> None:
             engine kind per pytest process; the Mamba2 engine where the release runs it; the
             multi-rank engines (data and tensor parallel) on the newest release with one."""
             _tooling(session, "pytest")
+            _test_support(session)  # with its plugin: CPU communicator gaps under MoE DP, forced faults
             _install_patched(session, short, flavour="cpu", deps=engine_deps)
-            # Test support only (CPU communicator gaps under MoE data parallel, forced faults).
-            session.install("-q", str(ROOT / "tests" / "engine" / "kvwarm_test_plugin"))
             selections = sessions.engine_selections(release, RELEASES)
             for selection in selections if not session.posargs else [[]]:
                 session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
@@ -184,6 +203,7 @@ def _release_sessions(release) -> None:
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
         _tooling(session)
+        _test_support(session)
         groups = _asked(session, sessions.benchmark_groups, ROOT / "benchmarks", session.posargs, release)
         for engine_kind, group in groups:
             # One vLLM in this venv at a time: drop the flavour a previous group or run left.

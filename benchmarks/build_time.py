@@ -30,16 +30,34 @@ def timed(func) -> float:
 
 
 def build(release: str) -> None:
-    subprocess.run([sys.executable, "-m", "kvwarm_build", "build", "--release", release],
-                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "kvwarm_build", "build", "--release", release], check=True, stdout=subprocess.DEVNULL
+    )
 
 
 def download_and_unzip(version: str, wheel: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-             "--platform", "manylinux_2_28_x86_64", "--python-version", "3.12",
-             "--implementation", "cp", "--abi", "abi3", f"vllm=={version}", "-d", tmp],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--platform",
+                "manylinux_2_28_x86_64",
+                "--python-version",
+                "3.12",
+                "--implementation",
+                "cp",
+                "--abi",
+                "abi3",
+                f"vllm=={version}",
+                "-d",
+                tmp,
+            ],
             check=True,
         )
         target = Path(tmp) / "unpacked"
@@ -50,7 +68,9 @@ def download_and_unzip(version: str, wheel: str) -> None:
 
 
 def main() -> None:
-    release = find_release(load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE") or load_releases(project.RELEASES)[-1].version)
+    release = find_release(
+        load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE") or load_releases(project.RELEASES)[-1].version
+    )
     wheel = release.flavour("cuda").wheel.file
     print(f"release {release.version}: warming caches (one untimed run of each side)", flush=True)
     build(release.short)
@@ -59,11 +79,18 @@ def main() -> None:
     print(f"build (fetch from cache, apply, repack, validate): {ours:.1f} s", flush=True)
     baseline = timed(lambda: download_and_unzip(release.version, wheel))
     print(f"pip download + unzip of {wheel}: {baseline:.1f} s", flush=True)
-    print(json.dumps({
-        "metric": f"build_time_warm_cache_{release.short}", "value": round(ours, 2), "unit": "s",
-        "baseline": round(baseline, 2), "ratio": round(ours / baseline, 2),
-        "target": f"ratio <= {TARGET_RATIO:g}",
-    }))
+    print(
+        json.dumps(
+            {
+                "metric": f"build_time_warm_cache_{release.short}",
+                "value": round(ours, 2),
+                "unit": "s",
+                "baseline": round(baseline, 2),
+                "ratio": round(ours / baseline, 2),
+                "target": f"ratio <= {TARGET_RATIO:g}",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ MODES = ("copy", "exact")
 MAX_MODEL_LEN, BATCHED_TOKENS = 2048, 2048
 
 
-
 def contexts(state_block: int) -> list[int]:
     """POINTS per-request contexts c, spread over the depths a chain allows. A shadow is
     admitted at c - 1 tokens (its catch-up is that long), so c - 1 sits past a state
@@ -82,8 +81,9 @@ class StepLog:
         update = self.scheduler.update_from_output
 
         def record(output, runner_output):
-            self._last = Step(0.0, dict(output.num_scheduled_tokens),
-                              frozenset(r.req_id for r in output.scheduled_new_reqs))
+            self._last = Step(
+                0.0, dict(output.num_scheduled_tokens), frozenset(r.req_id for r in output.scheduled_new_reqs)
+            )
             return update(output, runner_output)
 
         self.scheduler.update_from_output = record  # the engine core calls it through the instance
@@ -133,18 +133,30 @@ def admissions(mode: str, steps: list[Step], starts: list[int]) -> list[dict]:
         if any(set(s.scheduled) - fresh for s in prefill):
             sys.exit(f"{mode} point {n}: an untimed step before admission ran a request not started for it")
         if (mode == "copy") != (not prefill):
-            sys.exit(f"{mode} point {n}: {len(prefill)} prefill step(s) before admission; expected "
-                     + ("none" if mode == "copy" else "the catch-up chains' prefill"))
-        timed = [s for s in window[admit + 1:] if shadows & set(s.scheduled)]
-        if (len(timed) != REPEATS or window[admit + 1] is not timed[0]
-                or any(set(s.scheduled) != shadows or set(s.scheduled.values()) != {1} or s.new for s in timed)):
-            sys.exit(f"{mode} point {n}: expected {REPEATS} timed steps of its {len(shadows)} shadows alone, "
-                     f"right after the admission step")
+            sys.exit(
+                f"{mode} point {n}: {len(prefill)} prefill step(s) before admission; expected "
+                + ("none" if mode == "copy" else "the catch-up chains' prefill")
+            )
+        timed = [s for s in window[admit + 1 :] if shadows & set(s.scheduled)]
+        if (
+            len(timed) != REPEATS
+            or window[admit + 1] is not timed[0]
+            or any(set(s.scheduled) != shadows or set(s.scheduled.values()) != {1} or s.new for s in timed)
+        ):
+            sys.exit(
+                f"{mode} point {n}: expected {REPEATS} timed steps of its {len(shadows)} shadows alone, "
+                f"right after the admission step"
+            )
         kinds = {"catch-up": prefill, "idle": idle, "admission": [window[admit]]}
-        found.append({"batch": len(shadows), "ms": 1e3 * sum(s.seconds for s in window[:admit + 1]),
-                      "steps": {k: len(v) for k, v in kinds.items()},
-                      "kind_ms": {k: 1e3 * sum(s.seconds for s in v) for k, v in kinds.items()},
-                      "catchup_tokens": sum(sum(s.scheduled.values()) for s in prefill) / len(shadows)})
+        found.append(
+            {
+                "batch": len(shadows),
+                "ms": 1e3 * sum(s.seconds for s in window[: admit + 1]),
+                "steps": {k: len(v) for k, v in kinds.items()},
+                "kind_ms": {k: 1e3 * sum(s.seconds for s in v) for k, v in kinds.items()},
+                "catchup_tokens": sum(sum(s.scheduled.values()) for s in prefill) / len(shadows),
+            }
+        )
     return found
 
 
@@ -154,9 +166,14 @@ def sweep_side(log: StepLog, mode: str, decision, points, text, progress) -> dic
     from vllm.kvwarm.sweep.plan import SweepConfig
 
     scheduler = log.scheduler
-    sweep = Sweep(points, text, SweepConfig(steady_steps=REPEATS, max_model_len=MAX_MODEL_LEN,
-                                                  state_mode=decision.mode, state_lending=decision.lending),
-                        progress=lambda message: progress(f"  [{mode}] {message}"))
+    sweep = Sweep(
+        points,
+        text,
+        SweepConfig(
+            steady_steps=REPEATS, max_model_len=MAX_MODEL_LEN, state_mode=decision.mode, state_lending=decision.lending
+        ),
+        progress=lambda message: progress(f"  [{mode}] {message}"),
+    )
     log.watch(sweep)
     started = time.perf_counter()
     scheduler.kvwarm_sweep = sweep
@@ -164,17 +181,25 @@ def sweep_side(log: StepLog, mode: str, decision, points, text, progress) -> dic
         log.step()
     elapsed = time.perf_counter() - started
     scheduler.kvwarm_sweep = None
-    bad = [f"K={r.total_kv_read_tokens} B={r.batch_size}: {r.kv_seed_regime} {r.detail or r.sample_reasons}"
-           for r in sweep.rows if r.kv_seed_regime != "real_kv" or f"kvwarm_state_{mode}" not in r.sample_reasons]
+    bad = [
+        f"K={r.total_kv_read_tokens} B={r.batch_size}: {r.kv_seed_regime} {r.detail or r.sample_reasons}"
+        for r in sweep.rows
+        if r.kv_seed_regime != "real_kv" or f"kvwarm_state_{mode}" not in r.sample_reasons
+    ]
     if bad or len(sweep.rows) != len(points) or not sweep.reset_prefix_cache_ok:
-        sys.exit(f"{mode}: {len(sweep.rows)}/{len(points)} rows, not all real KV in {mode} mode: {bad}, "
-                 f"reset_prefix_cache {sweep.reset_prefix_cache_ok}")
+        sys.exit(
+            f"{mode}: {len(sweep.rows)}/{len(points)} rows, not all real KV in {mode} mode: {bad}, "
+            f"reset_prefix_cache {sweep.reset_prefix_cache_ok}"
+        )
     steps, starts = log.take()
     if len(starts) != len(points):
         sys.exit(f"{mode}: {len(starts)} point start(s) seen for {len(points)} point(s)")
-    return {"seconds": elapsed, "admissions": admissions(mode, steps, starts),
-            "build": {s["batch"]: s["build_seconds"] for s in sweep.stages},
-            "steady": {b: [r.median_seconds for r in sweep.rows if r.batch_size == b] for b in BATCHES}}
+    return {
+        "seconds": elapsed,
+        "admissions": admissions(mode, steps, starts),
+        "build": {s["batch"]: s["build_seconds"] for s in sweep.stages},
+        "steady": {b: [r.median_seconds for r in sweep.rows if r.batch_size == b] for b in BATCHES},
+    }
 
 
 def main() -> None:
@@ -194,11 +219,21 @@ def run(tmp: Path) -> None:
     tiny = tiny_models
     model = tiny.make_tiny_qwen3_next(tmp / "tiny-qwen3-next")
     conversations, _ = load_dataset(tiny.write_sharegpt(tmp / "sharegpt.json"))
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(model), dtype="bfloat16", mamba_ssm_cache_dtype="float32", mamba_cache_mode="align",
-        seed=0, enforce_eager=True, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS,
-        max_num_seqs=2 * max(BATCHES), enable_prefix_caching=True,
-        scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler"))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(model),
+            dtype="bfloat16",
+            mamba_ssm_cache_dtype="float32",
+            mamba_cache_mode="align",
+            seed=0,
+            enforce_eager=True,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=BATCHED_TOKENS,
+            max_num_seqs=2 * max(BATCHES),
+            enable_prefix_caching=True,
+            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+        )
+    )
     log = StepLog(engine.engine_core.engine_core)
     tokenizer = engine.get_tokenizer()
     kvm = log.scheduler.kv_cache_manager
@@ -211,12 +246,18 @@ def run(tmp: Path) -> None:
     ctxs = contexts(state_block)
     points = [DecodePoint(b * c, b) for b in BATCHES for c in ctxs]  # equal contexts: K = B x c
 
-    print(f"vLLM {release} CPU engine, tiny Qwen3-Next (3 gated-delta-net + 1 attention layer), align mode, "
-          f"state block {state_block}; max_model_len {MAX_MODEL_LEN}, max_num_batched_tokens {BATCHED_TOKENS}; "
-          f"R={REPEATS}", flush=True)
-    print(f"contexts per request {ctxs} at B={BATCHES} (shadows admitted at c - 1 = "
-          f"{[(c - 1) // state_block for c in ctxs]} blocks + {[(c - 1) % state_block for c in ctxs]} tokens); "
-          f"exact lends by {decisions['exact'].lending}", flush=True)
+    print(
+        f"vLLM {release} CPU engine, tiny Qwen3-Next (3 gated-delta-net + 1 attention layer), align mode, "
+        f"state block {state_block}; max_model_len {MAX_MODEL_LEN}, max_num_batched_tokens {BATCHED_TOKENS}; "
+        f"R={REPEATS}",
+        flush=True,
+    )
+    print(
+        f"contexts per request {ctxs} at B={BATCHES} (shadows admitted at c - 1 = "
+        f"{[(c - 1) // state_block for c in ctxs]} blocks + {[(c - 1) % state_block for c in ctxs]} tokens); "
+        f"exact lends by {decisions['exact'].lending}",
+        flush=True,
+    )
 
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for round_ in range(1, ROUNDS + 1):
@@ -226,47 +267,71 @@ def run(tmp: Path) -> None:
             results[mode].append(sweep_side(log, mode, decisions[mode], points, text, progress))
             if not log.scheduler.reset_prefix_cache():
                 sys.exit(f"reset_prefix_cache() failed after the {mode} sweep: blocks still in use")
-        print(f"round {round_}: " + ", ".join(f"{m} sweep {results[m][-1]['seconds']:.2f} s" for m in MODES),
-              flush=True)
+        print(
+            f"round {round_}: " + ", ".join(f"{m} sweep {results[m][-1]['seconds']:.2f} s" for m in MODES), flush=True
+        )
 
     def admitted(mode, b):
         return [a for r in results[mode] for a in r["admissions"] if a["batch"] == b]
 
     admission_ms = {m: {b: statistics.median(a["ms"] for a in admitted(m, b)) for b in BATCHES} for m in MODES}
-    print(f"admission per point (median of {POINTS} points x {ROUNDS} rounds), from the point's start to its "
-          "first timed step; by kind of step: mean steps, median ms", flush=True)
+    print(
+        f"admission per point (median of {POINTS} points x {ROUNDS} rounds), from the point's start to its "
+        "first timed step; by kind of step: mean steps, median ms",
+        flush=True,
+    )
     for b in BATCHES:
         for m in MODES:
             entries = admitted(m, b)
-            kinds = ", ".join(f"{kind} {statistics.mean(a['steps'][kind] for a in entries):.2f} x "
-                              f"{statistics.median(a['kind_ms'][kind] for a in entries):.2f} ms"
-                              for kind in entries[0]["steps"] if any(a["steps"][kind] for a in entries))
+            kinds = ", ".join(
+                f"{kind} {statistics.mean(a['steps'][kind] for a in entries):.2f} x "
+                f"{statistics.median(a['kind_ms'][kind] for a in entries):.2f} ms"
+                for kind in entries[0]["steps"]
+                if any(a["steps"][kind] for a in entries)
+            )
             steady = 1e3 * statistics.median(v for r in results[m] for v in r["steady"][b])
             print(f"  B={b:2} {m:5}: {admission_ms[m][b]:6.2f} ms ({kinds}); timed step {steady:.2f} ms", flush=True)
         tokens = statistics.mean(a["catchup_tokens"] for a in admitted("exact", b))
-        print(f"  B={b:2} exact/copy {admission_ms['exact'][b] / admission_ms['copy'][b]:.2f}x; "
-              f"{tokens:.0f} tokens computed per catch-up", flush=True)
+        print(
+            f"  B={b:2} exact/copy {admission_ms['exact'][b] / admission_ms['copy'][b]:.2f}x; "
+            f"{tokens:.0f} tokens computed per catch-up",
+            flush=True,
+        )
     expected = statistics.mean((c - 1) % state_block for c in ctxs)
-    print(f"  (a catch-up that starts from the last cached state boundary computes {expected:.0f} on average)",
-          flush=True)
+    print(
+        f"  (a catch-up that starts from the last cached state boundary computes {expected:.0f} on average)", flush=True
+    )
 
     def median_of(mode, pick):
         return statistics.median(pick(r) for r in results[mode])
 
     build_s = {m: {b: median_of(m, lambda r, b=b: r["build"][b]) for b in BATCHES} for m in MODES}
     sweep_s = {m: median_of(m, lambda r: r["seconds"]) for m in MODES}
-    print("chain build, s (median): " + "; ".join(
-        f"B={b} copy {build_s['copy'][b]:.2f}, exact {build_s['exact'][b]:.2f}" for b in BATCHES), flush=True)
-    print(f"sweep total, s (median of {ROUNDS}): copy {sweep_s['copy']:.2f}, exact {sweep_s['exact']:.2f}, "
-          f"exact/copy {sweep_s['exact'] / sweep_s['copy']:.2f}x", flush=True)
-    print(json.dumps({
-        "metric": f"state_exact_cost_{release}", "unit": "ms",
-        "admission_ms": {m: {str(b): round(v, 2) for b, v in by_b.items()} for m, by_b in admission_ms.items()},
-        "admission_ratio": {str(b): round(admission_ms["exact"][b] / admission_ms["copy"][b], 2) for b in BATCHES},
-        "build_s": {m: {str(b): round(v, 3) for b, v in by_b.items()} for m, by_b in build_s.items()},
-        "sweep_s": {m: round(v, 2) for m, v in sweep_s.items()},
-        "sweep_ratio": round(sweep_s["exact"] / sweep_s["copy"], 2),
-    }))
+    print(
+        "chain build, s (median): "
+        + "; ".join(f"B={b} copy {build_s['copy'][b]:.2f}, exact {build_s['exact'][b]:.2f}" for b in BATCHES),
+        flush=True,
+    )
+    print(
+        f"sweep total, s (median of {ROUNDS}): copy {sweep_s['copy']:.2f}, exact {sweep_s['exact']:.2f}, "
+        f"exact/copy {sweep_s['exact'] / sweep_s['copy']:.2f}x",
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {
+                "metric": f"state_exact_cost_{release}",
+                "unit": "ms",
+                "admission_ms": {m: {str(b): round(v, 2) for b, v in by_b.items()} for m, by_b in admission_ms.items()},
+                "admission_ratio": {
+                    str(b): round(admission_ms["exact"][b] / admission_ms["copy"][b], 2) for b in BATCHES
+                },
+                "build_s": {m: {str(b): round(v, 3) for b, v in by_b.items()} for m, by_b in build_s.items()},
+                "sweep_s": {m: round(v, 2) for m, v in sweep_s.items()},
+                "sweep_ratio": round(sweep_s["exact"] / sweep_s["copy"], 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ def point_medians(clock, points, batch: int, steady_steps: int, side: str) -> li
     clock.take()  # and start the next side afresh
     shapes = [(len(ids), len(times)) for ids, times in groups.items()]
     if shapes != [(batch, steady_steps)] * len(points):
-        sys.exit(f"{side}: steady steps per point (batch, steps) {shapes}; expected {len(points)} x "
-                 f"({batch}, {steady_steps})")
+        sys.exit(
+            f"{side}: steady steps per point (batch, steps) {shapes}; expected {len(points)} x "
+            f"({batch}, {steady_steps})"
+        )
     return [1e3 * statistics.median(times) for times in groups.values()]
 
 
@@ -80,10 +82,20 @@ def run(tmp: Path) -> None:
     models = tiny_models
     model = models.make_small_llama(tmp / "small-llama")
     conversations = load_conversations(models.write_sharegpt(tmp / "sharegpt.json"))
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(model), dtype="float32", seed=0, enforce_eager=True, block_size=base.BLOCK,
-        max_model_len=base.MAX_MODEL_LEN, max_num_batched_tokens=base.BATCHED_TOKENS, max_num_seqs=2 * batch,
-        enable_prefix_caching=True, scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler"))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(model),
+            dtype="float32",
+            seed=0,
+            enforce_eager=True,
+            block_size=base.BLOCK,
+            max_model_len=base.MAX_MODEL_LEN,
+            max_num_batched_tokens=base.BATCHED_TOKENS,
+            max_num_seqs=2 * batch,
+            enable_prefix_caching=True,
+            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+        )
+    )
     clock = base.StepClock(engine.engine_core.engine_core)
     tokenizer = engine.get_tokenizer()
 
@@ -91,11 +103,16 @@ def run(tmp: Path) -> None:
         return ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
 
     ks = [p.total_kv_read_tokens for p in points]
-    print(f"vLLM {release} CPU engine, small Llama (hidden 512, 2 layers); B={batch}, R={steady_steps} steady steps "
-          f"per point, {ROUNDS} alternating rounds; ladder K = {ks}", flush=True)
+    print(
+        f"vLLM {release} CPU engine, small Llama (hidden 512, 2 layers); B={batch}, R={steady_steps} steady steps "
+        f"per point, {ROUNDS} alternating rounds; ladder K = {ks}",
+        flush=True,
+    )
 
-    sides = {"shadow": lambda: base.warm_up_side(clock, points, chain_text(), lambda message: None),
-             "natural": lambda: base.prefill_side(clock, points, chain_text())}
+    sides = {
+        "shadow": lambda: base.warm_up_side(clock, points, chain_text(), lambda message: None),
+        "natural": lambda: base.prefill_side(clock, points, chain_text()),
+    }
     medians: dict[str, list[list[float]]] = {name: [] for name in sides}
     for round_ in range(1, ROUNDS + 1):
         order = ("shadow", "natural") if round_ % 2 else ("natural", "shadow")
@@ -108,24 +125,40 @@ def run(tmp: Path) -> None:
         print(f"round {round_} ({order[0]} first): shadow vs natural MAPE {fidelity:.2f}%", flush=True)
 
     print(f"{'K':>7}  {'shadow ms':>9}  {'natural ms':>10}  {'shadow/natural':>14}   (medians over rounds)")
-    over_rounds = {name: [statistics.median(r[i] for r in rounds) for i in range(len(points))]
-                   for name, rounds in medians.items()}
+    over_rounds = {
+        name: [statistics.median(r[i] for r in rounds) for i in range(len(points))] for name, rounds in medians.items()
+    }
     for k, s, n in zip(ks, over_rounds["shadow"], over_rounds["natural"]):
         print(f"{k:>7}  {s:>9.3f}  {n:>10.3f}  {s / n:>14.3f}")
     fidelity = statistics.fmean(mape(s, n) for s, n in zip(medians["shadow"], medians["natural"]))
-    noise_by_side = {name: statistics.fmean(mape(rounds[r + 1], rounds[r]) for r in range(ROUNDS - 1))
-                     for name, rounds in medians.items()}
+    noise_by_side = {
+        name: statistics.fmean(mape(rounds[r + 1], rounds[r]) for r in range(ROUNDS - 1))
+        for name, rounds in medians.items()
+    }
     noise = statistics.fmean(noise_by_side.values())
-    print(f"fidelity: shadow vs natural MAPE {fidelity:.2f}% (mean over {ROUNDS} rounds); on the medians over "
-          f"rounds {mape(over_rounds['shadow'], over_rounds['natural']):.2f}%", flush=True)
-    print(f"run-to-run noise: MAPE of one round against the next {noise:.2f}% (shadow "
-          f"{noise_by_side['shadow']:.2f}%, natural {noise_by_side['natural']:.2f}%)", flush=True)
+    print(
+        f"fidelity: shadow vs natural MAPE {fidelity:.2f}% (mean over {ROUNDS} rounds); on the medians over "
+        f"rounds {mape(over_rounds['shadow'], over_rounds['natural']):.2f}%",
+        flush=True,
+    )
+    print(
+        f"run-to-run noise: MAPE of one round against the next {noise:.2f}% (shadow "
+        f"{noise_by_side['shadow']:.2f}%, natural {noise_by_side['natural']:.2f}%)",
+        flush=True,
+    )
     ratio = fidelity / noise if noise else float("inf")
-    print(json.dumps({
-        "metric": f"step_fidelity_mape_b{batch}_{len(points)}pts_{release}", "value": round(fidelity, 2),
-        "unit": "%", "baseline": round(noise, 2), "ratio": round(ratio, 2),
-        "target": f"ratio <= {TARGET_RATIO:g} (fidelity MAPE within {TARGET_RATIO:g}x the run-to-run noise)",
-    }))
+    print(
+        json.dumps(
+            {
+                "metric": f"step_fidelity_mape_b{batch}_{len(points)}pts_{release}",
+                "value": round(fidelity, 2),
+                "unit": "%",
+                "baseline": round(noise, 2),
+                "ratio": round(ratio, 2),
+                "target": f"ratio <= {TARGET_RATIO:g} (fidelity MAPE within {TARGET_RATIO:g}x the run-to-run noise)",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

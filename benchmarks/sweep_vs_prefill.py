@@ -42,7 +42,6 @@ MAX_MODEL_LEN, BLOCK, BATCHED_TOKENS = 2048, 32, 2048
 TARGET_RATIO = 3.0
 
 
-
 def ladder():
     """POINTS evenly spaced K up to the deepest the engine allows at batch B. A chain is
     c + 1 + REPEATS tokens deep and samples one token when its prefill ends; that token
@@ -74,8 +73,11 @@ class StepClock:
                 kind = "idle"
             elif any(new.num_computed_tokens for new in output.scheduled_new_reqs):
                 kind = "admit"
-            elif (not output.scheduled_new_reqs and set(scheduled.values()) == {1}
-                  and all(requests[r].num_computed_tokens > requests[r].num_prompt_tokens for r in scheduled)):
+            elif (
+                not output.scheduled_new_reqs
+                and set(scheduled.values()) == {1}
+                and all(requests[r].num_computed_tokens > requests[r].num_prompt_tokens for r in scheduled)
+            ):
                 kind = "steady"
             else:
                 kind = "prefill"
@@ -93,8 +95,9 @@ class StepClock:
     def take(self) -> dict:
         """This side's figures: seconds and steps per kind, steady steps per request batch."""
         steps, self.steps = self.steps, []
-        side = {kind: [sum(s for s, k, _ in steps if k == kind), sum(k == kind for _, k, _ in steps)]
-                for kind in self.KINDS}
+        side = {
+            kind: [sum(s for s, k, _ in steps if k == kind), sum(k == kind for _, k, _ in steps)] for kind in self.KINDS
+        }
         per_batch: dict[frozenset, int] = {}
         for _, kind, ids in steps:
             if kind == "steady":
@@ -118,8 +121,12 @@ def warm_up_side(clock: StepClock, points, text, progress) -> float:
     from vllm.kvwarm.sweep.plan import SweepConfig
 
     scheduler = clock.scheduler
-    sweep = Sweep(points, text, SweepConfig(steady_steps=REPEATS, max_model_len=MAX_MODEL_LEN),
-                        progress=lambda message: progress(f"  [sweep] {message}"))
+    sweep = Sweep(
+        points,
+        text,
+        SweepConfig(steady_steps=REPEATS, max_model_len=MAX_MODEL_LEN),
+        progress=lambda message: progress(f"  [sweep] {message}"),
+    )
     started = time.perf_counter()
     scheduler.kvwarm_sweep = sweep
     while scheduler.has_requests():
@@ -163,10 +170,20 @@ def run(tmp: Path) -> None:
     points = ladder()
     model = tiny_models.make_small_llama(tmp / "small-llama")
     conversations, _ = load_dataset(tiny_models.write_sharegpt(tmp / "sharegpt.json"))
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(model), dtype="float32", seed=0, enforce_eager=True, block_size=BLOCK,
-        max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=BATCHED_TOKENS, max_num_seqs=2 * BATCH,
-        enable_prefix_caching=True, scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler"))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(model),
+            dtype="float32",
+            seed=0,
+            enforce_eager=True,
+            block_size=BLOCK,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=BATCHED_TOKENS,
+            max_num_seqs=2 * BATCH,
+            enable_prefix_caching=True,
+            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+        )
+    )
     clock = StepClock(engine.engine_core.engine_core)
     tokenizer = engine.get_tokenizer()
 
@@ -174,8 +191,12 @@ def run(tmp: Path) -> None:
         return ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
 
     ks = [p.total_kv_read_tokens for p in points]
-    print(f"vLLM {release} CPU engine, small Llama (hidden 512, 2 layers); B={BATCH}, R={REPEATS} steady steps per point, "
-          f"max_model_len {MAX_MODEL_LEN}, block {BLOCK}, max_num_batched_tokens {BATCHED_TOKENS}", flush=True)
+    print(
+        f"vLLM {release} CPU engine, small Llama (hidden 512, 2 layers); B={BATCH}, "
+        f"R={REPEATS} steady steps per point, "
+        f"max_model_len {MAX_MODEL_LEN}, block {BLOCK}, max_num_batched_tokens {BATCHED_TOKENS}",
+        flush=True,
+    )
     print(f"ladder K = {ks} (evenly spaced up to B x (max_model_len - 3 - R))", flush=True)
 
     # Alternating rounds, medians: the host's noise and any first-use cost (round 1's
@@ -184,45 +205,66 @@ def run(tmp: Path) -> None:
     totals = {name: {kind: [0.0, 0] for kind in StepClock.KINDS} for name in times}
     for round_ in range(1, ROUNDS + 1):
         progress = print if round_ == 1 else (lambda message: None)
-        sides = (("warm-up", lambda: warm_up_side(clock, points, chain_text(), progress)),
-                 ("full prefill", lambda: prefill_side(clock, points, chain_text())))
+        sides = (
+            ("warm-up", lambda progress=progress: warm_up_side(clock, points, chain_text(), progress)),
+            ("full prefill", lambda: prefill_side(clock, points, chain_text())),
+        )
         for name, side in sides:
             times[name].append(side())
             figures = clock.take()
             # Both sides must time the same thing: R steady steps of the point's B requests.
             if figures["steady_counts"] != [REPEATS] * POINTS or figures["steady_batches"] != {BATCH}:
-                sys.exit(f"{name}: steady steps per point {figures['steady_counts']} (batch sizes "
-                         f"{figures['steady_batches']}); expected {POINTS} x {REPEATS} at B={BATCH}")
+                sys.exit(
+                    f"{name}: steady steps per point {figures['steady_counts']} (batch sizes "
+                    f"{figures['steady_batches']}); expected {POINTS} x {REPEATS} at B={BATCH}"
+                )
             for kind in StepClock.KINDS:
                 totals[name][kind] = [t + f for t, f in zip(totals[name][kind], figures[kind])]
             if not clock.scheduler.reset_prefix_cache():
                 sys.exit(f"reset_prefix_cache() failed after the {name} side: blocks still in use")
-        print(f"round {round_}: warm-up {times['warm-up'][-1]:.2f} s, "
-              f"full prefill {times['full prefill'][-1]:.2f} s", flush=True)
-    print(f"every round, both sides: {POINTS} points x {REPEATS} steady steps at B={BATCH}, all on real KV",
-          flush=True)
+        print(
+            f"round {round_}: warm-up {times['warm-up'][-1]:.2f} s, full prefill {times['full prefill'][-1]:.2f} s",
+            flush=True,
+        )
+    print(f"every round, both sides: {POINTS} points x {REPEATS} steady steps at B={BATCH}, all on real KV", flush=True)
 
     prefilled = sum(ks)
     chain_tokens = sum(rung.batch_size * rung.depth for rung in plan_rungs(points, REPEATS, MAX_MODEL_LEN))
-    print(f"prefilled tokens per round: warm-up {chain_tokens} (B chains, once), full prefill {prefilled} "
-          f"(every point), {prefilled / chain_tokens:.1f}x", flush=True)
+    print(
+        f"prefilled tokens per round: warm-up {chain_tokens} (B chains, once), full prefill {prefilled} "
+        f"(every point), {prefilled / chain_tokens:.1f}x",
+        flush=True,
+    )
     print("per round (mean): seconds / steps by kind of step", flush=True)
     for name, kinds in totals.items():
-        print(f"  {name:12}: " + ", ".join(f"{kind} {secs / ROUNDS:.2f} s / {steps // ROUNDS}"
-                                           for kind, (secs, steps) in kinds.items()), flush=True)
+        print(
+            f"  {name:12}: "
+            + ", ".join(f"{kind} {secs / ROUNDS:.2f} s / {steps // ROUNDS}" for kind, (secs, steps) in kinds.items()),
+            flush=True,
+        )
     ours, baseline = statistics.median(times["warm-up"]), statistics.median(times["full prefill"])
     ratio = baseline / ours
     print(f"median of {ROUNDS}: warm-up {ours:.2f} s, full prefill {baseline:.2f} s, ratio {ratio:.2f}x", flush=True)
     if ratio < TARGET_RATIO:
         warm = totals["warm-up"]
         dominant = max(StepClock.KINDS, key=lambda kind: warm[kind][0])
-        print(f"below {TARGET_RATIO:g}x: the warm-up side's time is mostly {dominant} steps; at best the "
-              f"ratio approaches the prefilled-token ratio, less the steady steps both sides pay", flush=True)
-    print(json.dumps({
-        "metric": f"sweep_vs_prefill_b{BATCH}_{POINTS}pts_{release}", "value": round(ours, 2),
-        "unit": "s", "baseline": round(baseline, 2), "ratio": round(ratio, 2),
-        "target": f"ratio >= {TARGET_RATIO:g}",
-    }))
+        print(
+            f"below {TARGET_RATIO:g}x: the warm-up side's time is mostly {dominant} steps; at best the "
+            f"ratio approaches the prefilled-token ratio, less the steady steps both sides pay",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "metric": f"sweep_vs_prefill_b{BATCH}_{POINTS}pts_{release}",
+                "value": round(ours, 2),
+                "unit": "s",
+                "baseline": round(baseline, 2),
+                "ratio": round(ratio, 2),
+                "target": f"ratio >= {TARGET_RATIO:g}",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -46,14 +46,16 @@ def write_alias(provider: str) -> Path:
     site = Path(source.locate_file(""))
     for dist in md.distributions(name="vllm"):
         if not _is_alias(dist):
-            sys.exit(f"vllm_dist_alias: a real `vllm` distribution {dist.version} is installed beside "
-                     f"{provider}; uninstall it first (two distributions would own vllm/)")
+            sys.exit(
+                f"vllm_dist_alias: a real `vllm` distribution {dist.version} is installed beside "
+                f"{provider}; uninstall it first (two distributions would own vllm/)"
+            )
         shutil.rmtree(Path(dist.locate_file("")) / f"vllm-{dist.version}.dist-info")
     folder = site / f"vllm-{version}.dist-info"
     folder.mkdir()
     files = {
         "METADATA": f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
-                    f"Summary: metadata only: the vllm package here is the {source.metadata['Name']} distribution's\n",
+        f"Summary: metadata only: the vllm package here is the {source.metadata['Name']} distribution's\n",
         "INSTALLER": INSTALLER + "\n",
     }
     record = []

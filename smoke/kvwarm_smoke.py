@@ -34,7 +34,6 @@ from pathlib import Path
 
 from kvwarm_testing.engine import engine_env
 
-
 ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 # Points per case: two rungs, deepest first; K/B stays within max_model_len less the steps.
 POINTS = [(1600, 2), (900, 2), (2400, 4), (1200, 4)]
@@ -54,8 +53,22 @@ def _dtype(device: str, dtype: str) -> str:
 
 
 def _engine_args(device: str, model: Path, dtype: str, extra: list[str]) -> list[str]:
-    args = ["--model", str(model), "--dtype", _dtype(device, dtype), "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0",
-            "--enable-prefix-caching", "--max-num-seqs", "8", "--max-num-batched-tokens", "512", *extra]
+    args = [
+        "--model",
+        str(model),
+        "--dtype",
+        _dtype(device, dtype),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--seed",
+        "0",
+        "--enable-prefix-caching",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "512",
+        *extra,
+    ]
     if device == "cpu":
         args.append("--enforce-eager")  # tiny models: compiling costs more than it saves
     return args
@@ -78,20 +91,58 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
     state = ["--mamba-cache-mode", "align", "--mamba-ssm-cache-dtype", "float32"]
     hybrid = moe + state
     table = {
-        "moe": [dict(name="moe", maker="tiny_qwen3_moe", dtype="float32", args=moe, env={}, regime="real_kv")],
-        "moe-off": [dict(name="moe-off", maker="tiny_qwen3_moe", dtype="float32", args=moe,
-                         env={"DYN_BENCH_KV_WARMUP": "off"}, regime="legacy")],
-        "hybrid": [dict(name=f"hybrid-{mode}", maker="tiny_qwen3_next", dtype="bfloat16", args=hybrid,
-                        points=HYBRID_POINTS, env={"DYN_BENCH_KV_WARMUP_STATE": mode}, regime="real_kv", state=mode)
-                   for mode in ("copy", "inplace", "exact")],
-        "nemotronh": [dict(name="nemotronh", maker="tiny_nemotron_h", dtype="float32", args=state,
-                           points=HYBRID_POINTS, regime="real_kv", state="copy",
-                           env={"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": "copy"})],
+        "moe": [
+            {"name": "moe", "maker": "tiny_qwen3_moe", "dtype": "float32", "args": moe, "env": {}, "regime": "real_kv"}
+        ],
+        "moe-off": [
+            {
+                "name": "moe-off",
+                "maker": "tiny_qwen3_moe",
+                "dtype": "float32",
+                "args": moe,
+                "env": {"DYN_BENCH_KV_WARMUP": "off"},
+                "regime": "legacy",
+            }
+        ],
+        "hybrid": [
+            {
+                "name": f"hybrid-{mode}",
+                "maker": "tiny_qwen3_next",
+                "dtype": "bfloat16",
+                "args": hybrid,
+                "points": HYBRID_POINTS,
+                "env": {"DYN_BENCH_KV_WARMUP_STATE": mode},
+                "regime": "real_kv",
+                "state": mode,
+            }
+            for mode in ("copy", "inplace", "exact")
+        ],
+        "nemotronh": [
+            {
+                "name": "nemotronh",
+                "maker": "tiny_nemotron_h",
+                "dtype": "float32",
+                "args": state,
+                "points": HYBRID_POINTS,
+                "regime": "real_kv",
+                "state": "copy",
+                "env": {"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": "copy"},
+            }
+        ],
     }
     if model is not None:  # the user's model (forced past the gate's heuristics), state by copy, in place, exact
-        return [dict(name=f"model-{mode}", maker=None, dtype="auto", args=[], points=POINTS, regime="real_kv",
-                     env={"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": mode})
-                for mode in ("copy", "inplace", "exact")]
+        return [
+            {
+                "name": f"model-{mode}",
+                "maker": None,
+                "dtype": "auto",
+                "args": [],
+                "points": POINTS,
+                "regime": "real_kv",
+                "env": {"DYN_BENCH_KV_WARMUP": "force", "DYN_BENCH_KV_WARMUP_STATE": mode},
+            }
+            for mode in ("copy", "inplace", "exact")
+        ]
     unknown = sorted(set(selected) - set(table))
     if unknown:
         raise SystemExit(f"kvwarm smoke: unknown case(s) {unknown}; choose from {', '.join(CASES)}")
@@ -105,7 +156,7 @@ def _check(artifact: dict, case: dict) -> list[str]:
     problems = []
     try:
         validate(artifact)
-    except Exception as err:  # jsonschema.ValidationError, reported with the rest
+    except Exception as err:  # noqa: BLE001  (jsonschema.ValidationError, reported with the rest)
         problems.append(f"schema: {str(err).splitlines()[0]}")
     meta, rows = artifact["kvwarm"], artifact["results"]
     if artifact["status"] != "complete":
@@ -124,9 +175,12 @@ def _check(artifact: dict, case: dict) -> list[str]:
             problems.append(f"state mode {meta['state_mode']!r} (wanted {state}); rows without the stamp: {unstamped}")
         if state == "exact":
             # uniform points: a row's context is K / B
-            off = [r["point"] for r in rows
-                   if f"kvwarm_state_depth={r['point']['total_kv_read_tokens'] // r['point']['batch_size']}"
-                   not in r["sample_reasons"]]
+            off = [
+                r["point"]
+                for r in rows
+                if f"kvwarm_state_depth={r['point']['total_kv_read_tokens'] // r['point']['batch_size']}"
+                not in r["sample_reasons"]
+            ]
             if off:
                 problems.append(f"exact rows whose kvwarm_state_depth is not their context: {off}")
     if meta["reset_prefix_cache"] is not True:
@@ -146,20 +200,40 @@ def sweeps(args) -> int:
         model = _model(work, case["maker"], Path(args.model) if args.model else None)
         out = work / "sweeps" / case["name"]
         points = work / f"points-{case['name']}.json"
-        points.write_text(json.dumps({"schema_version": 1, "decode": [
-            {"total_kv_read_tokens": k, "batch_size": b} for k, b in case["points"]]}))
+        points.write_text(
+            json.dumps(
+                {
+                    "schema_version": 1,
+                    "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in case["points"]],
+                }
+            )
+        )
         # The engine core in its own process (as under `vllm serve`) for every GPU case and
         # for the first CPU case; the others in-process, which starts faster.
         multiprocess = args.device == "cuda" or n == 0
-        env = {**os.environ, **engine_env(args.device), "DYN_BENCH_KV_WARMUP_DATASET": str(dataset),
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **case["env"]}
-        cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--points", str(points), "--out", str(out),
-               *_engine_args(args.device, model, case["dtype"], case["args"])]
+        env = {
+            **os.environ,
+            **engine_env(args.device),
+            "DYN_BENCH_KV_WARMUP_DATASET": str(dataset),
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+            **case["env"],
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.kvwarm",
+            "sweep",
+            "--points",
+            str(points),
+            "--out",
+            str(out),
+            *_engine_args(args.device, model, case["dtype"], case["args"]),
+        ]
         _log(f"case {case['name']} ({'engine-core process' if multiprocess else 'in-process'}): {' '.join(cmd[3:])}")
         started = time.monotonic()
         log_path = work / f"{case['name']}.log"
         with log_path.open("w") as log:
-            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
         artifact_path = out / "sweep.json"
         if not artifact_path.exists():
             problems = [f"no artifact (exit {rc})"]
@@ -182,20 +256,34 @@ def _report_real_against_fake(work: Path) -> int:
     """The seed's A/B on the two MoE runs: `report` renders both and prints the MAPE of fake
     KV (warm-up off) against real KV."""
     sweeps_dir, report = work / "sweeps", work / "report"
-    cmd = [sys.executable, "-m", "vllm.kvwarm", "report", str(sweeps_dir / "moe"), str(sweeps_dir / "moe-off"),
-           "--out", str(report)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.kvwarm",
+        "report",
+        str(sweeps_dir / "moe"),
+        str(sweeps_dir / "moe-off"),
+        "--out",
+        str(report),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     problems = [] if done.returncode == 0 else [f"exit {done.returncode}: {done.stderr.strip()[-400:]}"]
-    problems += [f"no {name}" for name in ("report.html", "report.csv", "compare-2-vs-1.png")
-                 if not (report / name).exists()]
+    problems += [
+        f"no {name}" for name in ("report.html", "report.csv", "compare-2-vs-1.png") if not (report / name).exists()
+    ]
     problems += [] if "MAPE" in done.stdout else ["no MAPE in its table"]
     _log(f"report moe vs moe-off: {'ok' if not problems else 'FAILED: ' + '; '.join(problems)} ({report})")
     print(done.stdout, flush=True)
     return 1 if problems else 0
 
 
-PROMPTS = ["The quick brown fox", "Decode step time depends on", "Prefix caching lets requests",
-           "A copy-on-write fork copies one block", "Numbers 0 1 2 3"]
+PROMPTS = [
+    "The quick brown fox",
+    "Decode step time depends on",
+    "Prefix caching lets requests",
+    "A copy-on-write fork copies one block",
+    "Numbers 0 1 2 3",
+]
 
 
 def generate(args) -> int:
@@ -209,8 +297,16 @@ def generate(args) -> int:
     work = Path(args.work).resolve()
     model = _model(work, "tiny_qwen3_moe", Path(args.model) if args.model else None)
     extra = {"scheduler_cls": ADAPTER} if args.adapter else {}
-    llm = LLM(model=str(model), dtype=_dtype(args.device, "float32"), max_model_len=MAX_MODEL_LEN, seed=0, enable_prefix_caching=True,
-              enforce_eager=args.device == "cpu", max_num_seqs=8, **extra)
+    llm = LLM(
+        model=str(model),
+        dtype=_dtype(args.device, "float32"),
+        max_model_len=MAX_MODEL_LEN,
+        seed=0,
+        enable_prefix_caching=True,
+        enforce_eager=args.device == "cpu",
+        max_num_seqs=8,
+        **extra,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(PROMPTS * 2, params)  # twice: the second round hits the prefix cache
     import vllm

@@ -27,11 +27,21 @@ def hybrid(tmp_path_factory):
     from vllm import LLM
 
     model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
-    return Engine(LLM(
-        model=str(model), dtype="bfloat16", mamba_ssm_cache_dtype="float32", mamba_cache_mode="align",
-        seed=0, enforce_eager=True, max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=8,
-        enable_prefix_caching=True, scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
-    ))
+    return Engine(
+        LLM(
+            model=str(model),
+            dtype="bfloat16",
+            mamba_ssm_cache_dtype="float32",
+            mamba_cache_mode="align",
+            seed=0,
+            enforce_eager=True,
+            max_model_len=2048,
+            max_num_batched_tokens=256,
+            max_num_seqs=8,
+            enable_prefix_caching=True,
+            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+        )
+    )
 
 
 def test_this_build_gives_exact_state_by_default_lent_in_place(hybrid):
@@ -66,7 +76,9 @@ def test_a_shadow_at_the_chain_depth_decodes_like_a_natural_request(hybrid, mode
 
     natural = hybrid.llm.generate(
         [TokensPrompt(prompt_token_ids=chain.all_token_ids[: depth + 1], cache_salt=f"natural-{mode}")],
-        SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
+        SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert shadow_tokens == list(natural[0].outputs[0].token_ids)
 
     scheduler.finish_requests([chain.request_id], RequestStatus.FINISHED_ABORTED)

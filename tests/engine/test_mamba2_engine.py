@@ -19,11 +19,20 @@ def nemotron_h(tmp_path_factory):
     from vllm import LLM
 
     model = make_tiny_nemotron_h(tmp_path_factory.mktemp("tiny-nemotron-h"))
-    return Engine(LLM(
-        model=str(model), dtype="float32", mamba_cache_mode="align", seed=0, enforce_eager=True,
-        max_model_len=2048, max_num_batched_tokens=256, max_num_seqs=8, enable_prefix_caching=True,
-        scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
-    ))
+    return Engine(
+        LLM(
+            model=str(model),
+            dtype="float32",
+            mamba_cache_mode="align",
+            seed=0,
+            enforce_eager=True,
+            max_model_len=2048,
+            max_num_batched_tokens=256,
+            max_num_seqs=8,
+            enable_prefix_caching=True,
+            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+        )
+    )
 
 
 def test_exact_state_shadows_decode_like_natural_requests_off_the_boundaries(nemotron_h, capsys):

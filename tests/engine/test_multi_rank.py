@@ -13,7 +13,15 @@ import json
 import threading
 
 import pytest
-from kvwarm_testing.multi_rank import ADAPTER, api_server, engine_args, medians_by_point, run_command, wait_final, write_points
+from kvwarm_testing.multi_rank import (
+    ADAPTER,
+    api_server,
+    engine_args,
+    medians_by_point,
+    run_command,
+    wait_final,
+    write_points,
+)
 
 pytestmark = pytest.mark.multirank
 
@@ -26,8 +34,12 @@ def inputs(tmp_path_factory):
     from kvwarm_testing.tiny_models import make_tiny_llama, make_tiny_qwen3_moe, write_sharegpt
 
     root = tmp_path_factory.mktemp("multirank")
-    return {"llama": make_tiny_llama(root / "tiny-llama"), "moe": make_tiny_qwen3_moe(root / "tiny-moe"),
-            "dataset": write_sharegpt(root / "sharegpt.json"), "root": root}
+    return {
+        "llama": make_tiny_llama(root / "tiny-llama"),
+        "moe": make_tiny_qwen3_moe(root / "tiny-moe"),
+        "dataset": write_sharegpt(root / "sharegpt.json"),
+        "root": root,
+    }
 
 
 def _env(inputs, **extra) -> dict:
@@ -50,9 +62,10 @@ def _check_ranks(out, size: int, points) -> tuple[dict, list[dict]]:
     stages = [[(s["batch"], s["depth"]) for s in a["kvwarm"]["stages"]] for a in ranks]
     assert all(s == stages[0] for s in stages), stages
     validate(combined)
-    assert combined["status"] == "complete" and combined["artifact_type"] == "combined"
+    assert combined["status"] == "complete" and combined["artifact_type"] == "kvwarm.combined"
     assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [
-        (r, "complete", len(points)) for r in range(size)]
+        (r, "complete", len(points)) for r in range(size)
+    ]
     per_rank = [medians_by_point(a) for a in ranks]
     for row in combined["results"]:
         key = (row["point"]["total_kv_read_tokens"], row["point"]["batch_size"])
@@ -64,8 +77,15 @@ def _check_ranks(out, size: int, points) -> tuple[dict, list[dict]]:
 def test_a_data_parallel_server_sweeps_on_every_rank_and_serves_on(inputs, tmp_path):
     out = tmp_path / "out"
     spec = {"points": str(write_points(tmp_path / "points.json", POINTS)), "out": str(out)}
-    args = engine_args(inputs["llama"], "--data-parallel-size", "2", "--scheduler-cls", ADAPTER,
-                       "--additional-config", json.dumps({"kvwarm_sweep": spec}))
+    args = engine_args(
+        inputs["llama"],
+        "--data-parallel-size",
+        "2",
+        "--scheduler-cls",
+        ADAPTER,
+        "--additional-config",
+        json.dumps({"kvwarm_sweep": spec}),
+    )
     answers = []
     with api_server(args, _env(inputs), tmp_path / "server.log") as server:
 
@@ -86,9 +106,18 @@ def test_a_data_parallel_server_sweeps_on_every_rank_and_serves_on(inputs, tmp_p
 
 def test_a_plan_mismatch_fails_every_rank_and_the_command_without_a_hang(inputs, tmp_path):
     out = tmp_path / "out"
-    rc = run_command(["--points", str(write_points(tmp_path / "points.json", POINTS[:3])), "--out", str(out),
-                      *engine_args(inputs["llama"], "--data-parallel-size", "2")],
-                     _env(inputs, KVWARM_TEST_PLAN_SKEW="1"), tmp_path / "cmd.log", timeout=600)
+    rc = run_command(
+        [
+            "--points",
+            str(write_points(tmp_path / "points.json", POINTS[:3])),
+            "--out",
+            str(out),
+            *engine_args(inputs["llama"], "--data-parallel-size", "2"),
+        ],
+        _env(inputs, KVWARM_TEST_PLAN_SKEW="1"),
+        tmp_path / "cmd.log",
+        timeout=600,
+    )
     assert rc == 1
     combined = json.loads((out / "sweep.json").read_text())
     assert combined["status"] == "failed"
@@ -101,9 +130,17 @@ def test_the_command_sweeps_an_moe_model_in_lockstep_on_two_data_parallel_ranks(
     """`python -m vllm.kvwarm sweep --data-parallel-size 2` exits 0 once both ranks completed."""
     out = tmp_path / "out"
     points = POINTS[::3]
-    rc = run_command(["--points", str(write_points(tmp_path / "points.json", points)), "--out", str(out),
-                      *engine_args(inputs["moe"], "--data-parallel-size", "2")],
-                     _env(inputs, KVWARM_TEST_CPU_ALL_GATHERV="1"), tmp_path / "cmd.log")
+    rc = run_command(
+        [
+            "--points",
+            str(write_points(tmp_path / "points.json", points)),
+            "--out",
+            str(out),
+            *engine_args(inputs["moe"], "--data-parallel-size", "2"),
+        ],
+        _env(inputs, KVWARM_TEST_CPU_ALL_GATHERV="1"),
+        tmp_path / "cmd.log",
+    )
     assert rc == 0, (tmp_path / "cmd.log").read_text()[-3000:]
     _check_ranks(out, 2, points)
 
@@ -113,10 +150,17 @@ def test_a_tensor_parallel_sweep_measures_every_point_on_real_kv(inputs, tmp_pat
 
     out = tmp_path / "out"
     points = POINTS[::4]
-    rc = run_command(["--points", str(write_points(tmp_path / "points.json", points)), "--out", str(out),
-                      *engine_args(inputs["moe"], "--tensor-parallel-size", "2",
-                                   "--distributed-executor-backend", "mp")],
-                     _env(inputs), tmp_path / "cmd.log")
+    rc = run_command(
+        [
+            "--points",
+            str(write_points(tmp_path / "points.json", points)),
+            "--out",
+            str(out),
+            *engine_args(inputs["moe"], "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"),
+        ],
+        _env(inputs),
+        tmp_path / "cmd.log",
+    )
     assert rc == 0, (tmp_path / "cmd.log").read_text()[-3000:]
     artifact = json.loads((out / "sweep.json").read_text())
     validate(artifact)

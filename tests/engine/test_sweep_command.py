@@ -22,16 +22,46 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
 
     model = make_tiny_llama(tmp_path / "tiny-llama")
     points = tmp_path / "points.json"
-    points.write_text(json.dumps({"schema_version": 1, "decode": [
-        {"total_kv_read_tokens": 300, "batch_size": 2}, {"total_kv_read_tokens": 120, "batch_size": 2},
-        {"total_kv_read_tokens": 90, "batch_size": 3}]}))
+    points.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "decode": [
+                    {"total_kv_read_tokens": 300, "batch_size": 2},
+                    {"total_kv_read_tokens": 120, "batch_size": 2},
+                    {"total_kv_read_tokens": 90, "batch_size": 3},
+                ],
+            }
+        )
+    )
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(write_sharegpt(tmp_path / "sharegpt.json")))
     monkeypatch.setenv("DYN_BENCH_GIANT_KV_REPEATS", "3")
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "force")  # a dense model: the gate would skip it
     out = tmp_path / "out"
-    rc = run(["--points", str(points), "--out", str(out), "--model", str(model), "--dtype", "float32",
-              "--enforce-eager", "--max-model-len", "1024", "--block-size", "32", "--max-num-seqs", "8",
-              "--max-num-batched-tokens", "256", "--enable-prefix-caching", "--seed", "0"])
+    rc = run(
+        [
+            "--points",
+            str(points),
+            "--out",
+            str(out),
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "1024",
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+            "--enable-prefix-caching",
+            "--seed",
+            "0",
+        ]
+    )
     assert rc == 0
     artifact = json.loads((out / "sweep.json").read_text())
     validate(artifact)
@@ -42,7 +72,10 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     assert 0 < meta["dataset"]["conversations"] < 64  # the collection half of the file
     assert [(s["batch"], s["depth"]) for s in meta["stages"]] == [(3, 29 + 1 + 3), (2, 149 + 1 + 3)]
     assert sorted((r["point"]["batch_size"], r["point"]["total_kv_read_tokens"]) for r in artifact["results"]) == [
-        (2, 120), (2, 300), (3, 90)]
+        (2, 120),
+        (2, 300),
+        (3, 90),
+    ]
     for row in artifact["results"]:
         assert row["kv_seed_regime"] == "real_kv" and len(row["steady_seconds"]) == 3
         assert row["median_seconds"] == sorted(row["steady_seconds"])[1] > 0
@@ -50,11 +83,16 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
         assert row["spread"] == pytest.approx((row["max_seconds"] - row["min_seconds"]) / row["median_seconds"])
         assert row["global_batch_size"] == row["point"]["batch_size"]
     # the measurement record: what ran, on what, when
-    assert artifact["schema_version"] == 2 and artifact["artifact_type"] == "rank"
+    assert artifact["schema_version"] == 3 and artifact["artifact_type"] == "kvwarm.rank"
     assert artifact["build"]["version"].endswith(artifact["build"]["version"].split("+")[1])
     assert artifact["build"]["flavour"] == "cpu" and len(artifact["build"]["series_digest"]) == 64
-    assert artifact["layout"] == {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 1,
-                                  "pipeline_parallel_size": 1, "expert_parallel": False}
+    assert artifact["layout"] == {
+        "data_parallel_size": 1,
+        "data_parallel_rank": 0,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "expert_parallel": False,
+    }
     assert artifact["hardware"]["cores"] >= 1 and artifact["hardware"]["cpu"] and artifact["hardware"]["gpus"] == []
     import torch
 

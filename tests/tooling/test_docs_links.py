@@ -209,7 +209,7 @@ def test_readme_is_short() -> None:
             "vllms-own-tests-the-upstream-gate-upstream-tests-s",
         ),
         ("Why `auto` is exact (measured)", "why-auto-is-exact-measured"),
-        ("**vLLM 0.33.0** and *its* series", "vllm-0330-and-its-series"),
+        ("**vLLM 9.8.7** and *its* series", "vllm-987-and-its-series"),
         ("The [hook API](hooks.md) × 2 → done", "the-hook-api--2--done"),
         ("`kv_seed_regime` and __the__ stamps", "kv_seed_regime-and-the-stamps"),
     ],

@@ -81,14 +81,19 @@ PLAIN_DATA_ROOM = "record"
 
 def _modules() -> dict[str, ast.Module]:
     """Every overlay module outside the record room, by its path in the overlay."""
-    return {path.relative_to(OVERLAY).as_posix(): ast.parse(path.read_text(), str(path))
-            for path in sorted(OVERLAY.rglob("*.py")) if path.relative_to(OVERLAY).parts[0] != PLAIN_DATA_ROOM}
+    return {
+        path.relative_to(OVERLAY).as_posix(): ast.parse(path.read_text(), str(path))
+        for path in sorted(OVERLAY.rglob("*.py"))
+        if path.relative_to(OVERLAY).parts[0] != PLAIN_DATA_ROOM
+    }
 
 
 def _record_room() -> dict[str, ast.Module]:
     """The record room's modules: not scanned, but what they define is the overlay's own."""
-    return {path.relative_to(OVERLAY).as_posix(): ast.parse(path.read_text(), str(path))
-            for path in sorted((OVERLAY / PLAIN_DATA_ROOM).rglob("*.py"))}
+    return {
+        path.relative_to(OVERLAY).as_posix(): ast.parse(path.read_text(), str(path))
+        for path in sorted((OVERLAY / PLAIN_DATA_ROOM).rglob("*.py"))
+    }
 
 
 def test_the_record_room_imports_nothing_of_vllm_nor_of_the_other_rooms():

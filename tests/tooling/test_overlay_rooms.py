@@ -48,7 +48,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                found.append(stack[stack.index(nxt):] + [nxt])
+                found.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, [*stack, nxt])
         state[node] = "done"
@@ -72,8 +72,7 @@ def test_the_cycle_check_sees_a_cycle():
 def test_imports_go_from_the_adapter_to_the_sweep_to_the_kv_room_to_the_record():
     graph = imports()
     rooms = ("kv", "sweep", "record")
-    room = {name: name.split(".")[2] if name.count(".") > 1 and name.split(".")[2] in rooms else name
-            for name in graph}
+    room = {name: name.split(".")[2] if name.count(".") > 1 and name.split(".")[2] in rooms else name for name in graph}
     allowed = {"kv": {"kv", "record"}, "record": {"record"}, "sweep": {"sweep", "kv", "record", PACKAGE}}
     for name, targets in graph.items():
         if room[name] in allowed:

@@ -11,9 +11,13 @@ from vllm.kvwarm.sweep.dataset import ChainText, DatasetError, load_dataset
 
 
 def _conversation(n: int) -> dict:
-    return {"conversations": [{"from": "human", "value": f"question {n} " + "about decoding " * 6},
-                              {"from": "gpt", "value": "short"},
-                              {"from": "gpt", "value": f"answer {n} " + "with real text " * 6}]}
+    return {
+        "conversations": [
+            {"from": "human", "value": f"question {n} " + "about decoding " * 6},
+            {"from": "gpt", "value": "short"},
+            {"from": "gpt", "value": f"answer {n} " + "with real text " * 6},
+        ]
+    }
 
 
 def _write(tmp_path, data) -> str:
@@ -35,7 +39,7 @@ def test_the_collection_half_is_chosen_by_content_hash_not_order(tmp_path):
 
 def test_chain_draws_are_deterministic_and_deeper_draws_extend_shallower_ones(tmp_path):
     texts, _ = load_dataset(_write(tmp_path, [_conversation(n) for n in range(40)]))
-    encode = lambda text: [ord(ch) for ch in text]  # noqa: E731
+    encode = lambda text: [ord(ch) for ch in text]
     text = ChainText(texts, encode)
     shallow, deep = text(0, 100), text(0, 5000)
     assert len(shallow) == 100 and len(deep) == 5000 and deep[:100] == shallow
@@ -43,11 +47,14 @@ def test_chain_draws_are_deterministic_and_deeper_draws_extend_shallower_ones(tm
     assert text(1, 100) != shallow  # another chain, another draw
 
 
-@pytest.mark.parametrize("content, message", [
-    ("[{", "is not valid JSON"),
-    ({"conversations": []}, "expected a JSON list"),
-    ([{"conversations": [{"from": "human", "value": "hi"}]}], "no conversation with turns of 64"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[{", "is not valid JSON"),
+        ({"conversations": []}, "expected a JSON list"),
+        ([{"conversations": [{"from": "human", "value": "hi"}]}], "no conversation with turns of 64"),
+    ],
+)
 def test_bad_datasets_say_what_is_wrong(tmp_path, content, message):
     with pytest.raises(DatasetError, match=message):
         load_dataset(_write(tmp_path, content))

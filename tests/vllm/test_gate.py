@@ -30,17 +30,21 @@ def _config(tmp_path, experts: int = 0, expert_parallel: bool = False, prefix_ca
     return config
 
 
-@pytest.mark.parametrize(("warmup", "experts", "expert_parallel", "prefix_caching", "reason"), [
-    ("off", 8, True, True, vocabulary.FLAG_OFF),
-    ("on", 0, True, True, vocabulary.DENSE_MODEL),
-    ("on", 8, False, True, vocabulary.MOE_TP_BALANCED),
-    ("on", 8, True, False, vocabulary.PREFIX_CACHING_DISABLED),
-    ("on", 8, True, True, None),
-    ("force", 0, False, True, None),  # force skips the two cost-saving heuristics ...
-    ("force", 0, False, False, vocabulary.PREFIX_CACHING_DISABLED),  # ... never the correctness checks
-])
-def test_the_model_gate_gives_upstreams_reasons_in_order(tmp_path, warmup, experts, expert_parallel,
-                                                         prefix_caching, reason):
+@pytest.mark.parametrize(
+    ("warmup", "experts", "expert_parallel", "prefix_caching", "reason"),
+    [
+        ("off", 8, True, True, vocabulary.FLAG_OFF),
+        ("on", 0, True, True, vocabulary.DENSE_MODEL),
+        ("on", 8, False, True, vocabulary.MOE_TP_BALANCED),
+        ("on", 8, True, False, vocabulary.PREFIX_CACHING_DISABLED),
+        ("on", 8, True, True, None),
+        ("force", 0, False, True, None),  # force skips the two cost-saving heuristics ...
+        ("force", 0, False, False, vocabulary.PREFIX_CACHING_DISABLED),  # ... never the correctness checks
+    ],
+)
+def test_the_model_gate_gives_upstreams_reasons_in_order(
+    tmp_path, warmup, experts, expert_parallel, prefix_caching, reason
+):
     config = _config(tmp_path, experts, expert_parallel, prefix_caching)
     assert gate.model_gate_reason(config, warmup) == reason
 
@@ -66,8 +70,9 @@ def test_the_content_probe_stops_once_it_has_enough_tokens():
 
 def _points(tmp_path, *points) -> str:
     path = tmp_path / "points.json"
-    path.write_text(json.dumps({"schema_version": 1, "decode": [
-        {"total_kv_read_tokens": k, "batch_size": b} for k, b in points]}))
+    path.write_text(
+        json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in points]})
+    )
     return str(path)
 
 
@@ -84,8 +89,9 @@ def test_a_sweep_from_additional_config_with_warm_up_off_writes_a_legacy_artifac
     monkeypatch.delenv("DYN_BENCH_KV_WARMUP_DATASET", raising=False)  # not needed without chains
     out = tmp_path / "out"
     spec = {"points": _points(tmp_path, (300, 2), (90, 3)), "out": str(out)}
-    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler,
-                               additional_config={"kvwarm_sweep": spec})
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": spec}
+    )
     _drive(scheduler)
     artifact = json.loads((out / "sweep.json").read_text())
     validate(artifact)
@@ -99,13 +105,18 @@ def test_a_sweep_from_additional_config_with_warm_up_off_writes_a_legacy_artifac
 
 def test_a_dense_model_is_measured_on_fake_kv_with_the_gates_reason(tmp_path, monkeypatch):
     dataset = tmp_path / "sharegpt.json"
-    dataset.write_text(json.dumps([{"conversations": [{"from": "human", "value": "x" * 80 + str(n)}]}
-                                   for n in range(8)]))
+    dataset.write_text(
+        json.dumps([{"conversations": [{"from": "human", "value": "x" * 80 + str(n)}]} for n in range(8)])
+    )
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(dataset))
     monkeypatch.delenv("DYN_BENCH_KV_WARMUP", raising=False)
     out = tmp_path / "out"
-    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
-        "kvwarm_sweep": {"points": _points(tmp_path, (64, 2)), "out": str(out)}})
+    scheduler = make_scheduler(
+        tmp_path,
+        num_blocks=128,
+        scheduler_cls=KvWarmScheduler,
+        additional_config={"kvwarm_sweep": {"points": _points(tmp_path, (64, 2)), "out": str(out)}},
+    )
     _drive(scheduler)
     artifact = json.loads((out / "sweep.json").read_text())
     meta = artifact["kvwarm"]
@@ -116,20 +127,26 @@ def test_a_dense_model_is_measured_on_fake_kv_with_the_gates_reason(tmp_path, mo
     assert meta["points_fake_fallback"] == 1
 
 
-@pytest.mark.parametrize(("env", "points", "needle"), [
-    ({"DYN_BENCH_KV_WARMUP": "maybe"}, ((64, 2),), "DYN_BENCH_KV_WARMUP='maybe'"),
-    ({"DYN_BENCH_KV_WARMUP": "off"}, ((4_000, 2),), "beyond max_model_len 1024"),
-    ({"DYN_BENCH_KV_WARMUP_DATASET": "/nonexistent/sharegpt.json"}, ((64, 2),), "not found"),
-    ({"DYN_BENCH_KV_WARMUP": "off"}, ((64, 9),), "batch size(s) [9] exceed max_num_seqs 8"),
-])
+@pytest.mark.parametrize(
+    ("env", "points", "needle"),
+    [
+        ({"DYN_BENCH_KV_WARMUP": "maybe"}, ((64, 2),), "DYN_BENCH_KV_WARMUP='maybe'"),
+        ({"DYN_BENCH_KV_WARMUP": "off"}, ((4_000, 2),), "beyond max_model_len 1024"),
+        ({"DYN_BENCH_KV_WARMUP_DATASET": "/nonexistent/sharegpt.json"}, ((64, 2),), "not found"),
+        ({"DYN_BENCH_KV_WARMUP": "off"}, ((64, 9),), "batch size(s) [9] exceed max_num_seqs 8"),
+    ],
+)
 def test_bad_input_stops_the_scheduler_and_the_artifact_says_why(tmp_path, monkeypatch, env, points, needle):
     monkeypatch.delenv("DYN_BENCH_KV_WARMUP", raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     out = tmp_path / "out"
     with pytest.raises(ValueError) as raised:
-        make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler, additional_config={
-            "kvwarm_sweep": {"points": _points(tmp_path, *points), "out": str(out)}})
+        make_scheduler(
+            tmp_path,
+            scheduler_cls=KvWarmScheduler,
+            additional_config={"kvwarm_sweep": {"points": _points(tmp_path, *points), "out": str(out)}},
+        )
     assert needle in str(raised.value)
     artifact = json.loads((out / "sweep.json").read_text())
     validate(artifact)
@@ -146,8 +163,12 @@ def failing_on_the_second_point(tmp_path, monkeypatch, *points):
     point fails as it is queued; returns the scheduler and the output folder."""
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
-    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
-        "kvwarm_sweep": {"points": _points(tmp_path, *points), "out": str(out)}})
+    scheduler = make_scheduler(
+        tmp_path,
+        num_blocks=128,
+        scheduler_cls=KvWarmScheduler,
+        additional_config={"kvwarm_sweep": {"points": _points(tmp_path, *points), "out": str(out)}},
+    )
     sweep, start_point = scheduler.kvwarm_sweep, scheduler.kvwarm_sweep._start_point
 
     def fail_on_the_second_point(*args):
@@ -184,8 +205,12 @@ def test_a_failed_artifact_write_ends_the_sweep_as_failed_and_the_engine_serves_
 
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
-    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, additional_config={
-        "kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2)), "out": str(out)}})
+    scheduler = make_scheduler(
+        tmp_path,
+        num_blocks=128,
+        scheduler_cls=KvWarmScheduler,
+        additional_config={"kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2)), "out": str(out)}},
+    )
     write, calls = artifact_module.write_atomically, []
 
     def disk_full_once_rows_exist(path, data):
@@ -214,8 +239,11 @@ def test_the_command_records_a_failure_inside_a_sweep_hook_once(tmp_path, monkey
 
     scheduler, _ = failing_on_the_second_point(tmp_path, monkeypatch, (300, 2), (200, 2))
     statuses, write = [], ArtifactWriter.write
-    monkeypatch.setattr(ArtifactWriter, "write", lambda self, status, error=None: (
-        statuses.append(status), write(self, status, error))[1])
+    monkeypatch.setattr(
+        ArtifactWriter,
+        "write",
+        lambda self, status, error=None: (statuses.append(status), write(self, status, error))[1],
+    )
     core_stand_in = SimpleNamespace(scheduler=scheduler, step_fn=lambda: step_scheduler(scheduler))
     assert sweep_command._step(core_stand_in) == "failed"
     assert statuses.count("failed") == 1

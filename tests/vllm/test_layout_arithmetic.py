@@ -22,7 +22,8 @@ def _attention_spec(cls_name="FullAttentionSpec", **extra):
     from vllm.v1 import kv_cache_interface
 
     return getattr(kv_cache_interface, cls_name)(
-        block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32, **extra)
+        block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32, **extra
+    )
 
 
 def _mamba_spec(mode):
@@ -31,20 +32,23 @@ def _mamba_spec(mode):
     return MambaSpec(block_size=64, shapes=((2,),), dtypes=(torch.float32,), mamba_cache_mode=mode)
 
 
-@pytest.mark.parametrize("make_spec, kind", [
-    (lambda: _attention_spec(), layout.ATTENTION),
-    (lambda: _attention_spec("MLAAttentionSpec"), layout.ATTENTION),
-    # The manager keeps every block of a sliding-window layer folded into full attention.
-    (lambda: _attention_spec(sliding_window=128), layout.ATTENTION),
-    # A reference sliding window keeps only the last rswa_window tokens' blocks.
-    (lambda: _attention_spec("RSWASpec", rswa_window=64), layout.UNSUPPORTED),
-    (lambda: _attention_spec("SinkFullAttentionSpec", sink_len=4), layout.ATTENTION),
-    (lambda: _attention_spec("SlidingWindowSpec", sliding_window=128), layout.UNSUPPORTED),
-    (lambda: _attention_spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), layout.UNSUPPORTED),
-    (lambda: _mamba_spec("align"), layout.STATE_ALIGN),
-    (lambda: _mamba_spec("none"), layout.STATE_OTHER),
-    (lambda: _mamba_spec("all"), layout.STATE_OTHER),
-])
+@pytest.mark.parametrize(
+    "make_spec, kind",
+    [
+        (lambda: _attention_spec(), layout.ATTENTION),
+        (lambda: _attention_spec("MLAAttentionSpec"), layout.ATTENTION),
+        # The manager keeps every block of a sliding-window layer folded into full attention.
+        (lambda: _attention_spec(sliding_window=128), layout.ATTENTION),
+        # A reference sliding window keeps only the last rswa_window tokens' blocks.
+        (lambda: _attention_spec("RSWASpec", rswa_window=64), layout.UNSUPPORTED),
+        (lambda: _attention_spec("SinkFullAttentionSpec", sink_len=4), layout.ATTENTION),
+        (lambda: _attention_spec("SlidingWindowSpec", sliding_window=128), layout.UNSUPPORTED),
+        (lambda: _attention_spec("ChunkedLocalAttentionSpec", attention_chunk_size=64), layout.UNSUPPORTED),
+        (lambda: _mamba_spec("align"), layout.STATE_ALIGN),
+        (lambda: _mamba_spec("none"), layout.STATE_OTHER),
+        (lambda: _mamba_spec("all"), layout.STATE_OTHER),
+    ],
+)
 def test_groups_are_classified_by_spec_and_cache_mode(make_spec, kind):
     assert layout.classify_spec(make_spec())[0] == kind
 
@@ -60,8 +64,9 @@ def _full_attention_stand_in():
     class RenamedWindowSpecStandIn(FullAttentionSpec):
         reference_window: int
 
-    return RenamedWindowSpecStandIn(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32,
-                                    reference_window=64)
+    return RenamedWindowSpecStandIn(
+        block_size=16, num_kv_heads=1, head_size=32, dtype=torch.float32, reference_window=64
+    )
 
 
 def _unknown_spec_stand_in():
@@ -77,11 +82,19 @@ def _unknown_spec_stand_in():
     return UnknownSpecStandIn(block_size=16)
 
 
-@pytest.mark.parametrize("make_spec, detail", [
-    (_full_attention_stand_in, "RenamedWindowSpecStandIn extends full attention with field(s) reference_window "
-                               "that the layout does not know"),
-    (_unknown_spec_stand_in, "UnknownSpecStandIn is a KV-cache spec the layout does not know"),
-])
+@pytest.mark.parametrize(
+    "make_spec, detail",
+    [
+        (
+            _full_attention_stand_in,
+            (
+                "RenamedWindowSpecStandIn extends full attention with field(s) reference_window "
+                "that the layout does not know"
+            ),
+        ),
+        (_unknown_spec_stand_in, "UnknownSpecStandIn is a KV-cache spec the layout does not know"),
+    ],
+)
 def test_a_spec_of_unknown_kind_is_unknown_with_its_reason_never_attention(make_spec, detail):
     kind, why = layout.classify_spec(make_spec())
     assert kind == layout.UNKNOWN and why.startswith(detail)
@@ -95,8 +108,10 @@ def test_registration_refuses_a_group_of_unknown_kind_by_name():
     (manager,) = kvm.coordinator.single_type_managers
     manager.kv_cache_spec = _full_attention_stand_in()  # the real manager, a spec it could have
     baseline = in_use(kvm.block_pool)
-    with pytest.raises(ShadowRegistrationError, match="group 0: RenamedWindowSpecStandIn extends full attention "
-                                                      "with field.s. reference_window") as err:
+    with pytest.raises(
+        ShadowRegistrationError,
+        match="group 0: RenamedWindowSpecStandIn extends full attention with field.s. reference_window",
+    ) as err:
         register_shadow(kvm, make_request("shadow", 41), chain, ctx=40, steady_steps=3)
     assert err.value.reason == vocabulary.LAYOUT_UNKNOWN
     assert in_use(kvm.block_pool) == baseline and "shadow" not in manager.req_to_blocks
@@ -113,9 +128,17 @@ def _group(kind, block_size, speculative=0):
     return GroupLayout(0, kind, block_size, speculative, manager=None)
 
 
-@pytest.mark.parametrize("ctx, steady_steps, block, expected", [
-    (40, 3, 16, 1), (47, 3, 16, 2), (48, 0, 16, 1), (100, 3, 16, 1), (126, 3, 16, 2), (127, 0, 128, 1),
-])
+@pytest.mark.parametrize(
+    "ctx, steady_steps, block, expected",
+    [
+        (40, 3, 16, 1),
+        (47, 3, 16, 2),
+        (48, 0, 16, 1),
+        (100, 3, 16, 1),
+        (126, 3, 16, 2),
+        (127, 0, 128, 1),
+    ],
+)
 def test_attention_private_blocks(ctx, steady_steps, block, expected):
     assert attention_private_blocks(ctx, steady_steps, block) == expected
 
@@ -129,14 +152,17 @@ def test_pool_precheck_example_of_the_mechanism_notes():
     assert pool_shortfall(need, 10) == 0 and pool_shortfall(need, 4) == 2
 
 
-@pytest.mark.parametrize("groups, steady_steps, state_copy, expected", [
-    ([_group(ATTENTION, 16)], 3, False, 2),
-    ([_group(ATTENTION, 16)], 1, False, 2),
-    ([_group(ATTENTION, 16)], 20, False, 3),
-    ([_group(ATTENTION, 16), _group(ATTENTION, 16)], 3, False, 4),
-    ([_group(ATTENTION, 16), _group(STATE_ALIGN, 16)], 3, True, 4),
-    ([_group(ATTENTION, 16), _group(STATE_ALIGN, 16)], 3, False, 3),
-])
+@pytest.mark.parametrize(
+    "groups, steady_steps, state_copy, expected",
+    [
+        ([_group(ATTENTION, 16)], 3, False, 2),
+        ([_group(ATTENTION, 16)], 1, False, 2),
+        ([_group(ATTENTION, 16)], 20, False, 3),
+        ([_group(ATTENTION, 16), _group(ATTENTION, 16)], 3, False, 4),
+        ([_group(ATTENTION, 16), _group(STATE_ALIGN, 16)], 3, True, 4),
+        ([_group(ATTENTION, 16), _group(STATE_ALIGN, 16)], 3, False, 3),
+    ],
+)
 def test_shadow_tail_blocks_worst_case(groups, steady_steps, state_copy, expected):
     assert plan_tail_blocks(groups, steady_steps, state_copy) == expected
 

@@ -30,28 +30,37 @@ def test_probe_reports_every_scheduler_side_capability_as_seen():
     for name in SCHEDULER_SIDE:
         assert report[name]["present"] in (True, False), report[name]
     # The CoW pieces come as a set: a build has all of them or none.
-    cow = {report[n]["present"] for n in ("manager_apply_cow", "manager_take_pending_cow_copies",
-                                           "take_kv_cache_block_copies", "scheduler_output_block_copies",
-                                           "kv_cache_block_copy")}
+    cow = {
+        report[n]["present"]
+        for n in (
+            "manager_apply_cow",
+            "manager_take_pending_cow_copies",
+            "take_kv_cache_block_copies",
+            "scheduler_output_block_copies",
+            "kv_cache_block_copy",
+        )
+    }
     assert len(cow) == 1
 
 
 def test_probe_sees_a_real_attribute_and_misses_a_fake_one():
-    import vllm.v1.core.block_pool as block_pool
     from vllm.kvwarm.kv.capabilities import _has
+    from vllm.v1.core import block_pool
 
     assert _has(block_pool, "BlockPool.touch")
     assert not _has(block_pool, "BlockPool.no_such_hook")
 
 
 def test_info_command_prints_record_and_capabilities():
-    out = subprocess.run([sys.executable, "-m", "vllm.kvwarm", "info", "--json"],
-                         capture_output=True, text=True, check=True).stdout
-    report = json.loads(out[out.index("{"):])
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm.kvwarm", "info", "--json"], capture_output=True, text=True, check=True
+    ).stdout
+    report = json.loads(out[out.index("{") :])
     assert report["build"] == build_record()
     assert report["vllm_version"] == vllm.__version__
-    text = subprocess.run([sys.executable, "-m", "vllm.kvwarm", "info"],
-                          capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "vllm.kvwarm", "info"], capture_output=True, text=True, check=True
+    ).stdout
     assert build_record()["series_digest"] in text
     for cap in CAPABILITIES:
         assert cap.name in text

@@ -59,8 +59,7 @@ def _exchanges(tmp_path, size=2, timeout=60.0):
 def _two_ranks(tmp_path, points, **rank_1_config):
     """Two real schedulers, each with its sweep over `points` meeting the other's through the
     file exchange; rank 1's sweep may be configured differently."""
-    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=128, scheduler_cls=KvWarmScheduler)
-                  for r in range(2)]
+    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=128, scheduler_cls=KvWarmScheduler) for r in range(2)]
     exchanges = _exchanges(tmp_path)
     sweeps = [make_sweep(points, exchange=exchanges[0]), make_sweep(points, exchange=exchanges[1], **rank_1_config)]
     for scheduler, sweep in zip(schedulers, sweeps):
@@ -71,8 +70,9 @@ def _two_ranks(tmp_path, points, **rank_1_config):
 def test_ranks_with_different_free_pools_plan_the_same_rung_from_the_smallest(tmp_path):
     # rank 1 has 40 blocks of 16 tokens free, rank 0 has 100: alone, rank 0 would keep
     # the rung's full depth; together both trim it to what rank 1's pool holds.
-    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=n, scheduler_cls=KvWarmScheduler)
-                  for r, n in enumerate([100, 41])]
+    schedulers = [
+        make_scheduler(tmp_path / f"r{r}", num_blocks=n, scheduler_cls=KvWarmScheduler) for r, n in enumerate([100, 41])
+    ]
     points = [DecodePoint(600, 2), DecodePoint(300, 2)]
     sweeps = [make_sweep(points, exchange=e) for e in _exchanges(tmp_path)]
     alone = make_sweep(points)
@@ -135,8 +135,9 @@ def _rank_runs(tmp_path, monkeypatch, points, size=2):
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")  # fake KV: no dataset or tokenizer needed
     monkeypatch.setattr(ranks, "_launch_data_parallel_size", size)
     path = tmp_path / "points.json"
-    path.write_text(json.dumps({"schema_version": 1, "decode": [
-        {"total_kv_read_tokens": k, "batch_size": b} for k, b in points]}))
+    path.write_text(
+        json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in points]})
+    )
     out = tmp_path / "out"
     schedulers = []
     for rank in range(size):
@@ -156,20 +157,25 @@ def test_each_rank_writes_its_own_folder_and_the_combined_view_says_complete_whe
     combined = json.loads((out / "sweep.json").read_text())
     for rank, artifact in enumerate(per_rank):
         validate(artifact)
-        assert artifact["status"] == "complete" and artifact["artifact_type"] == "rank"
+        assert artifact["status"] == "complete" and artifact["artifact_type"] == "kvwarm.rank"
         assert artifact["layout"]["data_parallel_size"] == 2 and artifact["layout"]["data_parallel_rank"] == rank
         assert [r["global_batch_size"] for r in artifact["results"]] == [6, 6, 4, 4]
         assert artifact["finished_at"] >= artifact["started_at"]
     validate(combined)
-    assert combined["artifact_type"] == "combined" and combined["status"] == "complete"
+    assert combined["artifact_type"] == "kvwarm.combined" and combined["status"] == "complete"
     assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [(0, "complete", 4), (1, "complete", 4)]
     for row in combined["results"]:
         medians = {r["rank"]: r["median_seconds"] for r in row["ranks"]}
         assert row["median_seconds"] == max(medians.values())
         key = (row["point"]["total_kv_read_tokens"], row["point"]["batch_size"])
-        assert medians == {rank: next(r["median_seconds"] for r in per_rank[rank]["results"]
-                                      if (r["point"]["total_kv_read_tokens"], r["point"]["batch_size"]) == key)
-                           for rank in range(2)}
+        assert medians == {
+            rank: next(
+                r["median_seconds"]
+                for r in per_rank[rank]["results"]
+                if (r["point"]["total_kv_read_tokens"], r["point"]["batch_size"]) == key
+            )
+            for rank in range(2)
+        }
     assert not (out / ".kvwarm-sync").exists()  # the exchange's files go once every rank is done
 
 

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from kvwarm_testing.real_kv import attention_manager, in_use, make_chain, make_kv_cache_manager, make_request, mamba_align_manager
+from kvwarm_testing.real_kv import (
+    attention_manager,
+    in_use,
+    make_chain,
+    make_kv_cache_manager,
+    make_request,
+    mamba_align_manager,
+)
 
 
 def test_block_pool_allocate_touch_free_reset(pool):
@@ -105,8 +112,9 @@ def _state_shadow_decodes(mode: str, speculative: int, checkpoint: int = 0, ctx:
     old slot and, with speculative blocks, relocates the scratch block)."""
     from vllm.kvwarm.kv.shadows import register_shadow, release_fork_retentions
 
-    kvm = make_kv_cache_manager([16], num_blocks=96, state_groups=[(64, speculative, "align")],
-                                state_extra=_checkpoint_fields(checkpoint))
+    kvm = make_kv_cache_manager(
+        [16], num_blocks=96, state_groups=[(64, speculative, "align")], state_extra=_checkpoint_fields(checkpoint)
+    )
     attention, state = kvm.coordinator.single_type_managers
     chain = make_chain(kvm, "chain", 192)
     chain_tables = [list(m.req_to_blocks["chain"]) for m in (attention, state)]

@@ -18,4 +18,5 @@ def test_a_wrong_version_series_or_dist_is_named():
     assert any("the wheel is 0.0.1+kvwarm.9" in p for p in wrong)
     assert any("series digest" in p and record["series_digest"] in p for p in wrong)
     assert problems("no-such-dist", vllm.__version__, record["series_digest"]) == [
-        "distribution 'no-such-dist' is not installed"]
+        "distribution 'no-such-dist' is not installed"
+    ]

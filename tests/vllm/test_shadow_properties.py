@@ -3,8 +3,9 @@
 Each example builds a real KVCacheManager (one to three attention groups of random block
 sizes, or one or two next to an align-mode state group with 0 or 1 speculative blocks),
 prefills a chain, registers a few shadows (attention tails forked or zero-filled, state
-by copy or in place, random contexts and steady_steps, crossing state slots or not) while one
-call of the pool or a manager may be made to fail, then releases everything. After every registration attempt and at the end the invariants must hold:
+by copy or in place, random contexts and steady steps, crossing state slots or not) while
+one call of the pool or a manager may be made to fail, then releases everything. After every
+registration attempt and at the end the invariants must hold:
 a failed registration leaves no trace, a successful one has the planned tables, and the
 pool returns to its baseline, with the null block never queued and reset_prefix_cache()
 succeeding.
@@ -50,6 +51,7 @@ def fail_on_call(kvm, point: str | None, nth: int):
             if len(calls) - 1 == nth:
                 raise InjectedFault(f"{point} call {nth}")
             return real(*args, **kwargs)
+
         return faulty
 
     for owner in owners:
@@ -81,8 +83,9 @@ def lifecycles(draw):
         # From no spare block at all to plenty, so the pool pre-check is exercised.
         "num_blocks": 1 + chain_blocks + draw(st.integers(0, 24)),
         # Mostly within the chain's depth, sometimes past it; crossing and non-crossing.
-        "shadows": draw(st.lists(st.tuples(st.integers(1, chain_tokens + 16), st.integers(0, 6)),
-                                 min_size=1, max_size=4)),
+        "shadows": draw(
+            st.lists(st.tuples(st.integers(1, chain_tokens + 16), st.integers(0, 6)), min_size=1, max_size=4)
+        ),
         "fork": draw(st.booleans()),
         "fault": draw(st.none() | st.tuples(st.sampled_from(FAULT_POINTS), st.integers(0, 10))),
     }
@@ -93,8 +96,10 @@ def _expected_refusal(kvm, chain_tables, ctx, steady_steps, state_mode) -> str |
     layouts = group_layouts(kvm)
     if shadow_private_blocks(layouts, ctx, steady_steps, state_mode == COPY) > kvm.block_pool.get_num_free_blocks():
         return POOL_EXHAUSTED
-    if any(g.kind == ATTENTION and cdiv(ctx + 1 + steady_steps, g.block_size) > len(chain)
-           for g, chain in zip(layouts, chain_tables)):
+    if any(
+        g.kind == ATTENTION and cdiv(ctx + 1 + steady_steps, g.block_size) > len(chain)
+        for g, chain in zip(layouts, chain_tables)
+    ):
         return CHAIN_TOO_SHALLOW
     return None
 
@@ -110,7 +115,7 @@ def _check_registered(kvm, chain, shadow, registration, chain_tables):
             state = chain_ids[(chain.num_computed_tokens - 1) // bs]
             assert len(ids) == last + 1 + group.num_speculative_blocks == manager.num_cached_block[shadow.request_id]
             assert all(b.is_null for b in blocks[:read]) and table.state_slot == read
-            assert ids[read + 1:] == table.blanks and not set(table.blanks) & set(chain_ids)
+            assert ids[read + 1 :] == table.blanks and not set(table.blanks) & set(chain_ids)
             if registration.state_mode == COPY:
                 assert table.forks == [(state, ids[read])]
             else:
@@ -140,8 +145,7 @@ def _check_unregistered(kvm, shadow, pool_before, pending_before):
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lifecycles())
 def test_random_shadow_lifecycles_keep_the_pool_whole(case):
-    kvm = make_kv_cache_manager(case["block_sizes"], num_blocks=case["num_blocks"],
-                                state_groups=case["state_groups"])
+    kvm = make_kv_cache_manager(case["block_sizes"], num_blocks=case["num_blocks"], state_groups=case["state_groups"])
     pool, managers = kvm.block_pool, kvm.coordinator.single_type_managers
     chain = make_chain(kvm, "chain", case["chain_tokens"])
     chain_tables = [[b.block_id for b in m.req_to_blocks["chain"]] for m in managers]
@@ -156,8 +160,9 @@ def test_random_shadow_lifecycles_keep_the_pool_whole(case):
             pending_before = [list(m._pending_cow_copies) for m in managers]
             expected = _expected_refusal(kvm, chain_tables, ctx, steady_steps, case["state_mode"])
             try:
-                registration = register_shadow(kvm, shadow, chain, ctx, steady_steps, fork=case["fork"],
-                                               state_mode=case["state_mode"])
+                registration = register_shadow(
+                    kvm, shadow, chain, ctx, steady_steps, fork=case["fork"], state_mode=case["state_mode"]
+                )
             except InjectedFault:
                 event(f"refused: injected {point}")
                 _check_unregistered(kvm, shadow, pool_before, pending_before)
@@ -168,8 +173,10 @@ def test_random_shadow_lifecycles_keep_the_pool_whole(case):
                 _check_unregistered(kvm, shadow, pool_before, pending_before)
                 continue
             assert expected is None, f"registered although the arithmetic says {expected}"
-            event(f"registered ({len(managers)} group(s), {'fork' if registration.forked else 'zero-fill'}, "
-                  f"state {registration.state_mode})")
+            event(
+                f"registered ({len(managers)} group(s), {'fork' if registration.forked else 'zero-fill'}, "
+                f"state {registration.state_mode})"
+            )
             _check_registered(kvm, chain, shadow, registration, chain_tables)
             registered.append(shadow)
             forks += [pair for table in registration.groups for pair in table.forks]

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvwarm_testing.real_kv import in_use, make_chain, make_kv_cache_manager, make_request, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import (
+    in_use,
+    make_chain,
+    make_kv_cache_manager,
+    make_request,
+    make_scheduler,
+    step_scheduler,
+)
 from vllm.kvwarm.kv import state_mode
 from vllm.kvwarm.kv.layout import group_layouts
 from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
@@ -73,16 +80,22 @@ def test_state_shadow_copy_forks_the_chain_state_like_an_attention_tail():
     attention_copy = attention.req_to_blocks["shadow"][6]
     state_copy = state.req_to_blocks["shadow"][1]
     assert release_fork_retentions(kvm) == [
-        (chain_tail.block_id, attention_copy.block_id), (chain_state.block_id, state_copy.block_id)]
+        (chain_tail.block_id, attention_copy.block_id),
+        (chain_state.block_id, state_copy.block_id),
+    ]
     assert [pair for t in registration.groups for pair in t.forks] == [
-        (chain_tail.block_id, attention_copy.block_id), (chain_state.block_id, state_copy.block_id)]
+        (chain_tail.block_id, attention_copy.block_id),
+        (chain_state.block_id, state_copy.block_id),
+    ]
     assert (chain_state.ref_cnt, state_copy.ref_cnt) == (1, 1)
     assert (chain_tail.ref_cnt, attention_copy.ref_cnt) == (1, 1)
     _release_all(kvm, shadow, chain)
 
 
-@pytest.mark.parametrize("ctx, expected", [(126, "null S blank"), (128, "null S blank"), (64, "S blank"),
-                                           (100, "null S"), (150, "null null S")])
+@pytest.mark.parametrize(
+    "ctx, expected",
+    [(126, "null S blank"), (128, "null S blank"), (64, "S blank"), (100, "null S"), (150, "null null S")],
+)
 def test_state_shadow_pre_places_a_blank_block_at_the_crossing(ctx, expected):
     kvm, _, state = _hybrid()
     chain = make_chain(kvm, "chain", 192)
@@ -131,7 +144,7 @@ def test_state_shadow_reads_the_state_slot_from_the_chain_depth():
 
 
 def test_state_shadow_refuses_a_chain_without_a_state_block():
-    kvm, _, state = _hybrid()
+    kvm, _, _state = _hybrid()
     chain = make_chain(kvm, "chain", 192)
     chain.num_computed_tokens = 100  # claims a depth whose slot is null in its table
     shadow = make_request("shadow", 51)
@@ -159,8 +172,13 @@ def test_state_shadow_refuses_a_table_short_of_its_speculative_scratch():
     kvm, _, state = _hybrid(speculative=1)
     chain = make_chain(kvm, "chain", 192)  # [null, null, S, scratch]
     kvm.block_pool.free_blocks([state.req_to_blocks["chain"].pop()])  # the scratch, dropped by hand
-    _refused_as_state_missing(kvm, chain, INPLACE, r"its table ends at slot 2, short of its state slot 2 "
-                                                   r"plus 1 speculative block\(s\)")
+    _refused_as_state_missing(
+        kvm,
+        chain,
+        INPLACE,
+        r"its table ends at slot 2, short of its state slot 2 "
+        r"plus 1 speculative block\(s\)",
+    )
 
 
 @pytest.mark.parametrize("speculative", [0, 1])
@@ -173,15 +191,25 @@ def test_state_shadow_refuses_a_table_that_runs_past_its_state_and_scratch(specu
     chain = make_chain(kvm, "chain", 192)
     assert kvm.allocate_slots(chain, 2) is not None  # scheduled into slot 3, nothing computed
     assert len(state.req_to_blocks["chain"]) == 4 + speculative
-    _refused_as_state_missing(kvm, chain, COPY, rf"its table runs 1 block\(s\) past its state slot 2 plus "
-                                                rf"{speculative} speculative block\(s\)")
+    _refused_as_state_missing(
+        kvm,
+        chain,
+        COPY,
+        rf"its table runs 1 block\(s\) past its state slot 2 plus "
+        rf"{speculative} speculative block\(s\)",
+    )
 
 
-@pytest.mark.parametrize("mode, detail", [
-    (None, "not copy or inplace"), ("auto", "not copy or inplace"), ("Copy", "not copy or inplace"),
-    ("copy-without-cow", "copy mode needs state managers that can fork"),
-    ("inplace-where-partial-tails-are-hashed", "never hash a borrowed request's partial tail"),
-])
+@pytest.mark.parametrize(
+    "mode, detail",
+    [
+        (None, "not copy or inplace"),
+        ("auto", "not copy or inplace"),
+        ("Copy", "not copy or inplace"),
+        ("copy-without-cow", "copy mode needs state managers that can fork"),
+        ("inplace-where-partial-tails-are-hashed", "never hash a borrowed request's partial tail"),
+    ],
+)
 def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, detail):
     from vllm.kvwarm.kv import shadows
 
@@ -190,7 +218,9 @@ def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, de
     if mode == "copy-without-cow":
         monkeypatch.setattr(state, "_apply_cow", None)  # a state manager that cannot fork
         mode = COPY
-    elif mode == "inplace-where-partial-tails-are-hashed":  # what the probe says on a stock build that hashes partial tails
+    elif (
+        mode == "inplace-where-partial-tails-are-hashed"
+    ):  # what the probe says on a stock build that hashes partial tails
         monkeypatch.setattr(shadows, "probe_state_build", lambda *a: STOCK_028)
         mode = INPLACE
     baseline = in_use(kvm.block_pool)
@@ -227,8 +257,7 @@ def test_state_groups_are_keyed_on_the_cache_mode_not_the_class_name():
         pass
 
     def spec(mode):
-        return LinearAttentionStateSpec(block_size=64, shapes=((2,),), dtypes=(torch.float32,),
-                                        mamba_cache_mode=mode)
+        return LinearAttentionStateSpec(block_size=64, shapes=((2,),), dtypes=(torch.float32,), mamba_cache_mode=mode)
 
     assert (classify_spec(spec("align"))[0], classify_spec(spec("none"))[0]) == (STATE_ALIGN, STATE_OTHER)
 
@@ -248,8 +277,9 @@ def _non_align_hybrid():
 def test_state_shadow_rejects_a_non_align_mamba_group():
     kvm, _, _ = _non_align_hybrid()
     layouts = group_layouts(kvm)
-    assert resolve_state_mode(layouts, StateBuild(True, True), None).reason == \
-        vocabulary.HYBRID_STATE_LAYERS_UNSUPPORTED
+    assert (
+        resolve_state_mode(layouts, StateBuild(True, True), None).reason == vocabulary.HYBRID_STATE_LAYERS_UNSUPPORTED
+    )
     shadow = make_request("shadow", 101)
     with pytest.raises(ShadowRegistrationError) as err:
         register_shadow(kvm, shadow, make_request("chain", 1), ctx=100, steady_steps=3, state_mode=COPY)
@@ -278,7 +308,7 @@ def test_shadow_pool_shortfall_adds_the_state_group_blocks(mode):
 @pytest.mark.parametrize("fork", [True, False])
 @pytest.mark.parametrize("mode", [COPY, INPLACE])
 def test_state_shadow_lifecycle_returns_every_reference(mode, fork):
-    kvm, attention, state = _hybrid(num_blocks=128, speculative=1)
+    kvm, _attention, state = _hybrid(num_blocks=128, speculative=1)
     chains = [make_chain(kvm, f"chain{i}", 192 + 40 * i) for i in range(2)]
     baseline = in_use(kvm.block_pool)
     shadows = []
@@ -301,27 +331,38 @@ STOCK_028 = StateBuild(can_fork=True, inplace_ok=False)  # hashes partial tails 
 PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemption
 
 
-@pytest.mark.parametrize("build, requested, mode, reason", [
-    (STOCK_025, None, EXACT, None), (STOCK_025, "copy", None, vocabulary.STATE_COPY_UNSUPPORTED),
-    (STOCK_025, "inplace", INPLACE, None),
-    (PATCHED_025, None, EXACT, None), (PATCHED_025, "COPY", COPY, None), (PATCHED_025, " InPlace ", INPLACE, None),
-    (STOCK_028, "auto", EXACT, None), (STOCK_028, "copy", COPY, None),
-    (STOCK_028, "inplace", None, vocabulary.STATE_INPLACE_UNSUPPORTED),
-    (PATCHED_028, "auto", EXACT, None), (PATCHED_028, "inplace", INPLACE, None),
-    (StateBuild(can_fork=False, inplace_ok=False), "auto", None, vocabulary.STATE_HAND_OFF_UNSUPPORTED),
-    (PATCHED_028, "fork", None, vocabulary.STATE_MODE_INVALID),
-    (PATCHED_028, "exact", EXACT, None), (STOCK_025, "Exact", EXACT, None),
-    (STOCK_028, "exact", EXACT, None),
-    (StateBuild(can_fork=False, inplace_ok=False), "exact", None, vocabulary.STATE_EXACT_UNSUPPORTED),
-])
+@pytest.mark.parametrize(
+    "build, requested, mode, reason",
+    [
+        (STOCK_025, None, EXACT, None),
+        (STOCK_025, "copy", None, vocabulary.STATE_COPY_UNSUPPORTED),
+        (STOCK_025, "inplace", INPLACE, None),
+        (PATCHED_025, None, EXACT, None),
+        (PATCHED_025, "COPY", COPY, None),
+        (PATCHED_025, " InPlace ", INPLACE, None),
+        (STOCK_028, "auto", EXACT, None),
+        (STOCK_028, "copy", COPY, None),
+        (STOCK_028, "inplace", None, vocabulary.STATE_INPLACE_UNSUPPORTED),
+        (PATCHED_028, "auto", EXACT, None),
+        (PATCHED_028, "inplace", INPLACE, None),
+        (StateBuild(can_fork=False, inplace_ok=False), "auto", None, vocabulary.STATE_HAND_OFF_UNSUPPORTED),
+        (PATCHED_028, "fork", None, vocabulary.STATE_MODE_INVALID),
+        (PATCHED_028, "exact", EXACT, None),
+        (STOCK_025, "Exact", EXACT, None),
+        (STOCK_028, "exact", EXACT, None),
+        (StateBuild(can_fork=False, inplace_ok=False), "exact", None, vocabulary.STATE_EXACT_UNSUPPORTED),
+    ],
+)
 def test_state_mode_resolution(build, requested, mode, reason):
     layouts = group_layouts(_hybrid()[0])
     decision = resolve_state_mode(layouts, build, requested)
     assert (decision.mode, decision.reason, decision.requested) == (mode, reason, requested)
 
 
-@pytest.mark.parametrize("build, lending", [
-    (PATCHED_028, INPLACE), (STOCK_025, INPLACE), (STOCK_028, COPY), (StateBuild(False, False), None)])
+@pytest.mark.parametrize(
+    "build, lending",
+    [(PATCHED_028, INPLACE), (STOCK_025, INPLACE), (STOCK_028, COPY), (StateBuild(False, False), None)],
+)
 def test_exact_mode_lends_catch_ups_in_place_where_safe_else_by_copy(build, lending):
     decision = resolve_state_mode(group_layouts(_hybrid()[0]), build, "exact")
     assert decision.lending == lending
@@ -366,8 +407,9 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
 
-    scheduler = make_scheduler(tmp_path, block_size=64, hash_block_size=16, state_block_size=64,
-                               scheduler_cls=AsyncScheduler)
+    scheduler = make_scheduler(
+        tmp_path, block_size=64, hash_block_size=16, state_block_size=64, scheduler_cls=AsyncScheduler
+    )
     kvm = scheduler.kv_cache_manager
     _, state = kvm.coordinator.single_type_managers
     chain = make_request("chain", 192, hash_block_size=16)
@@ -396,11 +438,16 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
             output = SchedulerOutput.make_empty()
             output.num_scheduled_tokens["shadow"], output.total_num_scheduled_tokens = 1, 1
             scheduler._update_after_schedule(output)
-            scheduler.update_from_output(output, ModelRunnerOutput(
-                req_ids=["shadow"], req_id_to_index={"shadow": 0}, sampled_token_ids=[[7]]))
+            scheduler.update_from_output(
+                output, ModelRunnerOutput(req_ids=["shadow"], req_id_to_index={"shadow": 0}, sampled_token_ids=[[7]])
+            )
         holders = [b.block_id for b in kvm.block_pool.blocks if b.block_hash == chain_key]
-        yield (shadow.num_computed_tokens, state.num_cached_block["shadow"],
-               chain_state.block_hash == chain_key, holders)
+        yield (
+            shadow.num_computed_tokens,
+            state.num_cached_block["shadow"],
+            chain_state.block_hash == chain_key,
+            holders,
+        )
 
 
 def _partial_tail_damage_missing(tmp_path) -> str | None:
@@ -413,8 +460,10 @@ def _partial_tail_damage_missing(tmp_path) -> str | None:
         return "this build never hashes partial state tails"
     tokens, cached, _, _ = next(_in_place_steady_steps(tmp_path / "probe", borrowed_kv=False, stock_loop=False))
     if cached != 1:
-        return (f"this build hashes partial state tails but leaves a state block already keyed at "
-                f"the boundary alone (cached count {cached} at {tokens} tokens)")
+        return (
+            f"this build hashes partial state tails but leaves a state block already keyed at "
+            f"the boundary alone (cached count {cached} at {tokens} tokens)"
+        )
     return None
 
 

@@ -33,15 +33,23 @@ def make_sweep(points, chain_tokens=_tokens, *, clock=None, exchange=None, **con
     times are exact (and no row is stamped noisy by the host's jitter)."""
     config = SweepConfig(**{"steady_steps": REPEATS, "max_model_len": 1024, **config})
     ticks = itertools.count()
-    return Sweep(points, chain_tokens, config, clock=clock or (lambda: float(next(ticks))),
-                       progress=lambda _: None, exchange=exchange)
+    return Sweep(
+        points,
+        chain_tokens,
+        config,
+        clock=clock or (lambda: float(next(ticks))),
+        progress=lambda _: None,
+        exchange=exchange,
+    )
 
 
 def test_rungs_are_one_per_batch_size_deepest_first():
     points = [DecodePoint(200, 2), DecodePoint(90, 3), DecodePoint(500, 2), DecodePoint(30, 3)]
     rungs = plan_rungs(points, steady_steps=3, max_model_len=1024)
     assert [(r.batch_size, r.depth, [p.total_kv_read_tokens for p in r.points]) for r in rungs] == [
-        (3, 29 + 1 + 3, [90, 30]), (2, 249 + 1 + 3, [500, 200])]  # one token short, admission, steady
+        (3, 29 + 1 + 3, [90, 30]),
+        (2, 249 + 1 + 3, [500, 200]),
+    ]  # one token short, admission, steady
 
 
 @pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
@@ -56,7 +64,10 @@ def test_a_sweep_measures_every_point_on_real_kv_and_leaves_nothing_behind(tmp_p
         steps += 1
     assert sweep.done and sweep.reset_prefix_cache_ok
     assert [(r.total_kv_read_tokens, r.batch_size, r.kv_seed_regime) for r in sweep.rows] == [
-        (90, 3, "real_kv"), (300, 2, "real_kv"), (120, 2, "real_kv")]
+        (90, 3, "real_kv"),
+        (300, 2, "real_kv"),
+        (120, 2, "real_kv"),
+    ]
     for row in sweep.rows:
         assert len(row.steady_seconds) == REPEATS and all(t > 0 for t in row.steady_seconds)
         assert row.median_seconds == sorted(row.steady_seconds)[1]
@@ -83,7 +94,9 @@ def test_a_tight_pool_trims_the_chains_and_measures_what_they_cannot_cover_on_fa
     sweep = make_sweep([DecodePoint(600, 2), DecodePoint(300, 2)])
     _run(scheduler, sweep)
     assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
-        (300, "real_kv", ["kvwarm_real_kv"]), (600, "fake_fallback", ["kvwarm_fake_fallback"])]
+        (300, "real_kv", ["kvwarm_real_kv"]),
+        (600, "fake_fallback", ["kvwarm_fake_fallback"]),
+    ]
     assert len(sweep.rows[1].steady_seconds) == 1  # below the giant-KV threshold: the legacy single step
     (stage,) = sweep.stages
     assert stage["batch"] == 2 and stage["depth"] == 288
@@ -114,13 +127,19 @@ def test_a_point_that_cannot_be_admitted_is_skipped_with_its_reason(tmp_path):
 
 def test_warm_up_off_measures_every_point_on_fake_kv_without_chains(tmp_path):
     scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=KvWarmAsyncScheduler)
-    sweep = make_sweep([DecodePoint(300, 2), DecodePoint(90, 3), DecodePoint(2_000, 2)], None,
-                       real=False, fake_regime="legacy", giant_kv_threshold=1_000)
+    sweep = make_sweep(
+        [DecodePoint(300, 2), DecodePoint(90, 3), DecodePoint(2_000, 2)],
+        None,
+        real=False,
+        fake_regime="legacy",
+        giant_kv_threshold=1_000,
+    )
     _run(scheduler, sweep)
     assert not sweep.stages and not any(r.request_id.startswith("__kvwarm_chain") for r in scheduler.requests.values())
-    assert [(r.total_kv_read_tokens, r.batch_size, r.kv_seed_regime, len(r.steady_seconds), r.sample_reasons)
-            for r in sweep.rows] == [(90, 3, "legacy", 1, []), (2_000, 2, "legacy", REPEATS, []),
-                                     (300, 2, "legacy", 1, [])]
+    assert [
+        (r.total_kv_read_tokens, r.batch_size, r.kv_seed_regime, len(r.steady_seconds), r.sample_reasons)
+        for r in sweep.rows
+    ] == [(90, 3, "legacy", 1, []), (2_000, 2, "legacy", REPEATS, []), (300, 2, "legacy", 1, [])]
 
 
 def test_a_point_with_one_token_contexts_is_measured_at_two_and_stamped_clamped(tmp_path):
@@ -129,18 +148,25 @@ def test_a_point_with_one_token_contexts_is_measured_at_two_and_stamped_clamped(
     _run(scheduler, sweep)
     # contexts [2, 1]: admitted at [1, 1], so the steps read 4 tokens of KV, not 3
     assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
-        (64, "real_kv", ["kvwarm_real_kv"]), (4, "real_kv", ["context_clamped", "kvwarm_real_kv"])]
+        (64, "real_kv", ["kvwarm_real_kv"]),
+        (4, "real_kv", ["context_clamped", "kvwarm_real_kv"]),
+    ]
 
 
 def test_in_place_rows_after_the_first_use_of_a_chain_are_stamped_drifted(tmp_path):
-    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler,
-                               block_size=32, state_block_size=32)
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, block_size=32, state_block_size=32
+    )
     sweep = make_sweep([DecodePoint(200, 2), DecodePoint(120, 2), DecodePoint(40, 1)], state_mode="inplace")
     _run(scheduler, sweep)
     stamps = {(r.total_kv_read_tokens, r.batch_size): r.sample_reasons for r in sweep.rows}
     assert stamps[(200, 2)] == ["kvwarm_real_kv", "kvwarm_state_inplace", "kvwarm_state_depth=103"]
-    assert stamps[(120, 2)] == ["kvwarm_real_kv", "kvwarm_state_inplace", "kvwarm_state_depth=103",
-                                "kvwarm_state_drifted"]
+    assert stamps[(120, 2)] == [
+        "kvwarm_real_kv",
+        "kvwarm_state_inplace",
+        "kvwarm_state_depth=103",
+        "kvwarm_state_drifted",
+    ]
     # a new rung's chains are fresh requests (their state is recomputed by their prefill)
     assert stamps[(40, 1)] == ["kvwarm_real_kv", "kvwarm_state_inplace", "kvwarm_state_depth=43"]
 
@@ -158,8 +184,9 @@ def test_a_point_at_the_edge_of_max_model_len_is_measured_on_real_kv(tmp_path):
 
 @pytest.mark.parametrize(("mode", "reused"), [("copy", True), ("inplace", False)])
 def test_later_rungs_reuse_earlier_chains_only_where_their_state_was_not_advanced(tmp_path, mode, reused):
-    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler,
-                               block_size=32, state_block_size=32)
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler, block_size=32, state_block_size=32
+    )
     salts = []
     add = scheduler.add_request
     scheduler.add_request = lambda request: (salts.append(request.cache_salt), add(request))[1]
@@ -190,7 +217,8 @@ def test_exact_rows_borrow_from_catch_ups_that_start_at_the_last_cached_boundary
     _run(scheduler, sweep)
     assert [(r.total_kv_read_tokens, r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
         (200, "real_kv", ["kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=100"]),
-        (150, "real_kv", ["kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=75"])]
+        (150, "real_kv", ["kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=75"]),
+    ]
     assert max(chunks) == 32  # the chains: one state block per step
     # contexts 99 and 74 (one short): from the boundaries 96 and 64, one step each, never decoded
     assert sorted((r.num_prompt_tokens, n) for r, n in catchups) == [(74, 10), (74, 10), (99, 3), (99, 3)]
@@ -203,7 +231,9 @@ def test_an_exact_point_whose_catch_ups_do_not_fit_is_skipped_after_the_ranks_me
     without adding a catch-up; the sweep goes on to the next point and ends clean."""
     from vllm.kvwarm.sweep import catchups
 
-    scheduler = make_scheduler(tmp_path, num_blocks=40, scheduler_cls=KvWarmScheduler, block_size=32, state_block_size=32)
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=40, scheduler_cls=KvWarmScheduler, block_size=32, state_block_size=32
+    )
     lookups = []
     monkeypatch.setattr(catchups, "cached_tokens", lambda kvm, request: lookups.append(request) or 0)
     meetings = []

@@ -16,17 +16,34 @@ from vllm.kvwarm.record.schema import validate
 def _rows():
     return [
         PointRow(1000, 4, "real_kv", ["kvwarm_real_kv"], [0.010, 0.012, 0.011], 0.011),
-        PointRow(4000, 4, "real_kv", ["kvwarm_real_kv", "kvwarm_state_copy", "kvwarm_state_depth=1001"],
-                 [0.020, 0.021, 0.022], 0.021),
+        PointRow(
+            4000,
+            4,
+            "real_kv",
+            ["kvwarm_real_kv", "kvwarm_state_copy", "kvwarm_state_depth=1001"],
+            [0.020, 0.021, 0.022],
+            0.021,
+        ),
         PointRow(9000, 4, "skip:decode_injection_failed", detail="pool_exhausted: 3 more free block(s) needed"),
     ]
 
 
-META = KvwarmMeta(enabled=True, warm_eligible=True, giant_kv_repeats=3, giant_kv_threshold=1_000_000,
-                  state_mode_requested="auto", state_mode="copy", reset_prefix_cache=True,
-                  stages=[{"batch": 4, "depth": 2254, "build_seconds": 1.5}],
-                  dataset={"path": "/d/sharegpt.json", "sha256": "ab" * 32,
-                           "collection_pool": "conversation_sha256_even", "conversations": 10})
+META = KvwarmMeta(
+    enabled=True,
+    warm_eligible=True,
+    giant_kv_repeats=3,
+    giant_kv_threshold=1_000_000,
+    state_mode_requested="auto",
+    state_mode="copy",
+    reset_prefix_cache=True,
+    stages=[{"batch": 4, "depth": 2254, "build_seconds": 1.5}],
+    dataset={
+        "path": "/d/sharegpt.json",
+        "sha256": "ab" * 32,
+        "collection_pool": "conversation_sha256_even",
+        "conversations": 10,
+    },
+)
 
 
 def test_artifact_files_are_written_and_valid(tmp_path):
@@ -37,17 +54,23 @@ def test_artifact_files_are_written_and_valid(tmp_path):
     plots = importlib.util.find_spec("matplotlib") is not None
     assert [p.name for p in paths if p] == ["sweep.json", "sweep.csv"] + (["sweep.png"] if plots else [])
     data = json.loads((tmp_path / "sweep.json").read_text())
-    assert data["schema_version"] == 2 and data["artifact_type"] == "rank"
+    assert data["schema_version"] == 3 and data["artifact_type"] == "kvwarm.rank"
     assert data["kvwarm"]["points_real_kv"] == 2 and data["kvwarm"]["points_fake_fallback"] == 0
     first = data["results"][0]
     assert (first["min_seconds"], first["median_seconds"], first["max_seconds"]) == (0.010, 0.011, 0.012)
     assert first["spread"] == pytest.approx(0.002 / 0.011) and first["global_batch_size"] == 4
-    assert data["skipped_points"] == [{"point": {"total_kv_read_tokens": 9000, "batch_size": 4},
-                                       "kv_seed_regime": "skip:decode_injection_failed",
-                                       "reason": "pool_exhausted: 3 more free block(s) needed"}]
+    assert data["skipped_points"] == [
+        {
+            "point": {"point_type": "decode", "total_kv_read_tokens": 9000, "batch_size": 4, "total_prefill_tokens": 0},
+            "kv_seed_regime": "skip:decode_injection_failed",
+            "reason": "pool_exhausted: 3 more free block(s) needed",
+        }
+    ]
     rows = list(csv.DictReader((tmp_path / "sweep.csv").open()))
     assert [(r["total_kv_read_tokens"], r["median_ms"], r["min_ms"], r["max_ms"]) for r in rows] == [
-        ("1000", "11.0000", "10.0000", "12.0000"), ("4000", "21.0000", "20.0000", "22.0000")]
+        ("1000", "11.0000", "10.0000", "12.0000"),
+        ("4000", "21.0000", "20.0000", "22.0000"),
+    ]
     if plots:
         png = (tmp_path / "sweep.png").read_bytes()
         assert png.startswith(b"\x89PNG") and len(png) > 1000
@@ -65,7 +88,7 @@ def test_concurrent_writers_never_collide_on_a_temporary_file(tmp_path):
         try:
             for i in range(200):
                 write_atomically(tmp_path / "shared.json", json.dumps({"writer": n, "i": i}).encode())
-        except Exception as err:  # a shared temp name made one writer's replace fail
+        except Exception as err:  # noqa: BLE001  (a shared temp name made one writer's replace fail)
             errors.append(err)
 
     threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
@@ -77,15 +100,18 @@ def test_concurrent_writers_never_collide_on_a_temporary_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["shared.json"]  # no temporary file left behind
 
 
-@pytest.mark.parametrize("break_it", [
-    lambda a: a.update(status="fine"),
-    lambda a: a["results"][0].update(steady_seconds=[]),
-    lambda a: a["kvwarm"].update(state_mode="sideways"),
-    lambda a: a["skipped_points"][0].update(kv_seed_regime="real_kv"),
-    lambda a: a["results"][0].update(kv_seed_regime="fake"),
-    lambda a: a["kvwarm"]["dataset"].update(sha256="not-a-digest"),
-    lambda a: a["kvwarm"]["stages"][0].pop("depth"),
-])
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda a: a.update(status="fine"),
+        lambda a: a["results"][0].update(steady_seconds=[]),
+        lambda a: a["kvwarm"].update(state_mode="sideways"),
+        lambda a: a["skipped_points"][0].update(kv_seed_regime="real_kv"),
+        lambda a: a["results"][0].update(kv_seed_regime="fake"),
+        lambda a: a["kvwarm"]["dataset"].update(sha256="not-a-digest"),
+        lambda a: a["kvwarm"]["stages"][0].pop("depth"),
+    ],
+)
 def test_the_schema_rejects_malformed_artifacts(break_it):
     import jsonschema
 
@@ -108,20 +134,36 @@ def _sweep(tmp_path, monkeypatch, points, env):
     return rc, json.loads((out / "sweep.json").read_text())
 
 
-@pytest.mark.parametrize("points, env, message", [
-    (None, {}, "not found"),
-    ('{"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]}', {}, "decode points only"),
-    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}', {},
-     "DYN_BENCH_KV_WARMUP_DATASET is not set"),
-    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
-     {"DYN_BENCH_KV_WARMUP_DATASET": "/nowhere/sharegpt.json"}, "dataset /nowhere/sharegpt.json not found"),
-    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
-     {"DYN_BENCH_KV_WARMUP": "sometimes"}, "DYN_BENCH_KV_WARMUP='sometimes' is not one of"),
-    ('{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
-     {"DYN_BENCH_GIANT_KV_REPEATS": "many"}, "DYN_BENCH_GIANT_KV_REPEATS='many' is not an integer"),
-])
-def test_bad_input_stops_before_the_engine_with_a_message_and_an_artifact(tmp_path, monkeypatch, capsys,
-                                                                          points, env, message):
+@pytest.mark.parametrize(
+    "points, env, message",
+    [
+        (None, {}, "not found"),
+        ('{"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]}', {}, "decode points only"),
+        (
+            '{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
+            {},
+            "DYN_BENCH_KV_WARMUP_DATASET is not set",
+        ),
+        (
+            '{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
+            {"DYN_BENCH_KV_WARMUP_DATASET": "/nowhere/sharegpt.json"},
+            "dataset /nowhere/sharegpt.json not found",
+        ),
+        (
+            '{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
+            {"DYN_BENCH_KV_WARMUP": "sometimes"},
+            "DYN_BENCH_KV_WARMUP='sometimes' is not one of",
+        ),
+        (
+            '{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
+            {"DYN_BENCH_GIANT_KV_REPEATS": "many"},
+            "DYN_BENCH_GIANT_KV_REPEATS='many' is not an integer",
+        ),
+    ],
+)
+def test_bad_input_stops_before_the_engine_with_a_message_and_an_artifact(
+    tmp_path, monkeypatch, capsys, points, env, message
+):
     path = tmp_path / "points.json"
     if points is not None:
         path.write_text(points)

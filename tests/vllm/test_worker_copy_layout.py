@@ -20,4 +20,3 @@ def test_kv_first_layout_is_refused_with_its_shape_and_left_untouched(torch_devi
     with pytest.raises(ValueError, match=r"block-major.*\(2, 6, 4, 1, 8\)"):
         copy_kv_cache_blocks_inplace([kv_first], num_blocks, [KVCacheBlockCopy(1, 4)])
     assert torch.equal(kv_first, before)
-

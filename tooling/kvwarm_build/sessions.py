@@ -17,10 +17,20 @@ from .releases import Release
 # Per release, in the order `tests` runs them; the CPU engine tiers need a cpu flavour.
 CI_KINDS = ("upstream-tests", "unit", "engine", "smoke-cpu")
 CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu"})
-# engine-S: one CPU engine per pytest process: the tiny-llama tests, the hybrid ones, the
-# sweep command.
+# The markers of tests/engine whose tests need an engine of their own kind (two CPU engines
+# at once fail vLLM's memory check): tests/engine/conftest.py registers these and refuses a
+# run that mixes kinds; engine-S runs one pytest process per kind. The one home of both.
+ENGINE_MARKERS = {
+    "hybrid": "needs the hybrid-model engine (its own process)",
+    "mamba2": "needs the Mamba2 hybrid engine, NemotronH (its own process)",
+    "command": "starts its own engine through the sweep command (its own process)",
+    "multirank": "starts data/tensor-parallel engines in subprocesses (its own process)",
+    "tp2": "a tensor-parallel engine of two workers (its own process)",
+}
+# engine-S: one CPU engine per pytest process: the tiny-llama tests (no marker), the hybrid
+# ones, the sweep command.
 ENGINE_PROCESSES = (
-    ("-m", "not hybrid and not mamba2 and not command and not multirank and not tp2"),
+    ("-m", " and ".join(f"not {marker}" for marker in ENGINE_MARKERS)),
     ("-m", "hybrid"),
     ("-m", "command"),
 )

@@ -33,8 +33,9 @@ def problems(dist: str, expect_version: str, expect_series_digest: str) -> list[
     if record.get("version") != expect_version:
         found.append(f"build record version {record.get('version')!r}, expected {expect_version!r}")
     if record.get("series_digest") != expect_series_digest:
-        found.append(f"build record series digest {record.get('series_digest')!r}, "
-                     f"the image label says {expect_series_digest!r}")
+        found.append(
+            f"build record series digest {record.get('series_digest')!r}, the image label says {expect_series_digest!r}"
+        )
     return found
 
 

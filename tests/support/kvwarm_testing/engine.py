@@ -6,8 +6,12 @@ from __future__ import annotations
 import os
 
 # What every CPU engine here needs: one thread, a small KV cache, nothing from the hub.
-CPU_ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                  "TOKENIZERS_PARALLELISM": "false"}
+CPU_ENGINE_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 # Several ranks on two cores: one thread each, not pinned; loopback for DP's message queues.
 MULTI_RANK_ENV = {**CPU_ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_HOST_IP": "127.0.0.1"}
 # The engine core in the caller's process: the scheduler and the runner are reachable.
@@ -56,7 +60,9 @@ class Engine:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
         before = set(self.scheduler.requests)
         self.llm.llm_engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=prompt, cache_salt=salt), params,
+            request_id,
+            TokensPrompt(prompt_token_ids=prompt, cache_salt=salt),
+            params,
         )
         (internal,) = set(self.scheduler.requests) - before
         return internal

@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import random
 
-from .fidelity import STEPS, step_core_until
 from vllm.kvwarm.kv.catchup import PrefillChunkCap, cached_tokens, catchup_request, is_caught_up, state_block_size
 from vllm.kvwarm.kv.chains import chain_request, is_prefilled, park
 from vllm.kvwarm.kv.injector import Admission
 from vllm.kvwarm.kv.layout import group_layouts
 from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
+
+from .fidelity import STEPS, step_core_until
 
 
 def off_boundary_contexts(depth: int, block: int) -> list[int]:
@@ -59,7 +60,8 @@ def _catch_up(engine, chain, ctx: int, name: str):
 def _shadow_tokens(engine, lenders: list, contexts: list[int], mode: str, prompt_chain=None) -> list[list[int]]:
     prompts = [prompt_chain] * len(contexts) if prompt_chain else None
     point = engine.scheduler.kvwarm_injector.queue(
-        Admission(lenders, contexts, steady_steps=STEPS - 1, state_mode=mode, prompt_chains=prompts))
+        Admission(lenders, contexts, steady_steps=STEPS - 1, state_mode=mode, prompt_chains=prompts)
+    )
     step_core_until(engine.core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
     assert point.failure is None, point.failure
     return [list(s.output_token_ids) for s in point.shadows]
@@ -104,8 +106,13 @@ def check_exact_state(engine, name: str, vocab: int) -> dict:
     _release(engine, [chain, *catchups])
     assert exact == natural, {"contexts": contexts, "exact": exact, "natural": natural}
 
-    report = {"model": name, "state_block": block, "chain_depth": depth + STEPS, "contexts": contexts,
-              "exact_catchup_hits": hits}
+    report = {
+        "model": name,
+        "state_block": block,
+        "chain_depth": depth + STEPS,
+        "contexts": contexts,
+        "exact_catchup_hits": hits,
+    }
     copy_chain = _prefilled_chain(engine, f"{name}-copy", tokens, None)
     copied = _shadow_tokens(engine, [copy_chain] * len(contexts), contexts, "copy")
     _release(engine, [copy_chain])

@@ -36,14 +36,18 @@ def shadow_and_natural_tokens(llm, core, fork: bool, name: str) -> tuple[list, l
     step_core_until(core, lambda: is_prefilled(chain))
     park(scheduler, chain)
 
-    point = scheduler.kvwarm_injector.queue(Admission([chain] * len(CONTEXTS), CONTEXTS, steady_steps=STEPS - 1, fork=fork))
+    point = scheduler.kvwarm_injector.queue(
+        Admission([chain] * len(CONTEXTS), CONTEXTS, steady_steps=STEPS - 1, fork=fork)
+    )
     step_core_until(core, lambda: point.shadows and all(s.is_finished() for s in point.shadows))
     assert point.failure is None
     shadow_tokens = [list(s.output_token_ids) for s in point.shadows]
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=chain.all_token_ids[: ctx + 1], cache_salt=f"natural-{name}-{ctx}")
-               for ctx in CONTEXTS]
+    prompts = [
+        TokensPrompt(prompt_token_ids=chain.all_token_ids[: ctx + 1], cache_salt=f"natural-{name}-{ctx}")
+        for ctx in CONTEXTS
+    ]
     natural = [list(out.outputs[0].token_ids) for out in llm.generate(prompts, params, use_tqdm=False)]
 
     scheduler.finish_requests([chain.request_id], RequestStatus.FINISHED_ABORTED)

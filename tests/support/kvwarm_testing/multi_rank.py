@@ -23,14 +23,31 @@ ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 
 
 def engine_args(model: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-            "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
-            "--enable-prefix-caching", "--seed", "0", *extra]
+    return [
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "1024",
+        "--block-size",
+        "32",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "256",
+        "--enable-prefix-caching",
+        "--seed",
+        "0",
+        *extra,
+    ]
 
 
 def write_points(path: Path, points: list[tuple[int, int]]) -> Path:
-    path.write_text(json.dumps({"schema_version": 1, "decode": [
-        {"total_kv_read_tokens": k, "batch_size": b} for k, b in points]}))
+    path.write_text(
+        json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in points]})
+    )
     return path
 
 
@@ -60,8 +77,13 @@ def _stop(process: subprocess.Popen) -> None:
 def run_command(argv: list[str], env: dict, log: Path, timeout: float = 900) -> int:
     """`python -m vllm.kvwarm sweep ...` to its end; returns its exit code."""
     with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "vllm.kvwarm", "sweep", *argv], env=_env(env),
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "vllm.kvwarm", "sweep", *argv],
+            env=_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             return process.wait(timeout=timeout)
         finally:
@@ -73,8 +95,7 @@ class Server:
         self.url, self.model = f"http://127.0.0.1:{port}", model
 
     def complete(self, prompt: str, max_tokens: int = 4, timeout: float = 300) -> dict:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0}).encode()
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
         request = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
@@ -88,8 +109,21 @@ def api_server(args: list[str], env: dict, log: Path, start_timeout: float = 600
     model = args[args.index("--model") + 1]
     with log.open("w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-             *args], env=_env(env), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *args,
+            ],
+            env=_env(env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + start_timeout
             while True:
@@ -122,5 +156,6 @@ def wait_final(path: Path, timeout: float = 900) -> dict:
 
 
 def medians_by_point(artifact: dict) -> dict:
-    return {(r["point"]["total_kv_read_tokens"], r["point"]["batch_size"]): r["median_seconds"]
-            for r in artifact["results"]}
+    return {
+        (r["point"]["total_kv_read_tokens"], r["point"]["batch_size"]): r["median_seconds"] for r in artifact["results"]
+    }

@@ -22,26 +22,41 @@ def in_use(pool: BlockPool) -> dict[int, int]:
 def attention_manager(pool: BlockPool, group: int = 0) -> FullAttentionManager:
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=32, dtype=torch.float32)
     return FullAttentionManager(
-        spec, block_pool=pool, enable_caching=True, kv_cache_group_id=group,
+        spec,
+        block_pool=pool,
+        enable_caching=True,
+        kv_cache_group_id=group,
         scheduler_block_size=BLOCK_SIZE,
     )
 
 
 def mamba_align_manager(pool: BlockPool, group: int = 1) -> MambaManager:
     spec = MambaSpec(
-        block_size=BLOCK_SIZE, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
+        block_size=BLOCK_SIZE,
+        shapes=((2,), (3,)),
+        dtypes=(torch.float32, torch.float32),
         mamba_cache_mode="align",
     )
     return MambaManager(
-        spec, block_pool=pool, enable_caching=True, kv_cache_group_id=group,
+        spec,
+        block_pool=pool,
+        enable_caching=True,
+        kv_cache_group_id=group,
         scheduler_block_size=BLOCK_SIZE,
     )
 
 
 def make_scheduler(
-    tmp_path, num_blocks: int = 64, defer_block_free: bool = False, max_num_seqs: int = 8,
-    *, block_size: int = BLOCK_SIZE, hash_block_size: int | None = None, state_block_size: int | None = None,
-    scheduler_cls: type | None = None, additional_config: dict | None = None,
+    tmp_path,
+    num_blocks: int = 64,
+    defer_block_free: bool = False,
+    max_num_seqs: int = 8,
+    *,
+    block_size: int = BLOCK_SIZE,
+    hash_block_size: int | None = None,
+    state_block_size: int | None = None,
+    scheduler_cls: type | None = None,
+    additional_config: dict | None = None,
 ):
     """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
 
@@ -58,12 +73,22 @@ def make_scheduler(
 
     model_dir = tmp_path / "tiny-llama"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 1024,
-        "torch_dtype": "float32",
-    }))
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "num_hidden_layers": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 1024,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
     cache_extra = {}
     if state_block_size:
@@ -74,34 +99,56 @@ def make_scheduler(
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=1024,
-            is_encoder_decoder=False, enable_chunked_prefill=True,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=256,
+            max_model_len=1024,
+            is_encoder_decoder=False,
+            enable_chunked_prefill=True,
         ),
         cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **cache_extra),
         device_config=DeviceConfig(device="cpu"),
         additional_config=additional_config or {},
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
-    groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32))]
+    groups = [
+        KVCacheGroupSpec(
+            ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32)
+        )
+    ]
     if state_block_size:
-        groups.append(KVCacheGroupSpec(["mamba"], MambaSpec(
-            block_size=state_block_size, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
-            mamba_cache_mode="align")))
+        groups.append(
+            KVCacheGroupSpec(
+                ["mamba"],
+                MambaSpec(
+                    block_size=state_block_size,
+                    shapes=((2,), (3,)),
+                    dtypes=(torch.float32, torch.float32),
+                    mamba_cache_mode="align",
+                ),
+            )
+        )
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     scheduler = (scheduler_cls or Scheduler)(
-        vllm_config=vllm_config, kv_cache_config=kv_cache_config, block_size=block_size,
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=block_size,
         hash_block_size=hash_block_size or block_size,
-        log_stats=False, structured_output_manager=StructuredOutputManager(vllm_config),
+        log_stats=False,
+        structured_output_manager=StructuredOutputManager(vllm_config),
     )
     scheduler.defer_block_free = defer_block_free
     return scheduler
 
 
 def make_kv_cache_manager(
-    block_sizes: list[int], num_blocks: int = 64, enable_caching: bool = True, max_model_len: int = 8192,
-    state_groups: list[tuple[int, int, str]] = (), hash_block_size: int | None = None,
-    attention_spec: str = "FullAttentionSpec", state_extra: dict | None = None,
+    block_sizes: list[int],
+    num_blocks: int = 64,
+    enable_caching: bool = True,
+    max_model_len: int = 8192,
+    state_groups: list[tuple[int, int, str]] = (),
+    hash_block_size: int | None = None,
+    attention_spec: str = "FullAttentionSpec",
+    state_extra: dict | None = None,
 ):
     """A real KVCacheManager: one attention group per block size (full attention, or another
     spec class of vllm.v1.kv_cache_interface such as MLAAttentionSpec), then one Mamba group
@@ -115,15 +162,26 @@ def make_kv_cache_manager(
 
     spec_cls = getattr(kv_cache_interface, attention_spec)
     specs = [spec_cls(block_size=bs, num_kv_heads=1, head_size=32, dtype=torch.float32) for bs in block_sizes]
-    specs += [MambaSpec(block_size=bs, shapes=((2,), (3,)), dtypes=(torch.float32, torch.float32),
-                        mamba_cache_mode=mode, num_speculative_blocks=spec, **(state_extra or {}))
-              for bs, spec, mode in state_groups]
+    specs += [
+        MambaSpec(
+            block_size=bs,
+            shapes=((2,), (3,)),
+            dtypes=(torch.float32, torch.float32),
+            mamba_cache_mode=mode,
+            num_speculative_blocks=spec,
+            **(state_extra or {}),
+        )
+        for bs, spec, mode in state_groups
+    ]
     groups = [KVCacheGroupSpec([f"layer{i}"], spec) for i, spec in enumerate(specs)]
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     sizes = [spec.block_size for spec in specs]
     return KVCacheManager(
-        kv_cache_config=config, max_model_len=max_model_len, scheduler_block_size=math.lcm(*sizes),
-        hash_block_size=hash_block_size or math.gcd(*sizes), enable_caching=enable_caching,
+        kv_cache_config=config,
+        max_model_len=max_model_len,
+        scheduler_block_size=math.lcm(*sizes),
+        hash_block_size=hash_block_size or math.gcd(*sizes),
+        enable_caching=enable_caching,
     )
 
 
@@ -136,7 +194,10 @@ def make_chain(kv_cache_manager, request_id: str, num_tokens: int):
 
 
 def make_request(
-    request_id: str, num_tokens: int, token: int = 7, hash_block_size: int | None = BLOCK_SIZE,
+    request_id: str,
+    num_tokens: int,
+    token: int = 7,
+    hash_block_size: int | None = BLOCK_SIZE,
 ):
     """A greedy request of num_tokens prompt tokens; hash_block_size None: no block hasher."""
     from vllm.sampling_params import SamplingParams
@@ -148,7 +209,9 @@ def make_request(
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     params.update_from_generation_config({}, 0)
     return Request(
-        request_id=request_id, prompt_token_ids=[token] * num_tokens, sampling_params=params,
+        request_id=request_id,
+        prompt_token_ids=[token] * num_tokens,
+        sampling_params=params,
         pooling_params=None,
         block_hasher=get_request_block_hasher(hash_block_size, sha256) if hash_block_size else None,
     )
@@ -161,8 +224,12 @@ def step_scheduler(scheduler, token: int = 7):
 
     output = scheduler.schedule()
     ids = list(output.num_scheduled_tokens)
-    sampled = [[token] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens
-               else [] for r in ids]
-    scheduler.update_from_output(output, ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+    sampled = [
+        [token] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens else []
+        for r in ids
+    ]
+    scheduler.update_from_output(
+        output,
+        ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled),
+    )
     return output

@@ -22,12 +22,46 @@ def write_sharegpt(path: Path, conversations: int = 64) -> Path:
     text), each conversation different."""
     import json
 
-    words = ("decode prefill cache block shadow chain rung batch token step kernel expert route state "
-             "attention memory layer model sample greedy context prefix pool fork copy").split()
-    path.write_text(json.dumps([{"conversations": [
-        {"from": "human", "value": " ".join(words[(n * 7 + k * 3) % len(words)] for k in range(80))},
-        {"from": "gpt", "value": " ".join(words[(n * 5 + k * 11) % len(words)] for k in range(120))},
-    ]} for n in range(conversations)]))
+    words = [
+        "decode",
+        "prefill",
+        "cache",
+        "block",
+        "shadow",
+        "chain",
+        "rung",
+        "batch",
+        "token",
+        "step",
+        "kernel",
+        "expert",
+        "route",
+        "state",
+        "attention",
+        "memory",
+        "layer",
+        "model",
+        "sample",
+        "greedy",
+        "context",
+        "prefix",
+        "pool",
+        "fork",
+        "copy",
+    ]
+    path.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": " ".join(words[(n * 7 + k * 3) % len(words)] for k in range(80))},
+                        {"from": "gpt", "value": " ".join(words[(n * 5 + k * 11) % len(words)] for k in range(120))},
+                    ]
+                }
+                for n in range(conversations)
+            ]
+        )
+    )
     return path
 
 
@@ -40,7 +74,8 @@ def save_tokenizer(directory: Path, vocab_size: int = 512) -> int:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(_CORPUS * 8, trainer)
@@ -57,7 +92,8 @@ def _save_model(directory: Path, config_name: str, model_name: str, dtype: str, 
     directory.mkdir(parents=True, exist_ok=True)
     vocab = save_tokenizer(directory)
     model_config = getattr(transformers, config_name)(
-        vocab_size=vocab, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **config)
+        vocab_size=vocab, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False, **config
+    )
     torch.manual_seed(seed)
     getattr(transformers, model_name)(model_config).to(getattr(torch, dtype)).save_pretrained(directory)
     return directory
@@ -66,9 +102,19 @@ def _save_model(directory: Path, config_name: str, model_name: str, dtype: str, 
 def make_tiny_llama(directory: Path, seed: int = 0) -> Path:
     """2 layers, head size 32 (a size CPU attention supports), fp32."""
     return _save_model(
-        directory, "LlamaConfig", "LlamaForCausalLM", "float32", seed,
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=2048)
+        directory,
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        "float32",
+        seed,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=2048,
+    )
 
 
 def make_small_llama(directory: Path, seed: int = 0) -> Path:
@@ -76,19 +122,43 @@ def make_small_llama(directory: Path, seed: int = 0) -> Path:
     the projections and the MLP, not attention, carry most of a prefill's work up to a
     2k context, as in real LLMs (the tiny Llama's work is mostly attention)."""
     return _save_model(
-        directory, "LlamaConfig", "LlamaForCausalLM", "float32", seed,
-        hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048)
+        directory,
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        "float32",
+        seed,
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+    )
 
 
 def make_tiny_qwen3_moe(directory: Path, seed: int = 0) -> Path:
     """Attention-only MoE: 2 layers, a 4-expert top-2 MoE in each, head size 64, fp32.
     Run it with --enable-expert-parallel (the gate's condition for MoE models)."""
     return _save_model(
-        directory, "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "float32", seed,
-        hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=4096)
+        directory,
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        "float32",
+        seed,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+    )
 
 
 def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
@@ -96,13 +166,28 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
     layer, a 4-expert top-2 MoE; head sizes 64 (CPU kernels support them). Run it in
     bfloat16 with mamba_ssm_cache_dtype="float32"."""
     return _save_model(
-        directory, "Qwen3NextConfig", "Qwen3NextForCausalLM", "bfloat16", seed,
-        hidden_size=128, intermediate_size=128, num_hidden_layers=4,
+        directory,
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        "bfloat16",
+        seed,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64,
-        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=64, linear_value_head_dim=64,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
-        max_position_embeddings=4096)
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+    )
 
 
 def make_tiny_nemotron_h(directory: Path, seed: int = 0) -> Path:
@@ -112,10 +197,25 @@ def make_tiny_nemotron_h(directory: Path, seed: int = 0) -> Path:
     from safetensors.torch import load_file, save_file
 
     _save_model(
-        directory, "NemotronHConfig", "NemotronHForCausalLM", "float32", seed,
-        hidden_size=128, intermediate_size=128, num_hidden_layers=4, hybrid_override_pattern="M*M-",
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, mamba_num_heads=4, mamba_head_dim=64,
-        ssm_state_size=16, n_groups=1, chunk_size=64, max_position_embeddings=4096)
+        directory,
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        "float32",
+        seed,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        hybrid_override_pattern="M*M-",
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        mamba_num_heads=4,
+        mamba_head_dim=64,
+        ssm_state_size=16,
+        n_groups=1,
+        chunk_size=64,
+        max_position_embeddings=4096,
+    )
     # transformers 5 saves the embedding as `backbone.embedding`; vLLM's loader maps the
     # checkpoint name published models use, `backbone.embeddings`.
     weights = directory / "model.safetensors"

@@ -34,8 +34,7 @@ def shadow_private_blocks(layouts: list[GroupLayout], ctx: int, steady_steps: in
         if group.kind == ATTENTION:
             total += attention_private_blocks(ctx, steady_steps, group.block_size)
         elif group.kind == STATE_ALIGN:
-            total += state_private_blocks(ctx, steady_steps, group.block_size, state_copy,
-                                          group.num_speculative_blocks)
+            total += state_private_blocks(ctx, steady_steps, group.block_size, state_copy, group.num_speculative_blocks)
     return total
 
 
@@ -55,12 +54,23 @@ def plan_tail_blocks(layouts: list[GroupLayout], steady_steps: int, state_copy: 
 def chain_blocks(layouts: list[GroupLayout], depth: int) -> int:
     """Blocks one parked chain of `depth` tokens holds: every attention block, and one
     state block (plus speculative scratch) per align-state group."""
-    return sum(cdiv(depth, g.block_size) if g.kind == ATTENTION else 1 + g.num_speculative_blocks
-               for g in layouts if g.kind in (ATTENTION, STATE_ALIGN))
+    return sum(
+        cdiv(depth, g.block_size) if g.kind == ATTENTION else 1 + g.num_speculative_blocks
+        for g in layouts
+        if g.kind in (ATTENTION, STATE_ALIGN)
+    )
 
 
-def trim_depth(layouts: list[GroupLayout], depth: int, batch: int, steady_steps: int, state_copy: bool,
-               free_blocks: int, floor: int = 8, per_shadow: int = 0) -> int:
+def trim_depth(
+    layouts: list[GroupLayout],
+    depth: int,
+    batch: int,
+    steady_steps: int,
+    state_copy: bool,
+    free_blocks: int,
+    floor: int = 8,
+    per_shadow: int = 0,
+) -> int:
     """The deepest chain depth (at most `depth`, at least `floor`) at which a rung's
     `batch` chains and their shadows' worst-case tails fit in `free_blocks`; `per_shadow`
     more blocks for each shadow (exact mode: its catch-up chain)."""

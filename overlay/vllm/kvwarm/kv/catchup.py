@@ -41,17 +41,24 @@ def catchup_blocks(layouts: list[GroupLayout], ctx: int, hit: int) -> int:
     prefix cache: the attention blocks past the hit; per state group the running block with
     its scratch and, after a hit, the boundary block it starts from (cached but free: the
     chain has moved on, so taking it lowers the free count too)."""
-    return sum(cdiv(ctx, g.block_size) - hit // g.block_size if g.kind == ATTENTION
-               else 1 + g.num_speculative_blocks + int(hit > 0)
-               for g in layouts if g.kind in (ATTENTION, STATE_ALIGN))
+    return sum(
+        cdiv(ctx, g.block_size) - hit // g.block_size
+        if g.kind == ATTENTION
+        else 1 + g.num_speculative_blocks + int(hit > 0)
+        for g in layouts
+        if g.kind in (ATTENTION, STATE_ALIGN)
+    )
 
 
 def planned_catchup_blocks(layouts: list[GroupLayout]) -> int:
     """catchup_blocks when the hit is the last state boundary before ctx (the chains'
     boundaries are cached): at most one state block of tokens past the hit."""
     span = state_block_size(layouts)
-    return sum(cdiv(span, g.block_size) + 1 if g.kind == ATTENTION else 2 + g.num_speculative_blocks
-               for g in layouts if g.kind in (ATTENTION, STATE_ALIGN))
+    return sum(
+        cdiv(span, g.block_size) + 1 if g.kind == ATTENTION else 2 + g.num_speculative_blocks
+        for g in layouts
+        if g.kind in (ATTENTION, STATE_ALIGN)
+    )
 
 
 def cached_tokens(kv_cache_manager, request) -> int:

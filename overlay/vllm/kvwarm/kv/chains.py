@@ -28,8 +28,9 @@ def chain_request(scheduler, name: str, token_ids: list[int], salt: str | None =
     once its prompt is computed). Hashed like any request, so its blocks are cached;
     `salt` (default: its own id) decides which other chains' blocks it may reuse."""
     request_id = f"{CHAIN_PREFIX}{name}"
-    return greedy_request(request_id, token_ids, 1_000_000, cache_salt=salt or request_id,
-                          block_hasher=prefix_hasher(scheduler))
+    return greedy_request(
+        request_id, token_ids, 1_000_000, cache_salt=salt or request_id, block_hasher=prefix_hasher(scheduler)
+    )
 
 
 def is_prefilled(chain) -> bool:

@@ -72,8 +72,10 @@ class ShadowInjector:
         if not admission.contexts or (admission.chains is None and admission.vocab_size < 1):
             raise ValueError("an admission needs contexts, and a vocabulary size when it is fake")
         if admission.chains is not None and len(admission.chains) != len(admission.contexts):
-            raise ValueError(f"an admission needs one chain per context, got {len(admission.chains)} chain(s) "
-                             f"for {len(admission.contexts)} context(s)")
+            raise ValueError(
+                f"an admission needs one chain per context, got {len(admission.chains)} chain(s) "
+                f"for {len(admission.contexts)} context(s)"
+            )
         self._pending.append(admission)
         return admission
 
@@ -91,20 +93,37 @@ class ShadowInjector:
     def _register_point(self, scheduler, admission: Admission) -> None:
         kvm = scheduler.kv_cache_manager
         if admission.chains is not None:
-            check_pool(kvm, group_layouts(kvm), admission.contexts, admission.steady_steps, admission.state_mode, " for the point")
+            check_pool(
+                kvm,
+                group_layouts(kvm),
+                admission.contexts,
+                admission.steady_steps,
+                admission.state_mode,
+                " for the point",
+            )
         try:
             for i, ctx in enumerate(admission.contexts):
                 request_id = f"{SHADOW_PREFIX}{self._next}"
                 self._next += 1
                 if admission.chains is None:
-                    request = fake_request(request_id, ctx, admission.steady_steps + 1, admission.vocab_size, salt=self._next)
+                    request = fake_request(
+                        request_id, ctx, admission.steady_steps + 1, admission.vocab_size, salt=self._next
+                    )
                     admission.shadows.append(request)
                     allocate_fake(kvm, request, ctx)
                     continue
                 text = (admission.prompt_chains or admission.chains)[i]
                 request = shadow_request(request_id, text, ctx, admission.steady_steps + 1)
-                register_shadow(kvm, request, admission.chains[i], ctx, admission.steady_steps, fork=admission.fork,
-                                state_mode=admission.state_mode, room_past_chain=admission.prompt_chains is not None)
+                register_shadow(
+                    kvm,
+                    request,
+                    admission.chains[i],
+                    ctx,
+                    admission.steady_steps,
+                    fork=admission.fork,
+                    state_mode=admission.state_mode,
+                    room_past_chain=admission.prompt_chains is not None,
+                )
                 admission.shadows.append(request)
         except BaseException:
             release_fork_retentions(kvm)  # drop the copies of the shadows registered so far
@@ -130,11 +149,14 @@ class ShadowInjector:
             shadow.status = RequestStatus.RUNNING
             scheduler.requests[shadow.request_id] = shadow
             # Built before the bookkeeping below advances num_computed_tokens.
-            output.scheduled_new_reqs.append(NewRequestData.from_request(
-                shadow, kvm.get_block_ids(shadow.request_id),
-                # The V2 runner needs the whole token list; the V1 runner ignores it.
-                shadow._all_token_ids if getattr(scheduler, "use_v2_model_runner", False) else None,
-            ))
+            output.scheduled_new_reqs.append(
+                NewRequestData.from_request(
+                    shadow,
+                    kvm.get_block_ids(shadow.request_id),
+                    # The V2 runner needs the whole token list; the V1 runner ignores it.
+                    shadow._all_token_ids if getattr(scheduler, "use_v2_model_runner", False) else None,
+                )
+            )
             admitted.num_scheduled_tokens[shadow.request_id] = 1
             scheduler.running.append(shadow)
         # vLLM's own per-step bookkeeping (num_computed_tokens, in-flight and placeholder

@@ -24,13 +24,23 @@ UNKNOWN = "unknown"
 # added field may be a window that drops old blocks, as `rswa_window` (the reference
 # sliding window) does: such a spec is UNKNOWN until someone has checked it and listed
 # the field here or in EVICTING_FIELDS.
-KEEPS_EVERY_BLOCK_FIELDS = frozenset({
-    "cache_dtype_str", "alignment", "compress_ratio", "model_version", "non_causal_multi_token_decode",
-    "head_size_v", "sink_len", "tq_slot_size",
-    # sparse MLA (a top-k indexer reads tokens from the whole cache, so every block stays):
-    # the top-k buffer's width, the cache's role in sparse attention, the index group's leader
-    "topk_buffer_width", "cache_role", "is_index_group_leader",
-})
+KEEPS_EVERY_BLOCK_FIELDS = frozenset(
+    {
+        "cache_dtype_str",
+        "alignment",
+        "compress_ratio",
+        "model_version",
+        "non_causal_multi_token_decode",
+        "head_size_v",
+        "sink_len",
+        "tq_slot_size",
+        # sparse MLA (a top-k indexer reads tokens from the whole cache, so every block stays):
+        # the top-k buffer's width, the cache's role in sparse attention, the index group's leader
+        "topk_buffer_width",
+        "cache_role",
+        "is_index_group_leader",
+    }
+)
 EVICTING_FIELDS = frozenset({"rswa_window"})
 STATE_MODE_FIELD, SPECULATIVE_FIELD = "mamba_cache_mode", "num_speculative_blocks"
 # A group whose manager allocates from a pool of its own (e.g. a HiSparse host tier, whose
@@ -60,7 +70,11 @@ def _fields(spec_or_class) -> set[str]:
 def classify_spec(spec) -> tuple[str, str | None]:
     """(kind, why): why names what made a group UNSUPPORTED or UNKNOWN (None otherwise)."""
     from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec, FullAttentionSpec, MambaSpec,
+        ChunkedLocalAttentionSpec,
+        CrossAttentionSpec,
+        EncoderOnlyAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -77,9 +91,11 @@ def classify_spec(spec) -> tuple[str, str | None]:
         if added & EVICTING_FIELDS:
             return UNSUPPORTED, f"{name} drops old blocks ({', '.join(sorted(added & EVICTING_FIELDS))})"
         if added - KEEPS_EVERY_BLOCK_FIELDS:
-            return UNKNOWN, (f"{name} extends full attention with field(s) "
-                             f"{', '.join(sorted(added - KEEPS_EVERY_BLOCK_FIELDS))} that the layout does not "
-                             "know; it may drop old blocks (see docs/hooks.md, layout)")
+            return UNKNOWN, (
+                f"{name} extends full attention with field(s) "
+                f"{', '.join(sorted(added - KEEPS_EVERY_BLOCK_FIELDS))} that the layout does not "
+                "know; it may drop old blocks (see docs/hooks.md, layout)"
+            )
         return ATTENTION, None
     if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec, CrossAttentionSpec, EncoderOnlyAttentionSpec)):
         return UNSUPPORTED, f"{name} is not borrowed by position"
@@ -94,12 +110,14 @@ def group_layouts(kv_cache_manager) -> list[GroupLayout]:
         kind, detail = classify_spec(spec)
         if manager.block_pool is not kv_cache_manager.block_pool:
             kind, detail = OWN_POOL, f"{type(manager).__name__} allocates from a block pool of its own"
-        layouts.append(GroupLayout(
-            group_id=group_id,
-            kind=kind,
-            block_size=manager.block_size,
-            num_speculative_blocks=getattr(spec, SPECULATIVE_FIELD) if kind == STATE_ALIGN else 0,
-            manager=manager,
-            detail=detail,
-        ))
+        layouts.append(
+            GroupLayout(
+                group_id=group_id,
+                kind=kind,
+                block_size=manager.block_size,
+                num_speculative_blocks=getattr(spec, SPECULATIVE_FIELD) if kind == STATE_ALIGN else 0,
+                manager=manager,
+                detail=detail,
+            )
+        )
     return layouts

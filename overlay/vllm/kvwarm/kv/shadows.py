@@ -17,11 +17,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arithmetic import pool_shortfall, shadow_private_blocks
 from ..record.vocabulary import (
-    COPY, FORK_UNSUPPORTED, HOOKS_MISSING, INPLACE, LAYOUT_UNKNOWN, LAYOUT_UNSUPPORTED, POOL_EXHAUSTED,
+    COPY,
+    FORK_UNSUPPORTED,
+    HOOKS_MISSING,
+    INPLACE,
+    LAYOUT_UNKNOWN,
+    LAYOUT_UNSUPPORTED,
+    POOL_EXHAUSTED,
     STATE_MODE_UNUSABLE,
 )
+from .arithmetic import pool_shortfall, shadow_private_blocks
 from .attention import stage_attention
 from .borrowing import GroupTable, ShadowRegistrationError, Undo
 from .layout import ATTENTION, STATE_ALIGN, UNKNOWN, GroupLayout, group_layouts
@@ -58,8 +64,9 @@ def _check_layout(kv_cache_manager, layouts: list[GroupLayout], state_mode: str 
     unknown = [f"group {g.group_id}: {g.detail}" for g in layouts if g.kind == UNKNOWN]
     if unknown:
         raise ShadowRegistrationError(LAYOUT_UNKNOWN, "; ".join(unknown))
-    unsupported = [f"group {g.group_id} ({g.kind}: {g.detail})" for g in layouts
-                   if g.kind not in (ATTENTION, STATE_ALIGN)]
+    unsupported = [
+        f"group {g.group_id} ({g.kind}: {g.detail})" for g in layouts if g.kind not in (ATTENTION, STATE_ALIGN)
+    ]
     if unsupported:
         raise ShadowRegistrationError(LAYOUT_UNSUPPORTED, ", ".join(unsupported))
     state_groups = [g for g in layouts if g.kind == STATE_ALIGN]
@@ -72,12 +79,19 @@ def _check_layout(kv_cache_manager, layouts: list[GroupLayout], state_mode: str 
         raise ShadowRegistrationError(STATE_MODE_UNUSABLE, "copy mode needs state managers that can fork")
     if state_mode == INPLACE and not build.inplace_ok:
         raise ShadowRegistrationError(
-            STATE_MODE_UNUSABLE, "in place needs state managers that never hash a borrowed request's partial tail")
+            STATE_MODE_UNUSABLE, "in place needs state managers that never hash a borrowed request's partial tail"
+        )
     return state_mode
 
 
-def check_pool(kv_cache_manager, layouts: list[GroupLayout], contexts: list[int], steady_steps: int,
-               state_mode: str | None, what: str = "") -> None:
+def check_pool(
+    kv_cache_manager,
+    layouts: list[GroupLayout],
+    contexts: list[int],
+    steady_steps: int,
+    state_mode: str | None,
+    what: str = "",
+) -> None:
     """The pool pre-check: every private block the shadows at `contexts` need is free now."""
     need = sum(shadow_private_blocks(layouts, ctx, steady_steps, state_copy=state_mode == COPY) for ctx in contexts)
     shortfall = pool_shortfall(need, kv_cache_manager.block_pool.get_num_free_blocks())
@@ -86,8 +100,15 @@ def check_pool(kv_cache_manager, layouts: list[GroupLayout], contexts: list[int]
 
 
 def register_shadow(
-    kv_cache_manager, shadow, chain, ctx: int, steady_steps: int, *,
-    fork: bool | None = None, state_mode: str | None = None, room_past_chain: bool = False,
+    kv_cache_manager,
+    shadow,
+    chain,
+    ctx: int,
+    steady_steps: int,
+    *,
+    fork: bool | None = None,
+    state_mode: str | None = None,
+    room_past_chain: bool = False,
 ) -> ShadowRegistration:
     """Raises ShadowRegistrationError (with a reason) or the underlying error, in both
     cases with nothing left registered. `chain` is the lending Request; `state_mode`
@@ -98,7 +119,8 @@ def register_shadow(
         raise ValueError(f"need ctx >= 1 and steady_steps >= 0, got ctx={ctx}, steady_steps={steady_steps}")
     if not has_borrowing_hooks(kv_cache_manager):
         raise ShadowRegistrationError(
-            HOOKS_MISSING, "this vLLM build lacks adopt_blocks / Request.borrowed_kv (install a kvwarm build)")
+            HOOKS_MISSING, "this vLLM build lacks adopt_blocks / Request.borrowed_kv (install a kvwarm build)"
+        )
     layouts = group_layouts(kv_cache_manager)
     mode = _check_layout(kv_cache_manager, layouts, state_mode)
     forked = resolve_fork(layouts, fork)
@@ -108,7 +130,8 @@ def register_shadow(
     undo = Undo()
     try:
         commits = [
-            stage_attention(g, pool, chain, ctx, steady_steps, forked, undo, room_past_chain) if g.kind == ATTENTION
+            stage_attention(g, pool, chain, ctx, steady_steps, forked, undo, room_past_chain)
+            if g.kind == ATTENTION
             else stage_state(g, pool, chain, ctx, steady_steps, mode, undo)
             for g in layouts
         ]

@@ -40,12 +40,16 @@ def chain_state_slot(group, chain) -> int:
     extra = last_held - spec - slot
     if extra < 0:
         raise ShadowRegistrationError(
-            STATE_MISSING, f"{where}: its table ends at slot {last_held}, short of its state slot {slot} "
-                           f"plus {spec} speculative block(s)")
+            STATE_MISSING,
+            f"{where}: its table ends at slot {last_held}, short of its state slot {slot} "
+            f"plus {spec} speculative block(s)",
+        )
     if extra > 0:
         raise ShadowRegistrationError(
-            STATE_MISSING, f"{where}: its table runs {extra} block(s) past its state slot {slot} plus {spec} "
-                           "speculative block(s), so its live state may not be at that slot")
+            STATE_MISSING,
+            f"{where}: its table runs {extra} block(s) past its state slot {slot} plus {spec} "
+            "speculative block(s), so its live state may not be at that slot",
+        )
     return slot
 
 
@@ -61,7 +65,7 @@ def stage_state(group, pool, chain, ctx: int, steady_steps: int, mode: str, undo
     def commit(sid: str) -> GroupTable:
         table = [pool.null_block] * (last_slot + 1 + spec)
         table[read_slot] = state
-        table[read_slot + 1:] = blanks
+        table[read_slot + 1 :] = blanks
         touch(pool, [state], undo)
         adopt(manager, sid, table, len(table), undo)  # all cached: nothing is ever hashed
         record = GroupTable(group.group_id, 0, state_slot=read_slot, blanks=[b.block_id for b in blanks])

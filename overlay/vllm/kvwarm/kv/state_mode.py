@@ -19,8 +19,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..record.vocabulary import (
-    AUTO, COPY, EXACT, HYBRID_STATE_LAYERS_UNSUPPORTED, INPLACE, STATE_COPY_UNSUPPORTED, STATE_EXACT_UNSUPPORTED,
-    STATE_HAND_OFF_UNSUPPORTED, STATE_INPLACE_UNSUPPORTED, STATE_MODE_INVALID, STATE_MODES,
+    AUTO,
+    COPY,
+    EXACT,
+    HYBRID_STATE_LAYERS_UNSUPPORTED,
+    INPLACE,
+    STATE_COPY_UNSUPPORTED,
+    STATE_EXACT_UNSUPPORTED,
+    STATE_HAND_OFF_UNSUPPORTED,
+    STATE_INPLACE_UNSUPPORTED,
+    STATE_MODE_INVALID,
+    STATE_MODES,
 )
 from .capabilities import hashes_partial_tails
 from .layout import STATE_ALIGN, STATE_OTHER, GroupLayout
@@ -70,6 +79,7 @@ def probe_state_build(layouts: list[GroupLayout], kv_cache_manager) -> StateBuil
 
 def resolve_state_mode(layouts: list[GroupLayout], build: StateBuild, requested: str | None) -> StateDecision:
     """The state mode for this layout on this build, or the reason the gate refuses."""
+
     def refuse(reason: str) -> StateDecision:
         return StateDecision(requested, None, reason)
 

@@ -13,15 +13,16 @@ import dataclasses
 import io
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from . import vocabulary as v
 from .files import write_atomically
 from .schema import validate
 
+
 def utc_now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -32,9 +33,23 @@ class PointRow:
     batch_size: int
     kv_seed_regime: str  # a vocabulary regime, or skip:<reason>
     sample_reasons: list[str] = field(default_factory=list)
+    # every timed sample: a decode point's steady steps, a prefill point's measured shots
     steady_seconds: list[float] = field(default_factory=list)
     median_seconds: float | None = None
     detail: str | None = None  # why a point was skipped, in words
+    point_type: str = v.DECODE
+    total_prefill_tokens: int = 0  # prefill: N, the new tokens the step computes (decode: 0)
+    phases: dict[str, float | None] | None = None  # the median of each vocabulary PHASES over the samples
+    graph: dict | None = None  # the CUDA graph the steps should run in, and what they ran
+
+    @property
+    def point(self) -> dict:
+        return {
+            "point_type": self.point_type,
+            "total_kv_read_tokens": self.total_kv_read_tokens,
+            "batch_size": self.batch_size,
+            "total_prefill_tokens": self.total_prefill_tokens,
+        }
 
     @property
     def skipped(self) -> bool:
@@ -73,25 +88,49 @@ class KvwarmMeta:
         return cls(**{k: val for k, val in (block or {}).items() if k in names})
 
     def as_dict(self, measured: list[PointRow]) -> dict:
-        return {**dataclasses.asdict(self),
-                "points_real_kv": sum(r.kv_seed_regime == v.REAL_KV for r in measured),
-                "points_fake_fallback": sum(r.kv_seed_regime == v.FAKE_FALLBACK for r in measured)}
+        return {
+            **dataclasses.asdict(self),
+            "points_real_kv": sum(r.kv_seed_regime == v.REAL_KV for r in measured),
+            "points_fake_fallback": sum(r.kv_seed_regime == v.FAKE_FALLBACK for r in measured),
+        }
 
 
-SINGLE_RANK = {"data_parallel_size": 1, "data_parallel_rank": 0, "tensor_parallel_size": 1,
-               "pipeline_parallel_size": 1, "expert_parallel": False}
+SINGLE_RANK = {
+    "data_parallel_size": 1,
+    "data_parallel_rank": 0,
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "expert_parallel": False,
+}
 
 
 def _result(r: PointRow, dp_size: int) -> dict:
     times = r.steady_seconds
-    return {"point": {"total_kv_read_tokens": r.total_kv_read_tokens, "batch_size": r.batch_size},
-            "global_batch_size": r.batch_size * dp_size, "kv_seed_regime": r.kv_seed_regime,
-            "sample_reasons": r.sample_reasons, "steady_seconds": times, "median_seconds": r.median_seconds,
-            "min_seconds": min(times), "max_seconds": max(times), "spread": r.spread or 0.0}
+    return {
+        "point": r.point,
+        "global_batch_size": r.batch_size * dp_size,
+        "kv_seed_regime": r.kv_seed_regime,
+        "sample_reasons": r.sample_reasons,
+        "steady_seconds": times,
+        "median_seconds": r.median_seconds,
+        "min_seconds": min(times),
+        "max_seconds": max(times),
+        "spread": r.spread or 0.0,
+        "phases": r.phases,
+        "graph": r.graph,
+    }
 
 
-def build_artifact(rows: list[PointRow], meta: KvwarmMeta, config: dict, status: str, error: str | None = None, *,
-                   run: dict | None = None, layout: dict | None = None) -> dict:
+def build_artifact(
+    rows: list[PointRow],
+    meta: KvwarmMeta,
+    config: dict,
+    status: str,
+    error: str | None = None,
+    *,
+    run: dict | None = None,
+    layout: dict | None = None,
+) -> dict:
     """One rank's artifact. `run` holds the run record (build, torch, hardware, engine
     arguments) and the times; `layout` the rank layout (default: one rank)."""
     run = run or {}
@@ -99,29 +138,89 @@ def build_artifact(rows: list[PointRow], meta: KvwarmMeta, config: dict, status:
     measured = [r for r in rows if not r.skipped]
     engine_args = run.get("engine_args")
     return {
-        "schema_version": v.SCHEMA_VERSION, "artifact_type": v.RANK, "status": status, "error": error,
-        "started_at": run.get("started_at", ""), "finished_at": run.get("finished_at"),
+        "schema_version": v.SCHEMA_VERSION,
+        "artifact_type": v.RANK,
+        "status": status,
+        "error": error,
+        "started_at": run.get("started_at", ""),
+        "finished_at": run.get("finished_at"),
         "config": {**config, **({"engine_args": engine_args} if engine_args else {})},
-        "build": run.get("build"), "layout": layout, "hardware": run.get("hardware"), "torch": run.get("torch"),
+        "build": run.get("build"),
+        "layout": layout,
+        "hardware": run.get("hardware"),
+        "torch": run.get("torch"),
         "kvwarm": meta.as_dict(measured),
         "results": [_result(r, layout["data_parallel_size"]) for r in measured],
-        "skipped_points": [{"point": {"total_kv_read_tokens": r.total_kv_read_tokens, "batch_size": r.batch_size},
-                            "kv_seed_regime": r.kv_seed_regime, "reason": r.detail or ""}
-                           for r in rows if r.skipped],
+        "skipped_points": [
+            {
+                "point": r.point,
+                "kv_seed_regime": r.kv_seed_regime,
+                "reason": r.detail or "",
+            }
+            for r in rows
+            if r.skipped
+        ],
     }
+
+
+def point_key(point: dict) -> tuple:
+    """A point's identity across ranks and runs (rows of schema 1 and 2 are decode points)."""
+    return (
+        point.get("point_type", v.DECODE),
+        point["total_kv_read_tokens"],
+        point["batch_size"],
+        point.get("total_prefill_tokens", 0),
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value * 1e3:.4f}"
 
 
 def results_csv(results: list[dict]) -> bytes:
     text = io.StringIO()
     writer = csv.writer(text)
-    writer.writerow(["total_kv_read_tokens", "batch_size", "global_batch_size", "kv_seed_regime", "median_ms",
-                     "min_ms", "max_ms", "spread", "steady_ms", "sample_reasons"])
+    writer.writerow(
+        [
+            "point_type",
+            "total_kv_read_tokens",
+            "batch_size",
+            "total_prefill_tokens",
+            "global_batch_size",
+            "kv_seed_regime",
+            "median_ms",
+            "min_ms",
+            "max_ms",
+            "spread",
+            "steady_ms",
+            *(f"{phase}_ms" for phase in v.PHASES),
+            "expected_capture_size",
+            "padding_tokens",
+            "sample_reasons",
+        ]
+    )
     for row in results:
-        writer.writerow([row["point"]["total_kv_read_tokens"], row["point"]["batch_size"], row["global_batch_size"],
-                         row["kv_seed_regime"], f"{row['median_seconds'] * 1e3:.4f}",
-                         f"{row['min_seconds'] * 1e3:.4f}", f"{row['max_seconds'] * 1e3:.4f}",
-                         f"{row['spread']:.4f}", " ".join(f"{t * 1e3:.4f}" for t in row["steady_seconds"]),
-                         " ".join(row["sample_reasons"])])
+        kind, k, b, n = point_key(row["point"])
+        phases, graph = row.get("phases") or {}, row.get("graph") or {}
+        writer.writerow(
+            [
+                kind,
+                k,
+                b,
+                n,
+                row["global_batch_size"],
+                row["kv_seed_regime"],
+                _ms(row["median_seconds"]),
+                _ms(row["min_seconds"]),
+                _ms(row["max_seconds"]),
+                f"{row['spread']:.4f}",
+                " ".join(_ms(t) for t in row["steady_seconds"]),
+                *(_ms(phases.get(p)) for p in v.PHASES),
+                graph.get("expected_capture_size", ""),
+                graph.get("padding_tokens", ""),
+                " ".join(row["sample_reasons"]),
+            ]
+        )
     return text.getvalue().encode()
 
 

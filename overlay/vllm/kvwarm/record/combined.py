@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import vocabulary as v
-from .artifact import results_csv
+from .artifact import point_key, results_csv
 from .files import write_atomically
 
 LOCK = ".kvwarm-combine.lock"
@@ -46,8 +46,15 @@ def combine(ranks: list[dict | None]) -> dict:
     summary = []
     for rank, artifact in enumerate(ranks):
         status = artifact["status"] if artifact else v.RUNNING
-        summary.append({"rank": rank, "status": status, "rows": len(artifact["results"]) if artifact else 0,
-                        "error": artifact["error"] if artifact else None, "path": rank_path(rank)})
+        summary.append(
+            {
+                "rank": rank,
+                "status": status,
+                "rows": len(artifact["results"]) if artifact else 0,
+                "error": artifact["error"] if artifact else None,
+                "path": rank_path(rank),
+            }
+        )
     statuses = {s["status"] for s in summary}
     status = v.RUNNING if v.RUNNING in statuses else v.COMPLETE if statuses == {v.COMPLETE} else v.FAILED
     failed = [s for s in summary if s["status"] == v.FAILED]
@@ -56,29 +63,49 @@ def combine(ranks: list[dict | None]) -> dict:
     by_point: dict[tuple, list] = {}
     for rank, artifact in enumerate(ranks):
         for row in (artifact or {}).get("results", []):
-            key = (row["point"]["total_kv_read_tokens"], row["point"]["batch_size"])
+            key = point_key(row["point"])
             by_point.setdefault(key, []).append((rank, row))
     results = []
     for entries in by_point.values():
         base = dict(min(entries, key=lambda e: e[0])[1])  # rank 0's row where it has one
         medians = [row["median_seconds"] for _, row in entries]
-        base.update(median_seconds=max(medians), min_seconds=min(row["min_seconds"] for _, row in entries),
-                    max_seconds=max(row["max_seconds"] for _, row in entries),
-                    ranks=[{"rank": rank, "median_seconds": row["median_seconds"]} for rank, row in entries])
+        base.update(
+            median_seconds=max(medians),
+            min_seconds=min(row["min_seconds"] for _, row in entries),
+            max_seconds=max(row["max_seconds"] for _, row in entries),
+            ranks=[{"rank": rank, "median_seconds": row["median_seconds"]} for rank, row in entries],
+        )
         base["spread"] = (base["max_seconds"] - base["min_seconds"]) / base["median_seconds"]
         results.append(base)
     skipped = [{**s, "rank": rank} for rank, a in enumerate(ranks) for s in (a or {}).get("skipped_points", [])]
     finished = [a["finished_at"] for a in ranks if a and a["finished_at"]]
     return {
-        "schema_version": v.SCHEMA_VERSION, "artifact_type": v.COMBINED, "status": status, "error": error,
-        "ranks": summary, "started_at": first.get("started_at", ""),
+        "schema_version": v.SCHEMA_VERSION,
+        "artifact_type": v.COMBINED,
+        "status": status,
+        "error": error,
+        "ranks": summary,
+        "started_at": first.get("started_at", ""),
         "finished_at": max(finished, default=None) if status != v.RUNNING else None,
-        "config": first.get("config", {}), "build": first.get("build"), "torch": first.get("torch"),
+        "config": first.get("config", {}),
+        "build": first.get("build"),
+        "torch": first.get("torch"),
         "hardware": first.get("hardware"),
-        "layout": {**first.get("layout", {"data_parallel_size": len(ranks), "tensor_parallel_size": 1,
-                                          "pipeline_parallel_size": 1, "expert_parallel": False}),
-                   "data_parallel_rank": None},
-        "kvwarm": first.get("kvwarm", {}), "results": results, "skipped_points": skipped,
+        "layout": {
+            **first.get(
+                "layout",
+                {
+                    "data_parallel_size": len(ranks),
+                    "tensor_parallel_size": 1,
+                    "pipeline_parallel_size": 1,
+                    "expert_parallel": False,
+                },
+            ),
+            "data_parallel_rank": None,
+        },
+        "kvwarm": first.get("kvwarm", {}),
+        "results": results,
+        "skipped_points": skipped,
     }
 
 

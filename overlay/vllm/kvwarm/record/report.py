@@ -16,11 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import vocabulary as v
+from .artifact import point_key
 from .plot import figure, png_bytes
 from .runs import ReportError, Row, Run, labels_for, load_run
 
-MATPLOTLIB_HINT = ("matplotlib is not installed in this Python environment: `pip install matplotlib` "
-                   "there to get the plots (the sweep's JSON and CSV do not need it)")
+MATPLOTLIB_HINT = (
+    "matplotlib is not installed in this Python environment: `pip install matplotlib` "
+    "there to get the plots (the sweep's JSON and CSV do not need it)"
+)
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Comparison:
 def compare(base: Run, other: Run) -> Comparison:
     """Points joined by (K, B); a point measured twice in a run pairs with the other run's
     occurrences in order."""
-    pending: dict[tuple[int, int], list[Row]] = {}
+    pending: dict[tuple, list[Row]] = {}
     for row in other.rows:
         pending.setdefault(row.key, []).append(row)
     joined, only_base = [], []
@@ -57,20 +60,24 @@ def compare(base: Run, other: Run) -> Comparison:
     return Comparison(base, other, joined, only_base, only_other)
 
 
-def skip_reason(run: Run, key: tuple[int, int]) -> str:
+def skip_reason(run: Run, key: tuple) -> str:
     for s in run.artifact.get("skipped_points") or []:
         p = s.get("point") or {}
-        if (p.get("total_kv_read_tokens"), p.get("batch_size")) == key:
+        if "total_kv_read_tokens" in p and point_key(p) == key:
             return f"skipped there: {s.get('kv_seed_regime')}"
     return "not in its points"
 
 
 def comparison_text(c: Comparison) -> str:
-    lines = [f"B = {c.other.label} against A = {c.base.label}",
-             f"{'K':>9} {'B':>4}  {'A median ms':>11}  {'B median ms':>11}  {'B/A':>6}  A regime / B regime"]
+    lines = [
+        f"B = {c.other.label} against A = {c.base.label}",
+        f"{'K':>9} {'B':>4}  {'A median ms':>11}  {'B median ms':>11}  {'B/A':>6}  A regime / B regime",
+    ]
     for a, b in c.joined:
-        lines.append(f"{a.k:>9} {a.b:>4}  {a.median_ms:>11.3f}  {b.median_ms:>11.3f}  "
-                     f"{b.median_ms / a.median_ms:>6.3f}  {a.regime} / {b.regime}")
+        lines.append(
+            f"{a.k:>9} {a.b:>4}  {a.median_ms:>11.3f}  {b.median_ms:>11.3f}  "
+            f"{b.median_ms / a.median_ms:>6.3f}  {a.regime} / {b.regime}"
+        )
     mape = "n/a (no point in common)" if c.mape is None else f"{c.mape:.2f}%"
     lines.append(f"MAPE of B against A over {len(c.joined)} joined point(s): {mape}")
     for name, rows, run in (("A", c.only_base, c.other), ("B", c.only_other, c.base)):
@@ -79,9 +86,25 @@ def comparison_text(c: Comparison) -> str:
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ["run", "source", "status", "total_kv_read_tokens", "batch_size", "global_batch_size",
-               "kv_seed_regime", "median_ms", "min_ms", "max_ms", "spread", "steps", "steady_ms",
-               "sample_reasons", "baseline_run", "baseline_median_ms", "ratio_to_baseline"]
+CSV_COLUMNS = [
+    "run",
+    "source",
+    "status",
+    "total_kv_read_tokens",
+    "batch_size",
+    "global_batch_size",
+    "kv_seed_regime",
+    "median_ms",
+    "min_ms",
+    "max_ms",
+    "spread",
+    "steps",
+    "steady_ms",
+    "sample_reasons",
+    "baseline_run",
+    "baseline_median_ms",
+    "ratio_to_baseline",
+]
 
 
 def write_csv(runs: list[Run], comparisons: list[Comparison]) -> str:
@@ -94,12 +117,27 @@ def write_csv(runs: list[Run], comparisons: list[Comparison]) -> str:
     for run in runs:
         for row in run.rows:
             base = baseline.get(id(row))
-            writer.writerow([
-                run.label, run.source, run.status, row.k, row.b, row.global_b or "", row.regime,
-                f"{row.median_ms:.4f}", f"{row.min_ms:.4f}", f"{row.max_ms:.4f}", f"{row.spread:.4f}",
-                len(row.steps_ms), " ".join(f"{t:.4f}" for t in row.steps_ms), " ".join(row.reasons),
-                runs[0].label if base else "", f"{base.median_ms:.4f}" if base else "",
-                f"{row.median_ms / base.median_ms:.4f}" if base else ""])
+            writer.writerow(
+                [
+                    run.label,
+                    run.source,
+                    run.status,
+                    row.k,
+                    row.b,
+                    row.global_b or "",
+                    row.regime,
+                    f"{row.median_ms:.4f}",
+                    f"{row.min_ms:.4f}",
+                    f"{row.max_ms:.4f}",
+                    f"{row.spread:.4f}",
+                    len(row.steps_ms),
+                    " ".join(f"{t:.4f}" for t in row.steps_ms),
+                    " ".join(row.reasons),
+                    runs[0].label if base else "",
+                    f"{base.median_ms:.4f}" if base else "",
+                    f"{row.median_ms / base.median_ms:.4f}" if base else "",
+                ]
+            )
     return text.getvalue()
 
 
@@ -122,49 +160,90 @@ def _run_section(n: int, run: Run, png: str) -> str:
     a = run.artifact
     parts = [f"<h2>Run {n}: {html.escape(run.label)}</h2>"]
     if run.status in (v.FAILED, v.RUNNING):
-        what = ("FAILED: " + str(a.get("error") or "no error recorded") if run.status == v.FAILED
-                else "RUNNING: the sweep had not finished; these are the rows measured so far")
+        what = (
+            "FAILED: " + str(a.get("error") or "no error recorded")
+            if run.status == v.FAILED
+            else "RUNNING: the sweep had not finished; these are the rows measured so far"
+        )
         parts.append(f"<p class={run.status}>{html.escape(what)}</p>")
     config = a.get("config") or {}
-    resolved = (config.get("engine_args") or {}).get("resolved") if isinstance(config.get("engine_args"), dict) else None
-    info = [["file", run.source], ["status", run.status], ["schema version", a.get("schema_version")],
-            ["model", config.get("model", run.model)], ["build", run.build], ["layout", run.layout],
-            ["hardware", run.hardware], ["torch", a.get("torch") or "unknown"],
-            ["started / finished", f"{a.get('started_at') or 'unknown'} / {a.get('finished_at') or 'unknown'}"],
-            ["points file", config.get("points", "unknown")]]
+    resolved = (
+        (config.get("engine_args") or {}).get("resolved") if isinstance(config.get("engine_args"), dict) else None
+    )
+    info = [
+        ["file", run.source],
+        ["status", run.status],
+        ["schema version", a.get("schema_version")],
+        ["model", config.get("model", run.model)],
+        ["build", run.build],
+        ["layout", run.layout],
+        ["hardware", run.hardware],
+        ["torch", a.get("torch") or "unknown"],
+        ["started / finished", f"{a.get('started_at') or 'unknown'} / {a.get('finished_at') or 'unknown'}"],
+        ["points file", config.get("points", "unknown")],
+    ]
     if resolved:
         info.append(["engine (resolved)", ", ".join(f"{k}={v}" for k, v in sorted(resolved.items()))])
     parts.append(_table(["", ""], info, left=2))
     parts.append(f'<p><img src="{png}" alt="step time against K for {html.escape(run.label)}"></p>')
     header = ["K", "B", "regime", "median ms", "min ms", "max ms", "spread", "steps", "sample reasons"]
-    lines = [[r.k, r.b, r.regime, f"{r.median_ms:.3f}", f"{r.min_ms:.3f}", f"{r.max_ms:.3f}",
-              f"{100 * r.spread:.1f}%", len(r.steps_ms), " ".join(r.reasons)] for r in run.rows]
+    lines = [
+        [
+            r.k,
+            r.b,
+            r.regime,
+            f"{r.median_ms:.3f}",
+            f"{r.min_ms:.3f}",
+            f"{r.max_ms:.3f}",
+            f"{100 * r.spread:.1f}%",
+            len(r.steps_ms),
+            " ".join(r.reasons),
+        ]
+        for r in run.rows
+    ]
     if any(r.ranks for r in run.rows):  # combined view: the row's median is the slowest rank's
         header.append("median ms per rank")
         for line, r in zip(lines, run.rows):
             line.append(" ".join(f"{x.get('rank')}: {1e3 * x.get('median_seconds', 0):.3f}" for x in r.ranks or []))
     parts.append(_table(header, lines))
-    skipped = [[(s.get("point") or {}).get("total_kv_read_tokens"), (s.get("point") or {}).get("batch_size"),
-                s.get("kv_seed_regime"), s.get("reason")] for s in a.get("skipped_points") or []]
+    skipped = [
+        [
+            (s.get("point") or {}).get("total_kv_read_tokens"),
+            (s.get("point") or {}).get("batch_size"),
+            s.get("kv_seed_regime"),
+            s.get("reason"),
+        ]
+        for s in a.get("skipped_points") or []
+    ]
     if skipped:
         parts.append("<h3>Skipped points</h3>" + _table(["K", "B", "regime", "reason"], skipped))
     if a.get("ranks"):
-        ranks = [[r.get("rank"), r.get("status"), r.get("rows"), r.get("path"), r.get("error") or ""]
-                 for r in a["ranks"]]
+        ranks = [
+            [r.get("rank"), r.get("status"), r.get("rows"), r.get("path"), r.get("error") or ""] for r in a["ranks"]
+        ]
         parts.append("<h3>Data-parallel ranks</h3>" + _table(["rank", "status", "rows", "path", "error"], ranks))
     return "\n".join(parts)
 
 
 def _comparison_section(n: int, c: Comparison, png: str) -> str:
     mape = "n/a (no point in common)" if c.mape is None else f"{c.mape:.2f}%"
-    lines = [[a.k, a.b, f"{a.median_ms:.3f}", f"{b.median_ms:.3f}", f"{b.median_ms / a.median_ms:.3f}",
-              a.regime, b.regime] for a, b in c.joined]
-    parts = [f"<h2>Run {n} (B: {html.escape(c.other.label)}) against run 1 (A: {html.escape(c.base.label)})</h2>",
-             f"<p><b>MAPE of B against A: {mape}</b> over {len(c.joined)} joined point(s) "
-             "(mean of |B − A| / A of the medians)</p>",
-             _table(["K", "B", "A median ms", "B median ms", "B/A", "A regime", "B regime"], lines)]
-    unmatched = [[r.k, r.b, f"only in {name}", skip_reason(run, r.key)]
-                 for name, rows, run in (("A", c.only_base, c.other), ("B", c.only_other, c.base)) for r in rows]
+    lines = [
+        [a.k, a.b, f"{a.median_ms:.3f}", f"{b.median_ms:.3f}", f"{b.median_ms / a.median_ms:.3f}", a.regime, b.regime]
+        for a, b in c.joined
+    ]
+    parts = [
+        f"<h2>Run {n} (B: {html.escape(c.other.label)}) against run 1 (A: {html.escape(c.base.label)})</h2>",
+        (
+            f"<p><b>MAPE of B against A: {mape}</b> over {len(c.joined)} joined point(s) "
+            "(mean of |B − A| / A of the medians)</p>"
+        ),
+        _table(["K", "B", "A median ms", "B median ms", "B/A", "A regime", "B regime"], lines),
+    ]
+    unmatched = [
+        [r.k, r.b, f"only in {name}", skip_reason(run, r.key)]
+        for name, rows, run in (("A", c.only_base, c.other), ("B", c.only_other, c.base))
+        for r in rows
+    ]
     if unmatched:
         parts.append("<h3>Unmatched points</h3>" + _table(["K", "B", "", "why"], unmatched))
     parts.append(f'<p><img src="{png}" alt="A and B overlaid"></p>')
@@ -185,10 +264,13 @@ def render(runs: list[Run], comparisons: list[Comparison], out: Path) -> list[Pa
         (out / name).write_bytes(png_bytes(figure([run])))
         written.append(out / name)
         sections.append(_run_section(n, run, name))
-    page = (f"<!doctype html><html><head><meta charset=utf-8><title>kvwarm sweep report</title>"
-            f"<style>{STYLE}</style></head><body><h1>kvwarm sweep report</h1>"
-            f"<p>{len(runs)} run(s); made by <code>python -m vllm.kvwarm report</code>.</p>\n"
-            + "\n".join(sections) + "</body></html>\n")
+    page = (
+        f"<!doctype html><html><head><meta charset=utf-8><title>kvwarm sweep report</title>"
+        f"<style>{STYLE}</style></head><body><h1>kvwarm sweep report</h1>"
+        f"<p>{len(runs)} run(s); made by <code>python -m vllm.kvwarm report</code>.</p>\n"
+        + "\n".join(sections)
+        + "</body></html>\n"
+    )
     (out / "report.html").write_text(page)
     (out / "report.csv").write_text(write_csv(runs, comparisons))
     return [out / "report.html", out / "report.csv", *written]
@@ -198,11 +280,13 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m vllm.kvwarm report",
         description="Render sweep artifacts into report.html (PNG plots) and report.csv; with two or "
-                    "more, compare each with the first (per-point ratio of medians, MAPE).")
+        "more, compare each with the first (per-point ratio of medians, MAPE).",
+    )
     p.add_argument("dirs", nargs="+", metavar="DIR", help="a sweep's --out folder, or its sweep.json")
     p.add_argument("--out", default="kvwarm-report", help="folder for the report (default: ./kvwarm-report)")
-    p.add_argument("--allow-running", action="store_true",
-                   help="render an artifact whose sweep has not finished (marked running)")
+    p.add_argument(
+        "--allow-running", action="store_true", help="render an artifact whose sweep has not finished (marked running)"
+    )
     return p
 
 
@@ -226,8 +310,11 @@ def run(argv: list[str]) -> int:
     for n, r in enumerate(runs, start=1):
         print(f"run {n}: {r.label} ({r.source}): {r.status}, {len(r.rows)} measured point(s), {r.describe()}")
         if r.status == v.FAILED:
-            print(f"kvwarm report: warning: {r.source}: the sweep failed ({r.artifact.get('error')}); "
-                  f"rendering the {len(r.rows)} row(s) it measured, marked failed", file=sys.stderr)
+            print(
+                f"kvwarm report: warning: {r.source}: the sweep failed ({r.artifact.get('error')}); "
+                f"rendering the {len(r.rows)} row(s) it measured, marked failed",
+                file=sys.stderr,
+            )
     comparisons = [compare(runs[0], r) for r in runs[1:]]
     for c in comparisons:
         print()

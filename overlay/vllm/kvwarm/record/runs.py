@@ -13,7 +13,7 @@ from pathlib import Path
 from . import vocabulary as v
 from .artifact import KvwarmMeta
 
-READS = (1, 2)  # schema versions this reader knows; fields it does not know are ignored
+READS = (1, 2, 3)  # schema versions this reader knows; fields it does not know are ignored
 
 
 class ReportError(ValueError):
@@ -32,10 +32,13 @@ class Row:
     reasons: list[str]
     global_b: int | None = None  # v2: B over every data-parallel rank
     ranks: list[dict] | None = None  # v2 combined: each rank's median
+    kind: str = v.DECODE  # v3: decode | prefill
+    n: int = 0  # v3 prefill: the new tokens of the step
+    phases_ms: dict[str, float] = field(default_factory=dict)  # v3: median per phase
 
     @property
-    def key(self) -> tuple[int, int]:
-        return self.k, self.b
+    def key(self) -> tuple:
+        return self.kind, self.k, self.b, self.n
 
     @property
     def spread(self) -> float:
@@ -76,8 +79,10 @@ class Run:
         if not layout:
             return "unknown"
         ep = {True: "on", False: "off"}.get(layout.get("expert_parallel"), "?")
-        return (f"TP{layout.get('tensor_parallel_size', '?')} PP{layout.get('pipeline_parallel_size', '?')} "
-                f"DP{layout.get('data_parallel_size', '?')} EP {ep}")
+        return (
+            f"TP{layout.get('tensor_parallel_size', '?')} PP{layout.get('pipeline_parallel_size', '?')} "
+            f"DP{layout.get('data_parallel_size', '?')} EP {ep}"
+        )
 
     @property
     def hardware(self) -> str:
@@ -111,9 +116,11 @@ def locate(arg: str) -> Path:
             return path / v.ARTIFACT
         ranks = sorted(p.parent.name for p in path.glob(f"dp*/{v.ARTIFACT}"))
         if ranks:
-            raise ReportError(f"{path}: holds per-rank artifacts ({', '.join(ranks)}) but no combined "
-                              f"sweep.json; pass one rank's folder (e.g. {path / ranks[0]}) or let the "
-                              "sweep finish writing the combined view")
+            raise ReportError(
+                f"{path}: holds per-rank artifacts ({', '.join(ranks)}) but no combined "
+                f"sweep.json; pass one rank's folder (e.g. {path / ranks[0]}) or let the "
+                "sweep finish writing the combined view"
+            )
         raise ReportError(f"{path}: no sweep.json in this folder; pass a sweep's --out folder or its sweep.json")
     if not path.exists():
         raise ReportError(f"{path}: not found; pass a sweep's --out folder or its sweep.json")
@@ -124,43 +131,77 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def read_rows(artifact: dict, source: str) -> list[Row]:
-    """The measured rows of a v1 or v2 artifact; min and max come from the timed steps
+    """The measured rows of a v1, v2 or v3 artifact; min and max come from the timed steps
     where the artifact does not record them (v1)."""
     results = artifact.get("results")
     if not isinstance(results, list):
-        raise ReportError(f"{source}: not a sweep artifact ('results' is not a list); pass the "
-                          "sweep.json that `python -m vllm.kvwarm sweep` wrote")
+        raise ReportError(
+            f"{source}: not a sweep artifact ('results' is not a list); pass the "
+            "sweep.json that `python -m vllm.kvwarm sweep` wrote"
+        )
     rows = []
     for i, r in enumerate(results):
         where = f"{source}: results[{i}]"
         point = r.get("point") if isinstance(r, dict) else None
         steps = r.get("steady_seconds") if isinstance(r, dict) else None
-        if (not isinstance(point, dict) or not all(isinstance(point.get(n), int) and point[n] > 0
-                                                   for n in ("total_kv_read_tokens", "batch_size"))
-                or not isinstance(r.get("kv_seed_regime"), str)
-                or not isinstance(steps, list) or not steps or not all(_number(t) for t in steps)):
-            raise ReportError(f"{where}: not a measured row (it needs point.total_kv_read_tokens, "
-                              "point.batch_size, kv_seed_regime and a non-empty steady_seconds); the "
-                              "file was not written by the sweep or was edited")
+        if (
+            not isinstance(point, dict)
+            or not _count(point.get("total_kv_read_tokens"))
+            or not _count(point.get("batch_size"))
+            or point["batch_size"] < 1
+            or point.get("point_type", v.DECODE) not in v.POINT_TYPES
+            or not isinstance(r.get("kv_seed_regime"), str)
+            or not isinstance(steps, list)
+            or not steps
+            or not all(_number(t) for t in steps)
+        ):
+            raise ReportError(
+                f"{where}: not a measured row (it needs point.total_kv_read_tokens, "
+                "point.batch_size, kv_seed_regime and a non-empty steady_seconds); the "
+                "file was not written by the sweep or was edited"
+            )
         median = r.get("median_seconds")
         median = median if _number(median) else statistics.median(steps)
         lo = r.get("min_seconds") if _number(r.get("min_seconds")) else min(steps)
         hi = r.get("max_seconds") if _number(r.get("max_seconds")) else max(steps)
-        rows.append(Row(point["total_kv_read_tokens"], point["batch_size"], r["kv_seed_regime"],
-                        [t * 1e3 for t in steps], median * 1e3, lo * 1e3, hi * 1e3,
-                        list(r.get("sample_reasons") or []), r.get("global_batch_size"), r.get("ranks")))
+        phases = r.get("phases") if isinstance(r.get("phases"), dict) else {}
+        rows.append(
+            Row(
+                point["total_kv_read_tokens"],
+                point["batch_size"],
+                r["kv_seed_regime"],
+                [t * 1e3 for t in steps],
+                median * 1e3,
+                lo * 1e3,
+                hi * 1e3,
+                list(r.get("sample_reasons") or []),
+                r.get("global_batch_size"),
+                r.get("ranks"),
+                point.get("point_type", v.DECODE),
+                point.get("total_prefill_tokens", 0) if _count(point.get("total_prefill_tokens")) else 0,
+                {p: t * 1e3 for p, t in phases.items() if _number(t)},
+            )
+        )
     return rows
 
 
 def from_artifact(artifact: dict, label: str, source: str) -> Run:
     version = artifact.get("schema_version")
     if isinstance(version, bool) or not isinstance(version, int):
-        raise ReportError(f"{source}: not a sweep artifact (no integer schema_version); pass the "
-                          "sweep.json that `python -m vllm.kvwarm sweep` wrote")
+        raise ReportError(
+            f"{source}: not a sweep artifact (no integer schema_version); pass the "
+            "sweep.json that `python -m vllm.kvwarm sweep` wrote"
+        )
     if version not in READS:
-        raise ReportError(f"{source}: schema_version {version}; this report reads versions up to "
-                          f"{max(READS)}: render it with the vLLM kvwarm build that wrote it, or a newer one")
+        raise ReportError(
+            f"{source}: schema_version {version}; this report reads versions up to "
+            f"{max(READS)}: render it with the vLLM kvwarm build that wrote it, or a newer one"
+        )
     return Run(label, source, artifact, read_rows(artifact, source))
 
 
@@ -169,18 +210,22 @@ def load_run(arg: str, allow_running: bool = False, label: str | None = None) ->
     try:
         artifact = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ReportError(f"{path}: not valid JSON ({err}); it is not a sweep artifact, or was cut "
-                          "short: run the sweep again") from None
+        raise ReportError(
+            f"{path}: not valid JSON ({err}); it is not a sweep artifact, or was cut short: run the sweep again"
+        ) from None
     if not isinstance(artifact, dict):
         raise ReportError(f"{path}: not a sweep artifact (a JSON {type(artifact).__name__}, not an object)")
     run = from_artifact(artifact, label or labels_for([arg])[0], str(path))
     if run.status == v.RUNNING and not allow_running:
-        raise ReportError(f"{path}: status 'running': the sweep has not finished (or was killed before "
-                          "it could record why); wait for it, or pass --allow-running to render the "
-                          f"{len(run.rows)} row(s) measured so far")
+        raise ReportError(
+            f"{path}: status 'running': the sweep has not finished (or was killed before "
+            "it could record why); wait for it, or pass --allow-running to render the "
+            f"{len(run.rows)} row(s) measured so far"
+        )
     if run.status not in v.STATUSES:
-        raise ReportError(f"{path}: status {run.status!r} is none of complete, failed, running; "
-                          "not an artifact the sweep wrote")
+        raise ReportError(
+            f"{path}: status {run.status!r} is none of complete, failed, running; not an artifact the sweep wrote"
+        )
     return run
 
 

@@ -19,64 +19,124 @@ def _object(required: dict, optional: dict | None = None) -> dict:
     return {"type": "object", "required": list(required), "properties": {**required, **(optional or {})}}
 
 
-POINT = _object({"total_kv_read_tokens": POSITIVE, "batch_size": POSITIVE})
-DATASET = _object({"path": {"type": "string"}, "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
-                   "collection_pool": {"type": "string"}, "conversations": POSITIVE})
-KVWARM = _object({
-    "enabled": {"type": "boolean"},
-    "warm_eligible": {"type": "boolean"},
-    "skip_reason": NULLABLE_STRING,
-    "points_real_kv": COUNT,
-    "points_fake_fallback": COUNT,
-    "giant_kv_repeats": POSITIVE,
-    "state_mode_requested": NULLABLE_STRING,
-    "state_mode": {"enum": [v.COPY, v.INPLACE, v.EXACT, None]},
-    "reset_prefix_cache": {"type": ["boolean", "null"]},
-    "dataset": {"oneOf": [{"type": "null"}, DATASET]},
-    "stages": {"type": "array", "items": _object({"batch": POSITIVE, "depth": POSITIVE, "build_seconds": SECONDS})},
-    "giant_kv_threshold": {"type": ["integer", "null"], "minimum": 0},
-}, {"noisy_spread": {"type": ["number", "null"], "minimum": 0}})
-RESULT = _object({
-    "point": POINT,
-    "kv_seed_regime": {"enum": list(v.REGIMES)},
-    "sample_reasons": {"type": "array", "items": {"type": "string"}},
-    "steady_seconds": {"type": "array", "items": SECONDS, "minItems": 1},
-    "median_seconds": SECONDS,
-    "global_batch_size": POSITIVE,
-    "min_seconds": SECONDS,
-    "max_seconds": SECONDS,
-    "spread": SECONDS,
-}, {"ranks": {"type": "array", "items": _object({"rank": COUNT, "median_seconds": SECONDS})}})
-SKIPPED = _object({"point": POINT, "kv_seed_regime": {"type": "string", "pattern": f"^{v.SKIP_PREFIX}"},
-                   "reason": {"type": "string"}})
-LAYOUT = _object({"data_parallel_size": POSITIVE, "data_parallel_rank": {"type": ["integer", "null"], "minimum": 0},
-                  "tensor_parallel_size": POSITIVE, "pipeline_parallel_size": POSITIVE,
-                  "expert_parallel": {"type": "boolean"}})
-HARDWARE = {"type": ["object", "null"], "properties": {
-    "cpu": {"type": "string"}, "cores": {"type": ["integer", "null"]}, "gpus": {"type": "array"},
-    "driver": NULLABLE_STRING, "cuda_runtime": NULLABLE_STRING}}
-RANK_SUMMARY = _object({"rank": COUNT, "status": {"enum": list(v.STATUSES)}, "rows": COUNT, "error": NULLABLE_STRING,
-                        "path": {"type": "string"}})
+POINT = _object(
+    {"total_kv_read_tokens": COUNT, "batch_size": POSITIVE},
+    {"point_type": {"enum": list(v.POINT_TYPES)}, "total_prefill_tokens": COUNT},
+)
+NULLABLE_SECONDS = {"type": ["number", "null"], "minimum": 0}
+PHASES = {
+    "type": ["object", "null"],
+    "properties": {p: NULLABLE_SECONDS for p in v.PHASES},
+    "additionalProperties": False,
+}
+GRAPH = {
+    "type": ["object", "null"],
+    "properties": {
+        "expected_cudagraph_mode": NULLABLE_STRING,
+        "expected_capture_size": {"type": ["integer", "null"]},
+        "padding_tokens": {"type": ["integer", "null"], "minimum": 0},
+        "reasons": {"type": "array", "items": {"enum": list(v.GRAPH_REASONS)}},
+        "observed_cudagraph_mode": NULLABLE_STRING,
+        "observed_size": {"type": ["integer", "null"]},
+    },
+}
+DATASET = _object(
+    {
+        "path": {"type": "string"},
+        "sha256": {"type": "string", "pattern": "^[0-9a-f]{64}$"},
+        "collection_pool": {"type": "string"},
+        "conversations": POSITIVE,
+    }
+)
+KVWARM = _object(
+    {
+        "enabled": {"type": "boolean"},
+        "warm_eligible": {"type": "boolean"},
+        "skip_reason": NULLABLE_STRING,
+        "points_real_kv": COUNT,
+        "points_fake_fallback": COUNT,
+        "giant_kv_repeats": POSITIVE,
+        "state_mode_requested": NULLABLE_STRING,
+        "state_mode": {"enum": [v.COPY, v.INPLACE, v.EXACT, None]},
+        "reset_prefix_cache": {"type": ["boolean", "null"]},
+        "dataset": {"oneOf": [{"type": "null"}, DATASET]},
+        "stages": {"type": "array", "items": _object({"batch": POSITIVE, "depth": POSITIVE, "build_seconds": SECONDS})},
+        "giant_kv_threshold": {"type": ["integer", "null"], "minimum": 0},
+    },
+    {"noisy_spread": {"type": ["number", "null"], "minimum": 0}},
+)
+RESULT = _object(
+    {
+        "point": POINT,
+        "kv_seed_regime": {"enum": [*v.REGIMES, *v.PREFILL_REGIMES]},
+        "sample_reasons": {"type": "array", "items": {"type": "string"}},
+        "steady_seconds": {"type": "array", "items": SECONDS, "minItems": 1},
+        "median_seconds": SECONDS,
+        "global_batch_size": POSITIVE,
+        "min_seconds": SECONDS,
+        "max_seconds": SECONDS,
+        "spread": SECONDS,
+    },
+    {
+        "ranks": {"type": "array", "items": _object({"rank": COUNT, "median_seconds": SECONDS})},
+        "phases": PHASES,
+        "graph": GRAPH,
+    },
+)
+SKIPPED = _object(
+    {"point": POINT, "kv_seed_regime": {"type": "string", "pattern": f"^{v.SKIP_PREFIX}"}, "reason": {"type": "string"}}
+)
+LAYOUT = _object(
+    {
+        "data_parallel_size": POSITIVE,
+        "data_parallel_rank": {"type": ["integer", "null"], "minimum": 0},
+        "tensor_parallel_size": POSITIVE,
+        "pipeline_parallel_size": POSITIVE,
+        "expert_parallel": {"type": "boolean"},
+    }
+)
+HARDWARE = {
+    "type": ["object", "null"],
+    "properties": {
+        "cpu": {"type": "string"},
+        "cores": {"type": ["integer", "null"]},
+        "gpus": {"type": "array"},
+        "driver": NULLABLE_STRING,
+        "cuda_runtime": NULLABLE_STRING,
+    },
+}
+RANK_SUMMARY = _object(
+    {
+        "rank": COUNT,
+        "status": {"enum": list(v.STATUSES)},
+        "rows": COUNT,
+        "error": NULLABLE_STRING,
+        "path": {"type": "string"},
+    }
+)
 
 SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "kvwarm sweep artifact (one rank's, or the combined view of every DP rank)",
-    **_object({
-        "schema_version": {"const": v.SCHEMA_VERSION},
-        "artifact_type": {"enum": [v.RANK, v.COMBINED]},
-        "status": {"enum": list(v.STATUSES)},
-        "error": NULLABLE_STRING,
-        "started_at": {"type": "string"},
-        "finished_at": NULLABLE_STRING,
-        "config": {"type": "object", "properties": {"engine_args": {"type": "object"}}},
-        "build": {"type": ["object", "null"]},
-        "layout": LAYOUT,
-        "hardware": HARDWARE,
-        "torch": NULLABLE_STRING,
-        "kvwarm": KVWARM,
-        "results": {"type": "array", "items": RESULT},
-        "skipped_points": {"type": "array", "items": SKIPPED},
-    }, {"ranks": {"type": "array", "items": RANK_SUMMARY}}),
+    **_object(
+        {
+            "schema_version": {"const": v.SCHEMA_VERSION},
+            "artifact_type": {"enum": [v.RANK, v.COMBINED]},
+            "status": {"enum": list(v.STATUSES)},
+            "error": NULLABLE_STRING,
+            "started_at": {"type": "string"},
+            "finished_at": NULLABLE_STRING,
+            "config": {"type": "object", "properties": {"engine_args": {"type": "object"}}},
+            "build": {"type": ["object", "null"]},
+            "layout": LAYOUT,
+            "hardware": HARDWARE,
+            "torch": NULLABLE_STRING,
+            "kvwarm": KVWARM,
+            "results": {"type": "array", "items": RESULT},
+            "skipped_points": {"type": "array", "items": SKIPPED},
+        },
+        {"ranks": {"type": "array", "items": RANK_SUMMARY}},
+    ),
 }
 
 

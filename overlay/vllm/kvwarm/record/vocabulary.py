@@ -7,19 +7,37 @@ never rename one; add new words here.
 from __future__ import annotations
 
 # --- the artifact --------------------------------------------------------------------------
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 ARTIFACT = "sweep.json"
 ARTIFACT_CSV = "sweep.csv"
 ARTIFACT_PNG = "sweep.png"
-RANK, COMBINED = "rank", "combined"  # artifact_type
+# artifact_type: our own tags (schema 3 on); schema 1 and 2 said "rank" / "combined", which
+# is also the tag of Dynamo's self-benchmark artifact, a file of another shape.
+RANK, COMBINED = "kvwarm.rank", "kvwarm.combined"
+OLD_ARTIFACT_TYPES = {"rank": RANK, "combined": COMBINED}
 RUNNING, COMPLETE, FAILED = "running", "complete", "failed"  # status
 STATUSES = (RUNNING, COMPLETE, FAILED)
+
+# --- a point's kind (point.point_type) --------------------------------------------------------
+DECODE, PREFILL = "decode", "prefill"
+POINT_TYPES = (DECODE, PREFILL)
+
+# --- the phases of a timed step (a row's `phases`: the median of each over its timed steps) ---
+# schedule: vLLM's own schedule(); forward: from its end to update_from_output (the executor:
+# model and sampler); update: update_from_output; sweep: what the sweep and the adapter did in
+# the step; other: the rest of the step's wall time (the engine loop, output processing).
+PHASES = ("schedule", "forward", "update", "sweep", "other")
 
 # --- kv_seed_regime: what the KV a row's steps read was ------------------------------------
 REAL_KV = "real_kv"  # borrowed from chains of real text
 FAKE_FALLBACK = "fake_fallback"  # warm-up on, but no chain covers the point: fake KV
 LEGACY = "legacy"  # warm-up off: every point on fake KV (the A/B baseline)
 REGIMES = (REAL_KV, FAKE_FALLBACK, LEGACY)
+# prefill points: what the prefix a step reads was
+REAL_PREFIX = "real_prefix"  # a prefix-cache hit on chains of real text
+FAKE_PREFIX = "fake_prefix"  # blocks registered and hashed, never computed
+NOT_APPLICABLE = "not_applicable"  # no prefix (P = 0)
+PREFILL_REGIMES = (REAL_PREFIX, FAKE_PREFIX, NOT_APPLICABLE)
 SKIP_PREFIX = "skip:"  # a skipped point's regime is skip:<reason>
 
 
@@ -39,6 +57,10 @@ CONTEXT_CLAMPED = "context_clamped"  # 1-token contexts admitted at 1: the row h
 # An in-place shadow advanced its chain's recurrent state: later points of the rung read
 # the state of more tokens than the chain holds (docs/state-handoff.md).
 STATE_DRIFTED = "kvwarm_state_drifted"
+STAMP_PREFILL_REAL_SEED = "prefill_real_seed"
+STAMP_PREFILL_FAKE_PREFIX = "prefill_fake_prefix"
+# The graph the step ran (where the runner says) is not the one the row expects.
+GRAPH_MISMATCH = "kvwarm_graph_mismatch"
 STATE_STAMP_PREFIX = "kvwarm_state_"
 STATE_DEPTH_STAMP = "kvwarm_state_depth="
 
@@ -71,6 +93,22 @@ CONTENT_TOO_SHALLOW = "content_too_shallow"  # written "content_too_shallow: H <
 # --- why a point was skipped (skip:<reason>) -------------------------------------------------
 POINT_SKIP_REASON = "decode_injection_failed"  # a shadow (or fake request) could not be registered
 BATCH_SIZE_MISMATCH = "measured_batch_size_mismatch"  # a timed step ran other than the point's B
+PREFILL_TOKENS_MISMATCH = "measured_prefill_tokens_mismatch"  # the step computed other than N new tokens
+KV_READ_MISMATCH = "measured_kv_read_mismatch"  # the prefix hit was not P tokens
+PREFILL_INJECTION_FAILED = "prefill_injection_failed"
+FAKE_PREFIX_ALLOCATION_FAILED = "fake_prefix_cache_allocation_failed"
+FAKE_PREFIX_VALIDATION_FAILED = "fake_prefix_cache_validation_failed"
+REAL_SEED_INJECTION_FAILED = "real_seed_injection_failed"
+REAL_SEED_WARM_INJECTION_FAILED = "real_seed_warm_injection_failed"
+REAL_SEED_VALIDATION_FAILED = "real_seed_cache_validation_failed"
+
+# --- the graph a point's steps run in (a row's graph.reasons) --------------------------------
+CAPTURE = "capture"  # B (decode) or N (prefill) is a capture size
+POST_CAPTURE = "post_capture"  # one past a capture size: the next graph, padded
+EAGER_TAIL = "eager_tail"  # beyond the largest capture size: eager
+CUDAGRAPH_DISABLED = "cudagraph_disabled"  # no graphs at all (enforce_eager, CPU)
+ENGINE_LIMIT = "engine_limit"  # the engine's largest batch or token count
+GRAPH_REASONS = (CAPTURE, POST_CAPTURE, EAGER_TAIL, CUDAGRAPH_DISABLED, ENGINE_LIMIT)
 
 # --- why a shadow registration was refused (the detail of decode_injection_failed) ---------
 CHAIN_TOO_SHALLOW = "chain_too_shallow"

@@ -30,21 +30,30 @@ class CatchUps:
     short: str | None = None  # why none were added (the pool); the point is then skipped
 
 
-def start_catchups(scheduler, plan: PointPlan, chains: list, contexts: list[int], steady_steps: int,
-                   config: SweepConfig, name: str) -> CatchUps:
+def start_catchups(
+    scheduler, plan: PointPlan, chains: list, contexts: list[int], steady_steps: int, config: SweepConfig, name: str
+) -> CatchUps:
     """A catch-up per shadow, added to the scheduler where the pool holds them; `name`
     tells the requests of this point apart ({name}_{i})."""
     kvm = scheduler.kv_cache_manager
     layouts = group_layouts(kvm)
-    requests = [catchup_request(scheduler, chain, ctx, f"{name}_{i}")
-                for i, (chain, ctx) in enumerate(zip(chains, contexts))]
-    need = sum(catchup_blocks(layouts, ctx, cached_tokens(kvm, r))
-               + shadow_private_blocks(layouts, ctx, steady_steps, config.hand_off == COPY)
-               for r, ctx in zip(requests, contexts))
+    requests = [
+        catchup_request(scheduler, chain, ctx, f"{name}_{i}") for i, (chain, ctx) in enumerate(zip(chains, contexts))
+    ]
+    need = sum(
+        catchup_blocks(layouts, ctx, cached_tokens(kvm, r))
+        + shadow_private_blocks(layouts, ctx, steady_steps, config.hand_off == COPY)
+        for r, ctx in zip(requests, contexts)
+    )
     short = pool_shortfall(need, kvm.block_pool.get_num_free_blocks())
     if short:
-        return CatchUps(plan, contexts, steady_steps, [], short=(
-            f"{POOL_EXHAUSTED}: {short} more free block(s) needed for the catch-up chains and shadows"))
+        return CatchUps(
+            plan,
+            contexts,
+            steady_steps,
+            [],
+            short=(f"{POOL_EXHAUSTED}: {short} more free block(s) needed for the catch-up chains and shadows"),
+        )
     for request in requests:
         scheduler.add_request(request)
     return CatchUps(plan, contexts, steady_steps, requests)
@@ -60,5 +69,11 @@ def park_caught_up(scheduler, catchups: CatchUps) -> bool:
 
 def catchup_admission(catchups: CatchUps, chains: list, config: SweepConfig) -> Admission:
     """The point's shadows, borrowing from the catch-ups; their prompts are the chains' text."""
-    return Admission(catchups.requests, catchups.contexts, steady_steps=catchups.steady_steps, fork=config.fork,
-                     state_mode=config.state_lending, prompt_chains=chains)
+    return Admission(
+        catchups.requests,
+        catchups.contexts,
+        steady_steps=catchups.steady_steps,
+        fork=config.fork,
+        state_mode=config.state_lending,
+        prompt_chains=chains,
+    )

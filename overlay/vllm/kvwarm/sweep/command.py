@@ -33,11 +33,14 @@ POLL_SECONDS = 1.0
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m vllm.kvwarm sweep", description="Decode step times at (batch, KV) points with real KV.",
+        prog="python -m vllm.kvwarm sweep",
+        description="Decode step times at (batch, KV) points with real KV.",
         epilog="Every other argument is a vLLM engine argument, as for `vllm serve` (e.g. --model DIR "
-               "--max-model-len N --enforce-eager).")
-    p.add_argument("--points", required=True, help='{"schema_version":1,"decode":[{"total_kv_read_tokens":K,'
-                                                   '"batch_size":B}]}')
+        "--max-model-len N --enforce-eager).",
+    )
+    p.add_argument(
+        "--points", required=True, help='{"schema_version":1,"decode":[{"total_kv_read_tokens":K,"batch_size":B}]}'
+    )
     p.add_argument("--out", required=True, help="folder for sweep.json, sweep.csv and sweep.png")
     return p
 
@@ -56,8 +59,11 @@ def engine_args_from(argv: list[str], spec: dict):
 
 def run(argv: list[str]) -> int:
     args, engine_argv = parser().parse_known_args(argv)
-    spec = {"points": str(Path(args.points).resolve()), "out": str(Path(args.out).resolve()),
-            "engine_args": engine_argv}  # recorded as given
+    spec = {
+        "points": str(Path(args.points).resolve()),
+        "out": str(Path(args.out).resolve()),
+        "engine_args": engine_argv,
+    }  # recorded as given
     writer = new_writer(spec["out"], {"points": spec["points"], "engine_args": {"given": engine_argv}}, os.environ)
     try:
         read_inputs(spec["points"])  # max_model_len is checked again once the engine knows it
@@ -69,13 +75,19 @@ def run(argv: list[str]) -> int:
     engine_args = engine_args_from(engine_argv, spec)
     if engine_args.data_parallel_size > 1:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            print("kvwarm sweep: --data-parallel-size > 1 needs the engine cores in vLLM's own processes; "
-                  "unset VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 1)", file=sys.stderr)
+            print(
+                "kvwarm sweep: --data-parallel-size > 1 needs the engine cores in vLLM's own processes; "
+                "unset VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 1)",
+                file=sys.stderr,
+            )
             writer.write(v.FAILED, "data parallel with VLLM_ENABLE_V1_MULTIPROCESSING=0")
             return 2
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        print(f"kvwarm sweep: {engine_args.data_parallel_size} data-parallel ranks, each writing "
-              f"{spec['out']}/dp<R>/; waiting for the combined {spec['out']}/sweep.json", flush=True)
+        print(
+            f"kvwarm sweep: {engine_args.data_parallel_size} data-parallel ranks, each writing "
+            f"{spec['out']}/dp<R>/; waiting for the combined {spec['out']}/sweep.json",
+            flush=True,
+        )
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -149,7 +161,9 @@ def _wait(engine, artifact: Path) -> str:
         if status in (v.COMPLETE, v.FAILED):
             return status
         if _engine_dead(engine):
-            print("kvwarm sweep: an engine core died before the sweep's artifact was final; see its log above",
-                  file=sys.stderr)
+            print(
+                "kvwarm sweep: an engine core died before the sweep's artifact was final; see its log above",
+                file=sys.stderr,
+            )
             return "engine died"
         time.sleep(POLL_SECONDS)

@@ -71,10 +71,17 @@ END_WAIT_SECONDS = 60.0
 
 
 class Sweep:
-    def __init__(self, points: list[DecodePoint], chain_tokens: Callable[[int, int], list[int]] | None,
-                 config: SweepConfig, *, clock: Callable[[], float] = time.perf_counter,
-                 progress: Callable[[str], None] = print, on_row: Callable[[PointRow], None] | None = None,
-                 exchange=None):
+    def __init__(
+        self,
+        points: list[DecodePoint],
+        chain_tokens: Callable[[int, int], list[int]] | None,
+        config: SweepConfig,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        progress: Callable[[str], None] = print,
+        on_row: Callable[[PointRow], None] | None = None,
+        exchange=None,
+    ):
         self.config = config
         self.rungs = plan_rungs(points, config.steady_steps, config.max_model_len, config.real)
         self.rows: list[PointRow] = []
@@ -151,7 +158,8 @@ class Sweep:
             foreign = len(set(scheduled) - ids)
             self._mismatch = self._mismatch or (
                 f"step scheduled {len(scheduled)} request(s) for a point of {len(ids)}"
-                + (f", {foreign} of them not the sweep's" if foreign else ""))
+                + (f", {foreign} of them not the sweep's" if foreign else "")
+            )
         self._times.append(now - self._last_update)
         self._last_update = now
         if len(self._times) == admission.steady_steps:
@@ -210,23 +218,28 @@ class Sweep:
     def _plan_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
         """Every rank trims to the smallest usable pool, then the ranks compare plans."""
         if rung.depth:
-            trim_rung(rung, group_layouts(scheduler.kv_cache_manager), self.config,
-                      min(r["usable_blocks"] for r in records))
+            trim_rung(
+                rung, group_layouts(scheduler.kv_cache_manager), self.config, min(r["usable_blocks"] for r in records)
+            )
         digest = self.plan_digest(rung)
         self._meet("plan", {"digest": digest}, lambda records: self._build_rung(scheduler, rung, records))
 
     def _build_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
         digests = {r["rank"]: r["digest"] for r in records}
         if len(set(digests.values())) > 1:
-            raise RankFailed(f"plan mismatch before rung batch={rung.batch_size}: "
-                             + ", ".join(f"rank {r} {d}" for r, d in sorted(digests.items())))
+            raise RankFailed(
+                f"plan mismatch before rung batch={rung.batch_size}: "
+                + ", ".join(f"rank {r} {d}" for r, d in sorted(digests.items()))
+            )
         rung.started = self._clock()
         self._queue = rung.plans()
         if not rung.depth:
             self.phase = Phase.NEXT_POINT
             return
-        self._progress(f"rung batch={rung.batch_size}: building {rung.batch_size} chain(s) of {rung.depth} tokens"
-                       + (f" ({len(rung.fake_points)} point(s) beyond them on fake KV)" if rung.fake_points else ""))
+        self._progress(
+            f"rung batch={rung.batch_size}: building {rung.batch_size} chain(s) of {rung.depth} tokens"
+            + (f" ({len(rung.fake_points)} point(s) beyond them on fake KV)" if rung.fake_points else "")
+        )
         for i in range(rung.batch_size):
             # The salt is the chain's index, not the rung's: chain i of a later rung extends
             # the same text, so it finds the earlier chain's blocks in the prefix cache. Not
@@ -238,8 +251,9 @@ class Sweep:
             rung.chains.append(chain)
         if self.config.state_mode == v.EXACT:
             # One state block per prefill step: every boundary state is cached for the catch-ups.
-            self._chunk_cap = PrefillChunkCap(scheduler.scheduler_config,
-                                              state_block_size(group_layouts(scheduler.kv_cache_manager)))
+            self._chunk_cap = PrefillChunkCap(
+                scheduler.scheduler_config, state_block_size(group_layouts(scheduler.kv_cache_manager))
+            )
             self._chunk_cap.apply()
         self.phase = Phase.BUILDING
 
@@ -292,8 +306,9 @@ class Sweep:
         steps = config.steady_steps if plan.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
         chains = self._rung.chains[: point.batch_size]
         if plan.real and config.state_mode == v.EXACT:
-            self._catchups = start_catchups(scheduler, plan, chains, contexts, steps, config,
-                                            f"catchup{len(self.rows)}_s{self._number}")
+            self._catchups = start_catchups(
+                scheduler, plan, chains, contexts, steps, config, f"catchup{len(self.rows)}_s{self._number}"
+            )
             self.phase = Phase.CATCHING_UP
             return
         if plan.real:
@@ -328,8 +343,9 @@ class Sweep:
         point = plan.point
         if self._mismatch:
             return skipped_row(point, v.BATCH_SIZE_MISMATCH, f"{v.BATCH_SIZE_MISMATCH}: {self._mismatch}")
-        return measured_row(plan, admission.contexts, self._times, self.config, self._rung.chains[: point.batch_size],
-                            self._drifted)
+        return measured_row(
+            plan, admission.contexts, self._times, self.config, self._rung.chains[: point.batch_size], self._drifted
+        )
 
     def _finish_point(self, row: PointRow, scheduler) -> None:
         self.rows.append(row)
@@ -342,8 +358,10 @@ class Sweep:
         self.phase = Phase.NEXT_POINT
         self._on_row(row)
         median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
-        self._progress(f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
-                       f"B={row.batch_size} ({row.kv_seed_regime}): {median}")
+        self._progress(
+            f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
+            f"B={row.batch_size} ({row.kv_seed_regime}): {median}"
+        )
 
     # --- the end -----------------------------------------------------------------------------
 
@@ -356,8 +374,10 @@ class Sweep:
                 self._ending = self._clock()
             if self._clock() - self._ending < END_WAIT_SECONDS:
                 return
-            self._progress(f"{len(scheduler.requests)} request(s) from outside still running: "
-                           "no leak check (reset_prefix_cache) this time")
+            self._progress(
+                f"{len(scheduler.requests)} request(s) from outside still running: "
+                "no leak check (reset_prefix_cache) this time"
+            )
         else:
             self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
         self.phase = Phase.DONE

@@ -33,8 +33,9 @@ def load_dataset(path: str | Path) -> tuple[list[str], str]:
         raw = path.read_bytes()
         data = json.loads(raw)
     except FileNotFoundError:
-        raise DatasetError(f"dataset {path} not found; set DYN_BENCH_KV_WARMUP_DATASET to a "
-                           "ShareGPT-format JSON file") from None
+        raise DatasetError(
+            f"dataset {path} not found; set DYN_BENCH_KV_WARMUP_DATASET to a ShareGPT-format JSON file"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DatasetError(f"dataset {path} is not valid JSON: {err}") from None
     if not isinstance(data, list):
@@ -49,8 +50,10 @@ def load_dataset(path: str | Path) -> tuple[list[str], str]:
         if text and hashlib.sha256(text.encode()).digest()[0] % 2 == 0:
             texts.append(text)
     if not texts:
-        raise DatasetError(f"dataset {path}: no conversation with turns of {MIN_TURN_CHARS}+ characters "
-                           "in the collection half; use a larger ShareGPT-format file")
+        raise DatasetError(
+            f"dataset {path}: no conversation with turns of {MIN_TURN_CHARS}+ characters "
+            "in the collection half; use a larger ShareGPT-format file"
+        )
     return texts, hashlib.sha256(raw).hexdigest()
 
 

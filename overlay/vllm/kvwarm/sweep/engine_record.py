@@ -9,6 +9,8 @@ import os
 import platform
 import sys
 
+from ..kv.layout import ATTENTION, group_layouts
+
 
 def resolved_engine_args(scheduler) -> dict:
     vllm_config = scheduler.vllm_config
@@ -17,8 +19,9 @@ def resolved_engine_args(scheduler) -> dict:
     compilation = getattr(vllm_config, "compilation_config", None)
     cudagraph_mode = getattr(compilation, "cudagraph_mode", None)
     return {
-        "block_sizes": {f"{i}:{type(g.kv_cache_spec).__name__}": g.kv_cache_spec.block_size
-                        for i, g in enumerate(groups)},
+        "block_sizes": {
+            f"{i}:{type(g.kv_cache_spec).__name__}": g.kv_cache_spec.block_size for i, g in enumerate(groups)
+        },
         "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
         "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
         "max_model_len": model.max_model_len,
@@ -28,7 +31,19 @@ def resolved_engine_args(scheduler) -> dict:
         "mamba_cache_mode": getattr(cache, "mamba_cache_mode", None),
         "enforce_eager": bool(model.enforce_eager),
         "cudagraph_mode": None if cudagraph_mode is None else str(cudagraph_mode),
+        "cudagraph_capture_sizes": sorted(getattr(compilation, "cudagraph_capture_sizes", None) or []),
+        # the KV pool, in blocks and in the tokens its attention groups hold (the exports'
+        # max_kv_tokens)
+        "num_gpu_blocks": scheduler.kv_cache_config.num_blocks,
+        "kv_cache_tokens": kv_cache_tokens(scheduler),
     }
+
+
+def kv_cache_tokens(scheduler) -> int | None:
+    """How many tokens' KV the pool holds: its blocks times the attention groups' block size
+    (None without an attention group)."""
+    sizes = [g.block_size for g in group_layouts(scheduler.kv_cache_manager) if g.kind == ATTENTION]
+    return scheduler.kv_cache_config.num_blocks * max(sizes) if sizes else None
 
 
 def _cpu_model() -> str:
@@ -52,11 +67,12 @@ def _gpus() -> tuple[list[dict], str | None]:
             return [], None
     try:
         pynvml.nvmlInit()
-    except Exception:  # no driver: a CPU host
+    except Exception:  # noqa: BLE001  (no driver: a CPU host; NVML's own error class varies)
         return [], None
     try:
-        names = [pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))
-                 for i in range(pynvml.nvmlDeviceGetCount())]
+        names = [
+            pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(pynvml.nvmlDeviceGetCount())
+        ]
         driver = pynvml.nvmlSystemGetDriverVersion()
     finally:
         pynvml.nvmlShutdown()
@@ -64,15 +80,22 @@ def _gpus() -> tuple[list[dict], str | None]:
     counts: dict[str, int] = {}
     for name in names:
         counts[name] = counts.get(name, 0) + 1
-    return [{"name": n, "count": c} for n, c in counts.items()], driver.decode() if isinstance(driver, bytes) else driver
+    return [{"name": n, "count": c} for n, c in counts.items()], driver.decode() if isinstance(
+        driver, bytes
+    ) else driver
 
 
 def hardware() -> dict:
     import torch
 
     gpus, driver = _gpus()
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "gpus": gpus, "driver": driver,
-            "cuda_runtime": torch.version.cuda}
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "gpus": gpus,
+        "driver": driver,
+        "cuda_runtime": torch.version.cuda,
+    }
 
 
 def run_record(scheduler, given: list[str] | None = None) -> dict:
@@ -80,9 +103,14 @@ def run_record(scheduler, given: list[str] | None = None) -> dict:
     `given`: the engine arguments as the user gave them, where known (the sweep command
     passes its own); else this process's command line (a server's, under `vllm serve`)."""
     import torch
-
     from vllm.kvwarm import build_record
 
-    return {"build": build_record(), "torch": torch.__version__, "hardware": hardware(),
-            "engine_args": {"given": list(sys.argv if given is None else given),
-                            "resolved": resolved_engine_args(scheduler)}}
+    return {
+        "build": build_record(),
+        "torch": torch.__version__,
+        "hardware": hardware(),
+        "engine_args": {
+            "given": list(sys.argv if given is None else given),
+            "resolved": resolved_engine_args(scheduler),
+        },
+    }

@@ -93,8 +93,9 @@ def trim_rung(rung: Rung, layouts: list[GroupLayout], config: SweepConfig, usabl
     """Trim the rung's depth to `usable` free blocks; what the chains no longer cover goes
     to fake KV, and a rung covering nothing gets no chains."""
     catchup = planned_catchup_blocks(layouts) if config.state_mode == EXACT else 0
-    rung.depth = trim_depth(layouts, rung.depth, rung.batch_size, config.steady_steps,
-                            config.hand_off == COPY, usable, per_shadow=catchup)
+    rung.depth = trim_depth(
+        layouts, rung.depth, rung.batch_size, config.steady_steps, config.hand_off == COPY, usable, per_shadow=catchup
+    )
     # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
     covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]
     rung.fake_points = [p for p in rung.points if p not in covered]
@@ -106,7 +107,14 @@ def trim_rung(rung: Rung, layouts: list[GroupLayout], config: SweepConfig, usabl
 def plan_digest(points: list[DecodePoint], config: SweepConfig, rung: Rung) -> str:
     """What every rank must agree on before it builds a rung: the points, the rung's depth
     and points, and the settings that shape rows and stamps."""
-    plan = {"points": [asdict(p) for p in points], "config": asdict(config),
-            "rung": {"batch": rung.batch_size, "depth": rung.depth,
-                     "real": [asdict(p) for p in rung.points], "fake": [asdict(p) for p in rung.fake_points]}}
+    plan = {
+        "points": [asdict(p) for p in points],
+        "config": asdict(config),
+        "rung": {
+            "batch": rung.batch_size,
+            "depth": rung.depth,
+            "real": [asdict(p) for p in rung.points],
+            "fake": [asdict(p) for p in rung.fake_points],
+        },
+    }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()

@@ -58,12 +58,14 @@ def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> li
     if data.get("schema_version") != SCHEMA_VERSION:
         raise PointsFileError(
             f"{source}: schema_version is {data.get('schema_version')!r}; this sweep reads "
-            f"schema_version {SCHEMA_VERSION}")
+            f"schema_version {SCHEMA_VERSION}"
+        )
     _known_keys(data, TOP_LEVEL_KEYS, source)
     if data.get("prefill"):
         raise PointsFileError(
             f"{source}: has prefill points; the decode sweep measures decode points only "
-            "(remove the 'prefill' list or run a prefill benchmark for them)")
+            "(remove the 'prefill' list or run a prefill benchmark for them)"
+        )
     entries = data.get("decode")
     if not isinstance(entries, list) or not entries:
         raise PointsFileError(f"{source}: 'decode' must be a non-empty list of points")
@@ -76,15 +78,18 @@ def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> li
         k = _positive_int(entry.get("total_kv_read_tokens"), "total_kv_read_tokens", where)
         b = _positive_int(entry.get("batch_size"), "batch_size", where)
         if k < b:
-            raise PointsFileError(f"{where}: total_kv_read_tokens {k} is less than batch_size {b} "
-                                  "(every request reads at least one token)")
+            raise PointsFileError(
+                f"{where}: total_kv_read_tokens {k} is less than batch_size {b} "
+                "(every request reads at least one token)"
+            )
         point = DecodePoint(k, b)
         longest = point.tokens_spanned(steady_steps)
         if longest > max_model_len:
             raise PointsFileError(
                 f"{where}: a request at context {point.contexts()[0]} plus {1 + steady_steps} decode "
                 f"steps needs {longest} tokens, beyond max_model_len {max_model_len}; lower K, "
-                "raise batch_size or start the engine with a larger --max-model-len")
+                "raise batch_size or start the engine with a larger --max-model-len"
+            )
         points.append(point)
     return points
 

@@ -59,8 +59,13 @@ def rank_layout(parallel_config) -> RankLayout:
     if rank is None:
         rank = parallel_config.data_parallel_rank
     size = max(parallel_config.data_parallel_size, _launch_data_parallel_size or 1)
-    return RankLayout(size, int(rank), parallel_config.tensor_parallel_size,
-                      parallel_config.pipeline_parallel_size, bool(parallel_config.enable_expert_parallel))
+    return RankLayout(
+        size,
+        int(rank),
+        parallel_config.tensor_parallel_size,
+        parallel_config.pipeline_parallel_size,
+        bool(parallel_config.enable_expert_parallel),
+    )
 
 
 class RankFailed(RuntimeError):
@@ -86,8 +91,9 @@ class FileExchange:
     """Records at OUT/.kvwarm-sync/<run>/<seq>.<rank>.json, written atomically. `run` must be
     the same on every rank of one launch and new for each launch (the DP master port)."""
 
-    def __init__(self, out: str | Path, run: str, size: int, rank: int, timeout: float = DEFAULT_TIMEOUT,
-                 clock=time.monotonic):
+    def __init__(
+        self, out: str | Path, run: str, size: int, rank: int, timeout: float = DEFAULT_TIMEOUT, clock=time.monotonic
+    ):
         self.folder = Path(out) / SYNC_DIR / run
         self.folder.mkdir(parents=True, exist_ok=True)
         self.size, self.rank, self.timeout, self._clock = size, rank, timeout, clock
@@ -103,16 +109,19 @@ class FileExchange:
             raise RuntimeError(f"exchange {self._seq} ({self._kind}) is still open")
         self._seq += 1
         self._kind, self._posted_at = kind, self._clock()
-        write_atomically(self._path(self._seq, self.rank),
-                         json.dumps({**record, "kind": kind, "rank": self.rank}).encode())
+        write_atomically(
+            self._path(self._seq, self.rank), json.dumps({**record, "kind": kind, "rank": self.rank}).encode()
+        )
 
     def post_failure(self, error: str) -> None:
         """The others' next boundary is the one after this rank's last post, whether or
         not that one completed: answer it with the failure."""
         self._posted_at = None
         self.folder.mkdir(parents=True, exist_ok=True)
-        write_atomically(self._path(self._seq + 1, self.rank),
-                         json.dumps({"kind": "failure", "rank": self.rank, "failed": error}).encode())
+        write_atomically(
+            self._path(self._seq + 1, self.rank),
+            json.dumps({"kind": "failure", "rank": self.rank, "failed": error}).encode(),
+        )
 
     def poll(self) -> list[dict] | None:
         paths = [self._path(self._seq, r) for r in range(self.size)]
@@ -120,8 +129,9 @@ class FileExchange:
             waited = self._clock() - self._posted_at
             if waited > self.timeout:
                 missing = [r for r, p in enumerate(paths) if not p.exists()]
-                raise RankFailed(f"rank(s) {missing} did not reach boundary {self._seq} ({self._kind}) "
-                                 f"within {self.timeout:.0f} s")
+                raise RankFailed(
+                    f"rank(s) {missing} did not reach boundary {self._seq} ({self._kind}) within {self.timeout:.0f} s"
+                )
             return None
         self._posted_at = None
         return [json.loads(p.read_text()) for p in paths]

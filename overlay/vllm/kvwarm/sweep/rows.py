@@ -22,8 +22,9 @@ def skipped_row(point: DecodePoint, reason: str, detail: str) -> PointRow:
     return PointRow(point.total_kv_read_tokens, point.batch_size, v.skip_regime(reason), detail=detail)
 
 
-def measured_row(plan: PointPlan, contexts: list[int], times: list[float], config: SweepConfig, chains: list,
-                 drifted: set[str]) -> PointRow:
+def measured_row(
+    plan: PointPlan, contexts: list[int], times: list[float], config: SweepConfig, chains: list, drifted: set[str]
+) -> PointRow:
     """The row of a point whose requests decoded at `contexts` (as admitted) in the steps
     `times`. `chains`: the requests whose state the shadows read (their depth is stamped);
     `drifted`: the ids of chains an in-place shadow has advanced, updated here."""
@@ -33,8 +34,7 @@ def measured_row(plan: PointPlan, contexts: list[int], times: list[float], confi
     if plan.real:
         reasons.append(v.STAMP_REAL_KV)
         # exact: the state stands at each shadow's context once its admission token is in
-        depth = (max(contexts) + 1 if config.state_mode == v.EXACT
-                 else max(c.num_computed_tokens for c in chains))
+        depth = max(contexts) + 1 if config.state_mode == v.EXACT else max(c.num_computed_tokens for c in chains)
         reasons += v.state_stamps(config.state_mode, depth)
         if config.state_mode == v.INPLACE:
             ids = {c.request_id for c in chains}

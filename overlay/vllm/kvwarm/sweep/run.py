@@ -29,7 +29,7 @@ from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, load_points
 from .ranks import make_exchange, rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
-from .writer import ArtifactWriter, ArtifactWriteError
+from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
 
@@ -55,11 +55,17 @@ def read_inputs(points_path: str, environ=None, max_model_len: int = sys.maxsize
     if settings.warmup == "off":
         return SweepInputs(settings, points, None, None)
     if not settings.dataset:
-        raise DatasetError(f"{DATASET_ENV} is not set; point it at a ShareGPT-format JSON file "
-                           "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)")
+        raise DatasetError(
+            f"{DATASET_ENV} is not set; point it at a ShareGPT-format JSON file "
+            "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
+        )
     conversations, digest = load_dataset(settings.dataset)
-    dataset = {"path": str(settings.dataset), "sha256": digest, "collection_pool": COLLECTION_POOL,
-               "conversations": len(conversations)}
+    dataset = {
+        "path": str(settings.dataset),
+        "sha256": digest,
+        "collection_pool": COLLECTION_POOL,
+        "conversations": len(conversations),
+    }
     return SweepInputs(settings, points, conversations, dataset)
 
 
@@ -67,8 +73,10 @@ def _tokenizer_encode(model_config):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
-        model_config.tokenizer, revision=model_config.tokenizer_revision,
-        trust_remote_code=model_config.trust_remote_code)
+        model_config.tokenizer,
+        revision=model_config.tokenizer_revision,
+        trust_remote_code=model_config.trust_remote_code,
+    )
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -85,8 +93,10 @@ class SweepRun:
     def __init__(self, scheduler, spec: dict, environ=None):
         environ = os.environ if environ is None else environ
         if not isinstance(spec, dict) or not {"points", "out"} <= set(spec):
-            raise SettingsError(f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}} '
-                                f'(and optionally "engine_args": [ARG, ...]), got {spec!r}')
+            raise SettingsError(
+                f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}} '
+                f'(and optionally "engine_args": [ARG, ...]), got {spec!r}'
+            )
         vllm_config = scheduler.vllm_config
         parallel = vllm_config.parallel_config
         self.layout = rank_layout(parallel)
@@ -98,8 +108,9 @@ class SweepRun:
         try:
             self.writer.run.update(run_record(scheduler, spec.get("engine_args")))
             self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder
-            self.sweep = self._build(scheduler, vllm_config, spec, environ,
-                                     make_exchange(self.layout, spec["out"], parallel))
+            self.sweep = self._build(
+                scheduler, vllm_config, spec, environ, make_exchange(self.layout, spec["out"], parallel)
+            )
         except BaseException as err:
             self.fail(err)
             raise
@@ -114,9 +125,11 @@ class SweepRun:
         max_seqs = vllm_config.scheduler_config.max_num_seqs
         too_wide = sorted({p.batch_size for p in inputs.points if p.batch_size > max_seqs})
         if too_wide:
-            raise PointsFileError(f"points file {spec['points']}: batch size(s) {too_wide} exceed max_num_seqs "
-                                  f"{max_seqs}, so no step could run such a batch; start the engine with "
-                                  f"--max-num-seqs {too_wide[-1]} or more")
+            raise PointsFileError(
+                f"points file {spec['points']}: batch size(s) {too_wide} exceed max_num_seqs "
+                f"{max_seqs}, so no step could run such a batch; start the engine with "
+                f"--max-num-seqs {too_wide[-1]} or more"
+            )
         kvm = scheduler.kv_cache_manager
         decision = decide_state_mode(kvm, group_layouts(kvm), environ)
         if decision.reason == v.STATE_MODE_INVALID:
@@ -135,13 +148,17 @@ class SweepRun:
         if reason is not None:
             writer.progress(f"warm-up skipped ({reason}): every point on fake KV")
         config = SweepConfig(
-            steady_steps=settings.steady_steps, max_model_len=max_model_len,
-            state_mode=decision.mode if reason is None else None, state_lending=decision.lending,
+            steady_steps=settings.steady_steps,
+            max_model_len=max_model_len,
+            state_mode=decision.mode if reason is None else None,
+            state_lending=decision.lending,
             real=reason is None,
             fake_regime=v.LEGACY if settings.warmup == "off" else v.FAKE_FALLBACK,
-            giant_kv_threshold=settings.giant_kv_threshold)
-        return Sweep(inputs.points, chain_text, config, progress=writer.progress, on_row=self._on_row,
-                     exchange=exchange)
+            giant_kv_threshold=settings.giant_kv_threshold,
+        )
+        return Sweep(
+            inputs.points, chain_text, config, progress=writer.progress, on_row=self._on_row, exchange=exchange
+        )
 
     def _on_row(self, row) -> None:
         self.writer.rows.append(row)

@@ -19,8 +19,17 @@ DATASET_ENV = "DYN_BENCH_KV_WARMUP_DATASET"
 
 # on: real KV where the gate admits the model; off: every point on fake KV (A/B runs);
 # force: real KV even where the gate's cost-saving heuristics would skip (dense models).
-WARMUP_VALUES = {"on": "on", "1": "on", "true": "on", "yes": "on",
-                 "off": "off", "0": "off", "false": "off", "no": "off", "force": "force"}
+WARMUP_VALUES = {
+    "on": "on",
+    "1": "on",
+    "true": "on",
+    "yes": "on",
+    "off": "off",
+    "0": "off",
+    "false": "off",
+    "no": "off",
+    "force": "force",
+}
 
 
 class SettingsError(ValueError):
@@ -44,8 +53,7 @@ def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> i
     except ValueError:
         raise SettingsError(f"{name}={raw!r} is not an integer (default {default})") from None
     if value < minimum:
-        raise SettingsError(f"{name}={raw!r} is out of range: it must be an integer >= {minimum} "
-                            f"(default {default})")
+        raise SettingsError(f"{name}={raw!r} is out of range: it must be an integer >= {minimum} (default {default})")
     return value
 
 

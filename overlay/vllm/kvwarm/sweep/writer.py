@@ -61,8 +61,9 @@ class ArtifactWriter:
             try:
                 combined = write_combined(self.root, self.layout.data_parallel_size)
             except Exception as err:
-                raise ArtifactWriteError(f"writing the combined view to {self.root} failed: "
-                                         f"{type(err).__name__}: {err}") from err
+                raise ArtifactWriteError(
+                    f"writing the combined view to {self.root} failed: {type(err).__name__}: {err}"
+                ) from err
             if combined["status"] != v.RUNNING:
                 remove_sync_folder(self.root)
 
