@@ -247,11 +247,9 @@ def test_the_legend_lists_only_the_regimes_drawn_and_noisy_rows(tmp_path):
 
 
 def test_a_real_sweeps_noisy_row_names_the_threshold_in_the_report(tmp_path):
-    """A sweep stepped on a real Scheduler under a jittering clock (every other reading 3 s
-    late): the sweep stamps the row noisy, its writer records the threshold, and the
-    report's legend names that figure."""
-    import itertools
-
+    """A sweep stepped on a real Scheduler under a jittering clock (every other engine step
+    takes 3 s, the others 1 s): the sweep stamps the row noisy, its writer records the
+    threshold, and the report's legend names that figure."""
     from kvwarm_testing.real_kv import make_scheduler, step_scheduler
     from vllm.kvwarm.scheduler import KvWarmScheduler
     from vllm.kvwarm.sweep.controller import Sweep
@@ -262,19 +260,20 @@ def test_a_real_sweeps_noisy_row_names_the_threshold_in_the_report(tmp_path):
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
     init_none_hash(sha256)
-    readings = itertools.accumulate(itertools.cycle([1.0, 3.0]))
+    now = [0.0]
     scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
     sweep = Sweep(
         [DecodePoint(120, 2)],
         lambda i, depth: [(5 * i + t) % 200 + 2 for t in range(depth)],
         SweepConfig(steady_steps=3, max_model_len=1024),
-        clock=lambda: next(readings),
+        clock=lambda: now[0],
         progress=lambda _: None,
     )
     scheduler.kvwarm_sweep = sweep
-    for _ in range(200):
+    for step in range(200):
         if sweep.done:
             break
+        now[0] += 3.0 if step % 2 else 1.0
         step_scheduler(scheduler)
     (row,) = sweep.rows
     assert "kvwarm_noisy" in row.sample_reasons and row.spread > NOISY_SPREAD

@@ -33,6 +33,8 @@ class KvWarmSchedulerMixin:
         self.kvwarm_injector = ShadowInjector()
         self.kvwarm_sweep = None  # a sweep.controller.Sweep while one runs
         self.kvwarm_run = None  # the SweepRun that owns it, when configured
+        # A StepTimer that times every step while no sweep runs (benchmarks of natural requests)
+        self.kvwarm_timer = None
         additional = self.vllm_config.additional_config
         spec = additional.get(CONFIG_KEY) if isinstance(additional, dict) else None
         if spec is not None:
@@ -59,21 +61,38 @@ class KvWarmSchedulerMixin:
         if self.kvwarm_sweep.done and self.kvwarm_run is not None:
             self.kvwarm_run.finish()
 
-    def schedule(self, *args, **kwargs):  # vLLM passes e.g. throttle_prefills
+    def _live_sweep(self):
         sweep = self.kvwarm_sweep
-        if sweep is not None and not sweep.done:
+        return sweep if sweep is not None and not sweep.done else None
+
+    def _step_timer(self):
+        sweep = self._live_sweep()
+        return sweep.timer if sweep is not None else self.kvwarm_timer
+
+    def schedule(self, *args, **kwargs):  # vLLM passes e.g. throttle_prefills
+        sweep, timer = self._live_sweep(), self._step_timer()
+        clock = timer.clock if timer is not None else None
+        enter = clock() if clock else 0.0
+        if sweep is not None:
             self._drive(self._sweep_step)
         measuring = sweep.measuring() if sweep is not None and not sweep.done else None
-        output = self._schedule_only(measuring, *args, **kwargs)
+        output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
+        if timer is not None:
+            timer.schedule_done(enter, stock_start, stock_end, clock())
         return output
 
-    def _schedule_only(self, allowed: set[str] | None, *args, **kwargs):
-        """Stock scheduling; with `allowed`, of those requests alone: every other one is
-        kept out of this step, in its place in its queue."""
+    def _schedule_only(self, allowed: set[str] | None, clock, *args, **kwargs):
+        """Stock scheduling, with `clock`'s readings around it; with `allowed`, of those
+        requests alone: every other one is kept out of this step, in its place in its queue
+        (where there is none, nothing is moved: the filter costs a scan of `running`)."""
+        if allowed is not None and not self._holds_others(allowed):
+            allowed = None
         if allowed is None:
-            return super().schedule(*args, **kwargs)
+            start = clock() if clock else 0.0
+            output = super().schedule(*args, **kwargs)
+            return output, start, clock() if clock else 0.0
         held_running = [r for r in self.running if r.request_id not in allowed]
         queues = [name for name in ("waiting", "skipped_waiting") if hasattr(self, name)]
         held = {name: getattr(self, name) for name in queues}
@@ -81,7 +100,9 @@ class KvWarmSchedulerMixin:
         for name in queues:
             setattr(self, name, create_request_queue(self.policy))
         try:
-            return super().schedule(*args, **kwargs)
+            start = clock() if clock else 0.0
+            output = super().schedule(*args, **kwargs)
+            return output, start, clock() if clock else 0.0
         finally:
             self.running = self.running + held_running
             for name in queues:  # anything the step queued (a preemption) goes first
@@ -90,10 +111,23 @@ class KvWarmSchedulerMixin:
                     queue.prepend_request(request)
                 setattr(self, name, queue)
 
+    def _holds_others(self, allowed: set[str]) -> bool:
+        """Whether a request other than `allowed` is running or waiting."""
+        waiting = any(len(getattr(self, name)) for name in ("waiting", "skipped_waiting") if hasattr(self, name))
+        return waiting or any(r.request_id not in allowed for r in self.running)
+
     def update_from_output(self, scheduler_output, model_runner_output):
+        sweep, timer = self._live_sweep(), self._step_timer()
+        if timer is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        start = timer.clock()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        if self.kvwarm_sweep is not None and not self.kvwarm_sweep.done:
-            self._drive(self.kvwarm_sweep.after_update, self, scheduler_output)
+        end = timer.clock()
+        timer.update_started(start)
+        window = timer.update_done(end)
+        if sweep is not None:
+            self._drive(sweep.after_update, self, scheduler_output, window)
+            timer.sweep_work(timer.clock() - end)
         return outputs
 
     def has_requests(self) -> bool:

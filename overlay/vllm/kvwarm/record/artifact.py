@@ -80,6 +80,7 @@ class KvwarmMeta:
     noisy_spread: float | None = None  # a row whose steps spread more than this is stamped noisy
     batch_semantics: str = "per_rank"
     global_batch_factor: int = 1  # B x this = the batch over every data-parallel rank
+    gc: dict | None = None  # the collector's policy over the sweep (sweep.gc_hold)
 
     @classmethod
     def read(cls, block: dict | None) -> KvwarmMeta:

@@ -63,7 +63,14 @@ KVWARM = _object(
         "stages": {"type": "array", "items": _object({"batch": POSITIVE, "depth": POSITIVE, "build_seconds": SECONDS})},
         "giant_kv_threshold": {"type": ["integer", "null"], "minimum": 0},
     },
-    {"noisy_spread": {"type": ["number", "null"], "minimum": 0}},
+    {
+        "noisy_spread": {"type": ["number", "null"], "minimum": 0},
+        "gc": {
+            "type": ["object", "null"],
+            "required": ["policy"],
+            "properties": {"policy": {"enum": ["held", "engine"]}, "collections_between_points": COUNT},
+        },
+    },
 )
 RESULT = _object(
     {

@@ -44,10 +44,12 @@ from ..kv.layout import group_layouts
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
+from .gc_hold import GcHold
 from .plan import PointPlan, Rung, SweepConfig, injected_contexts, plan_digest, plan_rungs, trim_rung
 from .points import DecodePoint
 from .ranks import RankFailed, SoloExchange
 from .rows import measured_row, skipped_row
+from .timing import StepTimer, Window, phase_medians
 
 
 class Phase(enum.Enum):
@@ -91,7 +93,10 @@ class Sweep:
         self._points = points
         self._number = next(_SWEEP_NUMBERS)  # in its requests' ids
         self._chain_tokens = chain_tokens
-        self._clock, self._progress, self._on_row = clock, progress, on_row or (lambda row: None)
+        self.clock = clock
+        self.timer = StepTimer(clock)  # the adapter reports its clock readings to it
+        self._gc = GcHold(config.gc_hold)
+        self._progress, self._on_row = progress, on_row or (lambda row: None)
         self._exchange = exchange or SoloExchange()
         self._then: Callable[[list[dict]], None] | None = None  # what runs once the ranks meet
         self._rung: Rung | None = None
@@ -100,6 +105,8 @@ class Sweep:
         self._catchups: CatchUps | None = None
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
         self._times: list[float] = []
+        self._windows: list[Window] = []  # the timed steps' phases
+        self._ids: set[str] | None = None  # the measured point's request ids
         self._last_update: float | None = None
         self._mismatch: str | None = None  # why the point's steps were not B alone
         self._drifted: set[str] = set()  # chains an in-place shadow has advanced
@@ -117,7 +124,14 @@ class Sweep:
         its steps may schedule (empty until they are admitted). None between points."""
         if self._point is None:
             return None
-        return {r.request_id for r in self._point[1].shadows}
+        shadows = self._point[1].shadows
+        if self._ids is None or len(self._ids) != len(shadows):  # once per point, after admission
+            self._ids = {r.request_id for r in shadows}
+        return self._ids
+
+    def gc_record(self) -> dict:
+        """The collector's policy over the sweep, for the artifact."""
+        return self._gc.record()
 
     def plan_digest(self, rung: Rung) -> str:
         return plan_digest(self._points, self.config, rung)
@@ -139,16 +153,17 @@ class Sweep:
         elif phase is Phase.ENDING:
             self._end(scheduler)
 
-    def after_update(self, scheduler, output) -> None:
+    def after_update(self, scheduler, output, window: Window | None = None) -> None:
+        """`window`: the step that just ended, as the adapter's StepTimer closed it."""
         if self.phase is not Phase.MEASURING:
             return
         plan, admission = self._point
         if admission.failure is not None:
             self._finish_point(skipped_row(plan.point, v.POINT_SKIP_REASON, admission.failure), scheduler)
             return
-        ids = {s.request_id for s in admission.shadows}
+        ids = self.measuring()
         scheduled = output.num_scheduled_tokens
-        now = self._clock()
+        now = self.clock()
         if any(r.req_id in ids for r in output.scheduled_new_reqs):
             self._last_update = now  # the admission step: scaffolding, not timed
             return
@@ -160,8 +175,10 @@ class Sweep:
                 f"step scheduled {len(scheduled)} request(s) for a point of {len(ids)}"
                 + (f", {foreign} of them not the sweep's" if foreign else "")
             )
-        self._times.append(now - self._last_update)
+        self._times.append(window.wall if window is not None else now - self._last_update)
         self._last_update = now
+        if window is not None:
+            self._windows.append(window)
         if len(self._times) == admission.steady_steps:
             self._finish_point(self._row(plan, admission), scheduler)
 
@@ -172,6 +189,7 @@ class Sweep:
         from vllm.v1.request import RequestStatus
 
         self.phase = Phase.DONE
+        self._gc.end()
         self._then = None
         self._exchange.post_failure(error)
         scheduler.kvwarm_injector.drop_pending()
@@ -231,7 +249,7 @@ class Sweep:
                 f"plan mismatch before rung batch={rung.batch_size}: "
                 + ", ".join(f"rank {r} {d}" for r, d in sorted(digests.items()))
             )
-        rung.started = self._clock()
+        rung.started = self.clock()
         self._queue = rung.plans()
         if not rung.depth:
             self.phase = Phase.NEXT_POINT
@@ -267,8 +285,9 @@ class Sweep:
         if not all_parked(scheduler, rung.chains):
             return
         self._restore_chunks()
-        seconds = self._clock() - rung.started
+        seconds = self.clock() - rung.started
         self.stages.append({"batch": rung.batch_size, "depth": rung.depth, "build_seconds": round(seconds, 3)})
+        self._gc.freeze()  # the chains and everything before: never collected while they serve
         self._progress(f"rung batch={rung.batch_size}: {rung.batch_size} chain(s) built in {seconds:.1f} s")
         self.phase = Phase.NEXT_POINT
         self._next_point(scheduler)
@@ -336,16 +355,19 @@ class Sweep:
     def _measure(self, scheduler, plan: PointPlan, admission: Admission) -> None:
         """Queue the point's requests; its admission and timed steps follow (after_update)."""
         self._point = (plan, scheduler.kvwarm_injector.queue(admission))
-        self._times, self._mismatch = [], None
+        self._times, self._windows, self._mismatch, self._ids = [], [], None, None
+        self._gc.hold()
         self.phase = Phase.MEASURING
 
     def _row(self, plan: PointPlan, admission: Admission) -> PointRow:
         point = plan.point
         if self._mismatch:
             return skipped_row(point, v.BATCH_SIZE_MISMATCH, f"{v.BATCH_SIZE_MISMATCH}: {self._mismatch}")
-        return measured_row(
+        row = measured_row(
             plan, admission.contexts, self._times, self.config, self._rung.chains[: point.batch_size], self._drifted
         )
+        row.phases = phase_medians(self._windows)
+        return row
 
     def _finish_point(self, row: PointRow, scheduler) -> None:
         self.rows.append(row)
@@ -356,6 +378,7 @@ class Sweep:
             scheduler.finish_requests([r.request_id for r in self._catchups.requests], RequestStatus.FINISHED_ABORTED)
             self._catchups = None
         self.phase = Phase.NEXT_POINT
+        self._gc.release()  # a collection now, between points
         self._on_row(row)
         median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
         self._progress(
@@ -371,8 +394,8 @@ class Sweep:
         waited for up to END_WAIT_SECONDS; after that the check is not made (None)."""
         if scheduler.requests:
             if self._ending is None:
-                self._ending = self._clock()
-            if self._clock() - self._ending < END_WAIT_SECONDS:
+                self._ending = self.clock()
+            if self.clock() - self._ending < END_WAIT_SECONDS:
                 return
             self._progress(
                 f"{len(scheduler.requests)} request(s) from outside still running: "
@@ -380,6 +403,7 @@ class Sweep:
             )
         else:
             self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+        self._gc.end()
         self.phase = Phase.DONE
         self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
 

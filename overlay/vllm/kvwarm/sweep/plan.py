@@ -39,6 +39,7 @@ class SweepConfig:
     real: bool = True  # False: no chains, every point on fake KV
     fake_regime: str = FAKE_FALLBACK  # the regime of fake-KV rows: fake_fallback | legacy
     giant_kv_threshold: int = 1_000_000  # fake points below it keep the single legacy step
+    gc_hold: bool = True  # keep Python's collector out of the timed steps (sweep.gc_hold)
 
     @property
     def hand_off(self) -> str | None:

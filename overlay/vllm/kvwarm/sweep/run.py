@@ -155,6 +155,7 @@ class SweepRun:
             real=reason is None,
             fake_regime=v.LEGACY if settings.warmup == "off" else v.FAKE_FALLBACK,
             giant_kv_threshold=settings.giant_kv_threshold,
+            gc_hold=settings.gc_hold,
         )
         return Sweep(
             inputs.points, chain_text, config, progress=writer.progress, on_row=self._on_row, exchange=exchange
@@ -169,6 +170,7 @@ class SweepRun:
         """After the controller is done: the final artifact."""
         self.writer.meta.stages = list(self.sweep.stages)
         self.writer.meta.reset_prefix_cache = self.sweep.reset_prefix_cache_ok
+        self.writer.meta.gc = self.sweep.gc_record()
         self.writer.write(v.COMPLETE)
         self.finished = True
         self.writer.progress(f"wrote {self.writer.artifact_path}")

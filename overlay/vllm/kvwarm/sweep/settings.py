@@ -16,6 +16,19 @@ WARMUP_ENV = "DYN_BENCH_KV_WARMUP"
 REPEATS_ENV = "DYN_BENCH_GIANT_KV_REPEATS"
 THRESHOLD_ENV = "DYN_BENCH_GIANT_KV_THRESHOLD"
 DATASET_ENV = "DYN_BENCH_KV_WARMUP_DATASET"
+# on (default): Python's collector is held out of the timed steps (sweep.gc_hold); off: the
+# sweep leaves it as the engine has it.
+GC_ENV = "DYN_BENCH_KV_WARMUP_GC"
+SWITCH_VALUES = {
+    "on": True,
+    "1": True,
+    "true": True,
+    "yes": True,
+    "off": False,
+    "0": False,
+    "false": False,
+    "no": False,
+}
 
 # on: real KV where the gate admits the model; off: every point on fake KV (A/B runs);
 # force: real KV even where the gate's cost-saving heuristics would skip (dense models).
@@ -42,6 +55,7 @@ class Settings:
     steady_steps: int  # timed steady steps per point (the median is kept)
     giant_kv_threshold: int
     dataset: str | None
+    gc_hold: bool = True
 
 
 def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -68,4 +82,15 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         steady_steps=_int(environ, REPEATS_ENV, default=3, minimum=1),
         giant_kv_threshold=_int(environ, THRESHOLD_ENV, default=1_000_000, minimum=0),
         dataset=environ.get(DATASET_ENV) or None,
+        gc_hold=_switch(environ, GC_ENV, default=True),
     )
+
+
+def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    value = SWITCH_VALUES.get(raw.strip().lower())
+    if value is None:
+        raise SettingsError(f"{name}={raw!r} is not one of on, off (or 1/0, true/false, yes/no)")
+    return value
