@@ -1,11 +1,11 @@
-"""The decode points file (schema v1) and its errors."""
+"""The points file (schema v1: decode and prefill points) and its errors."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from vllm.kvwarm.sweep.points import DecodePoint, PointsFileError, load_points
+from vllm.kvwarm.sweep.points import DecodePoint, PointsFileError, PrefillPoint, load_points
 
 
 def _write(tmp_path, data) -> str:
@@ -28,14 +28,63 @@ def test_points_partition_their_kv_over_the_batch(tmp_path):
     assert points[1].contexts() == [1] * 64
 
 
+def test_prefill_points_split_n_evenly_and_p_in_whole_blocks(tmp_path):
+    path = _write(
+        tmp_path,
+        {
+            "schema_version": 1,
+            "decode": [{"total_kv_read_tokens": 64, "batch_size": 2}],
+            "prefill": [
+                {"total_prefill_tokens": 100, "total_kv_read_tokens": 80, "batch_size": 3},
+                {"total_prefill_tokens": 16, "batch_size": 1},
+            ],
+        },
+    )
+    points = load_points(path, max_model_len=1024, steady_steps=3)
+    assert points == [PrefillPoint(100, 80, 3), PrefillPoint(16, 0, 1), DecodePoint(64, 2)]  # prefill first
+    prefill = points[0]
+    assert prefill.new_tokens() == [34, 33, 33] and prefill.prefixes(16) == [32, 32, 16]
+    assert points[1].prefixes(16) == [0] and points[1].tokens_spanned(16) == 17
+    with pytest.raises(PointsFileError, match=r"whole number of 32-token blocks, at least one per request \(use 96\)"):
+        prefill.prefixes(32)
+    with pytest.raises(PointsFileError, match=r"\(use 80 or 96\)"):
+        PrefillPoint(100, 88, 2).prefixes(16)
+
+
 @pytest.mark.parametrize(
     "content, message",
     [
         ("{not json", "is not valid JSON"),
         ([], "expected a JSON object"),
         ({"schema_version": 2, "decode": []}, "schema_version is 2"),
-        ({"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]}, "decode points only"),
-        ({"schema_version": 1, "decode": []}, "non-empty list"),
+        (
+            {"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]},
+            r"prefill\[0\]: batch_size must be a positive integer",
+        ),
+        ({"schema_version": 1, "decode": []}, "both empty"),
+        ({"schema_version": 1, "decode": {"total_kv_read_tokens": 8}}, "'decode' must be a list"),
+        (
+            {"schema_version": 1, "prefill": [{"total_prefill_tokens": 2, "total_kv_read_tokens": 0, "batch_size": 4}]},
+            "total_prefill_tokens 2 is less than batch_size 4",
+        ),
+        (
+            {"schema_version": 1, "prefill": [{"total_prefill_tokens": 8, "total_kv_read_tokens": 3, "batch_size": 4}]},
+            "total_kv_read_tokens 3 gives a request no prefix",
+        ),
+        (
+            {
+                "schema_version": 1,
+                "prefill": [{"total_prefill_tokens": 8, "total_kv_read_tokens": -16, "batch_size": 1}],
+            },
+            "total_kv_read_tokens must be an integer >= 0",
+        ),
+        (
+            {
+                "schema_version": 1,
+                "prefill": [{"total_prefill_tokens": 500, "total_kv_read_tokens": 600, "batch_size": 1}],
+            },
+            "beyond max_model_len 1024",
+        ),
         ({"schema_version": 1, "decode": [{"total_kv_read_tokens": 10}]}, r"decode\[0\]: batch_size must be"),
         ({"schema_version": 1, "decode": [{"total_kv_read_tokens": "10", "batch_size": 1}]}, "positive integer"),
         ({"schema_version": 1, "decode": [{"total_kv_read_tokens": True, "batch_size": 1}]}, "positive integer"),

@@ -138,7 +138,7 @@ def _sweep(tmp_path, monkeypatch, points, env):
     "points, env, message",
     [
         (None, {}, "not found"),
-        ('{"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]}', {}, "decode points only"),
+        ('{"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]}', {}, "batch_size must be"),
         (
             '{"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}',
             {},

@@ -85,8 +85,9 @@ class KvWarmSchedulerMixin:
 
     def _schedule_only(self, allowed: set[str] | None, clock, *args, **kwargs):
         """Stock scheduling, with `clock`'s readings around it; with `allowed`, of those
-        requests alone: every other one is kept out of this step, in its place in its queue
-        (where there is none, nothing is moved: the filter costs a scan of `running`)."""
+        requests alone (running or waiting): every other one is kept out of this step, in
+        its place in its queue (where there is none, nothing is moved: the filter costs a
+        scan of the scheduler's requests)."""
         if allowed is not None and not self._holds_others(allowed):
             allowed = None
         if allowed is None:
@@ -94,26 +95,31 @@ class KvWarmSchedulerMixin:
             output = super().schedule(*args, **kwargs)
             return output, start, clock() if clock else 0.0
         held_running = [r for r in self.running if r.request_id not in allowed]
-        queues = [name for name in ("waiting", "skipped_waiting") if hasattr(self, name)]
-        held = {name: getattr(self, name) for name in queues}
         self.running = [r for r in self.running if r.request_id in allowed]
-        for name in queues:
-            setattr(self, name, create_request_queue(self.policy))
+        held = {}
+        for name in self._queue_names():
+            mine, others = create_request_queue(self.policy), create_request_queue(self.policy)
+            for request in getattr(self, name):
+                (mine if request.request_id in allowed else others).add_request(request)
+            held[name] = others
+            setattr(self, name, mine)
         try:
             start = clock() if clock else 0.0
             output = super().schedule(*args, **kwargs)
             return output, start, clock() if clock else 0.0
         finally:
             self.running = self.running + held_running
-            for name in queues:  # anything the step queued (a preemption) goes first
-                queued, queue = getattr(self, name), held[name]
-                for request in reversed(list(queued)):
+            for name, queue in held.items():  # what is still queued here (a preemption) goes first
+                for request in reversed(list(getattr(self, name))):
                     queue.prepend_request(request)
                 setattr(self, name, queue)
 
+    def _queue_names(self) -> list[str]:
+        return [name for name in ("waiting", "skipped_waiting") if hasattr(self, name)]
+
     def _holds_others(self, allowed: set[str]) -> bool:
         """Whether a request other than `allowed` is running or waiting."""
-        waiting = any(len(getattr(self, name)) for name in ("waiting", "skipped_waiting") if hasattr(self, name))
+        waiting = any(r.request_id not in allowed for name in self._queue_names() for r in getattr(self, name))
         return waiting or any(r.request_id not in allowed for r in self.running)
 
     def update_from_output(self, scheduler_output, model_runner_output):

@@ -90,6 +90,11 @@ STATE_EXACT_UNSUPPORTED = "state_exact_unsupported"
 STATE_HAND_OFF_UNSUPPORTED = "state_hand_off_unsupported"
 CONTENT_TOO_SHALLOW = "content_too_shallow"  # written "content_too_shallow: H < N"
 
+# --- why a sweep is refused before it starts (its error names the reason) --------------------
+# A timed step there would not be the shape its row says.
+SPECULATIVE_DECODING_UNSUPPORTED = "speculative_decoding_unsupported"
+PIPELINE_PARALLEL_UNSUPPORTED = "pipeline_parallel_unsupported"
+
 # --- why a point was skipped (skip:<reason>) -------------------------------------------------
 POINT_SKIP_REASON = "decode_injection_failed"  # a shadow (or fake request) could not be registered
 BATCH_SIZE_MISMATCH = "measured_batch_size_mismatch"  # a timed step ran other than the point's B

@@ -40,13 +40,34 @@ from collections.abc import Callable
 from ..kv.catchup import PrefillChunkCap, state_block_size
 from ..kv.chains import all_parked, chain_request, is_prefilled, park
 from ..kv.injector import Admission
-from ..kv.layout import group_layouts
+from ..kv.layout import STATE_ALIGN, group_layouts
+from ..kv.prefix import prefix_unit
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
 from .gc_hold import GcHold
-from .plan import PointPlan, Rung, SweepConfig, injected_contexts, plan_digest, plan_rungs, trim_rung
-from .points import DecodePoint
+from .plan import (
+    PointPlan,
+    Rung,
+    SweepConfig,
+    injected_contexts,
+    plan_digest,
+    plan_prefill_rung,
+    plan_rungs,
+    trim_rung,
+)
+from .points import DecodePoint, PrefillPoint
+from .prefill import (
+    PrefillShots,
+    Shot,
+    TailText,
+    check_shot,
+    free_seeds,
+    prefill_row,
+    seed_fake_prefixes,
+    shot_requests,
+    verify_step,
+)
 from .ranks import RankFailed, SoloExchange
 from .rows import measured_row, skipped_row
 from .timing import StepTimer, Window, phase_medians
@@ -75,7 +96,7 @@ END_WAIT_SECONDS = 60.0
 class Sweep:
     def __init__(
         self,
-        points: list[DecodePoint],
+        points: list[DecodePoint | PrefillPoint],
         chain_tokens: Callable[[int, int], list[int]] | None,
         config: SweepConfig,
         *,
@@ -83,7 +104,12 @@ class Sweep:
         progress: Callable[[str], None] = print,
         on_row: Callable[[PointRow], None] | None = None,
         exchange=None,
+        tail_tokens: list[int] | None = None,
+        vocab_size: int = 0,
     ):
+        """`tail_tokens`: text the chains never use, for the new tokens of prefill points
+        (the held-out half of the dataset; synthetic tokens where None); `vocab_size` bounds
+        the synthetic tokens (the model's vocabulary)."""
         self.config = config
         self.rungs = plan_rungs(points, config.steady_steps, config.max_model_len, config.real)
         self.rows: list[PointRow] = []
@@ -103,6 +129,10 @@ class Sweep:
         self._queue: list[PointPlan] = []
         self._point: tuple[PointPlan, Admission] | None = None  # the point being measured
         self._catchups: CatchUps | None = None
+        self._prefill: PrefillShots | None = None  # the prefill point being measured
+        self._prefill_plan: PointPlan | None = None
+        self._restaging: PointPlan | None = None  # a prefill point waiting for its chains again
+        self._tails = TailText(tail_tokens or [], vocab_size)
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
         self._times: list[float] = []
         self._windows: list[Window] = []  # the timed steps' phases
@@ -122,6 +152,9 @@ class Sweep:
     def measuring(self) -> set[str] | None:
         """While a point is admitted and measured: the ids of its requests, the only ones
         its steps may schedule (empty until they are admitted). None between points."""
+        if self._prefill is not None:
+            shot = self._prefill.current
+            return {r.request_id for r in shot.requests} if shot else set()
         if self._point is None:
             return None
         shadows = self._point[1].shadows
@@ -152,10 +185,15 @@ class Sweep:
             self._catch_up_step(scheduler)
         elif phase is Phase.ENDING:
             self._end(scheduler)
+        elif phase is Phase.MEASURING and self._prefill is not None:
+            self._next_shot(scheduler)
 
     def after_update(self, scheduler, output, window: Window | None = None) -> None:
         """`window`: the step that just ended, as the adapter's StepTimer closed it."""
         if self.phase is not Phase.MEASURING:
+            return
+        if self._prefill is not None:
+            self._prefill_step(scheduler, output, window)
             return
         plan, admission = self._point
         if admission.failure is not None:
@@ -196,7 +234,10 @@ class Sweep:
         ids = [r.request_id for r in self._point[1].shadows] if self._point else []
         ids += [c.request_id for c in self._rung.chains] if self._rung else []
         ids += [c.request_id for c in self._catchups.requests] if self._catchups else []
-        self._point, self._catchups = None, None
+        ids += [r.request_id for s in self._prefill.shots for r in s.requests] if self._prefill else []
+        if self._prefill is not None:
+            free_seeds(scheduler, self._prefill)
+        self._point, self._catchups, self._prefill = None, None, None
         self._restore_chunks()
         live = [i for i in ids if i in scheduler.requests]
         if live:
@@ -235,10 +276,11 @@ class Sweep:
 
     def _plan_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
         """Every rank trims to the smallest usable pool, then the ranks compare plans."""
-        if rung.depth:
-            trim_rung(
-                rung, group_layouts(scheduler.kv_cache_manager), self.config, min(r["usable_blocks"] for r in records)
-            )
+        kvm = scheduler.kv_cache_manager
+        if rung.prefill:
+            plan_prefill_rung(rung, prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
+        elif rung.depth:
+            trim_rung(rung, group_layouts(kvm), self.config, min(r["usable_blocks"] for r in records))
         digest = self.plan_digest(rung)
         self._meet("plan", {"digest": digest}, lambda records: self._build_rung(scheduler, rung, records))
 
@@ -254,6 +296,9 @@ class Sweep:
         if not rung.depth:
             self.phase = Phase.NEXT_POINT
             return
+        self._add_chains(scheduler, rung)
+
+    def _add_chains(self, scheduler, rung: Rung) -> None:
         self._progress(
             f"rung batch={rung.batch_size}: building {rung.batch_size} chain(s) of {rung.depth} tokens"
             + (f" ({len(rung.fake_points)} point(s) beyond them on fake KV)" if rung.fake_points else "")
@@ -263,15 +308,15 @@ class Sweep:
             # the same text, so it finds the earlier chain's blocks in the prefix cache. Not
             # in place: shadows advanced those chains' state, which must not be inherited.
             name = f"b{rung.batch_size}_{i}_s{self._number}"
-            salt = None if self.config.state_mode == v.INPLACE else f"__kvwarm_chain_{i}"
+            salt = None if self.config.state_mode == v.INPLACE and not rung.prefill else f"__kvwarm_chain_{i}"
             chain = chain_request(scheduler, name, self._chain_tokens(i, rung.depth), salt=salt)
             scheduler.add_request(chain)
             rung.chains.append(chain)
-        if self.config.state_mode == v.EXACT:
-            # One state block per prefill step: every boundary state is cached for the catch-ups.
-            self._chunk_cap = PrefillChunkCap(
-                scheduler.scheduler_config, state_block_size(group_layouts(scheduler.kv_cache_manager))
-            )
+        layouts = group_layouts(scheduler.kv_cache_manager)
+        if self.config.state_mode == v.EXACT or (rung.prefill and any(g.kind == STATE_ALIGN for g in layouts)):
+            # One state block per prefill step: every boundary state is cached, for the
+            # catch-ups (exact state) and for prefill points' hits at block boundaries.
+            self._chunk_cap = PrefillChunkCap(scheduler.scheduler_config, state_block_size(layouts))
             self._chunk_cap.apply()
         self.phase = Phase.BUILDING
 
@@ -289,6 +334,10 @@ class Sweep:
         self.stages.append({"batch": rung.batch_size, "depth": rung.depth, "build_seconds": round(seconds, 3)})
         self._gc.freeze()  # the chains and everything before: never collected while they serve
         self._progress(f"rung batch={rung.batch_size}: {rung.batch_size} chain(s) built in {seconds:.1f} s")
+        if self._restaging is not None:  # the point whose prefix was lost starts over, without a meeting
+            plan, self._restaging = self._restaging, None
+            self._start_prefill(scheduler, plan)
+            return
         self.phase = Phase.NEXT_POINT
         self._next_point(scheduler)
 
@@ -319,6 +368,9 @@ class Sweep:
 
     def _start_point(self, scheduler, plan: PointPlan, records: list[dict]) -> None:
         _check_same_point(records)
+        if plan.prefill:
+            self._start_prefill(scheduler, plan)
+            return
         point, config = plan.point, self.config
         contexts = injected_contexts(point)
         # Fake points below the giant-KV threshold keep the single step of the legacy path.
@@ -385,6 +437,107 @@ class Sweep:
             f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
             f"B={row.batch_size} ({row.kv_seed_regime}): {median}"
         )
+
+    # --- prefill points ----------------------------------------------------------------------
+
+    def _start_prefill(self, scheduler, plan: PointPlan) -> None:
+        """The point's requests' prefixes (chain i's first kv_i tokens, fake prefixes, or
+        none), then its warm shot; the measured shots follow one per step (_next_shot)."""
+        point = plan.point
+        kvm = scheduler.kv_cache_manager
+        prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
+        name = f"{len(self.rows)}_s{self._number}"
+        if not point.total_kv_read_tokens:
+            regime, prompts, salts = v.NOT_APPLICABLE, [[] for _ in prefixes], [None] * len(prefixes)
+        elif plan.real:
+            chains = self._rung.chains
+            regime = v.REAL_PREFIX
+            prompts = [c.prompt_token_ids[:p] for c, p in zip(chains, prefixes)]
+            salts = [c.cache_salt for c in chains]
+        else:
+            vocab = max(3, scheduler.vllm_config.model_config.get_vocab_size())
+            regime = v.FAKE_PREFIX
+            prompts = [[(i * 7919 + 31 * t + 2) % vocab for t in range(p)] for i, p in enumerate(prefixes)]
+            salts = [None] * len(prefixes)
+        steps = self.config.steady_steps
+        shots = PrefillShots(point, regime, prefixes, point.new_tokens(), prompts, salts, steps)
+        if regime == v.FAKE_PREFIX:
+            seed_fake_prefixes(scheduler, shots, name)
+        self._prefill, self._prefill_plan = shots, plan
+        self._windows, self._ids = [], None
+        self._gc.hold()
+        self.phase = Phase.MEASURING
+        self._next_shot(scheduler)
+
+    def _next_shot(self, scheduler) -> None:
+        """Queue the next shot once the last one's requests are gone (they finish after their
+        one token), or end the point."""
+        shots = self._prefill
+        shot = shots.current
+        if shot is not None and (not shot.done or any(r.request_id in scheduler.requests for r in shot.requests)):
+            return
+        if shots.finished:
+            self._finish_prefill(scheduler)
+            return
+        timed = bool(shots.shots)  # the first shot warms up, untimed
+        requests = shot_requests(scheduler, shots, self._tails, f"{len(self.rows)}_{len(shots.shots)}_s{self._number}")
+        problem = check_shot(scheduler, shots, requests)
+        if problem is not None and problem[0] == v.REAL_SEED_VALIDATION_FAILED and not self._prefill_plan.retried:
+            self._restage(scheduler)
+            return
+        if problem is not None:
+            shots.failure = problem
+            self._finish_prefill(scheduler)
+            return
+        shots.shots.append(Shot(requests, timed))
+        for request in requests:
+            scheduler.add_request(request)
+
+    def _prefill_step(self, scheduler, output, window: Window | None) -> None:
+        shots = self._prefill
+        shot = shots.current
+        ids = {r.request_id for r in shot.requests} if shot else set()
+        if shot is None or shot.done or not any(r.req_id in ids for r in output.scheduled_new_reqs):
+            return
+        shot.done = True
+        problem = verify_step(shots, shot, output)
+        if problem is None and shot.timed and window is None:
+            problem = (v.PREFILL_INJECTION_FAILED, "the shot's step was not timed (no step timer: use the adapter)")
+        if problem is not None:
+            shots.failure = problem
+        elif shot.timed:
+            shots.times.append(window.phases["forward"])
+            shots.windows.append(window)
+
+    def _restage(self, scheduler) -> None:
+        """A chain's prefix is no longer cached: build the rung's chains again, once, and
+        start the point over (this rank alone: the ranks met before the point)."""
+        from vllm.v1.request import RequestStatus
+
+        plan = self._prefill_plan
+        plan.retried = True
+        self._progress(
+            f"prefill point N={plan.point.total_prefill_tokens} P={plan.point.total_kv_read_tokens}: "
+            "a chain's prefix was not cached; building the chains again"
+        )
+        free_seeds(scheduler, self._prefill)
+        self._prefill, self._prefill_plan, self._restaging = None, None, plan
+        self._gc.release()
+        scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
+        self._rung.chains = []
+        self._rung.started = self.clock()
+        self._add_chains(scheduler, self._rung)
+
+    def _finish_prefill(self, scheduler) -> None:
+        from vllm.v1.request import RequestStatus
+
+        shots = self._prefill
+        live = [r.request_id for s in shots.shots for r in s.requests if r.request_id in scheduler.requests]
+        if live:
+            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        free_seeds(scheduler, shots)
+        self._prefill, self._prefill_plan = None, None
+        self._finish_point(prefill_row(shots), scheduler)
 
     # --- the end -----------------------------------------------------------------------------
 

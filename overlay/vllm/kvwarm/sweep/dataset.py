@@ -28,33 +28,8 @@ class DatasetError(ValueError):
 def load_dataset(path: str | Path) -> tuple[list[str], str]:
     """The collection half of the file's conversations as text, and the sha256 of the
     file's bytes (read once)."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-        data = json.loads(raw)
-    except FileNotFoundError:
-        raise DatasetError(
-            f"dataset {path} not found; set DYN_BENCH_KV_WARMUP_DATASET to a ShareGPT-format JSON file"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DatasetError(f"dataset {path} is not valid JSON: {err}") from None
-    if not isinstance(data, list):
-        raise DatasetError(f"dataset {path}: expected a JSON list of conversations")
-    texts = []
-    for entry in data:
-        turns = entry.get("conversations") if isinstance(entry, dict) else None
-        if not isinstance(turns, list):
-            continue
-        bodies = [t.get("value", "") for t in turns if isinstance(t, dict)]
-        text = "\n".join(b for b in bodies if isinstance(b, str) and len(b) >= MIN_TURN_CHARS)
-        if text and hashlib.sha256(text.encode()).digest()[0] % 2 == 0:
-            texts.append(text)
-    if not texts:
-        raise DatasetError(
-            f"dataset {path}: no conversation with turns of {MIN_TURN_CHARS}+ characters "
-            "in the collection half; use a larger ShareGPT-format file"
-        )
-    return texts, hashlib.sha256(raw).hexdigest()
+    collection, _, digest = load_halves(path)
+    return collection, digest
 
 
 class ChainText:
@@ -74,3 +49,35 @@ class ChainText:
                 random.Random(f"kvwarm-chain-{i}-{len(tokens)}").shuffle(order)
             tokens.extend(self._encode(self._conversations[order.pop()]))
         return tokens[:depth]
+
+
+def load_halves(path: str | Path) -> tuple[list[str], list[str], str]:
+    """Both halves of the file's conversations as text (collection: the chains'; held out:
+    other text, e.g. prefill points' new tokens), and the sha256 of the file's bytes."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        data = json.loads(raw)
+    except FileNotFoundError:
+        raise DatasetError(
+            f"dataset {path} not found; set DYN_BENCH_KV_WARMUP_DATASET to a ShareGPT-format JSON file"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DatasetError(f"dataset {path} is not valid JSON: {err}") from None
+    if not isinstance(data, list):
+        raise DatasetError(f"dataset {path}: expected a JSON list of conversations")
+    halves: tuple[list[str], list[str]] = ([], [])
+    for entry in data:
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list):
+            continue
+        bodies = [t.get("value", "") for t in turns if isinstance(t, dict)]
+        text = "\n".join(b for b in bodies if isinstance(b, str) and len(b) >= MIN_TURN_CHARS)
+        if text:
+            halves[hashlib.sha256(text.encode()).digest()[0] % 2].append(text)
+    if not halves[0]:
+        raise DatasetError(
+            f"dataset {path}: no conversation with turns of {MIN_TURN_CHARS}+ characters "
+            "in the collection half; use a larger ShareGPT-format file"
+        )
+    return halves[0], halves[1], hashlib.sha256(raw).hexdigest()

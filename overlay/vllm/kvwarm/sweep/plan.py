@@ -22,7 +22,7 @@ from ..kv.arithmetic import trim_depth
 from ..kv.catchup import planned_catchup_blocks
 from ..kv.layout import GroupLayout
 from ..record.vocabulary import COPY, EXACT, FAKE_FALLBACK
-from .points import DecodePoint
+from .points import DecodePoint, PrefillPoint
 
 # A parked chain has sampled a token or two (async scheduling) after its prompt; at
 # max_model_len vLLM would finish it, freeing the blocks its shadows borrow.
@@ -49,21 +49,27 @@ class SweepConfig:
 
 @dataclass
 class PointPlan:
-    point: DecodePoint
-    real: bool  # on borrowed (real) KV; False: on fake KV
+    point: DecodePoint | PrefillPoint
+    real: bool  # on borrowed (real) KV, or a real prefix; False: on fake KV / a fake prefix
+    retried: bool = False  # prefill: the chains were built again once for it
+
+    @property
+    def prefill(self) -> bool:
+        return isinstance(self.point, PrefillPoint)
 
 
 @dataclass
 class Rung:
     batch_size: int
-    depth: int  # 0: no chains (every point on fake KV)
-    points: list[DecodePoint]
-    fake_points: list[DecodePoint] = field(default_factory=list)
+    depth: int  # 0: no chains (every point on fake KV); a prefill rung's is set when it is planned
+    points: list[DecodePoint | PrefillPoint]
+    fake_points: list[DecodePoint | PrefillPoint] = field(default_factory=list)
     chains: list = field(default_factory=list)
     started: float = 0.0
+    prefill: bool = False  # a rung of prefill points (its chains hold their prefixes)
 
     def plans(self) -> list[PointPlan]:
-        """The rung's points in the order they run: on real KV, then on fake KV."""
+        """The rung's points in the order they run: on real KV (a real prefix), then fake."""
         return [PointPlan(p, True) for p in self.points] + [PointPlan(p, False) for p in self.fake_points]
 
 
@@ -73,13 +79,20 @@ def injected_contexts(point: DecodePoint) -> list[int]:
     return [max(1, c - 1) for c in point.contexts()]
 
 
-def plan_rungs(points: list[DecodePoint], steady_steps: int, max_model_len: int, real: bool = True) -> list[Rung]:
-    """One rung per batch size, deepest first."""
-    by_batch: dict[int, list[DecodePoint]] = {}
-    for point in points:
-        by_batch.setdefault(point.batch_size, []).append(point)
+def plan_rungs(
+    points: list[DecodePoint | PrefillPoint], steady_steps: int, max_model_len: int, real: bool = True
+) -> list[Rung]:
+    """The prefill rungs, then the decode rungs: one rung per batch size, largest first, its
+    points deepest first."""
+    prefill = [p for p in points if isinstance(p, PrefillPoint)]
+    decode = [p for p in points if isinstance(p, DecodePoint)]
     rungs = []
-    for batch, rung_points in sorted(by_batch.items(), reverse=True):
+    for batch, rung_points in _by_batch(prefill):
+        rung_points.sort(key=lambda p: (p.total_kv_read_tokens, p.total_prefill_tokens), reverse=True)
+        rungs.append(
+            Rung(batch, 0, rung_points, prefill=True) if real else Rung(batch, 0, [], rung_points, prefill=True)
+        )
+    for batch, rung_points in _by_batch(decode):
         rung_points.sort(key=lambda p: p.total_kv_read_tokens, reverse=True)
         if not real:
             rungs.append(Rung(batch, 0, [], fake_points=rung_points))
@@ -105,17 +118,33 @@ def trim_rung(rung: Rung, layouts: list[GroupLayout], config: SweepConfig, usabl
         rung.depth = 0
 
 
-def plan_digest(points: list[DecodePoint], config: SweepConfig, rung: Rung) -> str:
+def plan_digest(points: list[DecodePoint | PrefillPoint], config: SweepConfig, rung: Rung) -> str:
     """What every rank must agree on before it builds a rung: the points, the rung's depth
     and points, and the settings that shape rows and stamps."""
+
+    def named(p) -> dict:
+        return {"kind": type(p).__name__, **asdict(p)}
+
     plan = {
-        "points": [asdict(p) for p in points],
+        "points": [named(p) for p in points],
         "config": asdict(config),
         "rung": {
             "batch": rung.batch_size,
             "depth": rung.depth,
-            "real": [asdict(p) for p in rung.points],
-            "fake": [asdict(p) for p in rung.fake_points],
+            "real": [named(p) for p in rung.points],
+            "fake": [named(p) for p in rung.fake_points],
         },
     }
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
+def _by_batch(points: list) -> list[tuple[int, list]]:
+    by_batch: dict[int, list] = {}
+    for point in points:
+        by_batch.setdefault(point.batch_size, []).append(point)
+    return sorted(by_batch.items(), reverse=True)
+
+
+def plan_prefill_rung(rung: Rung, unit: int) -> None:
+    """A prefill rung's chains are as deep as its deepest prefix (none without a prefix)."""
+    rung.depth = max((max(p.prefixes(unit)) for p in rung.points), default=0)

@@ -1,9 +1,16 @@
-"""The decode points a sweep measures, from the established points file (schema v1):
+"""The points a sweep measures, from the established points file (schema v1, per DP rank):
 
-    {"schema_version": 1, "decode": [{"total_kv_read_tokens": K, "batch_size": B}, ...]}
+    {"schema_version": 1,
+     "decode":  [{"total_kv_read_tokens": K, "batch_size": B}, ...],
+     "prefill": [{"total_prefill_tokens": N, "total_kv_read_tokens": P, "batch_size": B}, ...]}
 
-A point is B requests whose contexts partition K (as equal as possible). Every problem
-is a PointsFileError that names the file, the entry and the fix.
+A decode point is B requests whose contexts partition K (as equal as possible), decoding one
+token each per step. A prefill point is one step of B brand-new requests: request i computes
+new_i tokens (a balanced split of N, each at least 1) on top of a prefix-cache hit of kv_i
+tokens (a balanced split of P in whole prefix blocks, at least one each when P > 0; the block
+is the engine's, so that split is made once the engine is known: PrefillPoint.prefixes).
+Either list may be empty or missing, not both. Every problem is a PointsFileError that names
+the file, the entry and the fix.
 """
 
 from __future__ import annotations
@@ -14,11 +21,18 @@ from pathlib import Path
 
 SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("decode", "prefill", "schema_version")
-POINT_KEYS = ("batch_size", "total_kv_read_tokens")
+DECODE_KEYS = ("batch_size", "total_kv_read_tokens")
+PREFILL_KEYS = ("batch_size", "total_kv_read_tokens", "total_prefill_tokens")
 
 
 class PointsFileError(ValueError):
     pass
+
+
+def balanced(total: int, parts: int) -> list[int]:
+    """`parts` integers summing to `total`, the first total % parts of them one larger."""
+    base, longer = divmod(total, parts)
+    return [base + 1] * longer + [base] * (parts - longer)
 
 
 @dataclass(frozen=True)
@@ -28,8 +42,7 @@ class DecodePoint:
 
     def contexts(self) -> list[int]:
         """B contexts summing to K, the first K % B of them one token longer."""
-        base, longer = divmod(self.total_kv_read_tokens, self.batch_size)
-        return [base + 1] * longer + [base] * (self.batch_size - longer)
+        return balanced(self.total_kv_read_tokens, self.batch_size)
 
     def tokens_spanned(self, steady_steps: int) -> int:
         """Tokens the point's longest request spans: its context, the admission token and
@@ -37,9 +50,43 @@ class DecodePoint:
         return self.contexts()[0] + 1 + steady_steps
 
 
-def _positive_int(value, what: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PointsFileError(f"{where}: {what} must be a positive integer, got {value!r}")
+@dataclass(frozen=True)
+class PrefillPoint:
+    total_prefill_tokens: int  # N: new tokens the step computes, summed over the batch
+    total_kv_read_tokens: int  # P: prefix tokens the step reads from the cache, summed
+    batch_size: int  # B
+
+    def new_tokens(self) -> list[int]:
+        """B new-token counts summing to N, each at least 1."""
+        return balanced(self.total_prefill_tokens, self.batch_size)
+
+    def prefixes(self, unit: int) -> list[int]:
+        """B prefix lengths summing to P in whole blocks of `unit` tokens (the prefix-match
+        unit, and on a hybrid layout the state block too): raises PointsFileError where P is
+        not a whole number of blocks, or gives a request none."""
+        if self.total_kv_read_tokens == 0:
+            return [0] * self.batch_size
+        blocks, rest = divmod(self.total_kv_read_tokens, unit)
+        if rest or blocks < self.batch_size:
+            low = max(self.batch_size, blocks) * unit
+            fix = f"use {low}" + (f" or {low + unit}" if rest and blocks >= self.batch_size else "")
+            raise PointsFileError(
+                f"prefill point N={self.total_prefill_tokens} P={self.total_kv_read_tokens} B={self.batch_size}: "
+                f"P must be a whole number of {unit}-token blocks, at least one per request ({fix})"
+            )
+        return [n * unit for n in balanced(blocks, self.batch_size)]
+
+    def tokens_spanned(self, unit: int = 1) -> int:
+        """Tokens the point's longest request spans: its prefix and new tokens and the one
+        token it samples."""
+        prefixes = self.prefixes(unit) if self.total_kv_read_tokens else [0] * self.batch_size
+        return max(p + n for p, n in zip(prefixes, self.new_tokens())) + 1
+
+
+def _int(value, what: str, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum else "an integer >= 0"
+        raise PointsFileError(f"{where}: {what} must be {kind}, got {value!r}")
     return value
 
 
@@ -50,51 +97,79 @@ def _known_keys(entry: dict, allowed: tuple[str, ...], where: str) -> None:
             raise PointsFileError(f"{where}: unknown key {key!r} (allowed: {', '.join(allowed)})")
 
 
-def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> list[DecodePoint]:
-    """The points of a parsed points file; `steady_steps` is the steady steps each request
-    decodes after its context, which must still fit in max_model_len."""
+def _decode_point(entry, where: str, max_model_len: int, steady_steps: int) -> DecodePoint:
+    if not isinstance(entry, dict):
+        raise PointsFileError(f"{where}: expected an object with total_kv_read_tokens and batch_size")
+    _known_keys(entry, DECODE_KEYS, where)
+    k = _int(entry.get("total_kv_read_tokens"), "total_kv_read_tokens", where, 1)
+    b = _int(entry.get("batch_size"), "batch_size", where, 1)
+    if k < b:
+        raise PointsFileError(
+            f"{where}: total_kv_read_tokens {k} is less than batch_size {b} (every request reads at least one token)"
+        )
+    point = DecodePoint(k, b)
+    longest = point.tokens_spanned(steady_steps)
+    if longest > max_model_len:
+        raise PointsFileError(
+            f"{where}: a request at context {point.contexts()[0]} plus {1 + steady_steps} decode "
+            f"steps needs {longest} tokens, beyond max_model_len {max_model_len}; lower K, "
+            "raise batch_size or start the engine with a larger --max-model-len"
+        )
+    return point
+
+
+def _prefill_point(entry, where: str, max_model_len: int) -> PrefillPoint:
+    if not isinstance(entry, dict):
+        raise PointsFileError(
+            f"{where}: expected an object with total_prefill_tokens, total_kv_read_tokens and batch_size"
+        )
+    _known_keys(entry, PREFILL_KEYS, where)
+    n = _int(entry.get("total_prefill_tokens"), "total_prefill_tokens", where, 1)
+    p = _int(entry.get("total_kv_read_tokens", 0), "total_kv_read_tokens", where, 0)
+    b = _int(entry.get("batch_size"), "batch_size", where, 1)
+    if n < b:
+        raise PointsFileError(
+            f"{where}: total_prefill_tokens {n} is less than batch_size {b} (every request computes at least "
+            "one new token)"
+        )
+    if 0 < p < b:
+        raise PointsFileError(f"{where}: total_kv_read_tokens {p} gives a request no prefix; use 0 or at least {b}")
+    point = PrefillPoint(n, p, b)
+    longest = max(balanced(p, b)) + max(point.new_tokens()) + 1  # whole blocks may move a few tokens: rechecked
+    if longest > max_model_len:
+        raise PointsFileError(
+            f"{where}: a request of about {longest - 1} prompt tokens plus the one it samples is beyond "
+            f"max_model_len {max_model_len}; lower N or P, raise batch_size or start the engine with a larger "
+            "--max-model-len"
+        )
+    return point
+
+
+def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> list[DecodePoint | PrefillPoint]:
+    """The points of a parsed points file, prefill points first; `steady_steps` is the steady
+    steps each decode request decodes after its context, which must still fit in max_model_len."""
     if not isinstance(data, dict):
-        raise PointsFileError(f"{source}: expected a JSON object with schema_version and decode")
+        raise PointsFileError(f"{source}: expected a JSON object with schema_version and decode and/or prefill")
     if data.get("schema_version") != SCHEMA_VERSION:
         raise PointsFileError(
             f"{source}: schema_version is {data.get('schema_version')!r}; this sweep reads "
             f"schema_version {SCHEMA_VERSION}"
         )
     _known_keys(data, TOP_LEVEL_KEYS, source)
-    if data.get("prefill"):
-        raise PointsFileError(
-            f"{source}: has prefill points; the decode sweep measures decode points only "
-            "(remove the 'prefill' list or run a prefill benchmark for them)"
-        )
-    entries = data.get("decode")
-    if not isinstance(entries, list) or not entries:
-        raise PointsFileError(f"{source}: 'decode' must be a non-empty list of points")
-    points = []
-    for i, entry in enumerate(entries):
-        where = f"{source}: decode[{i}]"
-        if not isinstance(entry, dict):
-            raise PointsFileError(f"{where}: expected an object with total_kv_read_tokens and batch_size")
-        _known_keys(entry, POINT_KEYS, where)
-        k = _positive_int(entry.get("total_kv_read_tokens"), "total_kv_read_tokens", where)
-        b = _positive_int(entry.get("batch_size"), "batch_size", where)
-        if k < b:
-            raise PointsFileError(
-                f"{where}: total_kv_read_tokens {k} is less than batch_size {b} "
-                "(every request reads at least one token)"
-            )
-        point = DecodePoint(k, b)
-        longest = point.tokens_spanned(steady_steps)
-        if longest > max_model_len:
-            raise PointsFileError(
-                f"{where}: a request at context {point.contexts()[0]} plus {1 + steady_steps} decode "
-                f"steps needs {longest} tokens, beyond max_model_len {max_model_len}; lower K, "
-                "raise batch_size or start the engine with a larger --max-model-len"
-            )
-        points.append(point)
-    return points
+    lists = {kind: data.get(kind, []) for kind in ("prefill", "decode")}
+    for kind, entries in lists.items():
+        if not isinstance(entries, list):
+            raise PointsFileError(f"{source}: '{kind}' must be a list of points")
+    if not any(lists.values()):
+        raise PointsFileError(f"{source}: 'decode' and 'prefill' are both empty: give at least one point")
+    prefill = [_prefill_point(e, f"{source}: prefill[{i}]", max_model_len) for i, e in enumerate(lists["prefill"])]
+    decode = [
+        _decode_point(e, f"{source}: decode[{i}]", max_model_len, steady_steps) for i, e in enumerate(lists["decode"])
+    ]
+    return [*prefill, *decode]
 
 
-def load_points(path: str | Path, max_model_len: int, steady_steps: int) -> list[DecodePoint]:
+def load_points(path: str | Path, max_model_len: int, steady_steps: int) -> list[DecodePoint | PrefillPoint]:
     path = Path(path)
     try:
         text = path.read_text()

@@ -19,14 +19,16 @@ from pathlib import Path
 from vllm.logger import init_logger
 
 from ..kv.layout import group_layouts
+from ..kv.prefix import prefix_unit
 from ..kv.state_mode import STATE_ENV, decide_state_mode
 from ..record import vocabulary as v
 from .controller import Sweep
-from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_dataset
+from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
 from .engine_record import run_record
 from .gate import content_reason, model_gate_reason
+from .limits import SweepRefused, check_engine, check_points
 from .plan import SweepConfig
-from .points import DecodePoint, PointsFileError, load_points
+from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
 from .ranks import make_exchange, rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
 from .writer import ArtifactWriteError, ArtifactWriter
@@ -34,15 +36,19 @@ from .writer import ArtifactWriteError, ArtifactWriter
 logger = init_logger(__name__)
 
 CONFIG_KEY = "kvwarm_sweep"
-INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError)
+INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused)
+# Prefill points' new tokens come from the dataset's held-out half, as much of it as this
+# (shots cycle through it, each led by a token of its own).
+TAIL_TOKENS = 8192
 
 
 @dataclass
 class SweepInputs:
     settings: Settings
-    points: list[DecodePoint]
+    points: list[DecodePoint | PrefillPoint]
     conversations: list[str] | None  # None when warm-up is off (no chains, no text)
     dataset: dict | None  # the artifact's record of the file
+    held_out: list[str] | None = None  # the dataset's other half (prefill points' new tokens)
 
 
 def read_inputs(points_path: str, environ=None, max_model_len: int = sys.maxsize) -> SweepInputs:
@@ -59,14 +65,34 @@ def read_inputs(points_path: str, environ=None, max_model_len: int = sys.maxsize
             f"{DATASET_ENV} is not set; point it at a ShareGPT-format JSON file "
             "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
         )
-    conversations, digest = load_dataset(settings.dataset)
+    conversations, held_out, digest = load_halves(settings.dataset)
     dataset = {
         "path": str(settings.dataset),
         "sha256": digest,
         "collection_pool": COLLECTION_POOL,
         "conversations": len(conversations),
     }
-    return SweepInputs(settings, points, conversations, dataset)
+    return SweepInputs(settings, points, conversations, dataset, held_out)
+
+
+def chain_depth_needed(point, steady_steps: int, kv_cache_manager) -> int:
+    """Tokens of chain text a point needs: a decode point's longest request, a prefill
+    point's deepest prefix."""
+    if isinstance(point, PrefillPoint):
+        return max(
+            point.prefixes(prefix_unit(group_layouts(kv_cache_manager), kv_cache_manager.block_pool.hash_block_size))
+        )
+    return point.tokens_spanned(steady_steps)
+
+
+def tail_tokens(texts: list[str], encode) -> list[int] | None:
+    """Up to TAIL_TOKENS tokens of the held-out half (None where it is empty)."""
+    tokens: list[int] = []
+    for text in texts:
+        tokens += encode(text)
+        if len(tokens) >= TAIL_TOKENS:
+            break
+    return tokens[:TAIL_TOKENS] or None
 
 
 def _tokenizer_encode(model_config):
@@ -122,25 +148,20 @@ class SweepRun:
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
         writer.total = len(inputs.points)
-        max_seqs = vllm_config.scheduler_config.max_num_seqs
-        too_wide = sorted({p.batch_size for p in inputs.points if p.batch_size > max_seqs})
-        if too_wide:
-            raise PointsFileError(
-                f"points file {spec['points']}: batch size(s) {too_wide} exceed max_num_seqs "
-                f"{max_seqs}, so no step could run such a batch; start the engine with "
-                f"--max-num-seqs {too_wide[-1]} or more"
-            )
         kvm = scheduler.kv_cache_manager
+        check_engine(vllm_config)
+        check_points(inputs.points, vllm_config, kvm, f"points file {spec['points']}")
         decision = decide_state_mode(kvm, group_layouts(kvm), environ)
         if decision.reason == v.STATE_MODE_INVALID:
             raise SettingsError(f"{STATE_ENV}={decision.requested!r} is not one of {', '.join(v.STATE_MODES)}")
         reason = model_gate_reason(vllm_config, settings.warmup) or decision.reason
-        chain_text = None
+        chain_text, tails = None, None
         if reason is None:
             encode = _tokenizer_encode(vllm_config.model_config)
-            need = max(p.tokens_spanned(settings.steady_steps) for p in inputs.points)
+            need = max(chain_depth_needed(p, settings.steady_steps, kvm) for p in inputs.points)
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
+            tails = tail_tokens(inputs.held_out or [], encode)
         meta.state_mode_requested = decision.requested
         meta.state_mode = decision.mode if reason is None else None
         meta.warm_eligible, meta.skip_reason = reason is None, reason
@@ -158,7 +179,14 @@ class SweepRun:
             gc_hold=settings.gc_hold,
         )
         return Sweep(
-            inputs.points, chain_text, config, progress=writer.progress, on_row=self._on_row, exchange=exchange
+            inputs.points,
+            chain_text,
+            config,
+            progress=writer.progress,
+            on_row=self._on_row,
+            exchange=exchange,
+            tail_tokens=tails,
+            vocab_size=vllm_config.model_config.get_vocab_size(),
         )
 
     def _on_row(self, row) -> None:

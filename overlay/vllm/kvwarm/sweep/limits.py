@@ -1,0 +1,97 @@
+"""What the engine allows, checked once it is known and before anything runs: every point
+must be one step of the shape its row will say, or the sweep stops with a message that names
+the point, the limit and the fix.
+
+- Speculative decoding and pipeline parallelism are refused: a timed step there would not
+  be the shape the row says (draft tokens change a decode step; pipeline stages split one).
+- Every batch fits max_num_seqs.
+- A prefill point is one unchunked step: its N new tokens fit max_num_batched_tokens, each
+  request's fit long_prefill_token_threshold where one is set, its prefix is whole blocks of
+  the prefix-cache unit (on a hybrid layout the state block: a state is cached only at its
+  boundaries), each request fits max_model_len, and its chains and shot fit the KV pool.
+"""
+
+from __future__ import annotations
+
+from ..kv.arithmetic import chain_blocks
+from ..kv.layout import group_layouts
+from ..kv.prefix import new_request_blocks, prefix_unit
+from ..record import vocabulary as v
+from .plan import CHAIN_DEPTH_MARGIN
+from .points import PointsFileError, PrefillPoint
+
+
+class SweepRefused(ValueError):
+    """The engine's configuration cannot give faithful rows: `reason` names why."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def check_engine(vllm_config) -> None:
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise SweepRefused(
+            v.SPECULATIVE_DECODING_UNSUPPORTED,
+            "a decode step with draft tokens is not the one-token step a row says; start the engine without "
+            "speculative decoding to sweep it",
+        )
+    if getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) > 1:
+        raise SweepRefused(
+            v.PIPELINE_PARALLEL_UNSUPPORTED,
+            "a step split over pipeline stages is not the step a row says; sweep with --pipeline-parallel-size 1",
+        )
+
+
+def check_points(points: list, vllm_config, kv_cache_manager, source: str) -> None:
+    scheduler_config = vllm_config.scheduler_config
+    max_seqs = scheduler_config.max_num_seqs
+    too_wide = sorted({p.batch_size for p in points if p.batch_size > max_seqs})
+    if too_wide:
+        raise PointsFileError(
+            f"{source}: batch size(s) {too_wide} exceed max_num_seqs {max_seqs}, so no step could run such a "
+            f"batch; start the engine with --max-num-seqs {too_wide[-1]} or more"
+        )
+    layouts = group_layouts(kv_cache_manager)
+    unit = prefix_unit(layouts, kv_cache_manager.block_pool.hash_block_size)
+    budget = scheduler_config.max_num_batched_tokens
+    threshold = getattr(scheduler_config, "long_prefill_token_threshold", 0) or 0
+    max_model_len = vllm_config.model_config.max_model_len
+    free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
+    prefill = [p for p in points if isinstance(p, PrefillPoint)]
+    deepest = {}  # per batch size: the deepest prefix its chains hold
+    for point in prefill:
+        where = (
+            f"{source}: prefill point N={point.total_prefill_tokens} P={point.total_kv_read_tokens} "
+            f"B={point.batch_size}"
+        )
+        try:
+            prefixes = point.prefixes(unit)
+        except PointsFileError as err:
+            raise PointsFileError(f"{source}: {err}") from None
+        new = point.new_tokens()
+        if point.total_prefill_tokens > budget:
+            raise PointsFileError(
+                f"{where}: {point.total_prefill_tokens} new tokens exceed max_num_batched_tokens {budget}, so the "
+                f"engine would chunk the step; lower N or start the engine with --max-num-batched-tokens "
+                f"{point.total_prefill_tokens} or more"
+            )
+        if 0 < threshold < max(new):
+            raise PointsFileError(
+                f"{where}: a request of {max(new)} new tokens exceeds long_prefill_token_threshold {threshold}, "
+                "so the engine would chunk it; raise batch_size, lower N or raise the threshold"
+            )
+        if point.tokens_spanned(unit) > max_model_len or max(prefixes) > max_model_len - CHAIN_DEPTH_MARGIN:
+            raise PointsFileError(
+                f"{where}: a request of {max(p + n for p, n in zip(prefixes, new))} prompt tokens and its sampled "
+                f"token do not fit max_model_len {max_model_len}; lower N or P, raise batch_size or start the "
+                "engine with a larger --max-model-len"
+            )
+        deepest[point.batch_size] = max(deepest.get(point.batch_size, 0), max(prefixes))
+        chains = point.batch_size * chain_blocks(layouts, deepest[point.batch_size]) if deepest[point.batch_size] else 0
+        need = chains + sum(new_request_blocks(layouts, p, n) for p, n in zip(prefixes, new))
+        if need > free:
+            raise PointsFileError(
+                f"{where}: its chains and one shot need {need} KV blocks, the pool has {free} free; lower N or P "
+                "or give the engine more KV cache memory"
+            )

@@ -1,0 +1,189 @@
+"""A prefill point inside a sweep: its shots, each one engine step of exactly B brand-new
+requests (max_tokens=1), request i computing new_i tokens on top of a prefix-cache hit of
+kv_i tokens, then its row.
+
+  real prefix  the prefix is real KV of real text: request i is chain i's first kv_i tokens
+               under chain i's cache salt (a hit on the chain's blocks) plus a fresh tail;
+  fake prefix  (warm-up off, or the gate refused the model) the prefix blocks are registered
+               and hashed but never computed (kv.prefix.fake_prefix);
+  P = 0        no prefix: the regime is not_applicable.
+
+One untimed warm shot of the same shape (other tails) runs first, then `steady_steps`
+measured shots, each with fresh tails; every shot's time is kept and the upper median is the
+row's. A shot's time is its step's forward phase (sweep.timing): from the end of the
+schedule() that scheduled it to the model output's arrival. The hit is probed before a shot
+is queued; after its step the shot is checked: exactly its B requests, N new tokens, a hit of
+P tokens, else the point is skipped with the measured_* reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass, field
+
+from ..kv.arithmetic import pool_shortfall
+from ..kv.borrowing import ShadowRegistrationError
+from ..kv.catchup import cached_tokens
+from ..kv.chains import prefix_hasher
+from ..kv.layout import group_layouts
+from ..kv.prefix import fake_prefix, new_request_blocks
+from ..kv.request import greedy_request
+from ..record import vocabulary as v
+from ..record.artifact import PointRow
+from .points import PrefillPoint
+from .timing import Window, phase_medians
+
+PREFILL_PREFIX = "__kvwarm_prefill_"  # frontend ids never start like this
+# Every shot's tail starts with a token of its own, so no two shots' tails share a block
+# hash (a block's hash chains its predecessors'), whatever the text after it.
+_SHOT_NUMBERS = itertools.count(1)
+
+
+class TailText:
+    """take(n): the next n tokens of text the chains never use (the held-out half of the
+    dataset, or synthetic tokens), led by a token unique to the shot."""
+
+    def __init__(self, tokens: list[int], vocab_size: int):
+        self._tokens = tokens or [2]
+        self._vocab = max(vocab_size, 3)
+        self._at = 0
+
+    def take(self, n: int) -> list[int]:
+        shot = next(_SHOT_NUMBERS)
+        lead = [2 + shot % (self._vocab - 2), 2 + (shot // (self._vocab - 2)) % (self._vocab - 2)]
+        body = []
+        while len(lead) + len(body) < n:
+            body.append(self._tokens[self._at % len(self._tokens)])
+            self._at += 1
+        return (lead + body)[:n]
+
+
+@dataclass
+class Shot:
+    requests: list
+    timed: bool
+    done: bool = False
+
+
+@dataclass
+class PrefillShots:
+    point: PrefillPoint
+    regime: str  # real_prefix | fake_prefix | not_applicable
+    prefixes: list[int]  # kv_i
+    new: list[int]  # new_i
+    prompts: list[list[int]]  # request i's prefix tokens
+    salts: list[str | None]  # request i's cache salt (None: a salt of its own)
+    steady_steps: int
+    seeds: list = field(default_factory=list)  # fake prefixes, freed with the point
+    shots: list[Shot] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    windows: list[Window] = field(default_factory=list)
+    failure: tuple[str, str] | None = None  # (reason, detail): the point is skipped
+
+    @property
+    def current(self) -> Shot | None:
+        return self.shots[-1] if self.shots else None
+
+    @property
+    def finished(self) -> bool:
+        return self.failure is not None or len(self.times) >= self.steady_steps
+
+
+def shot_requests(scheduler, shots: PrefillShots, tails: TailText, name: str) -> list:
+    """The B requests of the next shot (not added to the scheduler yet)."""
+    hasher = prefix_hasher(scheduler)
+    requests = []
+    for i, (prompt, n, salt) in enumerate(zip(shots.prompts, shots.new, shots.salts)):
+        request_id = f"{PREFILL_PREFIX}{name}_{i}"
+        requests.append(
+            greedy_request(request_id, prompt + tails.take(n), 1, cache_salt=salt or request_id, block_hasher=hasher)
+        )
+    return requests
+
+
+def check_shot(scheduler, shots: PrefillShots, requests: list) -> tuple[str, str] | None:
+    """Before a shot is queued: the pool holds its requests' blocks, and each request's
+    lookup finds its prefix cached (reason, detail when not)."""
+    kvm = scheduler.kv_cache_manager
+    layouts = group_layouts(kvm)
+    need = sum(new_request_blocks(layouts, p, n) for p, n in zip(shots.prefixes, shots.new))
+    short = pool_shortfall(need, kvm.block_pool.get_num_free_blocks())
+    if short:
+        return v.PREFILL_INJECTION_FAILED, f"{v.POOL_EXHAUSTED}: {short} more free block(s) needed for the shot"
+    hits = [cached_tokens(kvm, r) if p else 0 for r, p in zip(requests, shots.prefixes)]
+    if hits != shots.prefixes:
+        reason = v.REAL_SEED_VALIDATION_FAILED if shots.regime == v.REAL_PREFIX else v.FAKE_PREFIX_VALIDATION_FAILED
+        return reason, f"the prefix cache holds {hits} of the prefixes {shots.prefixes}"
+    return None
+
+
+def seed_fake_prefixes(scheduler, shots: PrefillShots, name: str) -> None:
+    """Fake prefix: register and hash each request's prefix blocks (never computed)."""
+    try:
+        for i, prompt in enumerate(shots.prompts):
+            if prompt:
+                seed = fake_prefix(scheduler, f"fakeprefix_{name}_{i}", prompt)
+                shots.seeds.append(seed)
+                shots.salts[i] = seed.cache_salt
+    except ShadowRegistrationError as err:
+        shots.failure = (v.FAKE_PREFIX_ALLOCATION_FAILED, str(err))
+
+
+def free_seeds(scheduler, shots: PrefillShots) -> None:
+    for seed in shots.seeds:
+        scheduler.kv_cache_manager.free(seed)
+    shots.seeds = []
+
+
+def verify_step(shots: PrefillShots, shot: Shot, output) -> tuple[str, str] | None:
+    """After a shot's step: exactly its B requests, N new tokens, a hit of P tokens."""
+    ids = {r.request_id for r in shot.requests}
+    scheduled = output.num_scheduled_tokens
+    new = {r.req_id: r for r in output.scheduled_new_reqs if r.req_id in ids}
+    point = shots.point
+    if set(scheduled) != ids or len(new) != point.batch_size:
+        foreign = len(set(scheduled) - ids)
+        return v.BATCH_SIZE_MISMATCH, (
+            f"{v.BATCH_SIZE_MISMATCH}: the step scheduled {len(scheduled)} request(s), {len(new)} of the point's "
+            f"{point.batch_size} new ones" + (f", {foreign} not the sweep's" if foreign else "")
+        )
+    computed = sum(scheduled[i] for i in ids)
+    if computed != point.total_prefill_tokens:
+        return v.PREFILL_TOKENS_MISMATCH, (
+            f"{v.PREFILL_TOKENS_MISMATCH}: the step computed {computed} new token(s), the point "
+            f"{point.total_prefill_tokens} (the engine chunked a request)"
+        )
+    hit = sum(r.num_computed_tokens for r in new.values())
+    if hit != point.total_kv_read_tokens:
+        return v.KV_READ_MISMATCH, (
+            f"{v.KV_READ_MISMATCH}: the step's requests found {hit} prefix token(s) cached, the point "
+            f"{point.total_kv_read_tokens}"
+        )
+    return None
+
+
+def prefill_row(shots: PrefillShots) -> PointRow:
+    point = shots.point
+    if shots.failure is not None:
+        reason, detail = shots.failure
+        return PointRow(
+            point.total_kv_read_tokens,
+            point.batch_size,
+            v.skip_regime(reason),
+            detail=detail,
+            point_type=v.PREFILL,
+            total_prefill_tokens=point.total_prefill_tokens,
+        )
+    stamps = {v.REAL_PREFIX: [v.STAMP_PREFILL_REAL_SEED], v.FAKE_PREFIX: [v.STAMP_PREFILL_FAKE_PREFIX]}
+    return PointRow(
+        point.total_kv_read_tokens,
+        point.batch_size,
+        shots.regime,
+        list(stamps.get(shots.regime, [])),
+        list(shots.times),
+        statistics.median_high(shots.times),
+        point_type=v.PREFILL,
+        total_prefill_tokens=point.total_prefill_tokens,
+        phases=phase_medians(shots.windows),
+    )

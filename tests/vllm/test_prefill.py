@@ -1,0 +1,208 @@
+"""Prefill points stepped against a real Scheduler (sync and async), the model runner's part
+played by the test: shots of exactly B new requests on real or fake prefixes, their checks and
+skips, prefill and decode points in one sweep, and the limits checked before anything runs."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
+from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
+from vllm.kvwarm.sweep import prefill as prefill_module
+from vllm.kvwarm.sweep.controller import Sweep
+from vllm.kvwarm.sweep.limits import check_points
+from vllm.kvwarm.sweep.plan import SweepConfig
+from vllm.kvwarm.sweep.points import DecodePoint, PointsFileError, PrefillPoint
+
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _hashing():
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+
+
+def _tokens(i: int, depth: int) -> list[int]:
+    return [(7 * i + 3 * t) % 200 + 2 for t in range(depth)]
+
+
+def _sweep(points, **config) -> Sweep:
+    config = SweepConfig(**{"steady_steps": STEPS, "max_model_len": 1024, **config})
+    return Sweep(
+        points,
+        _tokens if config.real else None,
+        config,
+        clock=itertools.count().__next__,
+        progress=lambda _: None,
+        tail_tokens=[(11 * t) % 190 + 5 for t in range(500)],
+        vocab_size=256,
+    )
+
+
+def _run(scheduler, sweep, limit: int = 600) -> list:
+    """Step to the end; returns every step's SchedulerOutput."""
+    scheduler.kvwarm_sweep = sweep
+    outputs = []
+    for _ in range(limit):
+        if not scheduler.has_requests():
+            break
+        outputs.append(step_scheduler(scheduler))
+    assert sweep.done
+    return outputs
+
+
+def _shots(outputs) -> list[list]:
+    """The NewRequestData of every step that scheduled prefill-point requests."""
+    return [
+        [r for r in o.scheduled_new_reqs]
+        for o in outputs
+        if any(r.req_id.startswith(prefill_module.PREFILL_PREFIX) for r in o.scheduled_new_reqs)
+    ]
+
+
+@pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
+def test_prefill_points_run_as_shots_of_b_new_requests_on_real_prefixes(tmp_path, cls):
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=cls)
+    points = [PrefillPoint(96, 128, 2), PrefillPoint(40, 0, 2), PrefillPoint(30, 48, 1)]
+    sweep = _sweep(points)
+    outputs = _run(scheduler, sweep)
+    assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
+    rows = [
+        (
+            r.point_type,
+            r.total_prefill_tokens,
+            r.total_kv_read_tokens,
+            r.batch_size,
+            r.kv_seed_regime,
+            r.sample_reasons,
+            len(r.steady_seconds),
+        )
+        for r in sweep.rows
+    ]
+    assert rows == [
+        ("prefill", 96, 128, 2, "real_prefix", ["prefill_real_seed"], STEPS),
+        ("prefill", 40, 0, 2, "not_applicable", [], STEPS),
+        ("prefill", 30, 48, 1, "real_prefix", ["prefill_real_seed"], STEPS),
+    ]
+    # a warm shot and STEPS measured shots per point, each exactly the point's B new requests,
+    # N new tokens and a hit of P (vLLM's own count of the tokens it found computed)
+    shots = _shots(outputs)
+    expected = [(2, 96, 128)] * (1 + STEPS) + [(2, 40, 0)] * (1 + STEPS) + [(1, 30, 48)] * (1 + STEPS)
+    assert [
+        (len(s), sum(len(r.prompt_token_ids) - r.num_computed_tokens for r in s), sum(r.num_computed_tokens for r in s))
+        for s in shots
+    ] == expected
+    # every shot's tails are its own: no two shots' requests share a prompt
+    prompts = [tuple(r.prompt_token_ids) for s in shots for r in s]
+    assert len(set(prompts)) == len(prompts)
+    for row in sweep.rows:  # a shot's time is its forward phase (the tick clock: one tick)
+        assert row.steady_seconds == [1, 1, 1] and row.phases["forward"] == 1
+
+
+def test_prefill_points_run_before_decode_points_in_one_sweep(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([DecodePoint(200, 2), PrefillPoint(64, 64, 2)])
+    _run(scheduler, sweep)
+    assert [(r.point_type, r.kv_seed_regime) for r in sweep.rows] == [("prefill", "real_prefix"), ("decode", "real_kv")]
+    assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_warm_up_off_measures_prefill_on_fake_prefixes_registered_and_never_computed(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmAsyncScheduler)
+    sweep = _sweep([PrefillPoint(64, 96, 2), PrefillPoint(16, 0, 1)], real=False, fake_regime="legacy")
+    outputs = _run(scheduler, sweep)
+    assert not sweep.stages  # no chains
+    assert [(r.kv_seed_regime, r.sample_reasons) for r in sweep.rows] == [
+        ("fake_prefix", ["prefill_fake_prefix"]),
+        ("not_applicable", []),
+    ]
+    assert [sum(r.num_computed_tokens for r in s) for s in _shots(outputs)][: 1 + STEPS] == [96] * (1 + STEPS)
+    assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_a_prefix_that_stays_uncached_rebuilds_the_chains_once_then_skips(tmp_path, monkeypatch):
+    probes = []
+    monkeypatch.setattr(prefill_module, "cached_tokens", lambda kvm, request: probes.append(request) or 0)
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([PrefillPoint(64, 64, 2), PrefillPoint(20, 0, 2)])
+    _run(scheduler, sweep)
+    first, second = sweep.rows
+    assert first.kv_seed_regime == "skip:real_seed_cache_validation_failed" and "[0, 0]" in first.detail
+    assert second.kv_seed_regime == "not_applicable"
+    assert len(sweep.stages) == 2  # the chains were built, then built again
+    assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_a_shot_the_engine_chunks_is_skipped_as_a_prefill_tokens_mismatch(tmp_path):
+    """Limits are checked before the sweep; here the threshold is lowered after that, so the
+    scheduler splits the requests' prompts and the shot's check names it."""
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([PrefillPoint(96, 0, 2)])
+    scheduler.scheduler_config.long_prefill_token_threshold = 16
+    _run(scheduler, sweep)
+    (row,) = sweep.rows
+    assert row.kv_seed_regime == "skip:measured_prefill_tokens_mismatch"
+    assert "computed 32 new token(s), the point 96" in row.detail
+    assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_a_shot_whose_requests_do_not_fit_the_pool_is_skipped_by_name(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([PrefillPoint(64, 0, 2)])
+    pool = scheduler.kv_cache_manager.block_pool
+    taken = pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    scheduler.kvwarm_sweep = sweep
+    for _ in range(50):
+        if sweep.rows:
+            break
+        step_scheduler(scheduler)
+    (row,) = sweep.rows
+    assert row.kv_seed_regime == "skip:prefill_injection_failed" and "pool_exhausted" in row.detail
+    pool.free_blocks(taken)
+    _run(scheduler, sweep)
+    assert in_use(pool) == {}
+
+
+def test_a_hybrid_layouts_prefixes_are_whole_state_blocks_hit_with_their_state(tmp_path):
+    """Attention and align-mode state blocks of 64 tokens, prefix-match unit 16: a prefix is
+    a whole number of state blocks (a state is cached only at its boundaries), and the hit
+    covers it, state included."""
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler, block_size=64, state_block_size=64, hash_block_size=16
+    )
+    sweep = _sweep([PrefillPoint(40, 256, 2)], state_mode="copy")
+    outputs = _run(scheduler, sweep)
+    assert [r.kv_seed_regime for r in sweep.rows] == ["real_prefix"]
+    assert [sorted(r.num_computed_tokens for r in s) for s in _shots(outputs)] == [[128, 128]] * (1 + STEPS)
+    with pytest.raises(PointsFileError, match="whole number of 64-token blocks"):
+        check_points([PrefillPoint(40, 160, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+@pytest.mark.parametrize(
+    "point, message",
+    [
+        (PrefillPoint(300, 0, 2), "300 new tokens exceed max_num_batched_tokens 256"),
+        (PrefillPoint(64, 40, 2), "P must be a whole number of 16-token blocks, at least one per request (use 32"),
+        (PrefillPoint(64, 16, 2), "at least one per request (use 32)"),
+        (PrefillPoint(200, 2016, 2), "do not fit max_model_len 1024"),
+        (PrefillPoint(200, 1600, 2), "need"),
+        (PrefillPoint(16, 0, 9), "exceed max_num_seqs 8"),
+    ],
+)
+def test_a_point_the_engine_cannot_run_as_one_step_is_refused_before_the_sweep(tmp_path, point, message):
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
+    with pytest.raises(PointsFileError, match=re.escape(message)) as err:
+        check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    assert "points.json" in str(err.value)
+
+
+def test_a_threshold_below_a_request_is_refused(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
+    scheduler.scheduler_config.long_prefill_token_threshold = 16
+    with pytest.raises(PointsFileError, match="exceeds long_prefill_token_threshold 16"):
+        check_points([PrefillPoint(64, 0, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
