@@ -1,6 +1,8 @@
-"""Fixtures over the real vLLM classes; the builders live in real_kv.py."""
+"""Fixtures over the real vLLM classes; the builders live in kvwarm_testing.real_kv."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -18,3 +20,14 @@ def torch_device(request) -> str:
 @pytest.fixture
 def pool() -> BlockPool:
     return BlockPool(32, True, hash_block_size=BLOCK_SIZE)
+
+
+@pytest.fixture(autouse=True)
+def _collector_back_after_each_test():
+    """A test that leaves a sweep mid-point (its collector held) must not change the rest of
+    the session: the collector is put back as it was."""
+    enabled, frozen = gc.isenabled(), gc.get_freeze_count()
+    yield
+    if not frozen and gc.get_freeze_count():
+        gc.unfreeze()
+    (gc.enable if enabled else gc.disable)()

@@ -81,6 +81,8 @@ class KvwarmMeta:
     batch_semantics: str = "per_rank"
     global_batch_factor: int = 1  # B x this = the batch over every data-parallel rank
     gc: dict | None = None  # the collector's policy over the sweep (sweep.gc_hold)
+    cudagraph: dict | None = None  # the engine's CUDA-graph mode and capture sizes (sweep.graphs)
+    grid: dict | None = None  # a generated grid: its points file and axes (sweep.grid)
 
     @classmethod
     def read(cls, block: dict | None) -> KvwarmMeta:

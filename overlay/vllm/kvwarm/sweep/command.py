@@ -1,5 +1,5 @@
-"""`python -m vllm.kvwarm sweep --points FILE --out DIR [vLLM engine args]`: a decode sweep on
-the real engine, writing the artifact after every point.
+"""`python -m vllm.kvwarm sweep (--points FILE | --grid) --out DIR [vLLM engine args]`: a sweep
+of prefill and decode points on the real engine, writing the artifact after every point.
 
 Every input is checked before the engine starts; any failure still writes an artifact
 (status "failed", the error, and every row measured before it). The sweep itself runs
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..record import vocabulary as v
 from ..record.combined import rank_path
-from .run import CONFIG_KEY, INPUT_ERRORS, new_writer, read_inputs
+from .run import CONFIG_KEY, GRID_FILE, INPUT_ERRORS, new_writer, read_inputs
 
 ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 POLL_SECONDS = 1.0
@@ -34,12 +34,20 @@ POLL_SECONDS = 1.0
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m vllm.kvwarm sweep",
-        description="Decode step times at (batch, KV) points with real KV.",
+        description="Prefill and decode step times at (batch, tokens, KV) points, with real KV.",
         epilog="Every other argument is a vLLM engine argument, as for `vllm serve` (e.g. --model DIR "
         "--max-model-len N --enforce-eager).",
     )
-    p.add_argument(
-        "--points", required=True, help='{"schema_version":1,"decode":[{"total_kv_read_tokens":K,"batch_size":B}]}'
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--points",
+        help='{"schema_version":1,"decode":[{"total_kv_read_tokens":K,"batch_size":B}],'
+        '"prefill":[{"total_prefill_tokens":N,"total_kv_read_tokens":P,"batch_size":B}]}',
+    )
+    what.add_argument(
+        "--grid",
+        action="store_true",
+        help="no points file: a grid laid around the engine's CUDA-graph capture sizes (written to OUT/grid.json)",
     )
     p.add_argument("--out", required=True, help="folder for sweep.json, sweep.csv and sweep.png")
     return p
@@ -59,14 +67,13 @@ def engine_args_from(argv: list[str], spec: dict):
 
 def run(argv: list[str]) -> int:
     args, engine_argv = parser().parse_known_args(argv)
-    spec = {
-        "points": str(Path(args.points).resolve()),
-        "out": str(Path(args.out).resolve()),
-        "engine_args": engine_argv,
-    }  # recorded as given
-    writer = new_writer(spec["out"], {"points": spec["points"], "engine_args": {"given": engine_argv}}, os.environ)
+    spec = {"out": str(Path(args.out).resolve()), "engine_args": engine_argv}  # recorded as given
+    spec.update({"grid": True} if args.grid else {"points": str(Path(args.points).resolve())})
+    writer = new_writer(
+        spec["out"], {"points": spec.get("points", GRID_FILE), "engine_args": {"given": engine_argv}}, os.environ
+    )
     try:
-        read_inputs(spec["points"])  # max_model_len is checked again once the engine knows it
+        read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it
     except INPUT_ERRORS as err:
         print(f"kvwarm sweep: {err}", file=sys.stderr)
         writer.write(v.FAILED, str(err))

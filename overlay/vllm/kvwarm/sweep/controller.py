@@ -46,6 +46,7 @@ from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
 from .gc_hold import GcHold
+from .graphs import GraphConfig, expected_graph
 from .plan import (
     PointPlan,
     Rung,
@@ -106,10 +107,12 @@ class Sweep:
         exchange=None,
         tail_tokens: list[int] | None = None,
         vocab_size: int = 0,
+        graphs: GraphConfig | None = None,
     ):
         """`tail_tokens`: text the chains never use, for the new tokens of prefill points
         (the held-out half of the dataset; synthetic tokens where None); `vocab_size` bounds
-        the synthetic tokens (the model's vocabulary)."""
+        the synthetic tokens (the model's vocabulary); `graphs`: the engine's CUDA graphs, whose
+        expected one each measured row records."""
         self.config = config
         self.rungs = plan_rungs(points, config.steady_steps, config.max_model_len, config.real)
         self.rows: list[PointRow] = []
@@ -133,6 +136,7 @@ class Sweep:
         self._prefill_plan: PointPlan | None = None
         self._restaging: PointPlan | None = None  # a prefill point waiting for its chains again
         self._tails = TailText(tail_tokens or [], vocab_size)
+        self._graphs = graphs
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
         self._times: list[float] = []
         self._windows: list[Window] = []  # the timed steps' phases
@@ -422,6 +426,9 @@ class Sweep:
         return row
 
     def _finish_point(self, row: PointRow, scheduler) -> None:
+        if self._graphs is not None and not row.skipped:
+            n = row.total_prefill_tokens if row.point_type == v.PREFILL else row.batch_size
+            row.graph = expected_graph(self._graphs, row.point_type, n)
         self.rows.append(row)
         self._point = None
         if self._catchups is not None:

@@ -11,6 +11,7 @@ combined view OUT/sweep.json (record.combined).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -18,14 +19,17 @@ from pathlib import Path
 
 from vllm.logger import init_logger
 
-from ..kv.layout import group_layouts
+from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import prefix_unit
 from ..kv.state_mode import STATE_ENV, decide_state_mode
 from ..record import vocabulary as v
+from ..record.files import write_atomically
 from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
-from .engine_record import run_record
+from .engine_record import kv_cache_tokens, run_record
 from .gate import content_reason, model_gate_reason
+from .graphs import graph_config
+from .grid import CAPS, GridLimits, decode_grid, points_file, prefill_grid
 from .limits import SweepRefused, check_engine, check_points
 from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
@@ -36,6 +40,7 @@ from .writer import ArtifactWriteError, ArtifactWriter
 logger = init_logger(__name__)
 
 CONFIG_KEY = "kvwarm_sweep"
+GRID_FILE = "grid.json"  # a generated grid, beside the artifact
 INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused)
 # Prefill points' new tokens come from the dataset's held-out half, as much of it as this
 # (shots cycle through it, each led by a token of its own).
@@ -51,13 +56,18 @@ class SweepInputs:
     held_out: list[str] | None = None  # the dataset's other half (prefill points' new tokens)
 
 
-def read_inputs(points_path: str, environ=None, max_model_len: int = sys.maxsize) -> SweepInputs:
+def read_inputs(points_path: str | None, environ=None, max_model_len: int = sys.maxsize) -> SweepInputs:
     """Every input a sweep reads before it touches the engine; raises one of INPUT_ERRORS.
     A dataset problem is an error, not a reason to measure on fake KV: a mistyped path
-    must not silently turn a real-KV table into a fake one."""
+    must not silently turn a real-KV table into a fake one. Without a points file (a
+    generated grid) the points come once the engine is known."""
     environ = os.environ if environ is None else environ
     settings = read_settings(environ)
-    points = load_points(points_path, max_model_len=max_model_len, steady_steps=settings.steady_steps)
+    points = (
+        load_points(points_path, max_model_len=max_model_len, steady_steps=settings.steady_steps)
+        if points_path is not None
+        else []
+    )
     if settings.warmup == "off":
         return SweepInputs(settings, points, None, None)
     if not settings.dataset:
@@ -118,17 +128,17 @@ class SweepRun:
 
     def __init__(self, scheduler, spec: dict, environ=None):
         environ = os.environ if environ is None else environ
-        if not isinstance(spec, dict) or not {"points", "out"} <= set(spec):
+        if not isinstance(spec, dict) or "out" not in spec or ("points" in spec) == bool(spec.get("grid")):
             raise SettingsError(
-                f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}} '
-                f'(and optionally "engine_args": [ARG, ...]), got {spec!r}'
+                f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}} or '
+                f'{{"grid": true, "out": DIR}} (and optionally "engine_args": [ARG, ...]), got {spec!r}'
             )
         vllm_config = scheduler.vllm_config
         parallel = vllm_config.parallel_config
         self.layout = rank_layout(parallel)
         size, rank = self.layout.data_parallel_size, self.layout.data_parallel_rank
         rank_out = str(Path(spec["out"]) / f"dp{rank}") if size > 1 else None
-        config = {"points": spec["points"], "model": vllm_config.model_config.model}
+        config = {"points": spec.get("points") or GRID_FILE, "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
         try:
@@ -143,14 +153,18 @@ class SweepRun:
 
     def _build(self, scheduler, vllm_config, spec: dict, environ, exchange) -> Sweep:
         max_model_len = vllm_config.model_config.max_model_len
-        inputs = read_inputs(spec["points"], environ, max_model_len)
+        inputs = read_inputs(spec.get("points"), environ, max_model_len)
         settings, writer, meta = inputs.settings, self.writer, self.writer.meta
+        kvm = scheduler.kv_cache_manager
+        graphs = graph_config(vllm_config)
+        meta.cudagraph = graphs.record()
+        if spec.get("grid"):
+            inputs.points = self._grid(scheduler, graphs, settings.steady_steps, spec["grid"])
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
         writer.total = len(inputs.points)
-        kvm = scheduler.kv_cache_manager
         check_engine(vllm_config)
-        check_points(inputs.points, vllm_config, kvm, f"points file {spec['points']}")
+        check_points(inputs.points, vllm_config, kvm, f"points file {spec.get('points') or GRID_FILE}")
         decision = decide_state_mode(kvm, group_layouts(kvm), environ)
         if decision.reason == v.STATE_MODE_INVALID:
             raise SettingsError(f"{STATE_ENV}={decision.requested!r} is not one of {', '.join(v.STATE_MODES)}")
@@ -187,7 +201,48 @@ class SweepRun:
             exchange=exchange,
             tail_tokens=tails,
             vocab_size=vllm_config.model_config.get_vocab_size(),
+            graphs=graphs,
         )
+
+    def _grid(self, scheduler, graphs, steady_steps: int, spec_grid) -> list:
+        """The generated grid, less any point this engine cannot run as one step; written
+        to OUT/grid.json (a points file to edit and pass back) and recorded."""
+        kvm, vllm_config = scheduler.kv_cache_manager, scheduler.vllm_config
+        layouts = group_layouts(kvm)
+        attention = [g.block_size for g in layouts if g.kind == ATTENTION] or [kvm.block_pool.hash_block_size]
+        limits = GridLimits(
+            max_model_len=vllm_config.model_config.max_model_len,
+            steady_steps=steady_steps,
+            kv_cache_tokens=kv_cache_tokens(scheduler) or 0,
+            num_blocks=scheduler.kv_cache_config.num_blocks,
+            block_size=max(attention),
+            prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
+        )
+        points = []
+        asked = spec_grid if isinstance(spec_grid, dict) else {}
+        unknown = set(asked) - set(CAPS)
+        if unknown or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in asked.values()):
+            raise SettingsError(
+                f'"grid": {spec_grid!r}: the grid takes true or caps among {", ".join(CAPS)} (positive integers)'
+            )
+        caps = {**CAPS, **asked}
+        for point in prefill_grid(graphs, limits, caps) + decode_grid(graphs, limits, caps):
+            try:
+                check_points([point], vllm_config, kvm, GRID_FILE)
+            except PointsFileError:
+                continue  # beyond what this engine runs as one step
+            points.append(point)
+        path = Path(self.writer.root) / GRID_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(points_file(points), indent=2).encode())
+        self.writer.meta.grid = {
+            "points_file": str(path),
+            "decode_batches": sorted({p.batch_size for p in points if isinstance(p, DecodePoint)}),
+            "prefill_tokens": sorted({p.total_prefill_tokens for p in points if isinstance(p, PrefillPoint)}),
+            "points": len(points),
+        }
+        self.writer.progress(f"generated a grid of {len(points)} point(s) around the capture sizes: {path}")
+        return points
 
     def _on_row(self, row) -> None:
         self.writer.rows.append(row)
