@@ -91,3 +91,51 @@ def test_exact_state_shadows_decode_like_natural_requests_off_the_boundaries(hyb
     from kvwarm_testing.exact_fidelity import check_exact_state, print_report
 
     print_report(check_exact_state(hybrid, "qwen3-next", vocab=400), capsys)
+
+
+def test_prefill_and_decode_points_on_the_hybrid_run_on_real_prefixes_and_real_kv(hybrid):
+    """Prefill points' prefixes are whole state blocks (a state is cached only at its
+    boundaries), found with their state in vLLM's prefix cache; decode points follow in the
+    same sweep, exact state by default."""
+    import itertools
+
+    from vllm.kvwarm.kv.prefix import prefix_unit
+    from vllm.kvwarm.sweep.controller import Sweep
+    from vllm.kvwarm.sweep.plan import SweepConfig
+    from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint
+
+    scheduler, core = hybrid.scheduler, hybrid.core
+    kvm = scheduler.kv_cache_manager
+    decision = decide_state_mode(kvm, group_layouts(kvm), {})
+    unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
+    draws = {}
+
+    def chain_tokens(i: int, depth: int) -> list[int]:
+        tokens = draws.setdefault(i, random.Random(i).choices(range(3, 400), k=2048))
+        return tokens[:depth]
+
+    points = [PrefillPoint(48, 2 * unit, 2), PrefillPoint(32, 0, 1), DecodePoint(1800, 2)]
+    config = SweepConfig(steady_steps=3, max_model_len=2048, state_mode=decision.mode, state_lending=decision.lending)
+    sweep = Sweep(
+        points,
+        chain_tokens,
+        config,
+        clock=itertools.count().__next__,
+        progress=lambda _: None,
+        tail_tokens=random.Random(9).choices(range(3, 400), k=512),
+        vocab_size=400,
+    )
+    scheduler.kvwarm_sweep = sweep
+    try:
+        for _ in range(2000):
+            if sweep.done:
+                break
+            core.step()
+    finally:
+        scheduler.kvwarm_sweep = None
+    assert [(r.point_type, r.kv_seed_regime) for r in sweep.rows] == [
+        ("prefill", "real_prefix"),
+        ("prefill", "not_applicable"),
+        ("decode", "real_kv"),
+    ]
+    assert sweep.reset_prefix_cache_ok

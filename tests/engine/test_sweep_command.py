@@ -110,3 +110,93 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
         assert (out / "sweep.png").read_bytes().startswith(b"\x89PNG")
     else:
         assert not (out / "sweep.png").exists()
+
+
+ENGINE_ARGS = [
+    "--dtype",
+    "float32",
+    "--enforce-eager",
+    "--max-model-len",
+    "1024",
+    "--block-size",
+    "32",
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "256",
+    "--enable-prefix-caching",
+    "--seed",
+    "0",
+    "--enable-expert-parallel",
+]
+
+
+def _moe_sweep(tmp_path, monkeypatch, *what: str) -> dict:
+    from kvwarm_testing.tiny_models import make_tiny_qwen3_moe, write_sharegpt
+    from vllm.kvwarm.record.schema import validate
+    from vllm.kvwarm.sweep.command import run
+
+    model = make_tiny_qwen3_moe(tmp_path / "tiny-qwen3-moe")
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(write_sharegpt(tmp_path / "sharegpt.json")))
+    monkeypatch.setenv("DYN_BENCH_GIANT_KV_REPEATS", "3")
+    monkeypatch.delenv("DYN_BENCH_KV_WARMUP", raising=False)  # an MoE with EP: the gate admits it
+    out = tmp_path / "out"
+    assert run([*what, "--out", str(out), "--model", str(model), *ENGINE_ARGS]) == 0
+    artifact = json.loads((out / "sweep.json").read_text())
+    validate(artifact)
+    assert artifact["status"] == "complete" and artifact["skipped_points"] == []
+    assert artifact["kvwarm"]["reset_prefix_cache"] is True
+    return artifact
+
+
+def test_a_points_file_with_prefill_and_decode_points_runs_them_all_on_real_kv(tmp_path, monkeypatch):
+    points = tmp_path / "points.json"
+    points.write_text(
+        json.dumps(
+            {
+                "schema_version": 1,
+                "prefill": [
+                    {"total_prefill_tokens": 96, "total_kv_read_tokens": 128, "batch_size": 2},
+                    {"total_prefill_tokens": 64, "total_kv_read_tokens": 0, "batch_size": 2},
+                    {"total_prefill_tokens": 50, "total_kv_read_tokens": 256, "batch_size": 1},
+                ],
+                "decode": [{"total_kv_read_tokens": 300, "batch_size": 2}],
+            }
+        )
+    )
+    artifact = _moe_sweep(tmp_path, monkeypatch, "--points", str(points))
+    rows = [
+        (
+            r["point"]["point_type"],
+            r["point"]["total_prefill_tokens"],
+            r["point"]["total_kv_read_tokens"],
+            r["point"]["batch_size"],
+            r["kv_seed_regime"],
+        )
+        for r in artifact["results"]
+    ]
+    assert rows == [
+        ("prefill", 96, 128, 2, "real_prefix"),
+        ("prefill", 64, 0, 2, "not_applicable"),
+        ("prefill", 50, 256, 1, "real_prefix"),
+        ("decode", 0, 300, 2, "real_kv"),
+    ]
+    for row in artifact["results"]:
+        assert len(row["steady_seconds"]) == 3 and all(t > 0 for t in row["steady_seconds"])
+        assert set(row["phases"]) == {"schedule", "forward", "update", "sweep", "other"}
+        assert row["graph"]["reasons"] == ["cudagraph_disabled"]  # CPU, eager
+    prefill = artifact["results"][0]
+    # a shot's time is its forward phase
+    assert prefill["median_seconds"] == pytest.approx(sorted(prefill["steady_seconds"])[1])
+
+
+def test_a_grid_sweep_lays_its_axes_around_the_capture_sizes_it_is_given(tmp_path, monkeypatch):
+    """The CPU platform clears the engine's capture sizes, so the grid is given a target's:
+    1, 2, 4. Its decode batches keep every C / C + 1 pair up to the limit (max_num_seqs 8)."""
+    caps = {"decode_batches": 20, "kv_ladder": 2, "prefill_tokens": 2, "capture_sizes": [1, 2, 4]}
+    artifact = _moe_sweep(tmp_path, monkeypatch, "--grid", json.dumps(caps))
+    grid = artifact["kvwarm"]["grid"]
+    assert grid["decode_batches"] == [1, 2, 3, 4, 5, 8]
+    assert grid["points"] == len(artifact["results"]) and (tmp_path / "out" / "grid.json").exists()
+    assert {r["point"]["point_type"] for r in artifact["results"]} == {"prefill", "decode"}
+    assert artifact["kvwarm"]["cudagraph"]["mode"] == "NONE"

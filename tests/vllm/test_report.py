@@ -437,3 +437,61 @@ def test_the_sweeps_own_artifact_renders(tmp_path):
     write_artifact(tmp_path / "sweep", build_artifact(rows, KvwarmMeta(), {"model": "/m/tiny"}, "complete"))
     assert run([str(tmp_path / "sweep"), "--out", str(tmp_path / "r")]) == 0
     assert [r.median_ms for r in load_run(str(tmp_path / "sweep")).rows] == [pytest.approx(11.0)]
+
+
+def test_prefill_rows_are_drawn_against_new_tokens_beside_decode_with_capture_sizes_marked(tmp_path, capsys):
+    def prefill(n, p, b, ms):
+        steps = [ms * 0.99 / 1e3, ms / 1e3, ms * 1.02 / 1e3]
+        regime = "real_prefix" if p else "not_applicable"
+        return PointRow(
+            p,
+            b,
+            regime,
+            ["prefill_real_seed"] if p else [],
+            steps,
+            ms / 1e3,
+            point_type="prefill",
+            total_prefill_tokens=n,
+        )
+
+    rows = [prefill(n, p, 2, 1.0 + n / 100 + p / 1000) for n in (64, 65, 128) for p in (0, 1024)]
+    meta = KvwarmMeta(
+        enabled=True,
+        warm_eligible=True,
+        giant_kv_repeats=3,
+        noisy_spread=NOISY_SPREAD,
+        cudagraph={
+            "mode": "FULL_AND_PIECEWISE",
+            "decode_mode": "FULL",
+            "prefill_mode": "PIECEWISE",
+            "capture_sizes": [32, 64, 512],
+            "decode_capture_sizes": [32, 64],
+            "prefill_capture_sizes": [32, 64, 512],
+        },
+    )
+    decode = [PointRow(1000, 4, "real_kv", ["kvwarm_real_kv"], [0.01, 0.011, 0.012], 0.011)]
+    artifact = build_artifact(
+        decode + rows, meta, {"model": "/models/tiny-moe"}, "complete", run=RUN, layout=dict(LAYOUT)
+    )
+    validate(artifact)
+    fig = figure([from_artifact(artifact, "both", "both")])
+    decode_ax, prefill_ax = fig.axes
+    assert decode_ax.get_title(loc="left").startswith("Prefill and decode step time: tiny-moe")
+    assert [t.get_text() for t in prefill_ax.get_legend().get_texts()] == [
+        "B=2, prefix 0",
+        "B=2, prefix 512",
+        REGIMES["real_prefix"][0],
+        REGIMES["not_applicable"][0],
+    ]
+    assert "N: new tokens" in prefill_ax.get_xlabel()
+    marked = sorted(line.get_xdata()[0] for line in prefill_ax.get_lines() if line.get_linestyle() == ":")
+    assert marked == [32, 64]  # the capture sizes within the drawn tokens, not 512
+    # the comparison joins prefill rows by (N, P, B) too
+    other = build_artifact(
+        decode + [prefill(64, 1024, 2, 2.0)], meta, {"model": "/m"}, "complete", run=RUN, layout=dict(LAYOUT)
+    )
+    a, b = _save(tmp_path / "a", artifact), _save(tmp_path / "b", other)
+    assert run([a, b, "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "     1024    2        2.664        2.000   0.751  real_prefix / real_prefix (prefill N=64)" in out
+    assert "unmatched: K=0 B=2 (prefill N=65) only in A (not in its points)" in out

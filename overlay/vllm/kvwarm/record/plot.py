@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import vocabulary as v
@@ -24,31 +26,89 @@ UNKNOWN_MARKER = "D"
 LINESTYLES = ("-", "--", ":", "-.")
 
 
+REGIMES.update(
+    {
+        v.REAL_PREFIX: ("real prefix", "o"),
+        v.FAKE_PREFIX: ("fake prefix", "s"),
+        v.NOT_APPLICABLE: ("no prefix", "v"),
+    }
+)
+FILLED = (v.REAL_KV, v.REAL_PREFIX, v.NOT_APPLICABLE)
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One kind of point on one axes: its x value, its series and their labels."""
+
+    kind: str
+    x: Callable[[Row], int]
+    series: Callable[[Row], tuple]
+    label: Callable[[Row], str]
+    xlabel: str
+    ylabel: str
+
+
+DECODE = Panel(
+    v.DECODE,
+    lambda r: r.k,
+    lambda r: (r.b,),
+    lambda r: _batch_label(r),
+    "K: KV tokens read per decode step (tokens)",
+    "decode step time (ms): median, bars min–max of the timed steps",
+)
+PREFILL = Panel(
+    v.PREFILL,
+    lambda r: r.n,
+    lambda r: (r.b, r.k // r.b),
+    lambda r: f"{_batch_label(r)}, prefix {r.k // r.b}",
+    "N: new tokens per prefill step (tokens); dotted: prefill capture sizes",
+    "prefill step time (ms): median, bars min–max of the shots",
+)
+
+
 def figure(runs: list[Run]):
-    """Median step time against K: one series per batch size (per run), min-max bars
-    over the timed steps, a marker per KV regime; legend entries only for what is drawn."""
+    """Median step time: decode against K (one series per batch size), prefill against N (one
+    series per batch size and prefix per request, capture sizes marked), min-max bars over
+    the timed samples, a marker per KV regime; legend entries only for what is drawn. One
+    panel per kind a run has (decode alone where there is none)."""
     from matplotlib.figure import Figure
+
+    kinds = [p for p in (DECODE, PREFILL) if any(r.kind == p.kind for run in runs for r in run.rows)] or [DECODE]
+    fig = Figure(figsize=(9.5, 5.8 * len(kinds)), dpi=110, layout="constrained")
+    for i, panel in enumerate(kinds):
+        ax = fig.add_subplot(len(kinds), 1, i + 1)
+        _draw(ax, runs, panel)
+        if i == 0:
+            ax.set_title(_title(runs), fontsize=10, loc="left")
+    return fig
+
+
+def _capture_sizes(runs: list[Run], kind: str) -> list[int]:
+    key = "decode_capture_sizes" if kind == v.DECODE else "prefill_capture_sizes"
+    return sorted({s for run in runs for s in (run.meta.cudagraph or {}).get(key, [])})
+
+
+def _draw(ax, runs: list[Run], panel: Panel) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    fig = Figure(figsize=(9.5, 5.8), dpi=110, layout="constrained")
-    ax = fig.add_subplot()
     colours = [f"C{i % 10}" for i in range(10)]
-    batches = sorted({row.b for run in runs for row in run.rows})
-    colour_of = {b: colours[i % len(colours)] for i, b in enumerate(batches)}
+    rows_of = {id(run): [r for r in run.rows if r.kind == panel.kind] for run in runs}
+    keys = sorted({panel.series(r) for run in runs for r in rows_of[id(run)]})
+    colour_of = {k: colours[i % len(colours)] for i, k in enumerate(keys)}
     regimes, noisy, handles = [], False, []
     many = len(runs) > 1
     for n, run in enumerate(runs):
         style = LINESTYLES[n % len(LINESTYLES)]
-        for b in batches:
-            rows = sorted((r for r in run.rows if r.b == b), key=lambda r: r.k)
+        for key in keys:
+            rows = sorted((r for r in rows_of[id(run)] if panel.series(r) == key), key=panel.x)
             if not rows:
                 continue
-            colour = colour_of[b]
-            ks, ms = [r.k for r in rows], [r.median_ms for r in rows]
-            ax.plot(ks, ms, linestyle=style, color=colour, linewidth=1.5)
+            colour = colour_of[key]
+            xs, ms = [panel.x(r) for r in rows], [r.median_ms for r in rows]
+            ax.plot(xs, ms, linestyle=style, color=colour, linewidth=1.5)
             ax.errorbar(
-                ks,
+                xs,
                 ms,
                 yerr=[[r.median_ms - r.min_ms for r in rows], [r.max_ms - r.median_ms for r in rows]],
                 fmt="none",
@@ -59,18 +119,18 @@ def figure(runs: list[Run]):
             for r in rows:
                 marker = REGIMES.get(r.regime, (r.regime, UNKNOWN_MARKER))[1]
                 ax.plot(
-                    [r.k],
+                    [panel.x(r)],
                     [r.median_ms],
                     marker=marker,
                     color=colour,
                     markersize=7,
                     linestyle="none",
-                    markerfacecolor=colour if r.regime == v.REAL_KV else "white",
+                    markerfacecolor=colour if r.regime in FILLED else "white",
                     markeredgewidth=1.5,
                 )
                 if v.NOISY in r.reasons:
                     ax.plot(
-                        [r.k],
+                        [panel.x(r)],
                         [r.median_ms],
                         marker="o",
                         markersize=15,
@@ -82,9 +142,10 @@ def figure(runs: list[Run]):
                 if r.regime not in regimes:
                     regimes.append(r.regime)
             if not many:
-                handles.append(Line2D([], [], color=colour, linestyle=style, label=_batch_label(rows[0])))
+                handles.append(Line2D([], [], color=colour, linestyle=style, label=panel.label(rows[0])))
     if many:
-        handles += [Line2D([], [], color=colour_of[b], label=f"B={b}") for b in batches]
+        labels = {panel.series(r): panel.label(r) for run in runs for r in rows_of[id(run)]}
+        handles += [Line2D([], [], color=colour_of[k], label=labels[k]) for k in keys]
         handles += [
             Line2D(
                 [],
@@ -105,7 +166,7 @@ def figure(runs: list[Run]):
                 color="dimgray",
                 linestyle="none",
                 markersize=7,
-                markerfacecolor="dimgray" if regime == v.REAL_KV else "white",
+                markerfacecolor="dimgray" if regime in FILLED else "white",
                 label=label,
             )
         )
@@ -124,22 +185,24 @@ def figure(runs: list[Run]):
                 label=f"noisy (spread over {over})",
             )
         )
+    if panel.kind == v.PREFILL:
+        drawn = [panel.x(r) for run in runs for r in rows_of[id(run)]]
+        for size in (s for s in _capture_sizes(runs, v.PREFILL) if drawn and s <= max(drawn)):
+            ax.axvline(size, color="0.6", linestyle=":", linewidth=1)
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)  # never over data
-    ax.set_xlabel("K: KV tokens read per decode step (tokens)")
-    ax.set_ylabel("decode step time (ms): median, bars min–max of the timed steps")
+    ax.set_xlabel(panel.xlabel)
+    ax.set_ylabel(panel.ylabel)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.margins(x=0.05, y=0.1)
     ax.xaxis.set_major_locator(
         MaxNLocator(nbins=7, steps=[1, 2, 2.5, 5, 10], integer=True)
-    )  # K counts tokens; labels must not touch
+    )  # tokens are counted; labels must not touch
     ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:,.10g}"))
-    if not any(run.rows for run in runs):
+    if not any(rows_of.values()):
         ax.text(0.5, 0.5, "no point measured", transform=ax.transAxes, ha="center", va="center", fontsize=14)
     ax.grid(True, color="0.9")
-    ax.set_title(_title(runs), fontsize=10, loc="left")
-    return fig
 
 
 def _batch_label(row: Row) -> str:
@@ -152,13 +215,18 @@ def _title(runs: list[Run]) -> str:
     if len(runs) == 1:
         run = runs[0]
         mark = f"  [{run.marking}]" if run.marking else ""
-        return f"Decode step time: {run.model}{mark}\nbuild {run.build} · layout {run.layout}"
-    lines = [f"Decode step time: {' vs '.join(r.label for r in runs)}"]
+        return f"{_what(runs)} step time: {run.model}{mark}\nbuild {run.build} · layout {run.layout}"
+    lines = [f"{_what(runs)} step time: {' vs '.join(r.label for r in runs)}"]
     lines += [
         f"{'AB'[n] if n < 2 else n + 1}: {r.describe()}" + (f"  [{r.marking}]" if r.marking else "")
         for n, r in enumerate(runs)
     ]
     return "\n".join(lines)
+
+
+def _what(runs: list[Run]) -> str:
+    kinds = {r.kind for run in runs for r in run.rows}
+    return "Prefill and decode" if kinds == {v.DECODE, v.PREFILL} else "Prefill" if kinds == {v.PREFILL} else "Decode"
 
 
 def png_bytes(fig) -> bytes:

@@ -76,14 +76,19 @@ def comparison_text(c: Comparison) -> str:
     for a, b in c.joined:
         lines.append(
             f"{a.k:>9} {a.b:>4}  {a.median_ms:>11.3f}  {b.median_ms:>11.3f}  "
-            f"{b.median_ms / a.median_ms:>6.3f}  {a.regime} / {b.regime}"
+            f"{b.median_ms / a.median_ms:>6.3f}  {a.regime} / {b.regime}{_prefill(a)}"
         )
     mape = "n/a (no point in common)" if c.mape is None else f"{c.mape:.2f}%"
     lines.append(f"MAPE of B against A over {len(c.joined)} joined point(s): {mape}")
     for name, rows, run in (("A", c.only_base, c.other), ("B", c.only_other, c.base)):
         for row in rows:
-            lines.append(f"unmatched: K={row.k} B={row.b} only in {name} ({skip_reason(run, row.key)})")
+            lines.append(f"unmatched: K={row.k} B={row.b}{_prefill(row)} only in {name} ({skip_reason(run, row.key)})")
     return "\n".join(lines)
+
+
+def _prefill(row: Row) -> str:
+    """What a prefill row adds to a line written for decode rows (K is then its prefix P)."""
+    return f" (prefill N={row.n})" if row.kind == v.PREFILL else ""
 
 
 CSV_COLUMNS = [
@@ -104,6 +109,9 @@ CSV_COLUMNS = [
     "baseline_run",
     "baseline_median_ms",
     "ratio_to_baseline",
+    "point_type",
+    "total_prefill_tokens",
+    *(f"{phase}_ms" for phase in v.PHASES),
 ]
 
 
@@ -136,6 +144,9 @@ def write_csv(runs: list[Run], comparisons: list[Comparison]) -> str:
                     runs[0].label if base else "",
                     f"{base.median_ms:.4f}" if base else "",
                     f"{row.median_ms / base.median_ms:.4f}" if base else "",
+                    row.kind,
+                    row.n,
+                    *(f"{row.phases_ms[p]:.4f}" if p in row.phases_ms else "" for p in v.PHASES),
                 ]
             )
     return text.getvalue()
@@ -186,9 +197,11 @@ def _run_section(n: int, run: Run, png: str) -> str:
         info.append(["engine (resolved)", ", ".join(f"{k}={v}" for k, v in sorted(resolved.items()))])
     parts.append(_table(["", ""], info, left=2))
     parts.append(f'<p><img src="{png}" alt="step time against K for {html.escape(run.label)}"></p>')
-    header = ["K", "B", "regime", "median ms", "min ms", "max ms", "spread", "steps", "sample reasons"]
+    header = ["type", "N", "K", "B", "regime", "median ms", "min ms", "max ms", "spread", "steps", "sample reasons"]
     lines = [
         [
+            r.kind,
+            r.n if r.kind == v.PREFILL else "",
             r.k,
             r.b,
             r.regime,

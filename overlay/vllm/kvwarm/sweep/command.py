@@ -46,11 +46,26 @@ def parser() -> argparse.ArgumentParser:
     )
     what.add_argument(
         "--grid",
-        action="store_true",
-        help="no points file: a grid laid around the engine's CUDA-graph capture sizes (written to OUT/grid.json)",
+        nargs="?",
+        const=True,
+        type=_grid_setting,
+        metavar="CAPS_JSON",
+        help="no points file: a grid laid around the engine's CUDA-graph capture sizes (written to OUT/grid.json); "
+        'optionally caps and sizes, e.g. \'{"decode_batches": 8, "kv_ladder": 4, "prefill_tokens": 6, '
+        '"capture_sizes": [1, 2, 4, 8]}\'',
     )
     p.add_argument("--out", required=True, help="folder for sweep.json, sweep.csv and sweep.png")
     return p
+
+
+def _grid_setting(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"--grid {text!r} is not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"--grid {text!r}: give a JSON object of caps, or --grid alone")
+    return value
 
 
 def engine_args_from(argv: list[str], spec: dict):
@@ -68,7 +83,7 @@ def engine_args_from(argv: list[str], spec: dict):
 def run(argv: list[str]) -> int:
     args, engine_argv = parser().parse_known_args(argv)
     spec = {"out": str(Path(args.out).resolve()), "engine_args": engine_argv}  # recorded as given
-    spec.update({"grid": True} if args.grid else {"points": str(Path(args.points).resolve())})
+    spec.update({"grid": args.grid} if args.grid else {"points": str(Path(args.points).resolve())})
     writer = new_writer(
         spec["out"], {"points": spec.get("points", GRID_FILE), "engine_args": {"given": engine_argv}}, os.environ
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vllm.logger import init_logger
@@ -28,7 +28,7 @@ from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
 from .engine_record import kv_cache_tokens, run_record
 from .gate import content_reason, model_gate_reason
-from .graphs import graph_config
+from .graphs import GraphConfig, graph_config
 from .grid import CAPS, GridLimits, decode_grid, points_file, prefill_grid
 from .limits import SweepRefused, check_engine, check_points
 from .plan import SweepConfig
@@ -114,6 +114,32 @@ def _tokenizer_encode(model_config):
         trust_remote_code=model_config.trust_remote_code,
     )
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
+    """The caps of a generated grid and the capture sizes its axes are laid around: the
+    engine's, or "capture_sizes" given (a target deployment's, e.g. planned on a CPU host,
+    whose platform clears them); the rows' graph record stays this engine's."""
+    asked = dict(spec_grid) if isinstance(spec_grid, dict) else {}
+    sizes = asked.pop("capture_sizes", None)
+    problem = set(asked) - set(CAPS) or not all(_positive(n) for n in asked.values())
+    if problem or (sizes is not None and not (isinstance(sizes, list) and all(_positive(n) for n in sizes))):
+        raise SettingsError(
+            f'"grid": {spec_grid!r}: the grid takes true, or caps among {", ".join(CAPS)} (positive integers) '
+            'and "capture_sizes" (a list of positive integers)'
+        )
+    if sizes is not None:
+        sizes = tuple(sorted(set(sizes)))
+        graphs = replace(
+            graphs,
+            decode_capture_sizes=tuple(s for s in sizes if s <= graphs.max_num_seqs),
+            prefill_capture_sizes=sizes,
+        )
+    return {**CAPS, **asked}, graphs
 
 
 def new_writer(out: str, config: dict, environ, rank_out: str | None = None, layout=None) -> ArtifactWriter:
@@ -219,14 +245,8 @@ class SweepRun:
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
         )
         points = []
-        asked = spec_grid if isinstance(spec_grid, dict) else {}
-        unknown = set(asked) - set(CAPS)
-        if unknown or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in asked.values()):
-            raise SettingsError(
-                f'"grid": {spec_grid!r}: the grid takes true or caps among {", ".join(CAPS)} (positive integers)'
-            )
-        caps = {**CAPS, **asked}
-        for point in prefill_grid(graphs, limits, caps) + decode_grid(graphs, limits, caps):
+        caps, axes = grid_settings(spec_grid, graphs)
+        for point in prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps):
             try:
                 check_points([point], vllm_config, kvm, GRID_FILE)
             except PointsFileError:
