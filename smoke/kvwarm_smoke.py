@@ -1,10 +1,12 @@
 """The smoke test of a patched build on the real engine: the same script on CPU (the
 `smoke-cpu-*` sessions, in CI) and on a CUDA host (`gpu-smoke-*`).
 
-  sweeps    decode sweeps with `python -m vllm.kvwarm sweep`, one engine per process, on
-            tiny random-weight models made here (or on --model DIR):
-              moe        attention-only MoE, warm-up on: every point on real KV
-              moe-off    the same with DYN_BENCH_KV_WARMUP=off: every point on fake KV (A/B)
+  sweeps    sweeps with `python -m vllm.kvwarm sweep`, one engine per process, on tiny
+            random-weight models made here (or on --model DIR):
+              moe        attention-only MoE, warm-up on: every decode point on real KV,
+                         prefill points on real prefixes
+              moe-off    the same with DYN_BENCH_KV_WARMUP=off: decode on fake KV, prefill
+                         on fake prefixes (the A/B baseline)
               hybrid     Qwen3-Next layout (gated-delta-net + attention + MoE), align mode,
                          state handed over by copy, in place, then exact (every row's
                          state depth is its own context)
@@ -38,6 +40,8 @@ ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 # Points per case: two rungs, deepest first; K/B stays within max_model_len less the steps.
 POINTS = [(1600, 2), (900, 2), (2400, 4), (1200, 4)]
 HYBRID_POINTS = [(1800, 2), (1500, 2), (3200, 4)]  # contexts past the 256/640-token state blocks
+# Prefill points of the attention-only cases (N, P, B): on a prefix, and without one.
+PREFILL_POINTS = [(256, 1024, 2), (128, 0, 2), (64, 512, 1)]
 MAX_MODEL_LEN = 2048
 CASES = ["moe", "moe-off", "hybrid", "nemotronh"]
 
@@ -92,7 +96,16 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
     hybrid = moe + state
     table = {
         "moe": [
-            {"name": "moe", "maker": "tiny_qwen3_moe", "dtype": "float32", "args": moe, "env": {}, "regime": "real_kv"}
+            {
+                "name": "moe",
+                "maker": "tiny_qwen3_moe",
+                "dtype": "float32",
+                "args": moe,
+                "env": {},
+                "regime": "real_kv",
+                "prefill": PREFILL_POINTS,
+                "prefix_regime": "real_prefix",
+            }
         ],
         "moe-off": [
             {
@@ -102,6 +115,8 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
                 "args": moe,
                 "env": {"DYN_BENCH_KV_WARMUP": "off"},
                 "regime": "legacy",
+                "prefill": PREFILL_POINTS,
+                "prefix_regime": "fake_prefix",
             }
         ],
         "hybrid": [
@@ -158,7 +173,21 @@ def _check(artifact: dict, case: dict) -> list[str]:
         validate(artifact)
     except Exception as err:  # noqa: BLE001  (jsonschema.ValidationError, reported with the rest)
         problems.append(f"schema: {str(err).splitlines()[0]}")
-    meta, rows = artifact["kvwarm"], artifact["results"]
+    meta = artifact["kvwarm"]
+    rows = [r for r in artifact["results"] if r["point"].get("point_type", "decode") == "decode"]
+    prefill = [r for r in artifact["results"] if r["point"].get("point_type") == "prefill"]
+    expected = [(n, p, b, case["prefix_regime"] if p else "not_applicable") for n, p, b in case.get("prefill", [])]
+    got = [
+        (
+            r["point"]["total_prefill_tokens"],
+            r["point"]["total_kv_read_tokens"],
+            r["point"]["batch_size"],
+            r["kv_seed_regime"],
+        )
+        for r in prefill
+    ]
+    if sorted(got) != sorted(expected):
+        problems.append(f"prefill rows {got}, expected {expected}")
     if artifact["status"] != "complete":
         problems.append(f"status {artifact['status']}: {artifact['error']}")
     if artifact["skipped_points"]:
@@ -205,6 +234,10 @@ def sweeps(args) -> int:
                 {
                     "schema_version": 1,
                     "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in case["points"]],
+                    "prefill": [
+                        {"total_prefill_tokens": n, "total_kv_read_tokens": p, "batch_size": b}
+                        for n, p, b in case.get("prefill", [])
+                    ],
                 }
             )
         )

@@ -36,28 +36,35 @@ def _first_token_of_internal_request(engine, request) -> tuple[int, int]:
 
 
 def test_a_real_prefix_hit_is_the_prefix_vllm_counts_and_decodes_like_a_whole_prefill(engine):
+    from vllm.v1.request import RequestStatus
+
     scheduler = engine.scheduler
     rng = random.Random(7)
     chain = chain_request(scheduler, "prefill-fidelity", [rng.randrange(3, 250) for _ in range(PREFIX + 64)])
     scheduler.add_request(chain)
-    step_core_until(engine.core, lambda: is_prefilled(chain))
-    park(scheduler, chain)
-    tail = [rng.randrange(3, 250) for _ in range(TAIL)]
-    prompt = chain.prompt_token_ids[:PREFIX] + tail
-    shot = greedy_request(
-        "__kvwarm_prefill_fidelity", prompt, 1, cache_salt=chain.cache_salt, block_hasher=prefix_hasher(scheduler)
-    )
-    token, hit = _first_token_of_internal_request(engine, shot)
-    assert hit == PREFIX
-    # the same prompt through vLLM's own frontend: once under the chain's salt, once alone
-    engine.add("on-the-chain", prompt, max_tokens=1, salt=chain.cache_salt)
-    engine.add("from-scratch", prompt, max_tokens=1, salt="a-salt-of-its-own")
-    finished = engine.run_to_completion()
-    assert finished["on-the-chain"].num_cached_tokens == PREFIX
-    assert finished["from-scratch"].num_cached_tokens == 0
-    assert finished["on-the-chain"].outputs[0].token_ids[0] == token
-    assert finished["from-scratch"].outputs[0].token_ids[0] == token
-    from vllm.v1.request import RequestStatus
-
-    scheduler.finish_requests([chain.request_id], RequestStatus.FINISHED_ABORTED)
+    try:
+        step_core_until(engine.core, lambda: is_prefilled(chain))
+        park(scheduler, chain)
+        prefix = chain.prompt_token_ids[:PREFIX]
+        tail, other_tail = ([rng.randrange(3, 250) for _ in range(TAIL)] for _ in range(2))
+        shot = greedy_request(
+            "__kvwarm_prefill_fidelity",
+            prefix + tail,
+            1,
+            cache_salt=chain.cache_salt,
+            block_hasher=prefix_hasher(scheduler),
+        )
+        token, hit = _first_token_of_internal_request(engine, shot)
+        assert hit == PREFIX
+        # vLLM's own count for the chain's prefix and a tail of its own, through the frontend;
+        # and the shot's prompt computed whole, under a salt of its own
+        engine.add("on-the-chain", prefix + other_tail, max_tokens=1, salt=chain.cache_salt)
+        engine.add("from-scratch", prefix + tail, max_tokens=1, salt="a-salt-of-its-own")
+        finished = engine.run_to_completion()
+        assert finished["on-the-chain"].num_cached_tokens == PREFIX
+        assert finished["from-scratch"].num_cached_tokens == 0
+        assert finished["from-scratch"].outputs[0].token_ids[0] == token
+    finally:
+        scheduler.finish_requests([chain.request_id], RequestStatus.FINISHED_ABORTED)
+        engine.core.step()
     assert scheduler.kv_cache_manager.block_pool.reset_prefix_cache()

@@ -44,6 +44,7 @@ BUILTIN_METHODS = frozenset(
     "joinpath",
     "resolve",  # pathlib.Path, importlib.resources
     "add_argument",
+    "add_mutually_exclusive_group",
     "add_parser",
     "add_subparsers",
     "parse_args",
