@@ -167,6 +167,32 @@ def _release_sessions(release) -> None:
             for selection in selections if not session.posargs else [[]]:
                 session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
 
+        @nox.session(name=f"consumers-{short}", tags=["consumers"], default=False)
+        def consumers(session: nox.Session) -> None:
+            """Dynamo's own code (ai-dynamo 1.6.1's planner readers and models) on the exports
+            (docs/export.md): real CPU sweeps exported here (`-m export`, this venv), then
+            read in the consumers venv (no vLLM). `-- ARGS`: the consumers' pytest only."""
+            _tooling(session, "pytest")
+            handoff = Path(session.create_tmp()) / "exports"
+            if not session.posargs:
+                _test_support(session)
+                _install_patched(session, short, flavour="cpu", deps=engine_deps)
+                shutil.rmtree(handoff, ignore_errors=True)
+                handoff.mkdir(parents=True)
+                env = {**_env(session), "KVWARM_EXPORTS": str(handoff)}
+                session.run("pytest", "-q", "-m", "export", "tests/engine", env=env)
+            cache = project.cache_dir(Path(session.cache_dir))
+            python = _asked(session, sessions.consumer_python, cache, session.log)
+            paths = [ROOT / "overlay", TEST_SUPPORT, ROOT / "tooling"]  # plain data only: no vLLM
+            env = {
+                **_env(session),
+                "PYTHONPATH": ":".join(map(str, paths)),
+                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # the ai-dynamo wheel's pytest plugins stay out
+                **({"KVWARM_EXPORTS": str(handoff)} if handoff.is_dir() else {}),
+            }
+            args = session.posargs or ["-m", "consumers", "tests/engine/test_export_consumers.py"]
+            session.run(str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, env=env, external=True)
+
         @nox.session(name=f"smoke-cpu-{short}", tags=["smoke"], default=False)
         def smoke_cpu(session: nox.Session) -> None:
             """The GPU smoke's code path on the real CPU engine: patched cpu wheel vs the official

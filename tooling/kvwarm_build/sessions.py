@@ -26,6 +26,8 @@ ENGINE_MARKERS = {
     "command": "starts its own engine through the sweep command (its own process)",
     "multirank": "starts data/tensor-parallel engines in subprocesses (its own process)",
     "tp2": "a tensor-parallel engine of two workers (its own process)",
+    "export": "real MoE sweeps (one rank, two data-parallel ranks) exported for Dynamo (consumers-S runs it)",
+    "consumers": "Dynamo's own readers on the exports, in the consumers venv without vLLM (consumers-S runs it)",
 }
 # engine-S: one CPU engine per pytest process: the tiny-llama tests (no marker), the hybrid
 # ones, the sweep command.
@@ -40,6 +42,28 @@ MAMBA2_PROCESS = ("-m", "mamba2")
 # Engines on several ranks (subprocesses; about 7 minutes): run for one release, the newest
 # with a CPU engine (the overlay's rank code is the same on every release).
 MULTI_RANK_PROCESSES = (("-m", "multirank"), ("-m", "tp2"))
+
+
+# consumers-S: Dynamo's own code reading the exports (docs/export.md). Its readers run in a venv
+# of their own, never an engine's: the ai-dynamo wheel registers a vLLM general plugin and
+# pytest plugins. Installed --no-deps (its declared aisimulate does not build here), with what
+# the modules the tests import need; pinned, so the venv is made once per cache.
+DYNAMO_CONSUMER = "ai-dynamo==1.6.1"
+CONSUMER_DEPS = ("msgspec==0.23.0", "numpy==2.4.6", "scikit-learn==1.9.1", "pydantic==2.14.4", "pytest==9.2.0")
+
+
+def consumer_python(cache: Path, log=print) -> Path:
+    """Python of the consumers venv (made on first use, about 2 minutes)."""
+    from .digests import cache_key
+    from .venvs import ensure_venv, pip_install, venv_python
+
+    def install(python: Path) -> None:
+        pip_install(python, "--no-deps", DYNAMO_CONSUMER, log=log)
+        pip_install(python, *CONSUMER_DEPS, log=log)
+
+    venv = cache / "venvs" / f"dynamo-consumers-{cache_key(DYNAMO_CONSUMER, CONSUMER_DEPS)}"
+    ensure_venv(venv, install, "the Dynamo consumers venv", log=log)
+    return venv_python(venv)
 
 
 def kinds(release: Release) -> list[str]:

@@ -1,6 +1,8 @@
 """`python -m vllm.kvwarm info [--json]`: what this build is and which hooks it has.
 `python -m vllm.kvwarm sweep --points FILE --out DIR [engine args]`: a decode sweep.
-`python -m vllm.kvwarm report DIR [DIR ...] [--out OUTDIR]`: sweeps rendered and compared."""
+`python -m vllm.kvwarm report DIR [DIR ...] [--out OUTDIR]`: sweeps rendered and compared.
+`python -m vllm.kvwarm export DIR --to dynamo|profiler [--out PATH]`: a sweep in the files the
+planners read (Dynamo's self-benchmark artifact, the pre-deployment profiler's tables)."""
 
 from __future__ import annotations
 
@@ -47,12 +49,17 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.kvwarm.record.report import run
 
         return run(argv[1:])
+    if argv[:1] == ["export"]:  # its own parser: the planners' file formats
+        from vllm.kvwarm.record.export import run
+
+        return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="release, flavour, series digest and hooks of this build")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     commands.add_parser("sweep", help="decode sweep on the real engine (see sweep --help)")
     commands.add_parser("report", help="render and compare sweep artifacts (see report --help)")
+    commands.add_parser("export", help="a sweep as Dynamo's or the profiler's files (see export --help)")
     check = commands.add_parser("selfcheck", help="installed version, build record and series digest as expected")
     check.add_argument("--dist", default="vllm")
     check.add_argument("--expect-version", required=True)

@@ -6,7 +6,8 @@ does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
 every point, and on any failure with status "failed", the error and every row measured.
 Under data parallel each rank writes OUT/dp<R>/ and, after each of its writes, the
-combined view OUT/sweep.json (record.combined).
+combined view OUT/sweep.json (record.combined). With DYN_FPM_BENCHMARK_OUTPUT_PATH set, the
+last rank to finish also writes Dynamo's self-benchmark artifact there (record.export).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm.logger import init_logger
 from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import prefix_unit
 from ..kv.state_mode import STATE_ENV, decide_state_mode
+from ..record import export
 from ..record import vocabulary as v
 from ..record.files import write_atomically
 from .controller import Sweep
@@ -167,7 +169,9 @@ class SweepRun:
         config = {"points": spec.get("points") or GRID_FILE, "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
+        self.environ = environ
         try:
+            export.remove_stale(environ, rank)  # as Dynamo does: no earlier run's file stays there
             self.writer.run.update(run_record(scheduler, spec.get("engine_args")))
             self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder
             self.sweep = self._build(
@@ -277,6 +281,7 @@ class SweepRun:
         self.writer.write(v.COMPLETE)
         self.finished = True
         self.writer.progress(f"wrote {self.writer.artifact_path}")
+        self._export_for_dynamo()
 
     def fail(self, err: BaseException) -> None:
         """Record why the sweep stopped, keeping every row measured before. Never raises:
@@ -290,3 +295,13 @@ class SweepRun:
             self.writer.write(v.FAILED, message)
         except ArtifactWriteError as write_err:
             logger.error("[kvwarm sweep] %s", write_err)
+        self._export_for_dynamo()
+
+    def _export_for_dynamo(self) -> None:
+        """Dynamo's artifact at DYN_FPM_BENCHMARK_OUTPUT_PATH, once every rank is done; a
+        failure to write it is logged, never raised (the sweep's own record is written)."""
+        try:
+            for path in export.write_if_asked(self.writer.root, self.layout.data_parallel_size, self.environ):
+                self.writer.progress(f"wrote {path} (Dynamo's self-benchmark artifact)")
+        except Exception as err:  # noqa: BLE001  (any failure here must not reach the engine)
+            logger.error("[kvwarm sweep] writing %s failed: %s: %s", export.OUTPUT_ENV, type(err).__name__, err)

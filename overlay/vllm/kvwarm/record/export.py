@@ -1,0 +1,136 @@
+"""`python -m vllm.kvwarm export DIR --to dynamo|profiler [--out PATH]`: a sweep's rows in the
+files the planners read. `--to dynamo`: the per-rank artifact of Dynamo's self-benchmark
+(record.export_dynamo; docs/export.md); `--to profiler`: the pre-deployment profiler's two
+interpolation tables (record.export_profiler).
+
+Also the sweep's own hook: with DYN_FPM_BENCHMARK_OUTPUT_PATH set, the last rank to finish
+writes Dynamo's artifact there (`write_if_asked`), so a campaign configured for Dynamo's
+worker reads this image's output unchanged.
+
+Plain data: nothing here imports vLLM (numpy only for the profiler's npz files).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from . import vocabulary as v
+from .export_dynamo import rank_artifacts
+from .export_input import ExportError, SweepRecord, load_sweep, read_finished_ranks
+from .export_profiler import write_tables
+from .files import write_atomically
+
+OUTPUT_ENV = "DYN_FPM_BENCHMARK_OUTPUT_PATH"  # Dynamo's own variable for its artifact's path
+DYNAMO, PROFILER = "dynamo", "profiler"
+LOCK = ".kvwarm-export.lock"
+
+
+def dynamo_paths(out: str | Path, kinds: list[str], size: int) -> dict[tuple[str, int], Path]:
+    """Where each (kind, rank) file goes: Dynamo's own naming, `<stem>_dp<R><ext>` for rank
+    R > 0; with both kinds, `_<kind>` after the stem (one file per kind: the collector takes
+    one kind per cell)."""
+    base, ext = os.path.splitext(str(out))
+    paths = {}
+    for kind in kinds:
+        stem = f"{base}_{kind}" if len(kinds) > 1 else base
+        for rank in range(size):
+            paths[(kind, rank)] = Path(f"{stem}_dp{rank}{ext}" if rank else f"{stem}{ext}")
+    return paths
+
+
+def write_dynamo(sweep: SweepRecord, out: str | Path, kind: str | None = None) -> list[Path]:
+    kinds = [kind] if kind else sweep.kinds()
+    paths = dynamo_paths(out, kinds, sweep.size)
+    written = []
+    for k in kinds:
+        files = [paths[(k, r)] for r in range(sweep.size)]
+        for path, artifact in zip(files, rank_artifacts(sweep, k, files)):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps(artifact, indent=2).encode())
+            written.append(path)
+    return written
+
+
+def write_profiler(sweep: SweepRecord, out: str | Path, max_kv_tokens: int | None = None) -> list[Path]:
+    return write_tables(sweep, Path(out), max_kv_tokens)
+
+
+@contextmanager
+def _locked(folder: Path):
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def remove_stale(environ, rank: int) -> None:
+    """At a sweep's start, as Dynamo does: this rank's files of an earlier run at
+    DYN_FPM_BENCHMARK_OUTPUT_PATH go, so a campaign never reads them as this run's."""
+    out = environ.get(OUTPUT_ENV)
+    if not out:
+        return
+    for kinds in ([v.DECODE], list(v.POINT_TYPES)):
+        for (_, r), path in dynamo_paths(out, kinds, rank + 1).items():
+            if r == rank:
+                path.unlink(missing_ok=True)
+
+
+def write_if_asked(root: str | Path, size: int, environ) -> list[Path]:
+    """The sweep's hook after a rank's final write: with DYN_FPM_BENCHMARK_OUTPUT_PATH set
+    and every rank finished, Dynamo's artifact at that path (every rank's file). Under a
+    lock, so the last rank to finish sees every rank's final record."""
+    out = environ.get(OUTPUT_ENV)
+    if not out:
+        return []
+    root = Path(root)
+    with _locked(root):
+        sweep = read_finished_ranks(root, size)
+        return write_dynamo(sweep, out) if sweep is not None else []
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m vllm.kvwarm export",
+        description="A finished sweep's rows as Dynamo's self-benchmark artifact (one file per data-parallel "
+        "rank and kind) or as the pre-deployment profiler's interpolation tables. See docs/export.md.",
+    )
+    p.add_argument("dir", help="the sweep's --out folder (under data parallel: the one holding dp0/, dp1/, ...)")
+    p.add_argument("--to", required=True, choices=[DYNAMO, PROFILER])
+    p.add_argument(
+        "--out",
+        help="dynamo: the rank-0 file's path (default DIR/dynamo/benchmark.json; rank R adds _dp<R>, and a "
+        "sweep with both kinds adds _decode / _prefill); profiler: a folder (default DIR/profiler)",
+    )
+    p.add_argument("--kind", choices=list(v.POINT_TYPES), help="dynamo: export only this kind, at --out exactly")
+    p.add_argument(
+        "--max-kv-tokens",
+        type=int,
+        help="profiler: the KV pool in tokens, for a sweep whose artifact does not record it "
+        "(config.engine_args.resolved.kv_cache_tokens)",
+    )
+    return p
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    try:
+        sweep = load_sweep(args.dir)
+        if args.to == DYNAMO:
+            written = write_dynamo(sweep, args.out or sweep.root / DYNAMO / "benchmark.json", args.kind)
+        else:
+            written = write_profiler(sweep, args.out or sweep.root / PROFILER, args.max_kv_tokens)
+    except (ExportError, OSError) as err:
+        print(f"kvwarm export: {err}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(f"wrote {path}")
+    return 0

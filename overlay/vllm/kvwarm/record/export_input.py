@@ -1,0 +1,125 @@
+"""The input of the exports: every rank's artifact of one finished sweep, read from its --out
+folder (record.export); plain data."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import vocabulary as v
+from .combined import rank_path
+from .runs import READS
+
+RANK_TYPES = {v.RANK, "rank"}  # ours, and the tag of schema 1 and 2
+COMBINED_TYPES = {v.COMBINED, "combined"}
+
+
+class ExportError(ValueError):
+    """An input the export cannot use: the message names it, what is wrong and the fix."""
+
+
+@dataclass
+class SweepRecord:
+    """Every rank's artifact of one sweep, in rank order."""
+
+    root: Path  # the sweep's --out folder
+    ranks: list[dict]
+    paths: list[Path]  # where each rank's artifact was read
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def kinds(self) -> list[str]:
+        """The kinds of point the sweep has rows of (measured or skipped); with none, the
+        kinds its points file lists where it can still be read, else decode."""
+        found = {
+            (entry.get("point") or {}).get("point_type", v.DECODE)
+            for artifact in self.ranks
+            for entry in [*artifact.get("results", []), *artifact.get("skipped_points", [])]
+        }
+        if not found:
+            found = _points_file_kinds((self.ranks[0].get("config") or {}).get("points"))
+        return [kind for kind in v.POINT_TYPES if kind in found] or [v.DECODE]
+
+
+def _points_file_kinds(path) -> set[str]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (TypeError, OSError, ValueError):
+        return set()
+    return {kind for kind in v.POINT_TYPES if isinstance(data, dict) and data.get(kind)}
+
+
+def _read(path: Path) -> dict:
+    try:
+        artifact = json.loads(path.read_text())
+    except OSError as err:
+        raise ExportError(f"{path}: cannot be read ({err.strerror}); pass a sweep's --out folder") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ExportError(f"{path}: not valid JSON ({err}); it was cut short or is not a sweep artifact") from None
+    if not isinstance(artifact, dict) or not isinstance(artifact.get("results"), list):
+        raise ExportError(f"{path}: not a sweep artifact (no 'results' list); pass the sweep.json a sweep wrote")
+    version = artifact.get("schema_version")
+    if version not in READS:
+        raise ExportError(
+            f"{path}: schema_version {version!r}; this export reads versions {', '.join(map(str, READS))}: "
+            "export it with the kvwarm build that wrote it, or a newer one"
+        )
+    kind = artifact.get("artifact_type", v.RANK)
+    if kind not in RANK_TYPES | COMBINED_TYPES:
+        raise ExportError(
+            f"{path}: artifact_type {kind!r} is not a kvwarm sweep's (a Dynamo artifact cannot be exported again)"
+        )
+    return artifact
+
+
+def _final(artifact: dict, path: Path) -> None:
+    if artifact.get("status") == v.RUNNING:
+        raise ExportError(
+            f"{path}: status 'running': the sweep has not finished (or was killed before it could "
+            "record why); export it once it has completed or failed"
+        )
+
+
+def load_sweep(arg: str | Path) -> SweepRecord:
+    """A finished sweep from its --out folder (or its sweep.json): one rank's artifact, or
+    under data parallel the combined view's folder with every rank's dp<R>/sweep.json."""
+    path = Path(arg)
+    file = path / v.ARTIFACT if path.is_dir() else path
+    if not file.is_file():
+        raise ExportError(f"{path}: no sweep.json here; pass a sweep's --out folder or its sweep.json")
+    artifact = _read(file)
+    root = file.parent
+    size = int((artifact.get("layout") or {}).get("data_parallel_size") or 1)
+    if artifact.get("artifact_type") in COMBINED_TYPES:
+        size = len(artifact.get("ranks") or []) or size
+        paths = [root / rank_path(r) for r in range(size)]
+        ranks = [_read(p) for p in paths]
+    elif size > 1:
+        raise ExportError(
+            f"{file}: one rank's artifact of a sweep on {size} data-parallel ranks; Dynamo's files "
+            f"hold every rank's steps: pass the sweep's --out folder ({root.parent}), which holds them all"
+        )
+    else:
+        paths, ranks = [file], [artifact]
+    for p, a in zip(paths, ranks):
+        _final(a, p)
+    return SweepRecord(root, ranks, paths)
+
+
+def read_finished_ranks(root: Path, size: int) -> SweepRecord | None:
+    """Every rank's artifact once every rank has finished (None while one is missing or
+    running): what the last rank to finish exports."""
+    paths = [root / (rank_path(r) if size > 1 else v.ARTIFACT) for r in range(size)]
+    ranks = []
+    for path in paths:
+        try:
+            artifact = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if artifact.get("status") not in (v.COMPLETE, v.FAILED):
+            return None
+        ranks.append(artifact)
+    return SweepRecord(root, ranks, paths)

@@ -1,0 +1,142 @@
+"""Real CPU sweeps exported for Dynamo: tiny MoE models with the warm-up on, on one rank (expert
+parallel, real KV, 8 KV heads) and on two data-parallel ranks (make_tiny_qwen3_moe, the test
+plugin's collectives shim, no expert parallel, the warm-up forced). Each sweep runs with
+DYN_FPM_BENCHMARK_OUTPUT_PATH set, so it writes Dynamo's artifact itself; the export
+(`python -m vllm.kvwarm export` for the first) then writes the same files from the sweep's
+folder, and the profiler's tables.
+
+Runs in its own pytest process (`-m export`); this process starts no engine itself. With
+KVWARM_EXPORTS set (nox -s consumers-S sets it) the sweeps and their exports are kept there
+for tests/engine/test_export_consumers.py, which reads them with Dynamo's own code in a venv
+of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kvwarm_testing.multi_rank import engine_args, run_command, write_points
+
+pytestmark = pytest.mark.export
+
+HOOK_ENV = "DYN_FPM_BENCHMARK_OUTPUT_PATH"
+# One rank: contexts per request from 64 to 3968 tokens, B up to 8, five timed steps per point,
+# on the tiny MoE with 8 KV heads (wide_kv_moe), so that reading K up to 31744 tokens costs a
+# step tens of ms: the slope the planner's model fits stands above a busy host's noise.
+POINTS_DP1 = [(c * b, b) for b in (1, 2, 4, 8) for c in (64, 1024, 2560, 3968)]
+ENGINE_DP1 = ["--enable-expert-parallel", "--max-model-len", "4096", "--max-num-batched-tokens", "1024"]
+POINTS_DP2 = [(c * b, b) for b in (1, 2, 4) for c in (64, 512)]
+
+
+def wide_kv_moe(directory: Path) -> Path:
+    """make_tiny_qwen3_moe's model (2 layers, 4 experts, top-2, fp32) with 8 KV heads instead
+    of 1: 8 KiB of KV per token, so a decode step's cost grows with K well above the noise of
+    a shared two-core host (with 1 KV head it is about 0.35 us per token there)."""
+    from kvwarm_testing.tiny_models import _save_model
+
+    return _save_model(
+        directory,
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        "float32",
+        0,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+    )
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    from kvwarm_testing.tiny_models import make_tiny_qwen3_moe, write_sharegpt
+
+    root = tmp_path_factory.mktemp("export")
+    dataset = write_sharegpt(root / "sharegpt.json", conversations=256)  # chains of ~4000 tokens
+    return {
+        "moe": make_tiny_qwen3_moe(root / "tiny-moe"),
+        "wide": wide_kv_moe(root / "wide-kv-moe"),
+        "dataset": dataset,
+    }
+
+
+def _sweep(inputs, work: Path, points, extra_args: list[str], env: dict, command: bool = False, model="moe") -> dict:
+    """The sweep command to its end, then both exports (`command`: Dynamo's through
+    `python -m vllm.kvwarm export`, which imports vLLM in a process of its own, about 20 s
+    on the development host; else in this process, as the same `run`)."""
+    from vllm.kvwarm.record.export import run
+
+    out, hook = work / "sweep", work / "hook" / "benchmark.json"
+    hook.parent.mkdir(parents=True)
+    hook.write_text("an earlier run's file, which the sweep removes at its start")
+    env = {"DYN_BENCH_KV_WARMUP_DATASET": str(inputs["dataset"]), HOOK_ENV: str(hook), **env}
+    argv = ["--points", str(write_points(work / "points.json", points)), "--out", str(out)]
+    rc = run_command([*argv, *engine_args(inputs[model], *extra_args)], env, work / "sweep.log")
+    assert rc == 0, (work / "sweep.log").read_text()[-3000:]
+    for to, dest in (("dynamo", work / "dynamo" / "benchmark.json"), ("profiler", work / "profiler")):
+        args = [str(out), "--to", to, "--out", str(dest)]
+        if command and to == "dynamo":
+            done = subprocess.run(
+                [sys.executable, "-m", "vllm.kvwarm", "export", *args], capture_output=True, text=True, check=False
+            )
+            assert done.returncode == 0, done.stderr
+        else:
+            assert run(args) == 0
+    return {"out": out, "hook": hook.parent, "dynamo": work / "dynamo", "profiler": work / "profiler"}
+
+
+def _rank_files(folder: Path, size: int) -> list[dict]:
+    names = ["benchmark.json", *(f"benchmark_dp{r}.json" for r in range(1, size))]
+    assert sorted(p.name for p in folder.glob("benchmark*.json")) == sorted(names)
+    return [json.loads((folder / name).read_text()) for name in names]
+
+
+def _check(work: Path, made: dict, size: int, regime: str) -> None:
+    """The sweep's own files and the command's agree; every rank's file is complete and valid."""
+    ours = _rank_files(made["dynamo"], size)
+    theirs = _rank_files(made["hook"], size)
+    for mine, hooked in zip(ours, theirs):
+        assert mine["config"].pop("output_path") != hooked["config"].pop("output_path")
+        assert mine == hooked  # the same export, whichever wrote it
+    for rank, artifact in enumerate(ours):
+        assert (artifact["status"], artifact["valid"], artifact["usable"], artifact["timing_valid"]) == (
+            "complete",
+            True,
+            True,
+            True,
+        )
+        assert artifact["dp"] == {"rank": rank, "size": size} and artifact["config"]["mode"] == "decode"
+        assert {r["kv_seed_regime"] for r in artifact["results"]} == {regime}
+    names = {p.relative_to(made["profiler"]).as_posix() for p in made["profiler"].rglob("*") if p.is_file()}
+    assert names == {"selected_decode_interpolation/raw_data.npz", "decode_raw_data.json"}
+    keep = os.environ.get("KVWARM_EXPORTS")
+    if keep:  # for the consumers' tests, in their own venv
+        shutil.copytree(work, Path(keep) / work.name, ignore=shutil.ignore_patterns("*.log", ".kvwarm-*"))
+
+
+def test_a_one_rank_moe_sweep_on_real_kv_exports_for_dynamo(inputs, tmp_path):
+    work = tmp_path / "dp1"
+    env = {"DYN_BENCH_KV_WARMUP": "on", "DYN_BENCH_GIANT_KV_REPEATS": "5"}
+    made = _sweep(inputs, work, POINTS_DP1, ENGINE_DP1, env, command=True, model="wide")
+    _check(work, made, 1, "real_kv")
+
+
+def test_a_two_rank_data_parallel_moe_sweep_exports_one_file_per_rank(inputs, tmp_path):
+    work = tmp_path / "dp2"
+    env = {"DYN_BENCH_KV_WARMUP": "force", "KVWARM_TEST_CPU_ALL_GATHERV": "1"}
+    made = _sweep(inputs, work, POINTS_DP2, ["--data-parallel-size", "2"], env)
+    _check(work, made, 2, "real_kv")
