@@ -17,6 +17,10 @@ from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
 
 from .fidelity import STEPS, step_core_until
 
+# A lead (in logprob) the order of a chunked prefill's bf16 sums can turn: the one seen
+# (Qwen3-Next, vLLM's CPU engine) was 0.02. A wrong state moves the whole distribution.
+NEAR_TIE = 0.03
+
 
 def off_boundary_contexts(depth: int, block: int) -> list[int]:
     """Depth - 1, the middle of the last whole block, and just past each boundary."""
@@ -67,13 +71,33 @@ def _shadow_tokens(engine, lenders: list, contexts: list[int], mode: str, prompt
     return [list(s.output_token_ids) for s in point.shadows]
 
 
-def _natural_tokens(engine, tokens: list[int], contexts: list[int], name: str) -> list[list[int]]:
+def _natural_tokens(engine, tokens: list[int], contexts: list[int], name: str) -> list[list[tuple[int, float]]]:
+    """Per context, each greedy step's token and its lead over the runner-up (in logprob)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=2)
     prompts = [TokensPrompt(prompt_token_ids=tokens[: ctx + 1], cache_salt=f"natural-{name}-{ctx}") for ctx in contexts]
-    return [list(out.outputs[0].token_ids) for out in engine.llm.generate(prompts, params, use_tqdm=False)]
+    outputs = [out.outputs[0] for out in engine.llm.generate(prompts, params, use_tqdm=False)]
+    return [[(t, _lead(step, t)) for t, step in zip(out.token_ids, out.logprobs)] for out in outputs]
+
+
+def _lead(step: dict, token: int) -> float:
+    # logprobs=2: the two best, and the sampled token (greedy: the best of them)
+    return step[token].logprob - max(v.logprob for k, v in step.items() if k != token)
+
+
+def assert_greedy_like_natural(got: list[list[int]], natural: list[list[tuple[int, float]]], contexts) -> None:
+    """Token for token the natural request's greedy tokens, up to a step where the natural
+    request's top two were within bf16's rounding of each other (a near-tie that the split
+    of a prefill into chunks can turn): there the shadow may take the other, and the two
+    sequences legitimately part. A wrong state moves every logit, not only a tie's."""
+    for ctx, shadow, steps in zip(contexts, got, natural):
+        for i, (token, (want, lead)) in enumerate(zip(shadow, steps)):
+            if token != want:
+                assert lead < NEAR_TIE, {"context": ctx, "step": i, "shadow": shadow, "natural": steps}
+                break
+        assert len(shadow) == len(steps), {"context": ctx, "shadow": shadow, "natural": steps}
 
 
 def _release(engine, requests) -> None:
@@ -104,7 +128,7 @@ def check_exact_state(engine, name: str, vocab: int) -> dict:
     assert all((ctx - 1) // block * block <= hit < ctx for hit, ctx in zip(hits, contexts)), (hits, contexts, block)
     exact = _shadow_tokens(engine, catchups, contexts, decision.lending, prompt_chain=chain)
     _release(engine, [chain, *catchups])
-    assert exact == natural, {"contexts": contexts, "exact": exact, "natural": natural}
+    assert_greedy_like_natural(exact, natural, contexts)
 
     report = {
         "model": name,
@@ -130,9 +154,9 @@ def check_exact_state(engine, name: str, vocab: int) -> dict:
     return report
 
 
-def _matching(tokens: list[list[int]], natural: list[list[int]]) -> list[str]:
+def _matching(tokens: list[list[int]], natural: list[list[tuple[int, float]]]) -> list[str]:
     """Per context, how many of the STEPS greedy tokens match the natural request's."""
-    return [f"{sum(a == b for a, b in zip(got, want))}/{STEPS}" for got, want in zip(tokens, natural)]
+    return [f"{sum(a == b for a, (b, _) in zip(got, want))}/{STEPS}" for got, want in zip(tokens, natural)]
 
 
 def print_report(report: dict, capsys) -> None:
