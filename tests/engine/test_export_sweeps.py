@@ -35,30 +35,11 @@ POINTS_DP2 = [(c * b, b) for b in (1, 2, 4) for c in (64, 512)]
 
 
 def wide_kv_moe(directory: Path) -> Path:
-    """make_tiny_qwen3_moe's model (2 layers, 4 experts, top-2, fp32) with 8 KV heads instead
-    of 1: 8 KiB of KV per token, so a decode step's cost grows with K well above the noise of
-    a shared two-core host (with 1 KV head it is about 0.35 us per token there)."""
-    from kvwarm_testing.tiny_models import _save_model
+    """make_tiny_qwen3_moe's model with 8 KV heads instead of 1: 8 KiB of KV per token, so a
+    decode step's cost grows with K well above the noise of a shared two-core host."""
+    from kvwarm_testing.tiny_models import make_tiny_qwen3_moe
 
-    return _save_model(
-        directory,
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        "float32",
-        0,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        head_dim=64,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=4096,
-    )
+    return make_tiny_qwen3_moe(directory, kv_heads=8)
 
 
 @pytest.fixture(scope="module")

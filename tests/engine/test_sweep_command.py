@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import platform
 
 import pytest
 
@@ -102,6 +103,9 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     assert (resolved["max_num_seqs"], resolved["max_num_batched_tokens"], resolved["max_model_len"]) == (8, 256, 1024)
     assert resolved["dtype"] == "float32" and resolved["enable_prefix_caching"] is True
     assert resolved["enforce_eager"] is True and list(resolved["block_sizes"].values()) == [32]
+    assert resolved["model_type"] == "llama" and resolved["architectures"] == ["LlamaForCausalLM"]
+    assert resolved["enable_chunked_prefill"] is True and resolved["async_scheduling"] in (True, False)
+    assert artifact["hardware"]["python"] == platform.python_version()
     assert "--max-num-seqs" in artifact["config"]["engine_args"]["given"]
     assert len(list(csv.DictReader((out / "sweep.csv").open()))) == 3
     import importlib.util

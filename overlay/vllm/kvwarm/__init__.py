@@ -5,7 +5,7 @@ what a build can do is probed (kv.capabilities). The rooms, and which way import
 
   scheduler.py  the adapter (`--scheduler-cls vllm.kvwarm.scheduler.KvWarmScheduler` or
                 `KvWarmAsyncScheduler`): stock scheduling plus the sweep's hooks
-  __main__.py   `python -m vllm.kvwarm info | sweep | report | selfcheck`
+  __main__.py   `python -m vllm.kvwarm info | sweep | report | export | selfcheck`
   ranks.py      `note_launch`, which the series' rank hook calls
   sweep/        the measurement controller and its inputs: points, settings, dataset, gate,
                 plan, rows, ranks; the run that ties them to an engine and writes the record
@@ -13,7 +13,9 @@ what a build can do is probed (kv.capabilities). The rooms, and which way import
                 capabilities, shadow registration, state hand-off, chains, fake KV,
                 catch-ups, the injector
   record/       the measurement record as plain data (vocabulary, artifact, schema,
-                combined view) and its readers (runs, plot, report); imports nothing of vLLM
+                combined view), its readers (runs, plot, report) and the planners' formats
+                (export: Dynamo's self-benchmark artifact, the profiler's tables); imports
+                nothing of vLLM
 
   scheduler -> sweep -> kv -> record.vocabulary; sweep -> record; record -> nothing above.
 """

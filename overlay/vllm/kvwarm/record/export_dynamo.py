@@ -346,14 +346,14 @@ def _engine(artifact: dict, layout: dict, resolved: dict, modes, unfilled: dict)
         "scheduler": {
             "max_num_batched_tokens": resolved.get("max_num_batched_tokens"),
             "max_num_seqs": resolved.get("max_num_seqs"),
-            "async_scheduling": None,
-            "enable_chunked_prefill": None,
-            "long_prefill_token_threshold": None,
+            "async_scheduling": resolved.get("async_scheduling"),
+            "enable_chunked_prefill": resolved.get("enable_chunked_prefill"),
+            "long_prefill_token_threshold": resolved.get("long_prefill_token_threshold"),
         },
         "model": {
             "dtype": dtype,
-            "model_type": None,
-            "architectures": None,
+            "model_type": resolved.get("model_type"),
+            "architectures": resolved.get("architectures"),
             "model": (artifact.get("config") or {}).get("model"),
         },
         "parallel": {
@@ -374,7 +374,12 @@ def _engine(artifact: dict, layout: dict, resolved: dict, modes, unfilled: dict)
             "cudagraph_capture_sizes": _capture_sizes(resolved, modes)[0],
             "resolution": "resolved_by_vllm",
         },
-        "versions": {"vllm": build.get("version"), "vllm_build_commit": None, "dynamo": None, "python": None},
+        "versions": {
+            "vllm": build.get("version"),
+            "vllm_build_commit": None,
+            "dynamo": None,
+            "python": (artifact.get("hardware") or {}).get("python"),
+        },
         "resolved": None,
         "resolution": "kvwarm_sweep_record",
     }
@@ -384,11 +389,6 @@ def _engine(artifact: dict, layout: dict, resolved: dict, modes, unfilled: dict)
         "quantization.method",
         "quantization.checkpoint_config",
         "quantization.quant_config_class",
-        "scheduler.async_scheduling",
-        "scheduler.enable_chunked_prefill",
-        "scheduler.long_prefill_token_threshold",
-        "model.model_type",
-        "model.architectures",
         "parallel.prefill_context_parallel_size",
         "parallel.decode_context_parallel_size",
         "parallel.enable_eplb",
@@ -396,7 +396,6 @@ def _engine(artifact: dict, layout: dict, resolved: dict, modes, unfilled: dict)
         "parallel.eplb_config",
         "speculative",
         "versions.vllm_build_commit",
-        "versions.python",
     ):
         unfilled[f"engine.{path}"] = NOT_RECORDED
     unfilled["engine.versions.dynamo"] = NOT_DYNAMO

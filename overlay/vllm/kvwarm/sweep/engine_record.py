@@ -36,6 +36,11 @@ def resolved_engine_args(scheduler) -> dict:
         # max_kv_tokens)
         "num_gpu_blocks": scheduler.kv_cache_config.num_blocks,
         "kv_cache_tokens": kv_cache_tokens(scheduler),
+        "model_type": getattr(model.hf_config, "model_type", None),
+        "architectures": list(getattr(model.hf_config, "architectures", None) or []),
+        "async_scheduling": bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
+        "enable_chunked_prefill": bool(getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False)),
+        "long_prefill_token_threshold": getattr(vllm_config.scheduler_config, "long_prefill_token_threshold", None),
     }
 
 
@@ -95,6 +100,7 @@ def hardware() -> dict:
         "gpus": gpus,
         "driver": driver,
         "cuda_runtime": torch.version.cuda,
+        "python": platform.python_version(),
     }
 
 
