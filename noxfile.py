@@ -326,14 +326,23 @@ def gpu_smoke_all(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: lint, tooling tests, lint-patches, builds, upstream, unit and engine
-    tests per release."""
+    """Everything CI runs: lint, tooling tests, lint-patches, then each release's tier
+    (releases.toml's rule): builds, upstream, unit and engine tests; the smoke and the
+    consumers on the newest CPU release; the newest release's image on a stand-in base."""
     lint(session)  # seconds: a style slip fails before minutes of builds
     tooling(session)
-    for line in sessions.missing_tiers(RELEASES):
-        session.log(line)
+    for release, got, why in sessions.ci_tiers(RELEASES):
+        session.log(f"{release.version}: {', '.join(got)} ({why})")
     for name, posargs in sessions.ci_plan(RELEASES):
         session.notify(name, posargs=posargs)
+
+
+@nox.session(default=False)
+def matrix(session: nox.Session) -> None:
+    """Every tier of every release, each build checked for reproducibility and each image
+    built on a stand-in base: what a maintainer runs before a release (docs/sessions.md)."""
+    for name in sessions.matrix_sessions(RELEASES):
+        session.notify(name, posargs=["--check-reproducible"] if name.startswith("build-") else None)
 
 
 if sessions.missing_tiers(RELEASES):

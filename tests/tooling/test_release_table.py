@@ -91,16 +91,41 @@ def test_engine_s_runs_the_mamba2_engine_only_where_the_release_runs_its_smoke_c
     assert ["-m", "mamba2"] in sessions.engine_selections(with_it, [with_it])
 
 
-def test_ci_plan_checks_builds_for_reproducibility_and_ends_with_one_standin_image(tree):
+def test_ci_plan_checks_the_newest_build_for_reproducibility_and_ends_with_its_standin_image(tree):
     older = _cpu_release(tree, short="9.8", version="9.8.0")
     newest = _cpu_release(tree)
     plan = sessions.ci_plan([older, newest])
     assert [name for name, _ in plan[:-1]] == sessions.ci_sessions([older, newest])
-    assert {name: args for name, args in plan if args} == {
-        "build-9.8": ["--check-reproducible"],
-        "build-9.9": ["--check-reproducible"],
-    }
+    assert {name: args for name, args in plan if args} == {"build-9.9": ["--check-reproducible"]}
     assert plan[-1] == ("image-standin-9.9", None)
+
+
+def test_ci_tiers_run_the_smoke_on_the_newest_cpu_release_and_say_why(tree):
+    older = _cpu_release(tree, short="9.8", version="9.8.0")
+    newest_cpu = _cpu_release(tree)
+    no_cpu = dataclasses.replace(
+        newest_cpu, short="9.10", version="9.10.0", flavours={"cuda": newest_cpu.flavour("cuda")}
+    )
+    table = [older, newest_cpu, no_cpu]
+    tiers = {release.short: (got, why) for release, got, why in sessions.ci_tiers(table)}
+    assert tiers["9.8"][0] == ["build", "upstream-tests", "unit", "engine"]
+    assert f"the smoke runs on {newest_cpu.version}" in tiers["9.8"][1]
+    assert tiers["9.9"][0] == ["build", "upstream-tests", "unit", "engine", "smoke-cpu"]
+    assert tiers["9.10"][0] == ["build", "upstream-tests", "unit"]
+    assert "no cpu flavour" in tiers["9.10"][1] and "reproducibility" in tiers["9.10"][1]
+    names = sessions.ci_sessions(table)
+    assert "smoke-cpu-9.8" not in names and "smoke-cpu-9.9" in names
+    assert not [n for n in names if n.startswith("consumers-")]
+
+
+def test_the_matrix_runs_every_tier_of_every_release(tree):
+    older = _cpu_release(tree, short="9.8", version="9.8.0")
+    newest = _cpu_release(tree)
+    names = sessions.matrix_sessions([older, newest])
+    for short in ("9.8", "9.9"):
+        for kind in ("build", *sessions.MATRIX_KINDS, "image-standin"):
+            assert f"{kind}-{short}" in names
+    assert set(sessions.ci_sessions([older, newest])) < set(names)
 
 
 BENCHMARKS = {

@@ -16,7 +16,10 @@ from .releases import Release
 
 # Per release, in the order `tests` runs them; the CPU engine tiers need a cpu flavour.
 CI_KINDS = ("upstream-tests", "unit", "engine", "smoke-cpu")
-CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu"})
+# consumers-S (real sweeps exported, then Dynamo's readers: about 10 minutes) runs in the
+# matrix only; CI's unit tests check the exports on fixtures of Dynamo's own artifact.
+MATRIX_KINDS = (*CI_KINDS, "consumers")
+CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu", "consumers"})
 # The markers of tests/engine whose tests need an engine of their own kind (two CPU engines
 # at once fail vLLM's memory check): tests/engine/conftest.py registers these and refuses a
 # run that mixes kinds; engine-S runs one pytest process per kind. The one home of both.
@@ -66,28 +69,69 @@ def consumer_python(cache: Path, log=print) -> Path:
     return venv_python(venv)
 
 
-def kinds(release: Release) -> list[str]:
-    """The CI session kinds this release gets."""
-    return [k for k in CI_KINDS if k not in CPU_ENGINE_KINDS or release.cpu_tier_missing is None]
+def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
+    """The session kinds (of CI's, or of the matrix's) this release can have."""
+    return [k for k in of if k not in CPU_ENGINE_KINDS or release.cpu_tier_missing is None]
+
+
+# The CI tiers, a property of the table (releases.toml says the same): every release gets
+# its build, vLLM's own tests and the unit tests (with stock-check): the series differ per
+# release. Every release with a cpu flavour gets engine-S: the engine each release ships
+# differs. The smoke, the consumers and the reproducibility and image checks prove code
+# that is the same for every release (the smoke script, the exports, the build tooling, the
+# Dockerfile), so they run once: on the newest release that has them. `nox -s matrix` runs
+# every tier of every release.
+ONCE_KINDS = ("smoke-cpu",)
+
+
+def newest_cpu_release(releases: list[Release]) -> Release | None:
+    """The newest release (in table order) with a CPU engine."""
+    return next((r for r in reversed(releases) if r.cpu_tier_missing is None), None)
+
+
+def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
+    """Per release: the session kinds CI runs for it, and why (printed by `tests`)."""
+    newest_cpu = newest_cpu_release(releases)
+    tiers = []
+    for release in releases:
+        got = ["build", *(k for k in kinds(release) if k not in ONCE_KINDS or release is newest_cpu)]
+        if release is newest_cpu:
+            why = "the newest with a CPU engine: the engine tests and the smoke"
+        elif release.cpu_tier_missing is None:
+            why = f"a CPU engine of its own; the smoke runs on {newest_cpu.version}"
+        else:
+            why = release.cpu_tier_missing
+        if release is releases[-1]:
+            why += "; the newest: its build checked for reproducibility, the stand-in image"
+        tiers.append((release, got, why))
+    return tiers
 
 
 def ci_sessions(releases: list[Release]) -> list[str]:
-    """What `nox -s tests` runs after the tooling tests: lint, the builds (checked for
-    reproducibility), then each kind for every release that has it."""
+    """What `nox -s tests` runs after the tooling tests: lint-patches, the builds, then each
+    kind for every release whose tier has it (ci_tiers)."""
+    tiers = ci_tiers(releases)
     names = ["lint-patches", *(f"build-{r.short}" for r in releases)]
     for kind in CI_KINDS:
-        names += [f"{kind}-{r.short}" for r in releases if kind in kinds(r)]
+        names += [f"{kind}-{r.short}" for r, got, _ in tiers if kind in got]
     return names
+
+
+def matrix_sessions(releases: list[Release]) -> list[str]:
+    """Every tier of every release (`nox -s matrix`), builds checked for reproducibility."""
+    names = ["lint-patches", *(f"build-{r.short}" for r in releases)]
+    for kind in MATRIX_KINDS:
+        names += [f"{kind}-{r.short}" for r in releases if kind in kinds(r, MATRIX_KINDS)]
+    return [*names, *(f"image-standin-{r.short}" for r in releases)]
 
 
 def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     """What `nox -s tests` starts after lint and the tooling tests, each session with its
-    arguments: ci_sessions, the builds checked for reproducibility, then the Dockerfile built
-    for real on a stand-in base (about 4 min warm, 7 from an empty cache) for the table's
-    last release: one is enough to prove the Dockerfile and its checks."""
-    plan: list[tuple[str, list[str] | None]] = [
-        (name, ["--check-reproducible"] if name.startswith("build-") else None) for name in ci_sessions(releases)
-    ]
+    arguments: ci_sessions, the newest release's build checked for reproducibility, then
+    its Dockerfile built for real on a stand-in base (about 4 min warm, 7 from an empty
+    cache): one is enough to prove the Dockerfile and its checks."""
+    newest = f"build-{releases[-1].short}"
+    plan = [(name, ["--check-reproducible"] if name == newest else None) for name in ci_sessions(releases)]
     return [*plan, (f"image-standin-{releases[-1].short}", None)]
 
 
@@ -95,7 +139,7 @@ def engine_selections(release: Release, releases: list[Release]) -> list[list[st
     """engine-S's pytest marker selections, one pytest process each: the single-engine
     groups, the Mamba2 engine where the release runs it, and the multi-rank engines on the
     newest release (in table order) with a CPU engine."""
-    newest_cpu = next((r for r in reversed(releases) if r.cpu_tier_missing is None), None)
+    newest_cpu = newest_cpu_release(releases)
     runs_mamba2 = release.cpu_smoke_cases is None or "nemotronh" in release.cpu_smoke_cases
     selections = [*ENGINE_PROCESSES, *([MAMBA2_PROCESS] if runs_mamba2 else [])]
     if newest_cpu is not None and release.short == newest_cpu.short:
