@@ -168,19 +168,40 @@ def test_a_shot_whose_requests_do_not_fit_the_pool_is_skipped_by_name(tmp_path):
     assert in_use(pool) == {}
 
 
-def test_a_hybrid_layouts_prefixes_are_whole_state_blocks_hit_with_their_state(tmp_path):
-    """Attention and align-mode state blocks of 64 tokens, prefix-match unit 16: a prefix is
-    a whole number of state blocks (a state is cached only at its boundaries), and the hit
-    covers it, state included."""
-    scheduler = make_scheduler(
+def _hybrid_scheduler(tmp_path):
+    """Attention and align-mode state blocks of 64 tokens, prefix-match unit 16."""
+    return make_scheduler(
         tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler, block_size=64, state_block_size=64, hash_block_size=16
     )
-    sweep = _sweep([PrefillPoint(40, 256, 2)], state_mode="copy")
+
+
+def test_a_hybrid_layouts_prefixes_are_whole_state_blocks_hit_with_their_state(tmp_path):
+    """A prefix is a whole number of state blocks (a state is cached only at its
+    boundaries), and the hit covers it, state included. 16 new tokens per request: no
+    boundary where vLLM stops a hybrid prefill lies inside them."""
+    scheduler = _hybrid_scheduler(tmp_path)
+    sweep = _sweep([PrefillPoint(32, 256, 2)], state_mode="copy")
     outputs = _run(scheduler, sweep)
-    assert [r.kv_seed_regime for r in sweep.rows] == ["real_prefix"]
+    assert [r.kv_seed_regime for r in sweep.rows] == ["real_prefix"], [r.detail for r in sweep.rows]
     assert [sorted(r.num_computed_tokens for r in s) for s in _shots(outputs)] == [[128, 128]] * (1 + STEPS)
     with pytest.raises(PointsFileError, match="whole number of 64-token blocks"):
         check_points([PrefillPoint(40, 160, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_a_hybrid_prefill_the_engine_stops_at_its_partial_tail_checkpoint_is_skipped_and_named(tmp_path):
+    """Where vLLM caches a hybrid prompt's state at its last prefix-match boundary (partial
+    hash hits: a hash block smaller than the state block), it stops the prefill there, so
+    20 new tokens per request after 128 run as 16 + 4 over two steps: no one-step point.
+    Where it does not, the point runs as one step."""
+    scheduler = _hybrid_scheduler(tmp_path)
+    sweep = _sweep([PrefillPoint(40, 256, 2)], state_mode="copy")
+    _run(scheduler, sweep)
+    (row,) = sweep.rows
+    if getattr(scheduler, "mamba_partial_cache_hit", False):
+        assert row.kv_seed_regime == "skip:measured_prefill_tokens_mismatch"
+        assert "computed 32 new token(s), the point 40" in row.detail
+    else:
+        assert row.kv_seed_regime == "real_prefix", row.detail
 
 
 @pytest.mark.parametrize(
