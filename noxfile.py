@@ -38,9 +38,7 @@ from kvwarm_build.releases import load_releases
 
 RELEASES = load_releases(project.RELEASES)
 SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"
-# What the tests, the benchmarks and the smoke share (tiny models, real-KV builders, the
-# fidelity oracle, the engine's environment, a vLLM test plugin): never shipped.
-TEST_SUPPORT = ROOT / "tests" / "support"
+TEST_SUPPORT = project.TEST_SUPPORT
 TOOLING_TEST_DEPS = ("pytest", "hypothesis", "dockerfile-parse")
 # Pinned: a newer ruff may format differently or add rules to its default set.
 RUFF = "ruff==0.17.5"

@@ -12,6 +12,9 @@ RELEASES = ROOT / "releases.toml"
 PATCHES = ROOT / "patches"
 OVERLAY = ROOT / "overlay"
 DIST = ROOT / "dist"
+# What the tests, the benchmarks and the smoke share (tiny models, real-KV builders, the
+# fidelity oracle, the engine's environment, a vLLM test plugin): never shipped.
+TEST_SUPPORT = ROOT / "tests" / "support"
 BUILD_RECORD_PATH = "vllm/kvwarm/_build_record.json"
 
 

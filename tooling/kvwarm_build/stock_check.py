@@ -39,7 +39,10 @@ def _outcomes_on_stock(release: Release, files: list[str], cache: Path, log) -> 
     with tempfile.TemporaryDirectory(prefix="kvwarm-stock-") as tmp:
         junit = Path(tmp) / "stock.xml"
         cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
+        # The test support reaches the stock venv by path, as it reaches the official build's
+        # in the smoke: the tests' conftest imports it.
+        paths = [str(project.TEST_SUPPORT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=os.pathsep.join(paths))
         run = subprocess.run(cmd, cwd=project.ROOT, env=env, capture_output=True, text=True, check=False)
         if not junit.exists():
             raise BuildError(
