@@ -5,8 +5,9 @@ The scheduler adapter builds a SweepRun when the engine's additional_config carr
 does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or the
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
 every point, and on any failure with status "failed", the error and every row measured.
-Under data parallel each rank writes OUT/dp<R>/ and, after each of its writes, the
-combined view OUT/sweep.json (record.combined).
+Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an exchange
+(sweep.store_exchange.make_exchange), which also carries each write to the combined view
+OUT/sweep.json (record.combined) on rank 0's side.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from .engine_record import run_record
 from .gate import content_reason, model_gate_reason
 from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, load_points
-from .ranks import make_exchange, rank_layout
+from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
+from .store_exchange import make_exchange
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
@@ -105,13 +107,19 @@ class SweepRun:
         config = {"points": spec["points"], "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
+        exchange = None
         try:
+            exchange = make_exchange(self.layout, spec["out"], parallel, read_settings(environ))
+            self.writer.exchange = exchange
             self.writer.run.update(run_record(scheduler, spec.get("engine_args")))
             self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder
-            self.sweep = self._build(
-                scheduler, vllm_config, spec, environ, make_exchange(self.layout, spec["out"], parallel)
-            )
+            self.sweep = self._build(scheduler, vllm_config, spec, environ, exchange)
         except BaseException as err:
+            if exchange is not None:  # the other ranks stop at their first boundary
+                try:
+                    exchange.post_failure(_message(err))
+                except Exception:
+                    logger.exception("[kvwarm sweep] telling the other ranks failed")
             self.fail(err)
             raise
 
@@ -179,9 +187,13 @@ class SweepRun:
         if self.finished:
             return
         self.finished = True
-        message = str(err) if isinstance(err, INPUT_ERRORS) else f"{type(err).__name__}: {err}"
+        message = _message(err)
         logger.error("[kvwarm sweep] failed: %s", message)
         try:
             self.writer.write(v.FAILED, message)
         except ArtifactWriteError as write_err:
             logger.error("[kvwarm sweep] %s", write_err)
+
+
+def _message(err: BaseException) -> str:
+    return str(err) if isinstance(err, INPUT_ERRORS) else f"{type(err).__name__}: {err}"
