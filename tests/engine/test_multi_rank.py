@@ -1,27 +1,40 @@
 """Sweeps on several ranks of the real CPU engine (vLLM's own processes: the API server and
 the sweep command with --data-parallel-size / --tensor-parallel-size): every rank completes
 with the same plan, per-rank and combined artifacts agree, outside requests never enter a
-timed step, a failure stops every rank without a hang, and the server serves on.
+timed step, a failure stops every rank without a hang, and the server serves on. The ranks
+meet through the store (the default exchange); in the data-parallel sweeps each rank writes
+to a folder of its own, so nothing but the store carries anything between them; a rank
+killed mid-sweep is named by the survivor.
 
 Runs in its own pytest process (`-m multirank`); this process starts no engine itself. The
-MoE case and the forced plan mismatch need the test-only plugin (kvwarm_test_plugin).
+MoE case, the forced plan mismatch and the per-rank folders need the test-only plugin
+(kvwarm_testing.plugin).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import threading
+import time
 
 import pytest
 from kvwarm_testing.multi_rank import (
     ADAPTER,
+    OWN_FOLDERS,
     api_server,
     engine_args,
+    engine_core_pid,
     medians_by_point,
+    rank_artifact,
+    read_json,
     run_command,
     wait_final,
     write_points,
 )
+from kvwarm_testing.plugin import rank_out
 
 pytestmark = pytest.mark.multirank
 
@@ -46,12 +59,18 @@ def _env(inputs, **extra) -> dict:
     return {"DYN_BENCH_KV_WARMUP_DATASET": str(inputs["dataset"]), "DYN_BENCH_KV_WARMUP": "force", **extra}
 
 
-def _check_ranks(out, size: int, points) -> tuple[dict, list[dict]]:
-    """Every rank complete on real KV with the same stages, and the combined view agreeing."""
+def _check_ranks(out, size: int, points, own_folders: bool = False) -> tuple[dict, list[dict]]:
+    """Every rank complete on real KV with the same stages, and the combined view agreeing.
+    own_folders: each rank wrote to its own OUT, which holds its dp<R>/ alone (rank 0's also
+    the combined view), and no exchange left a file behind."""
     from vllm.kvwarm.record.schema import validate
 
     combined = json.loads((out / "sweep.json").read_text())
-    ranks = [json.loads((out / f"dp{r}" / "sweep.json").read_text()) for r in range(size)]
+    ranks = [json.loads(rank_artifact(out, r, own_folders).read_text()) for r in range(size)]
+    if own_folders:
+        assert sorted(p.name for p in out.iterdir()) == ["dp0", "sweep.csv", "sweep.json"]
+        for rank in range(1, size):
+            assert sorted(p.name for p in rank_out(out, rank).iterdir()) == [f"dp{rank}"]
     for rank, artifact in enumerate(ranks):
         validate(artifact)
         assert artifact["status"] == "complete", artifact["error"]
@@ -87,7 +106,7 @@ def test_a_data_parallel_server_sweeps_on_every_rank_and_serves_on(inputs, tmp_p
         json.dumps({"kvwarm_sweep": spec}),
     )
     answers = []
-    with api_server(args, _env(inputs), tmp_path / "server.log") as server:
+    with api_server(args, _env(inputs, **OWN_FOLDERS), tmp_path / "server.log") as server:
 
         def users():  # outside requests while the sweep runs
             for n in range(6):
@@ -99,7 +118,7 @@ def test_a_data_parallel_server_sweeps_on_every_rank_and_serves_on(inputs, tmp_p
         thread.join(timeout=300)
         assert combined["status"] == "complete", combined["error"]
         after = server.complete("the sweep is over", max_tokens=4)
-    _check_ranks(out, 2, POINTS)  # every point measured with exactly B: none skipped
+    _check_ranks(out, 2, POINTS, own_folders=True)  # every point measured with exactly B: none skipped
     assert len(answers) == 6 and all(a["choices"][0]["text"] for a in answers)
     assert after["usage"]["completion_tokens"] == 4
 
@@ -138,11 +157,74 @@ def test_the_command_sweeps_an_moe_model_in_lockstep_on_two_data_parallel_ranks(
             str(out),
             *engine_args(inputs["moe"], "--data-parallel-size", "2"),
         ],
-        _env(inputs, KVWARM_TEST_CPU_ALL_GATHERV="1"),
+        _env(inputs, KVWARM_TEST_CPU_ALL_GATHERV="1", **OWN_FOLDERS),
         tmp_path / "cmd.log",
     )
     assert rc == 0, (tmp_path / "cmd.log").read_text()[-3000:]
-    _check_ranks(out, 2, points)
+    _check_ranks(out, 2, points, own_folders=True)
+
+
+# Below vLLM's grace between the SIGTERM and the SIGKILL it sends the surviving engine cores
+# when one dies (5 s), so the survivor records why it stops before it is killed.
+KILL_TIMEOUT = 3
+# Rank 1 is stopped (SIGSTOP) this long before its kill -9: the survivor then waits at its
+# next boundary when vLLM's SIGTERM comes, never inside a point (see the test).
+FREEZE_SECONDS = 1.0
+
+
+def test_a_rank_killed_mid_sweep_is_named_by_the_survivor_which_keeps_every_row(inputs, tmp_path):
+    """kill -9 of rank 1's engine core under a DP=2 server. vLLM's own answer is to shut the
+    whole server down: the API process sends the surviving engine core SIGTERM, which aborts
+    every request and steps on while the scheduler has work, and SIGKILL 5 s later. Rank 0,
+    waiting for rank 1 at its next boundary, gives up on it after its rank timeout (here
+    shorter than that grace) and writes `failed`, naming rank 1, with every row it measured;
+    so does the combined view.
+
+    Rank 1 is frozen for FREEZE_SECONDS before the kill: had vLLM's abort come while rank 0
+    was inside a point, it would take that point's requests away and the sweep would wait
+    for steps that never come until the SIGKILL (its artifact left `running`, every earlier
+    row in it): a race of the abort against the point, not of the exchange."""
+    out = tmp_path / "out"
+    log = tmp_path / "server.log"
+    spec = {"points": str(write_points(tmp_path / "points.json", POINTS)), "out": str(out)}
+    args = engine_args(
+        inputs["llama"],
+        "--data-parallel-size",
+        "2",
+        "--scheduler-cls",
+        ADAPTER,
+        "--additional-config",
+        json.dumps({"kvwarm_sweep": spec}),
+    )
+    env = _env(inputs, DYN_BENCH_KV_WARMUP_RANK_TIMEOUT=str(KILL_TIMEOUT), **OWN_FOLDERS)
+    with api_server(args, env, log) as server:
+        deadline = time.monotonic() + 600
+        while True:
+            rank_1 = read_json(rank_artifact(out, 1, own_folders=True)) or {"status": "running", "results": []}
+            assert rank_1["status"] == "running", rank_1["error"]
+            if len(rank_1["results"]) >= 8:
+                break
+            assert time.monotonic() < deadline, "rank 1 measured no 8 points"
+            time.sleep(0.1)
+        victim = engine_core_pid(server.pid, 1)
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(FREEZE_SECONDS)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        own = wait_final(rank_artifact(out, 0, own_folders=True), timeout=120)
+        stopped = time.monotonic() - killed
+        combined = wait_final(out / "sweep.json", timeout=60)
+    assert own["status"] == "failed", own["error"]
+    assert own["error"].startswith("RankFailed: rank(s) [1] did not reach boundary")
+    assert own["error"].endswith(f"within {KILL_TIMEOUT} s")
+    assert stopped < KILL_TIMEOUT + 5  # a poll of the artifact a second
+    # every point rank 0 finished (its progress lines) is in its artifact
+    finished = [int(n) for n in re.findall(r"\[kvwarm sweep dp0\] point (\d+)/", log.read_text())]
+    assert finished and len(own["results"]) + len(own["skipped_points"]) == max(finished) >= 8
+    assert combined["status"] == "failed"
+    assert [(r["rank"], r["status"]) for r in combined["ranks"]] == [(0, "failed"), (1, "failed")]
+    assert combined["ranks"][1]["error"].startswith("rank 0 gave up on it: rank(s) [1] did not reach boundary")
+    assert combined["ranks"][0]["rows"] == len(own["results"]) and combined["ranks"][1]["rows"] >= 8
 
 
 def test_a_tensor_parallel_sweep_measures_every_point_on_real_kv(inputs, tmp_path):

@@ -1,21 +1,28 @@
 """One sweep over several data-parallel ranks, on real Schedulers: two ranks stepped in turn in
-one process (the model runner's part played by the test), meeting through the real file
-exchange, with per-rank artifacts and the combined view; outside requests kept out of
-the timed steps."""
+one process (the model runner's part played by the test), meeting through the real exchanges
+(torch's TCPStore on 127.0.0.1, the default, and the file fallback), with per-rank artifacts
+and the combined view on rank 0's side; outside requests kept out of the timed steps."""
 
 from __future__ import annotations
 
 import json
+import socket
+import time
+from pathlib import Path
 
 import pytest
 from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_scheduler
 from test_sweep import make_sweep
 from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import KvWarmScheduler
-from vllm.kvwarm.sweep import ranks
+from vllm.kvwarm.sweep import ranks, store_exchange
 from vllm.kvwarm.sweep.points import DecodePoint
 from vllm.kvwarm.sweep.ranks import FileExchange, RankFailed
 from vllm.kvwarm.sweep.run import SweepRun
+from vllm.kvwarm.sweep.settings import SettingsError, read_settings
+from vllm.kvwarm.sweep.store_exchange import PORT_OFFSET, StoreExchange, make_exchange, store_address
+
+EXCHANGES = ("store", "files")
 
 
 @pytest.fixture(autouse=True)
@@ -52,29 +59,63 @@ def _stop_on_rank_failure(sweep, errors: list) -> None:
     sweep.before_schedule = before_schedule
 
 
-def _exchanges(tmp_path, size=2, timeout=60.0):
-    return [FileExchange(tmp_path / "out", "run", size, rank, timeout=timeout) for rank in range(size)]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def _two_ranks(tmp_path, points, **rank_1_config):
+def _joined(exchange: StoreExchange, seconds: float = 30.0) -> StoreExchange:
+    """A client once its connection (made in its own thread) is up or has failed."""
+    deadline = time.monotonic() + seconds
+    while exchange._store is None and exchange._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return exchange
+
+
+def _met(exchange, seconds: float = 30.0) -> list[dict]:
+    """Every rank's records of the open boundary, polled as the sweep polls (a store's writes
+    from another connection arrive a moment later)."""
+    deadline = time.monotonic() + seconds
+    while (records := exchange.poll()) is None:
+        assert time.monotonic() < deadline, "the ranks did not meet"
+        time.sleep(0.01)
+    return records
+
+
+def _exchanges(tmp_path, kind="store", size=2, timeout=60.0, clock=time.monotonic, start_timeout=None):
+    """Every rank's exchange of one launch: the store on a free port of 127.0.0.1 (each rank's
+    combined-view folder its own), or the files in one shared folder."""
+    bounds = {"timeout": timeout, "start_timeout": start_timeout}
+    if kind == "files":
+        return [FileExchange(tmp_path / "out", "run", size, r, clock=clock, **bounds) for r in range(size)]
+    port = free_port()
+    made = [
+        StoreExchange("127.0.0.1", port, size, r, root=tmp_path / f"out{r}", clock=clock, **bounds) for r in range(size)
+    ]
+    return [_joined(e) for e in made]
+
+
+def _two_ranks(tmp_path, points, kind="store", **rank_1_config):
     """Two real schedulers, each with its sweep over `points` meeting the other's through the
-    file exchange; rank 1's sweep may be configured differently."""
+    exchange `kind`; rank 1's sweep may be configured differently."""
     schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=128, scheduler_cls=KvWarmScheduler) for r in range(2)]
-    exchanges = _exchanges(tmp_path)
+    exchanges = _exchanges(tmp_path, kind)
     sweeps = [make_sweep(points, exchange=exchanges[0]), make_sweep(points, exchange=exchanges[1], **rank_1_config)]
     for scheduler, sweep in zip(schedulers, sweeps):
         scheduler.kvwarm_sweep = sweep
     return schedulers, sweeps
 
 
-def test_ranks_with_different_free_pools_plan_the_same_rung_from_the_smallest(tmp_path):
+@pytest.mark.parametrize("kind", EXCHANGES)
+def test_ranks_with_different_free_pools_plan_the_same_rung_from_the_smallest(tmp_path, kind):
     # rank 1 has 40 blocks of 16 tokens free, rank 0 has 100: alone, rank 0 would keep
     # the rung's full depth; together both trim it to what rank 1's pool holds.
     schedulers = [
         make_scheduler(tmp_path / f"r{r}", num_blocks=n, scheduler_cls=KvWarmScheduler) for r, n in enumerate([100, 41])
     ]
     points = [DecodePoint(600, 2), DecodePoint(300, 2)]
-    sweeps = [make_sweep(points, exchange=e) for e in _exchanges(tmp_path)]
+    sweeps = [make_sweep(points, exchange=e) for e in _exchanges(tmp_path, kind)]
     alone = make_sweep(points)
     schedulers[0].kvwarm_sweep, schedulers[1].kvwarm_sweep = sweeps
     _step_all(schedulers)
@@ -86,9 +127,10 @@ def test_ranks_with_different_free_pools_plan_the_same_rung_from_the_smallest(tm
         assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
-def test_a_plan_mismatch_stops_every_rank_with_both_digests_and_no_hang(tmp_path):
+@pytest.mark.parametrize("kind", EXCHANGES)
+def test_a_plan_mismatch_stops_every_rank_with_both_digests_and_no_hang(tmp_path, kind):
     # rank 1 was started with another repeat count: its plan (and its rows) would differ
-    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2)], steady_steps=5)
+    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2)], kind, steady_steps=5)
     errors = []
     for sweep in sweeps:
         _stop_on_rank_failure(sweep, errors)
@@ -101,8 +143,9 @@ def test_a_plan_mismatch_stops_every_rank_with_both_digests_and_no_hang(tmp_path
         assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
-def test_a_rank_that_fails_stops_the_others_at_their_next_boundary(tmp_path):
-    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2), DecodePoint(100, 2), DecodePoint(50, 2)])
+@pytest.mark.parametrize("kind", EXCHANGES)
+def test_a_rank_that_fails_stops_the_others_at_their_next_boundary(tmp_path, kind):
+    schedulers, sweeps = _two_ranks(tmp_path, [DecodePoint(200, 2), DecodePoint(100, 2), DecodePoint(50, 2)], kind)
     errors = []
     _stop_on_rank_failure(sweeps[0], errors)
 
@@ -120,19 +163,33 @@ def test_a_rank_that_fails_stops_the_others_at_their_next_boundary(tmp_path):
         assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
-def test_a_rank_that_never_comes_is_given_up_on_after_the_timeout(tmp_path):
+@pytest.mark.parametrize("kind", EXCHANGES)
+def test_a_rank_that_never_comes_is_given_up_on_after_the_timeout(tmp_path, kind):
     now = [0.0]
-    exchange = FileExchange(tmp_path / "out", "run", 2, 0, timeout=5.0, clock=lambda: now[0])
-    exchange.post("pool", {"usable_blocks": 10})
-    assert exchange.poll() is None
-    now[0] = 6.0
-    with pytest.raises(RankFailed, match=r"rank\(s\) \[1\] did not reach boundary 1 \(pool\) within 5 s"):
-        exchange.poll()
+    rank_0, rank_1 = _exchanges(tmp_path, kind, timeout=5.0, clock=lambda: now[0], start_timeout=50.0)
+    rank_0.post("pool", {"usable_blocks": 10})
+    now[0] = 30.0  # the first boundary waits for the ranks to start: longer than the timeout
+    assert rank_0.poll() is None
+    rank_1.post("pool", {"usable_blocks": 10})  # rank 1 comes to boundary 1 ...
+    assert len(_met(rank_0)) == 2
+    rank_0.post("plan", {"digest": "d"})  # ... but never to boundary 2
+    assert rank_0.poll() is None
+    now[0] = 36.0
+    with pytest.raises(RankFailed, match=r"rank\(s\) \[1\] did not reach boundary 2 \(plan\) within 5 s"):
+        rank_0.poll()
+    if kind == "store":  # what rank 0's combined view will say of rank 1
+        assert rank_0.lost == {1: "rank(s) [1] did not reach boundary 2 (plan) within 5 s"}
 
 
-def _rank_runs(tmp_path, monkeypatch, points, size=2):
-    """SweepRuns configured as the adapter builds them, one per rank of a launch of `size`."""
+def _rank_runs(tmp_path, monkeypatch, points, kind="store", size=2, timeout=None, start=None, port=None):
+    """SweepRuns configured as the adapter builds them, one per rank of a launch of `size`
+    (`start`: those ranks only). Through the store each rank has an OUT of its own (as on
+    nodes with their own disks: kvwarm_testing.plugin.rank_out); through files they share one."""
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")  # fake KV: no dataset or tokenizer needed
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_SYNC", kind)
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT", str(port or free_port()))
+    if timeout is not None:
+        monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_TIMEOUT", str(timeout))
     monkeypatch.setattr(ranks, "_launch_data_parallel_size", size)
     path = tmp_path / "points.json"
     path.write_text(
@@ -140,21 +197,48 @@ def _rank_runs(tmp_path, monkeypatch, points, size=2):
     )
     out = tmp_path / "out"
     schedulers = []
-    for rank in range(size):
+    for rank in range(size) if start is None else start:
         scheduler = make_scheduler(tmp_path / f"r{rank}", num_blocks=128, scheduler_cls=KvWarmScheduler)
         scheduler.vllm_config.parallel_config.data_parallel_index = rank
-        scheduler.kvwarm_run = SweepRun(scheduler, {"points": str(path), "out": str(out)})
+        rank_out = out if kind == "files" else _rank_out(out, rank)
+        scheduler.kvwarm_run = SweepRun(scheduler, {"points": str(path), "out": str(rank_out)})
         scheduler.kvwarm_sweep = scheduler.kvwarm_run.sweep
         schedulers.append(scheduler)
+    for scheduler in schedulers:
+        if isinstance(scheduler.kvwarm_run.writer.exchange, StoreExchange):
+            _joined(scheduler.kvwarm_run.writer.exchange)
     return schedulers, out
 
 
-def test_each_rank_writes_its_own_folder_and_the_combined_view_says_complete_when_all_did(tmp_path, monkeypatch):
+def _rank_out(out, rank):
+    from kvwarm_testing.plugin import rank_out
+
+    return rank_out(out, rank)
+
+
+def _artifacts(out, kind, size=2):
+    """Every rank's own artifact, each from its own OUT, and the combined view (rank 0's OUT)."""
+    folders = [out if kind == "files" else _rank_out(out, r) for r in range(size)]
+    per_rank = [json.loads((folder / f"dp{r}" / "sweep.json").read_text()) for r, folder in enumerate(folders)]
+    return per_rank, json.loads((out / "sweep.json").read_text())
+
+
+def _view(scheduler) -> dict:
+    """Rank 0's combined view once its collector (if one runs) is done."""
+    exchange = scheduler.kvwarm_run.writer.exchange
+    if isinstance(exchange, StoreExchange) and exchange.view.collector is not None:
+        exchange.view.collector.join(timeout=60)
+        assert not exchange.view.collector.is_alive(), "rank 0's combined view never became final"
+    return json.loads((Path(scheduler.kvwarm_run.writer.root) / "sweep.json").read_text())
+
+
+@pytest.mark.parametrize("kind", EXCHANGES)
+def test_each_rank_writes_its_own_folder_and_the_combined_view_says_complete_when_all_did(tmp_path, monkeypatch, kind):
     points = [(400, 2), (300, 2), (200, 3), (100, 3)]
-    schedulers, out = _rank_runs(tmp_path, monkeypatch, points)
+    schedulers, out = _rank_runs(tmp_path, monkeypatch, points, kind)
     _step_all(schedulers)
-    per_rank = [json.loads((out / f"dp{r}" / "sweep.json").read_text()) for r in range(2)]
-    combined = json.loads((out / "sweep.json").read_text())
+    _view(schedulers[0])
+    per_rank, combined = _artifacts(out, kind)
     for rank, artifact in enumerate(per_rank):
         validate(artifact)
         assert artifact["status"] == "complete" and artifact["artifact_type"] == "kvwarm.rank"
@@ -176,11 +260,23 @@ def test_each_rank_writes_its_own_folder_and_the_combined_view_says_complete_whe
             )
             for rank in range(2)
         }
-    assert not (out / ".kvwarm-sync").exists()  # the exchange's files go once every rank is done
+    # every field of every rank's rows reaches the combined view, whatever the rows carry
+    for row in combined["results"]:
+        mine = next(r for r in per_rank[0]["results"] if r["point"] == row["point"])
+        assert set(mine) <= set(row) and all(row[f] == mine[f] for f in mine if f not in MERGED)
+    assert not (out / ".kvwarm-sync").exists()  # the file exchange's records go once every rank is done
+    if kind == "store":  # nothing of the exchange was written to any folder
+        assert sorted(p.name for p in out.iterdir()) == ["dp0", "sweep.csv", "sweep.json"]
+        assert sorted(p.name for p in _rank_out(out, 1).iterdir()) == ["dp1"]
 
 
-def test_the_combined_view_names_the_rank_that_failed(tmp_path, monkeypatch):
-    schedulers, out = _rank_runs(tmp_path, monkeypatch, [(400, 2), (300, 2), (200, 2)])
+# The fields the combined view merges across ranks (the rest is rank 0's row as it is).
+MERGED = {"median_seconds", "min_seconds", "max_seconds", "spread", "ranks"}
+
+
+@pytest.mark.parametrize("kind", EXCHANGES)
+def test_the_combined_view_names_the_rank_that_failed(tmp_path, monkeypatch, kind):
+    schedulers, _ = _rank_runs(tmp_path, monkeypatch, [(400, 2), (300, 2), (200, 2)], kind)
     rank_1 = schedulers[1].kvwarm_sweep
     start_point = rank_1._start_point
 
@@ -191,7 +287,7 @@ def test_the_combined_view_names_the_rank_that_failed(tmp_path, monkeypatch):
 
     rank_1._start_point = fail_the_second_point
     _step_all(schedulers)
-    combined = json.loads((out / "sweep.json").read_text())
+    combined = _view(schedulers[0])
     assert combined["status"] == "failed"
     assert combined["error"].startswith("rank 0: RankFailed: rank 1 failed: RuntimeError: rank 1 lost its worker")
     assert "rank 1: RuntimeError: rank 1 lost its worker" in combined["error"]
@@ -199,6 +295,209 @@ def test_the_combined_view_names_the_rank_that_failed(tmp_path, monkeypatch):
     assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [(0, "failed", 2), (1, "failed", 1)]
     for scheduler in schedulers:
         assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_rank_0_ending_first_keeps_gathering_until_the_combined_view_is_final(tmp_path, monkeypatch):
+    schedulers, out = _rank_runs(tmp_path, monkeypatch, [(300, 2), (200, 2), (100, 2)])
+    rank_0, rank_1 = (s.kvwarm_sweep for s in schedulers)
+    while not rank_0.done:  # rank 1 stops once it has measured its last point: its end comes later
+        step_scheduler(schedulers[0])
+        if len(rank_1.rows) < 3:
+            step_scheduler(schedulers[1])
+    assert not rank_1.done
+    view = schedulers[0].kvwarm_run.writer.exchange.view
+    assert view.collector.is_alive() and json.loads((out / "sweep.json").read_text())["status"] == "running"
+    _step_all(schedulers)
+    combined = _view(schedulers[0])
+    assert combined["status"] == "complete"
+    assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [(0, "complete", 3), (1, "complete", 3)]
+    with pytest.raises(RankFailed, match="closed"):  # the store is gone once the view is final
+        schedulers[0].kvwarm_run.writer.exchange.post("pool", {})
+
+
+def test_a_rank_that_stops_mid_sweep_fails_the_others_and_the_view_names_it(tmp_path, monkeypatch):
+    """What a kill -9 of rank 1 looks like to rank 0: rank 1 stops stepping (and talking)
+    after its second point; rank 0 gives up on it at its next boundary, after the timeout."""
+    schedulers, out = _rank_runs(tmp_path, monkeypatch, [(400, 2), (300, 2), (200, 2), (100, 2)], timeout=1)
+    rank_1 = schedulers[1].kvwarm_sweep
+    started = None
+    for _ in range(20000):
+        if not schedulers[0].has_requests():
+            break
+        step_scheduler(schedulers[0])
+        if len(rank_1.rows) < 2:
+            step_scheduler(schedulers[1])
+        elif started is None:
+            started = time.monotonic()
+    seconds = time.monotonic() - started
+    combined = _view(schedulers[0])
+    own = json.loads((out / "dp0" / "sweep.json").read_text())
+    assert own["status"] == "failed" and "rank(s) [1] did not reach boundary" in own["error"]
+    assert len(own["results"]) == 2  # every point measured before rank 1 went silent
+    assert 1 <= seconds < 30
+    assert combined["status"] == "failed" and combined["ranks"][1]["status"] == "failed"
+    assert combined["ranks"][1]["error"].startswith("rank 0 gave up on it: rank(s) [1] did not reach boundary")
+    assert combined["ranks"][1]["rows"] == 2  # its last record, as published
+
+
+def test_a_rank_that_never_starts_leaves_a_final_view_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_exchange, "START_TIMEOUT", 1.0)  # how long the ranks' start is waited for
+    schedulers, _ = _rank_runs(tmp_path, monkeypatch, [(300, 2)], timeout=1, start=[0])
+    _step_all(schedulers, limit=100000)
+    combined = _view(schedulers[0])
+    assert combined["status"] == "failed"
+    assert combined["ranks"][1] == {
+        "rank": 1,
+        "status": "failed",
+        "rows": 0,
+        "path": "dp1/sweep.json",
+        "error": "rank 0 gave up on it: rank(s) [1] did not reach boundary 1 (pool) within 1 s",
+    }
+
+
+def test_rank_0_gives_up_on_a_rank_silent_after_its_own_end(tmp_path, monkeypatch):
+    schedulers, _ = _rank_runs(tmp_path, monkeypatch, [(300, 2), (200, 2)], timeout=1)
+    rank_0, rank_1 = (s.kvwarm_sweep for s in schedulers)
+    while not rank_0.done:
+        step_scheduler(schedulers[0])
+        if len(rank_1.rows) < 2:
+            step_scheduler(schedulers[1])
+    assert not rank_1.done  # and never will be: it is not stepped again after its last point
+    combined = _view(schedulers[0])
+    assert combined["status"] == "failed" and combined["ranks"][0]["status"] == "complete"
+    assert combined["ranks"][1]["error"].startswith(
+        "rank 0 gave up on it: nothing new from it for 1 s after rank 0's own end (its last record: running, 2 row(s))"
+    )
+
+
+def test_a_rank_that_cannot_reach_the_store_fails_naming_the_address_the_port_and_the_settings(tmp_path, monkeypatch):
+    monkeypatch.setattr(store_exchange, "START_TIMEOUT", 1.0)
+    port = free_port()  # nothing listens there
+    exchange = StoreExchange(
+        "127.0.0.1", port, 2, 1, timeout=1.0, start_timeout=1.0, root=tmp_path, origin="set by test"
+    )
+    exchange.post("pool", {"usable_blocks": 1})  # while it still tries: kept for when it is in
+    assert exchange.poll() is None
+    with pytest.raises(RankFailed) as failed:
+        while exchange.poll() is None:  # a connection refused: it tries again until the timeout
+            time.sleep(0.05)
+    message = str(failed.value)
+    assert message.startswith(
+        f"rank 1 could not reach the rank exchange (torch TCPStore) that rank 0 hosts at "
+        f"127.0.0.1:{port} (port set by test) within 1 s (while the ranks start: the longer of "
+        "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT and 1 s)"
+    )
+    assert "DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT" in message and "DYN_BENCH_KV_WARMUP_RANK_SYNC=files" in message
+    exchange.post_failure("RankFailed: ...")  # never raises
+
+
+def test_a_rank_0_that_cannot_host_fails_its_sweep_and_the_engine_serves_on(tmp_path, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (scheduler,), out = _rank_runs(tmp_path, monkeypatch, [(300, 2)], start=[0], port=port)
+        step_scheduler(scheduler)  # the first boundary: the sweep fails, the engine does not
+    own = json.loads((out / "dp0" / "sweep.json").read_text())
+    assert own["status"] == "failed"
+    assert own["error"].startswith(
+        f"RankFailed: rank 0 could not host the rank exchange (torch TCPStore) at "
+        f"127.0.0.1:{port} (port set by DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT): "
+    )
+    assert "EADDRINUSE" in own["error"] or "in use" in own["error"]
+    assert "DYN_BENCH_KV_WARMUP_RANK_SYNC=files" in own["error"]
+    scheduler.add_request(make_request("user-after", 20))
+    for _ in range(40):
+        if not scheduler.has_requests():
+            break
+        step_scheduler(scheduler)
+    assert "user-after" not in scheduler.requests  # served to its end
+    rank_1 = _view(scheduler)["ranks"][1]  # rank 0 cannot hear from it: final at once
+    assert rank_1["status"] == "failed" and rank_1["error"].startswith("rank 0 cannot hear from it (it sent no record)")
+
+
+def test_a_rank_that_connects_late_posts_as_soon_as_it_is_in(tmp_path):
+    """Rank 1 starts before rank 0 hosts the store: its posts wait in it until it is in."""
+    port = free_port()
+    rank_1 = StoreExchange("127.0.0.1", port, 2, 1, timeout=30.0, root=tmp_path / "out1")
+    rank_1.post("pool", {"usable_blocks": 7})
+    assert rank_1.poll() is None
+    time.sleep(0.6)  # a few refused attempts
+    rank_0 = StoreExchange("127.0.0.1", port, 2, 0, timeout=30.0, root=tmp_path / "out0")
+    rank_0.post("pool", {"usable_blocks": 9})
+    assert [(r["rank"], r["usable_blocks"]) for r in _met(rank_0)] == [(0, 9), (1, 7)]
+    assert [(r["rank"], r["usable_blocks"]) for r in _met(rank_1)] == [(0, 9), (1, 7)]
+
+
+def test_a_second_launch_on_the_same_port_is_refused_not_mixed_in(tmp_path):
+    port = free_port()
+    first = [_joined(StoreExchange("127.0.0.1", port, 2, r, root=tmp_path / f"a{r}")) for r in range(2)]
+    intruder = _joined(StoreExchange("127.0.0.1", port, 2, 1, root=tmp_path / "b1"))
+    with pytest.raises(RankFailed, match="rank 1 of another launch already joined the rank exchange at 127.0.0.1"):
+        intruder.post("pool", {"usable_blocks": 1})
+    for exchange in first:
+        exchange.post("pool", {"usable_blocks": 2})
+    assert [[r["usable_blocks"] for r in _met(e)] for e in first] == [[2, 2], [2, 2]]
+
+
+def test_the_store_listens_beside_vllms_dp_master_port_or_where_the_setting_says(tmp_path):
+    from vllm.config import ParallelConfig
+
+    parallel = ParallelConfig()
+    master = parallel.data_parallel_master_port
+    assert store_address(parallel) == (
+        parallel.data_parallel_master_ip,
+        master + PORT_OFFSET,
+        f"vLLM's DP master port {master} + 10",
+    )
+    assert store_address(parallel, 4242) == (
+        parallel.data_parallel_master_ip,
+        4242,
+        "set by DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT",
+    )
+    parallel.data_parallel_master_port = 65530
+    assert store_address(parallel)[1] == 65520
+    layout = ranks.RankLayout(2, 1, 1, 1, False)
+    files = make_exchange(layout, tmp_path, parallel, read_settings({"DYN_BENCH_KV_WARMUP_RANK_SYNC": "files"}))
+    assert isinstance(files, FileExchange) and files.folder.parent.name == ".kvwarm-sync"
+    assert isinstance(
+        make_exchange(ranks.RankLayout(1, 0, 1, 1, False), tmp_path, parallel, read_settings({})), ranks.SoloExchange
+    )
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"DYN_BENCH_KV_WARMUP_RANK_SYNC": "nfs"},
+            "DYN_BENCH_KV_WARMUP_RANK_SYNC='nfs' is not one of store, files (default store)",
+        ),
+        (
+            {"DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT": "http"},
+            "DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT='http' is not a TCP port number (1 to 65535)",
+        ),
+        (
+            {"DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT": "70000"},
+            "DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT='70000' is out of range: a TCP port is 1 to 65535",
+        ),
+        (
+            {"DYN_BENCH_KV_WARMUP_RANK_TIMEOUT": "0"},
+            "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT='0' is out of range: it must be an integer >= 1 (default 300)",
+        ),
+    ],
+)
+def test_the_rank_settings_refuse_what_they_do_not_know_naming_the_variable(env, message):
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_settings(env)
+    settings = read_settings(
+        {
+            "DYN_BENCH_KV_WARMUP_RANK_SYNC": " FILES ",
+            "DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT": "4242",
+            "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT": "20",
+        }
+    )
+    assert (settings.rank_sync, settings.rank_sync_port, settings.rank_timeout) == ("files", 4242, 20)
+    assert (read_settings({}).rank_sync, read_settings({}).rank_timeout) == ("store", 300)
 
 
 def test_requests_from_outside_wait_while_a_point_is_measured_and_run_between_points(tmp_path):

@@ -1,6 +1,8 @@
 """Starting multi-rank CPU engines for the tests: the API server and the sweep command, each
 in its own process group (a DP server is an API process, a coordinator and one engine core
-per rank, each with workers), stopped by that group."""
+per rank, each with workers), stopped by that group; finding one rank's engine core; where
+each rank writes when every rank has a folder of its own (KVWARM_TEST_RANK_OUT=1, the test
+plugin's)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .engine import MULTI_RANK_ENV
+from .plugin import RANK_OUT_ENV, rank_out
+
+# Each rank of a launch writes to a folder of its own (kvwarm_testing.plugin), as on nodes
+# without a shared filesystem: only the rank exchange carries anything between the ranks.
+OWN_FOLDERS = {RANK_OUT_ENV: "1"}
 
 # The multi-rank engine environment, and three steady steps per point.
 ENV = {**MULTI_RANK_ENV, "DYN_BENCH_GIANT_KV_REPEATS": "3"}
@@ -91,8 +98,9 @@ def run_command(argv: list[str], env: dict, log: Path, timeout: float = 900) -> 
 
 
 class Server:
-    def __init__(self, port: int, model: str):
+    def __init__(self, port: int, model: str, pid: int):
         self.url, self.model = f"http://127.0.0.1:{port}", model
+        self.pid = pid  # the API server's, which leads the session of all its processes
 
     def complete(self, prompt: str, max_tokens: int = 4, timeout: float = 300) -> dict:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
@@ -136,7 +144,7 @@ def api_server(args: list[str], env: dict, log: Path, start_timeout: float = 600
                     if time.monotonic() > deadline:
                         raise AssertionError(f"the API server did not become healthy; see {log}") from None
                     time.sleep(1)
-            yield Server(port, model)
+            yield Server(port, model, process.pid)
         finally:
             _stop(process)
 
@@ -159,3 +167,31 @@ def medians_by_point(artifact: dict) -> dict:
     return {
         (r["point"]["total_kv_read_tokens"], r["point"]["batch_size"]): r["median_seconds"] for r in artifact["results"]
     }
+
+
+def rank_artifact(out: Path, rank: int, own_folders: bool = False) -> Path:
+    """Rank `rank`'s own sweep.json: OUT/dp<R>/, in that rank's own OUT with own_folders."""
+    return (rank_out(out, rank) if own_folders else out) / f"dp{rank}" / "sweep.json"
+
+
+def engine_core_pid(session: int, rank: int) -> int:
+    """The engine-core process of DP rank `rank` among the processes of a session (vLLM titles
+    it EngineCore_DP<R>)."""
+    title = f"EngineCore_DP{rank}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getsid(int(entry.name)) == session and title in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:  # gone meanwhile
+            continue
+    raise AssertionError(f"no process titled {title.decode()} in session {session}")
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON file being rewritten by another process (atomically): None until it is there."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -7,11 +7,16 @@ that the multi-rank engine tests switch on through the environment.
   own `all_gather` / `all_reduce`; they are correct, not fast.
 - KVWARM_TEST_PLAN_SKEW=1: every rank salts its sweep's plan digest with its process id,
   so the ranks disagree on their plan (the mismatch path, forced).
+- KVWARM_TEST_RANK_OUT=1: rank R > 0 of a data-parallel sweep writes to `<out>.rank<R>`
+  instead of the sweep's `out` (rank_out below), as if each rank's node had a disk of its
+  own: the ranks of one launch on this host then share no folder, so only the rank
+  exchange can carry anything between them.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def _all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
@@ -49,6 +54,26 @@ def _skewed_plan_digest(original):
     return plan_digest
 
 
+RANK_OUT_ENV = "KVWARM_TEST_RANK_OUT"
+
+
+def rank_out(out: str | Path, rank: int) -> Path:
+    """Where rank `rank` of a sweep with this `out` writes under KVWARM_TEST_RANK_OUT=1."""
+    return Path(out) if rank == 0 else Path(f"{out}.rank{rank}")
+
+
+def _own_folder_per_rank(original):
+    def __init__(self, scheduler, spec, environ=None):
+        from vllm.kvwarm.sweep.ranks import rank_layout
+
+        rank = rank_layout(scheduler.vllm_config.parallel_config).data_parallel_rank
+        if isinstance(spec, dict) and "out" in spec:
+            spec = {**spec, "out": str(rank_out(spec["out"], rank))}
+        original(self, scheduler, spec, environ)
+
+    return __init__
+
+
 def register() -> None:
     if os.environ.get("KVWARM_TEST_CPU_ALL_GATHERV") == "1":
         from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
@@ -59,3 +84,7 @@ def register() -> None:
         from vllm.kvwarm.sweep.controller import Sweep
 
         Sweep.plan_digest = _skewed_plan_digest(Sweep.plan_digest)
+    if os.environ.get(RANK_OUT_ENV) == "1":
+        from vllm.kvwarm.sweep.run import SweepRun
+
+        SweepRun.__init__ = _own_folder_per_rank(SweepRun.__init__)

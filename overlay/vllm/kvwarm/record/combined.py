@@ -2,8 +2,11 @@
 
 Every rank's status and row count, and per point each rank's median and the maximum across
 ranks. It says "complete" only when every rank completed, and "failed" (naming the rank and
-its error) once every rank is done and one did not. It is rebuilt under a file lock after
-each write of any rank, so the last rank to write always sees every rank's latest record.
+its error) once every rank is done and one did not; a rank given up on (`lost`: it stopped
+reporting) counts as failed with the reason. Built from every rank's artifact however they
+were gathered: `write_view` from artifacts in hand (rank 0, through the ranks' store),
+`write_combined` from every rank's OUT/dp<R>/ under a file lock (the file exchange), so the
+last rank to write always sees every rank's latest record.
 """
 
 from __future__ import annotations
@@ -41,17 +44,21 @@ def _read_rank(folder: Path, rank: int) -> dict | None:
         return None
 
 
-def combine(ranks: list[dict | None]) -> dict:
-    """The combined view of every rank's artifact (None: that rank has written nothing yet)."""
+def combine(ranks: list[dict | None], lost: dict[int, str] | None = None) -> dict:
+    """The combined view of every rank's artifact (None: that rank has written nothing yet).
+    `lost`: ranks given up on, with why; one whose own record is final keeps its own status."""
     summary = []
     for rank, artifact in enumerate(ranks):
         status = artifact["status"] if artifact else v.RUNNING
+        error = artifact["error"] if artifact else None
+        if lost and rank in lost and status == v.RUNNING:
+            status, error = v.FAILED, lost[rank]
         summary.append(
             {
                 "rank": rank,
                 "status": status,
                 "rows": len(artifact["results"]) if artifact else 0,
-                "error": artifact["error"] if artifact else None,
+                "error": error,
                 "path": rank_path(rank),
             }
         )
@@ -109,13 +116,20 @@ def combine(ranks: list[dict | None]) -> dict:
     }
 
 
+def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] | None = None) -> dict:
+    """OUT/sweep.json and sweep.csv: the combined view of `ranks` (see combine)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    combined = combine(ranks, lost)
+    write_atomically(root / v.ARTIFACT, json.dumps(combined, indent=2).encode())
+    write_atomically(root / v.ARTIFACT_CSV, results_csv(combined["results"]))
+    return combined
+
+
 def write_combined(root: str | Path, size: int) -> dict:
-    """Rebuild OUT/sweep.json from every rank's latest artifact (under a lock, so the last
-    writer has read every rank's last write)."""
+    """Rebuild OUT/sweep.json from every rank's latest artifact in OUT/dp<R>/ (under a lock,
+    so the last writer has read every rank's last write)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root):
-        combined = combine([_read_rank(root, r) for r in range(size)])
-        write_atomically(root / v.ARTIFACT, json.dumps(combined, indent=2).encode())
-        write_atomically(root / v.ARTIFACT_CSV, results_csv(combined["results"]))
-    return combined
+        return write_view(root, [_read_rank(root, r) for r in range(size)])

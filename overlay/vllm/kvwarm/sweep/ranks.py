@@ -1,19 +1,24 @@
 """Which data-parallel rank this sweep runs on, and how the ranks agree without blocking.
 
 Every DP rank's scheduler runs the same sweep. The ranks exchange small records at the
-sweep's boundaries (a rung's free pool and plan digest, each point's start) through files
-in the sweep's output folder, which every rank writes its artifact into anyway:
-- a dense model's DP ranks share no process group at all (vLLM reconfigures each one as
-  DP=1), so there is nothing else to exchange over;
-- a blocking collective inside `schedule()` could deadlock against the engine's own
-  collectives (its periodic unfinished-requests all-reduce, MoE dummy batches): a rank that
-  waits here keeps stepping, and only the sweep waits.
-So the output folder must be one every rank sees (a shared filesystem for multi-node DP).
+sweep's boundaries (a rung's free pool and plan digest, each point's start), and each
+rank's latest artifact for the combined view, through an exchange:
+- by default torch's TCPStore, hosted by rank 0 at vLLM's DP master address
+  (sweep.store_exchange, which also chooses the exchange: `make_exchange`): nothing but the
+  network is shared, so each rank's output folder may be on its own node;
+- with DYN_BENCH_KV_WARMUP_RANK_SYNC=files, small files in the sweep's output folder
+  (FileExchange, below), which must then be one folder every rank sees.
+Not a collective on a process group: a dense model's DP ranks share none (vLLM
+reconfigures each one as DP=1), and a blocking collective inside `schedule()` could
+deadlock against the engine's own collectives (its periodic unfinished-requests
+all-reduce, MoE dummy batches). A rank that waits here keeps stepping; only the sweep waits.
 
 A record is posted once and polled on every `schedule()`; `poll` returns every rank's
 record once all are there. A rank that failed posts its failure instead, so the others
 stop at their next boundary rather than wait; a rank that never posts is given up on
-after `timeout` seconds.
+after `timeout` seconds (DYN_BENCH_KV_WARMUP_RANK_TIMEOUT, default 300), or at the first
+boundary, which waits for the ranks to start, after `start_timeout`. `share` hands
+each artifact the rank writes on to the combined view (record.combined).
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..record import vocabulary as v
+from ..record.combined import write_combined
 from ..record.files import write_atomically
+from .settings import DEFAULT_RANK_TIMEOUT
 
-SYNC_DIR = ".kvwarm-sync"
-DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for the others at one boundary
+DEFAULT_TIMEOUT = float(DEFAULT_RANK_TIMEOUT)  # seconds a rank waits for the others at one boundary
 
 # The data-parallel size this engine process was launched with: vLLM resets a dense
 # model's ranks to DP=1 before the engine core (and the scheduler) is built, so the
@@ -86,17 +93,36 @@ class SoloExchange:
     def post_failure(self, error: str) -> None:
         pass  # no one else to tell
 
+    def share(self, artifact: dict) -> None:
+        pass  # one rank: its artifact is the whole record
+
+
+# --- the file fallback (DYN_BENCH_KV_WARMUP_RANK_SYNC=files) --------------------------------
+
+SYNC_DIR = ".kvwarm-sync"
+
 
 class FileExchange:
-    """Records at OUT/.kvwarm-sync/<run>/<seq>.<rank>.json, written atomically. `run` must be
-    the same on every rank of one launch and new for each launch (the DP master port)."""
+    """The file fallback: records at OUT/.kvwarm-sync/<run>/<seq>.<rank>.json, written
+    atomically, and the combined view rebuilt from every rank's OUT/dp<R>/ under a file lock
+    after each write of any rank. OUT must be one folder every rank sees. `run` must be the
+    same on every rank of one launch and new for each launch (the DP master port)."""
 
     def __init__(
-        self, out: str | Path, run: str, size: int, rank: int, timeout: float = DEFAULT_TIMEOUT, clock=time.monotonic
+        self,
+        out: str | Path,
+        run: str,
+        size: int,
+        rank: int,
+        timeout: float = DEFAULT_TIMEOUT,
+        clock=time.monotonic,
+        start_timeout: float | None = None,
     ):
-        self.folder = Path(out) / SYNC_DIR / run
+        self.out = Path(out)
+        self.folder = self.out / SYNC_DIR / run
         self.folder.mkdir(parents=True, exist_ok=True)
         self.size, self.rank, self.timeout, self._clock = size, rank, timeout, clock
+        self.start_timeout = timeout if start_timeout is None else start_timeout
         self._seq = 0
         self._posted_at: float | None = None
         self._kind: str | None = None
@@ -127,23 +153,19 @@ class FileExchange:
         paths = [self._path(self._seq, r) for r in range(self.size)]
         if not all(p.exists() for p in paths):
             waited = self._clock() - self._posted_at
-            if waited > self.timeout:
+            limit = self.start_timeout if self._seq == 1 else self.timeout
+            if waited > limit:
                 missing = [r for r, p in enumerate(paths) if not p.exists()]
                 raise RankFailed(
-                    f"rank(s) {missing} did not reach boundary {self._seq} ({self._kind}) within {self.timeout:.0f} s"
+                    f"rank(s) {missing} did not reach boundary {self._seq} ({self._kind}) within {limit:.0f} s"
                 )
             return None
         self._posted_at = None
         return [json.loads(p.read_text()) for p in paths]
 
-
-def remove_sync_folder(out: str | Path) -> None:
-    """The file exchange's records, once the combined view is final (nobody polls them)."""
-    shutil.rmtree(Path(out) / SYNC_DIR, ignore_errors=True)
-
-
-def make_exchange(layout: RankLayout, out: str | Path, parallel_config):
-    if layout.data_parallel_size == 1:
-        return SoloExchange()
-    run = f"{parallel_config.data_parallel_master_ip}-{parallel_config.data_parallel_master_port}"
-    return FileExchange(out, run, layout.data_parallel_size, layout.data_parallel_rank)
+    def share(self, artifact: dict) -> None:
+        """This rank's artifact is in OUT/dp<R>/ already: rebuild the combined view from every
+        rank's; once it is final nobody polls the records, and they go."""
+        combined = write_combined(self.out, self.size)
+        if combined["status"] != v.RUNNING:
+            shutil.rmtree(self.out / SYNC_DIR, ignore_errors=True)

@@ -5,9 +5,11 @@ The scheduler adapter builds a SweepRun when the engine's additional_config carr
 does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or the
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
 every point, and on any failure with status "failed", the error and every row measured.
-Under data parallel each rank writes OUT/dp<R>/ and, after each of its writes, the
-combined view OUT/sweep.json (record.combined). With DYN_FPM_BENCHMARK_OUTPUT_PATH set, the
-last rank to finish also writes Dynamo's self-benchmark artifact there (record.export).
+Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an exchange
+(sweep.store_exchange.make_exchange), which also carries each write to the combined view
+OUT/sweep.json (record.combined) on rank 0's side. With DYN_FPM_BENCHMARK_OUTPUT_PATH set,
+the last rank to finish also writes Dynamo's self-benchmark artifact there (record.export),
+where OUT is one folder every rank sees.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from .grid import CAPS, GridLimits, decode_grid, points_file, prefill_grid
 from .limits import SweepRefused, check_engine, check_points
 from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
-from .ranks import make_exchange, rank_layout
+from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
+from .store_exchange import make_exchange
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
@@ -170,14 +173,20 @@ class SweepRun:
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
         self.environ = environ
+        exchange = None
         try:
             export.remove_stale(environ, rank)  # as Dynamo does: no earlier run's file stays there
+            exchange = make_exchange(self.layout, spec["out"], parallel, read_settings(environ))
+            self.writer.exchange = exchange
             self.writer.run.update(run_record(scheduler, spec.get("engine_args")))
             self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder
-            self.sweep = self._build(
-                scheduler, vllm_config, spec, environ, make_exchange(self.layout, spec["out"], parallel)
-            )
+            self.sweep = self._build(scheduler, vllm_config, spec, environ, exchange)
         except BaseException as err:
+            if exchange is not None:  # the other ranks stop at their first boundary
+                try:
+                    exchange.post_failure(_message(err))
+                except Exception:
+                    logger.exception("[kvwarm sweep] telling the other ranks failed")
             self.fail(err)
             raise
 
@@ -289,7 +298,7 @@ class SweepRun:
         if self.finished:
             return
         self.finished = True
-        message = str(err) if isinstance(err, INPUT_ERRORS) else f"{type(err).__name__}: {err}"
+        message = _message(err)
         logger.error("[kvwarm sweep] failed: %s", message)
         try:
             self.writer.write(v.FAILED, message)
@@ -305,3 +314,7 @@ class SweepRun:
                 self.writer.progress(f"wrote {path} (Dynamo's self-benchmark artifact)")
         except Exception as err:  # noqa: BLE001  (any failure here must not reach the engine)
             logger.error("[kvwarm sweep] writing %s failed: %s: %s", export.OUTPUT_ENV, type(err).__name__, err)
+
+
+def _message(err: BaseException) -> str:
+    return str(err) if isinstance(err, INPUT_ERRORS) else f"{type(err).__name__}: {err}"

@@ -1,7 +1,8 @@
 """The warm-up's environment variables (names as existing collectors use them).
 
 Values are checked when read: an unknown value is a SettingsError that names the
-variable, the value and what it accepts. DYN_BENCH_KV_WARMUP_STATE is not read here: it
+variable, the value and what it accepts. The DYN_BENCH_KV_WARMUP_RANK_* variables say how
+data-parallel ranks meet (sweep.ranks). DYN_BENCH_KV_WARMUP_STATE is not read here: it
 only matters on layouts with state groups, where an invalid value becomes the gate's
 `state_mode_invalid` (see state_mode).
 """
@@ -29,6 +30,15 @@ SWITCH_VALUES = {
     "false": False,
     "no": False,
 }
+# How data-parallel ranks meet (docs/ranks.md): "store", torch's TCPStore hosted by rank 0 at
+# vLLM's DP master address; "files", small files in a shared OUT (for sites that cannot open a port).
+RANK_SYNC_ENV = "DYN_BENCH_KV_WARMUP_RANK_SYNC"
+RANK_SYNC_VALUES = ("store", "files")
+# The store's port, the same on every rank (default: derived from vLLM's DP master port).
+RANK_SYNC_PORT_ENV = "DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT"
+# Seconds a rank waits for the others at one boundary (and to reach the store) before it gives up.
+RANK_TIMEOUT_ENV = "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT"
+DEFAULT_RANK_TIMEOUT = 300
 
 # on: real KV where the gate admits the model; off: every point on fake KV (A/B runs);
 # force: real KV even where the gate's cost-saving heuristics would skip (dense models).
@@ -56,6 +66,9 @@ class Settings:
     giant_kv_threshold: int
     dataset: str | None
     gc_hold: bool = True
+    rank_sync: str = "store"  # store | files
+    rank_sync_port: int | None = None  # None: derived from the DP master port
+    rank_timeout: int = DEFAULT_RANK_TIMEOUT
 
 
 def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -71,18 +84,40 @@ def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> i
     return value
 
 
+def _port(environ: Mapping[str, str]) -> int | None:
+    raw = environ.get(RANK_SYNC_PORT_ENV)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise SettingsError(f"{RANK_SYNC_PORT_ENV}={raw!r} is not a TCP port number (1 to 65535)") from None
+    if not 1 <= value <= 65535:
+        raise SettingsError(f"{RANK_SYNC_PORT_ENV}={raw!r} is out of range: a TCP port is 1 to 65535")
+    return value
+
+
 def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     environ = os.environ if environ is None else environ
     raw = environ.get(WARMUP_ENV, "on")
     warmup = WARMUP_VALUES.get(raw.strip().lower())
     if warmup is None:
         raise SettingsError(f"{WARMUP_ENV}={raw!r} is not one of on, off, force (or 1/0, true/false, yes/no)")
+    raw = environ.get(RANK_SYNC_ENV, "")
+    rank_sync = raw.strip().lower() or RANK_SYNC_VALUES[0]
+    if rank_sync not in RANK_SYNC_VALUES:
+        raise SettingsError(
+            f"{RANK_SYNC_ENV}={raw!r} is not one of {', '.join(RANK_SYNC_VALUES)} (default {RANK_SYNC_VALUES[0]})"
+        )
     return Settings(
         warmup=warmup,
         steady_steps=_int(environ, REPEATS_ENV, default=3, minimum=1),
         giant_kv_threshold=_int(environ, THRESHOLD_ENV, default=1_000_000, minimum=0),
         dataset=environ.get(DATASET_ENV) or None,
         gc_hold=_switch(environ, GC_ENV, default=True),
+        rank_sync=rank_sync,
+        rank_sync_port=_port(environ),
+        rank_timeout=_int(environ, RANK_TIMEOUT_ENV, default=DEFAULT_RANK_TIMEOUT, minimum=1),
     )
 
 

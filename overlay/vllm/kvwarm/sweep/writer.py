@@ -1,6 +1,7 @@
 """The artifact writer: a rank's sweep.json after every point, and progress lines with the time
-left. Under data parallel each rank writes OUT/dp<R>/ and, after each of its writes, the
-combined view OUT/sweep.json (record.combined).
+left. Under data parallel each rank writes OUT/dp<R>/ and hands each write to its exchange
+(sweep.ranks), which keeps the combined view OUT/sweep.json (record.combined) on rank 0's
+side (or, with the file exchange, in the one OUT every rank shares).
 
 A write that fails raises ArtifactWriteError for the caller to end the sweep with; it never
 reaches the engine (the scheduler adapter handles it).
@@ -15,8 +16,7 @@ from vllm.logger import init_logger
 
 from ..record import vocabulary as v
 from ..record.artifact import KvwarmMeta, PointRow, build_artifact, utc_now, write_artifact
-from ..record.combined import write_combined
-from .ranks import RankLayout, remove_sync_folder
+from .ranks import RankLayout
 from .rows import NOISY_SPREAD
 
 logger = init_logger(__name__)
@@ -32,6 +32,7 @@ class ArtifactWriter:
         self.out = rank_out or out  # where this rank's artifact goes
         self.config = config
         self.layout = layout
+        self.exchange = None  # under data parallel: what each write is shared through (sweep.ranks)
         self.meta = KvwarmMeta(noisy_spread=NOISY_SPREAD)
         self.run: dict = {"started_at": utc_now(), "finished_at": None}
         self.rows: list[PointRow] = []
@@ -57,15 +58,13 @@ class ArtifactWriter:
                 write_plot(self.out, artifact)
         except Exception as err:
             raise ArtifactWriteError(f"writing the artifact to {self.out} failed: {type(err).__name__}: {err}") from err
-        if self.layout is not None and self.layout.data_parallel_size > 1:
+        if self.exchange is not None:
             try:
-                combined = write_combined(self.root, self.layout.data_parallel_size)
+                self.exchange.share(artifact)
             except Exception as err:
                 raise ArtifactWriteError(
                     f"writing the combined view to {self.root} failed: {type(err).__name__}: {err}"
                 ) from err
-            if combined["status"] != v.RUNNING:
-                remove_sync_folder(self.root)
 
     def progress(self, message: str) -> None:
         done = len(self.rows)
