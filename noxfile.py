@@ -325,8 +325,8 @@ def gpu_smoke_all(session: nox.Session) -> None:
 @nox.session(default=False)
 def tests(session: nox.Session) -> None:
     """Everything CI runs: lint, tooling tests, lint-patches, then each release's tier
-    (releases.toml's rule): builds, upstream, unit and engine tests; the smoke and the
-    consumers on the newest CPU release; the newest release's image on a stand-in base."""
+    (releases.toml's rule): builds, upstream, unit and engine tests; the smoke on the newest
+    CPU release."""
     lint(session)  # seconds: a style slip fails before minutes of builds
     tooling(session)
     for release, got, why in sessions.ci_tiers(RELEASES):
