@@ -16,7 +16,7 @@ from .releases import Release
 
 # Per release, in the order `tests` runs them; the CPU engine tiers need a cpu flavour.
 CI_KINDS = ("upstream-tests", "unit", "engine", "smoke-cpu")
-# consumers-S (real sweeps exported, then Dynamo's readers: about 10 minutes) runs in the
+# consumers-S (real sweeps exported, then Dynamo's readers: 4 to 10 minutes) runs in the
 # matrix only; CI's unit tests check the exports on fixtures of Dynamo's own artifact.
 MATRIX_KINDS = (*CI_KINDS, "consumers")
 CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu", "consumers"})
