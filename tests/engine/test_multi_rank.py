@@ -93,10 +93,10 @@ def _check_ranks(out, size: int, points, own_folders: bool = False) -> tuple[dic
     return combined, ranks
 
 
-def test_a_data_parallel_server_sweeps_on_every_rank_and_serves_on(inputs, tmp_path):
-    out = tmp_path / "out"
+def _dp2_server_args(inputs, tmp_path, out) -> list[str]:
+    """`vllm serve` of the tiny llama on two data-parallel ranks, sweeping POINTS into out."""
     spec = {"points": str(write_points(tmp_path / "points.json", POINTS)), "out": str(out)}
-    args = engine_args(
+    return engine_args(
         inputs["llama"],
         "--data-parallel-size",
         "2",
@@ -105,6 +105,11 @@ def test_a_data_parallel_server_sweeps_on_every_rank_and_serves_on(inputs, tmp_p
         "--additional-config",
         json.dumps({"kvwarm_sweep": spec}),
     )
+
+
+def test_a_data_parallel_server_sweeps_on_every_rank_and_serves_on(inputs, tmp_path):
+    out = tmp_path / "out"
+    args = _dp2_server_args(inputs, tmp_path, out)
     answers = []
     with api_server(args, _env(inputs, **OWN_FOLDERS), tmp_path / "server.log") as server:
 
@@ -186,16 +191,7 @@ def test_a_rank_killed_mid_sweep_is_named_by_the_survivor_which_keeps_every_row(
     row in it): a race of the abort against the point, not of the exchange."""
     out = tmp_path / "out"
     log = tmp_path / "server.log"
-    spec = {"points": str(write_points(tmp_path / "points.json", POINTS)), "out": str(out)}
-    args = engine_args(
-        inputs["llama"],
-        "--data-parallel-size",
-        "2",
-        "--scheduler-cls",
-        ADAPTER,
-        "--additional-config",
-        json.dumps({"kvwarm_sweep": spec}),
-    )
+    args = _dp2_server_args(inputs, tmp_path, out)
     env = _env(inputs, DYN_BENCH_KV_WARMUP_RANK_TIMEOUT=str(KILL_TIMEOUT), **OWN_FOLDERS)
     with api_server(args, env, log) as server:
         deadline = time.monotonic() + 600

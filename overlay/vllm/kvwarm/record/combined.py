@@ -11,26 +11,14 @@ last rank to write always sees every rank's latest record.
 
 from __future__ import annotations
 
-import fcntl
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 from . import vocabulary as v
 from .artifact import point_key, results_csv
-from .files import write_atomically
+from .files import locked, write_atomically
 
 LOCK = ".kvwarm-combine.lock"
-
-
-@contextmanager
-def _locked(folder: Path):
-    with open(folder / LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def rank_path(rank: int) -> str:
@@ -131,5 +119,5 @@ def write_combined(root: str | Path, size: int) -> dict:
     so the last writer has read every rank's last write)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root):
+    with locked(root / LOCK):
         return write_view(root, [_read_rank(root, r) for r in range(size)])

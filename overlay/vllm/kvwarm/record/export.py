@@ -13,18 +13,16 @@ Plain data: nothing here imports vLLM (numpy only for the profiler's npz files).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 from . import vocabulary as v
 from .export_dynamo import rank_artifacts
 from .export_input import ExportError, SweepRecord, load_sweep, read_finished_ranks
 from .export_profiler import write_tables
-from .files import write_atomically
+from .files import locked, write_atomically
 
 OUTPUT_ENV = "DYN_FPM_BENCHMARK_OUTPUT_PATH"  # Dynamo's own variable for its artifact's path
 DYNAMO, PROFILER = "dynamo", "profiler"
@@ -61,17 +59,6 @@ def write_profiler(sweep: SweepRecord, out: str | Path, max_kv_tokens: int | Non
     return write_tables(sweep, Path(out), max_kv_tokens)
 
 
-@contextmanager
-def _locked(folder: Path):
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def remove_stale(environ, rank: int) -> None:
     """At a sweep's start, as Dynamo does: this rank's files of an earlier run at
     DYN_FPM_BENCHMARK_OUTPUT_PATH go, so a campaign never reads them as this run's."""
@@ -92,7 +79,8 @@ def write_if_asked(root: str | Path, size: int, environ) -> list[Path]:
     if not out:
         return []
     root = Path(root)
-    with _locked(root):
+    root.mkdir(parents=True, exist_ok=True)
+    with locked(root / LOCK):
         sweep = read_finished_ranks(root, size)
         return write_dynamo(sweep, out) if sweep is not None else []
 

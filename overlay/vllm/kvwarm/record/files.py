@@ -1,9 +1,13 @@
-"""Writing a file so that no reader or concurrent writer ever sees it half written."""
+"""Writing a file so that no reader or concurrent writer ever sees it half written, and
+the lock file that serialises the ranks' read-then-write steps."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -18,3 +22,14 @@ def write_atomically(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def locked(lock_path: Path) -> Iterator[None]:
+    """An exclusive flock on lock_path (made if missing) for the block's duration."""
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
