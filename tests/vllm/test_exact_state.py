@@ -6,11 +6,19 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kvwarm_testing.real_kv import in_use, make_chain, make_kv_cache_manager, make_request
+from kvwarm_testing.real_kv import (
+    in_use,
+    make_chain,
+    make_kv_cache_manager,
+    make_request,
+    make_scheduler,
+    step_scheduler,
+)
 from vllm.kvwarm.kv import catchup as catchup_module
 from vllm.kvwarm.kv.layout import group_layouts
 from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
 from vllm.kvwarm.record.vocabulary import CHAIN_TOO_SHALLOW
+from vllm.kvwarm.scheduler import KvWarmScheduler
 
 
 def test_a_catch_up_exactly_ctx_deep_lends_its_blocks_and_the_tail_past_it_is_fresh():
@@ -60,7 +68,7 @@ def test_the_prefix_lookup_finds_what_a_chain_cached_and_a_catch_up_counts_the_r
 
 def test_the_prefill_cap_is_put_back_and_never_raises_a_smaller_setting():
     config = SimpleNamespace(long_prefill_token_threshold=0)
-    cap = catchup_module.PrefillChunkCap(config, 256)
+    cap = catchup_module.PrefillChunkCap(SimpleNamespace(scheduler_config=config), 256)
     cap.apply()
     assert config.long_prefill_token_threshold == 256
     cap.apply()  # twice is once
@@ -72,5 +80,31 @@ def test_the_prefill_cap_is_put_back_and_never_raises_a_smaller_setting():
     cap.restore()
     assert config.long_prefill_token_threshold == 100
     bare = SimpleNamespace()
-    catchup_module.PrefillChunkCap(bare, 256).apply()  # a build without the setting: left alone
+    catchup_module.PrefillChunkCap(SimpleNamespace(scheduler_config=bare), 256).apply()  # no such setting
     assert not vars(bare)
+
+
+def test_a_capped_lone_prefill_steps_one_state_block_with_every_boundary_retained(tmp_path):
+    """On a real kvwarm scheduler over a hybrid layout, a lone request prefills one state
+    block per step while the cap is applied, whether the build's scheduler applies the
+    long-prefill threshold to a lone request or lifts it; a coordinator that retains
+    boundary states sparsely retains every one meanwhile; restore() puts both back."""
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=128, block_size=32, state_block_size=32, scheduler_cls=KvWarmScheduler
+    )
+    coordinator = scheduler.kv_cache_manager.coordinator
+    retention = getattr(coordinator, "retention_interval", "absent")
+    budget, threshold = scheduler.max_num_scheduled_tokens, scheduler.scheduler_config.long_prefill_token_threshold
+    cap = catchup_module.PrefillChunkCap(scheduler, 32)
+    cap.apply()
+    if retention != "absent":
+        assert coordinator.retention_interval is None
+    scheduler.add_request(make_request("chain", 224))  # seven state blocks
+    assert [step_scheduler(scheduler).num_scheduled_tokens["chain"] for _ in range(3)] == [32, 32, 32]
+    cap.restore()
+    assert getattr(coordinator, "retention_interval", "absent") == retention
+    assert scheduler.max_num_scheduled_tokens == budget
+    assert scheduler.scheduler_config.long_prefill_token_threshold == threshold
+    # Uncapped again: the rest in one step, or (where the scheduler ends a step at the prompt's
+    # last state boundary, to keep that state) all of it up to that boundary.
+    assert step_scheduler(scheduler).num_scheduled_tokens["chain"] > 32

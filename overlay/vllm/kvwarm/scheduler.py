@@ -21,6 +21,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from .kv.catchup import lone_prefill_budget
 from .kv.injector import ShadowInjector
 from .sweep.run import CONFIG_KEY, SweepRun
 
@@ -31,6 +32,7 @@ class KvWarmSchedulerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kvwarm_injector = ShadowInjector()
+        self.kvwarm_prefill_cap = None  # while a catchup.PrefillChunkCap is applied: its size
         self.kvwarm_sweep = None  # a sweep.controller.Sweep while one runs
         self.kvwarm_run = None  # the SweepRun that owns it, when configured
         # A StepTimer that times every step while no sweep runs (benchmarks of natural requests)
@@ -76,7 +78,8 @@ class KvWarmSchedulerMixin:
         if sweep is not None:
             self._drive(self._sweep_step)
         measuring = sweep.measuring() if sweep is not None and not sweep.done else None
-        output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
+        with lone_prefill_budget(self):  # a no-op unless chains are being built
+            output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
         if timer is not None:

@@ -32,7 +32,7 @@ def _prefilled_chain(engine, name: str, tokens: list[int], block: int | None):
     """A parked chain; with `block`, prefilled one state block per step (boundaries cached)."""
     scheduler = engine.scheduler
     chain = chain_request(scheduler, name, tokens)
-    cap = PrefillChunkCap(scheduler.scheduler_config, block) if block else None
+    cap = PrefillChunkCap(scheduler, block) if block else None
     if cap:
         cap.apply()
     try:

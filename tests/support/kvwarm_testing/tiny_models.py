@@ -218,10 +218,11 @@ def make_tiny_nemotron_h(directory: Path, seed: int = 0) -> Path:
         chunk_size=64,
         max_position_embeddings=4096,
     )
-    # transformers 5 saves the embedding as `backbone.embedding`; vLLM's loader maps the
-    # checkpoint name published models use, `backbone.embeddings`.
+    # Some transformers 5 releases save the embedding as `backbone.embedding` (later ones as
+    # `backbone.embeddings`); vLLM's loader maps the name published models use, `backbone.embeddings`.
     weights = directory / "model.safetensors"
     tensors = load_file(weights)
-    tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
-    save_file(tensors, weights, metadata={"format": "pt"})
+    if "backbone.embedding.weight" in tensors:
+        tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
+        save_file(tensors, weights, metadata={"format": "pt"})
     return directory

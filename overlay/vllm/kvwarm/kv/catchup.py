@@ -12,13 +12,20 @@ Exactness rests on vLLM's prefix caching, not on which boundaries are cached: a 
 state that was evicted only makes the catch-up start from an earlier one (from token 0 at
 worst), so the catch-up costs more and the row stays exact. To keep it cheap the rung's
 chains are prefilled in steps of one state block (PrefillChunkCap) where the build
-lets the scheduler cap a prefill chunk, so every boundary state is cached.
+lets the scheduler cap a prefill chunk, so every boundary state is cached. Where the KV
+cache coordinator keeps only some boundary states (a `retention_interval` other than None:
+0 keeps just the prompt's last boundary and shared-prefix junctions), the cap makes it keep
+every one while it is applied; where the scheduler lifts the long-prefill threshold for a
+lone request, the cap gives such a step a budget of one state block instead
+(lone_prefill_budget).
 
 A catch-up is parked as soon as its prompt is scheduled, not once its sampled token is
 back: a decode step of it would advance its state past ctx.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 from .arithmetic import cdiv
 from .chains import chain_request
@@ -72,25 +79,70 @@ def is_caught_up(catchup) -> bool:
 
 
 class PrefillChunkCap:
-    """Caps every prefill chunk at `size` tokens through the scheduler's long-prefill
-    threshold while chains are built, and puts the setting back after. A build whose
-    scheduler has no such setting prefills as it would (the catch-ups then start from
-    earlier boundaries: exact all the same, only slower)."""
+    """While a rung's chains are built: every prefill chunk capped at `size` tokens through
+    the scheduler's long-prefill threshold, every boundary state retained by its KV cache
+    coordinator, and on a kvwarm scheduler a lone request's step budget capped too
+    (lone_prefill_budget); restore() puts each setting back. A build without a setting
+    keeps its own behaviour there (the catch-ups then start from earlier boundaries: exact
+    all the same, only slower)."""
 
-    SETTING = "long_prefill_token_threshold"
+    SETTING = "long_prefill_token_threshold"  # the scheduler config's
+    RETENTION = "retention_interval"  # the coordinator's; None keeps every boundary state
+    LONE_CAP = "kvwarm_prefill_cap"  # a kvwarm scheduler's; read by lone_prefill_budget
 
-    def __init__(self, scheduler_config, size: int):
-        self._config, self._size = scheduler_config, size
-        self._saved: int | None = None
+    def __init__(self, scheduler, size: int):
+        self._scheduler, self._size = scheduler, size
+        self._applied = False
+        self._saved: int | None = None  # the threshold, where it was changed
+        self._retention: int | None = None  # the coordinator's retention, where it was changed
+
+    def _coordinator(self):
+        return getattr(getattr(self._scheduler, "kv_cache_manager", None), "coordinator", None)
 
     def apply(self) -> None:
-        if self._saved is not None or not hasattr(self._config, self.SETTING):
+        if self._applied:
             return
-        self._saved = getattr(self._config, self.SETTING)
-        capped = self._size if not self._saved or self._saved <= 0 else min(self._saved, self._size)
-        setattr(self._config, self.SETTING, capped)
+        self._applied = True
+        config = self._scheduler.scheduler_config
+        if hasattr(config, self.SETTING):
+            self._saved = getattr(config, self.SETTING)
+            capped = self._size if not self._saved or self._saved <= 0 else min(self._saved, self._size)
+            setattr(config, self.SETTING, capped)
+        coordinator = self._coordinator()
+        if getattr(coordinator, self.RETENTION, None) is not None:
+            self._retention = getattr(coordinator, self.RETENTION)
+            setattr(coordinator, self.RETENTION, None)
+        if hasattr(self._scheduler, self.LONE_CAP):
+            setattr(self._scheduler, self.LONE_CAP, self._size)
 
     def restore(self) -> None:
+        if not self._applied:
+            return
+        self._applied = False
         if self._saved is not None:
-            setattr(self._config, self.SETTING, self._saved)
+            setattr(self._scheduler.scheduler_config, self.SETTING, self._saved)
             self._saved = None
+        if self._retention is not None:
+            setattr(self._coordinator(), self.RETENTION, self._retention)
+            self._retention = None
+        if hasattr(self._scheduler, self.LONE_CAP):
+            setattr(self._scheduler, self.LONE_CAP, None)
+
+
+@contextmanager
+def lone_prefill_budget(scheduler):
+    """Around one schedule() of a kvwarm scheduler while a PrefillChunkCap is applied: when
+    a single request is eligible, the step's token budget is the cap. vLLM's scheduler may
+    lift the long-prefill threshold for a lone request (nobody to starve); the budget then
+    caps its chunk the same way, so a lone chain is prefilled one state block per step too."""
+    size = getattr(scheduler, PrefillChunkCap.LONE_CAP, None)
+    counts = getattr(scheduler, "get_request_counts", None)
+    if not size or counts is None or sum(counts()) > 1 or not hasattr(scheduler, "max_num_scheduled_tokens"):
+        yield
+        return
+    saved = scheduler.max_num_scheduled_tokens
+    scheduler.max_num_scheduled_tokens = min(saved, size)
+    try:
+        yield
+    finally:
+        scheduler.max_num_scheduled_tokens = saved

@@ -39,6 +39,9 @@ KEEPS_EVERY_BLOCK_FIELDS = frozenset(
         "topk_buffer_width",
         "cache_role",
         "is_index_group_leader",
+        # MLA's storage view (some releases): the token width the worker views a block's
+        # storage with; the scheduler never reads it, so its manager keeps every block
+        "storage_block_size",
     }
 )
 EVICTING_FIELDS = frozenset({"rswa_window"})

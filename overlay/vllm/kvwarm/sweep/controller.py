@@ -320,7 +320,7 @@ class Sweep:
         if self.config.state_mode == v.EXACT or (rung.prefill and any(g.kind == STATE_ALIGN for g in layouts)):
             # One state block per prefill step: every boundary state is cached, for the
             # catch-ups (exact state) and for prefill points' hits at block boundaries.
-            self._chunk_cap = PrefillChunkCap(scheduler.scheduler_config, state_block_size(layouts))
+            self._chunk_cap = PrefillChunkCap(scheduler, state_block_size(layouts))
             self._chunk_cap.apply()
         self.phase = Phase.BUILDING
 
