@@ -101,9 +101,14 @@ def _checkpoint_fields(checkpoint: int) -> dict:
 
     if not checkpoint:
         return {}
-    if "num_prefill_checkpoint_blocks" not in {f.name for f in dataclasses.fields(MambaSpec)}:
+    fields = {f.name for f in dataclasses.fields(MambaSpec)}
+    if "num_prefill_checkpoint_blocks" not in fields:
         pytest.skip("this build's Mamba spec has no prefill checkpoint blocks")
-    return {"num_prefill_checkpoint_blocks": checkpoint, "prefill_checkpoint_alignment": 1}
+    # Some builds with checkpoint blocks also align them (a field of its own; 1: every block).
+    return {
+        "num_prefill_checkpoint_blocks": checkpoint,
+        **({"prefill_checkpoint_alignment": 1} if "prefill_checkpoint_alignment" in fields else {}),
+    }
 
 
 def _state_shadow_decodes(mode: str, speculative: int, checkpoint: int = 0, ctx: int = 100, steps: int = 40):

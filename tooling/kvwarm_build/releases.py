@@ -43,6 +43,7 @@ class Release:
     series_tests: tuple[str, ...]  # tests that must fail on the stock wheel
     stock_tests: tuple[str, ...] = ()  # tests that must pass on the stock wheel too
     cpu_smoke_cases: tuple[str, ...] | None = None  # None: every smoke case
+    shipped_by: str | None = None  # the Dynamo requirement that pins this release, if any
 
     @property
     def cpu_tier_missing(self) -> str | None:
@@ -136,6 +137,9 @@ def _parse_release(i: int, row: dict) -> Release:
             f"{where}: {sorted(both)} in both series_tests and stock_tests",
             "a test cannot both fail and pass on the stock wheel; keep it in one list",
         )
+    shipped_by = row.get("shipped_by")
+    if shipped_by is not None and not (isinstance(shipped_by, str) and shipped_by):
+        raise BuildError(f"{where}: shipped_by must be a requirement string", 'write shipped_by = "ai-dynamo==X.Y.Z"')
     if smoke is not None and "cpu" not in flavours:
         raise BuildError(f"{where}: cpu_smoke_cases without a cpu flavour", "drop cpu_smoke_cases or add the flavour")
     return Release(
@@ -149,6 +153,7 @@ def _parse_release(i: int, row: dict) -> Release:
         tuple(series_tests),
         tuple(stock_tests),
         None if smoke is None else tuple(smoke),
+        shipped_by,
     )
 
 
