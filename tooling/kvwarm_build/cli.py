@@ -122,7 +122,9 @@ def cmd_stock_check(args) -> int:
 def cmd_upstream_status(args) -> int:
     from .upstream_status import upstream_status
 
-    for line in upstream_status(load_releases(args.releases), project.PATCHES, _cache(args), log=_log):
+    versions = [v.strip() for arg in args.release for v in arg.split(",") if v.strip()]
+    lines = upstream_status(load_releases(args.releases), project.PATCHES, _cache(args), log=_log, versions=versions)
+    for line in lines:
         print(line, flush=True)
     return 0
 
@@ -251,7 +253,14 @@ def parser() -> argparse.ArgumentParser:
     us = sub.add_parser(
         "upstream-status",
         help="newer vLLM releases on the index: cpu wheel, torch pin, "
-        "whether the newest series applies ($KVWARM_INDEX_URL, else pip's configured index)",
+        "whether the newest series applies, which series' version of each patch fits "
+        "($KVWARM_INDEX_URL, else pip's configured index)",
+    )
+    us.add_argument(
+        "--release",
+        action="append",
+        default=[],
+        help="check this version (X.Y.Z; repeatable or comma-separated) instead of the newer ones",
     )
     us.set_defaults(func=cmd_upstream_status)
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, file names, staleness")

@@ -47,24 +47,35 @@ MAMBA2_PROCESS = ("-m", "mamba2")
 MULTI_RANK_PROCESSES = (("-m", "multirank"), ("-m", "tp2"))
 
 
-# consumers-S: Dynamo's own code reading the exports (docs/export.md). Its readers run in a venv
-# of their own, never an engine's: the ai-dynamo wheel registers a vLLM general plugin and
-# pytest plugins. Installed --no-deps (its declared aisimulate does not build here), with what
-# the modules the tests import need; pinned, so the venv is made once per cache.
-DYNAMO_CONSUMER = "ai-dynamo==1.6.1"
+# consumers-S: Dynamo's own code reading the exports (docs/export.md), of the Dynamo release
+# the table names (`shipped_by`). Its readers run in a venv of their own, never an engine's:
+# the ai-dynamo wheel registers a vLLM general plugin and pytest plugins. Installed --no-deps
+# (its declared aisimulate does not build here), with what the modules the tests import
+# need; pinned, so the venv is made once per cache.
 CONSUMER_DEPS = ("msgspec==0.23.0", "numpy==2.4.6", "scikit-learn==1.9.1", "pydantic==2.14.4", "pytest==9.2.0")
 
 
-def consumer_python(cache: Path, log=print) -> Path:
-    """Python of the consumers venv (made on first use, about 2 minutes)."""
+def dynamo_requirement(releases: list[Release]) -> str:
+    """The Dynamo release whose readers consumers-S runs: the newest `shipped_by` in the table."""
+    named = [r.shipped_by for r in releases if r.shipped_by]
+    if not named:
+        raise BuildError(
+            "no release in releases.toml says which Dynamo release pins it (shipped_by)",
+            'set shipped_by = "ai-dynamo==X.Y.Z" on the row of the vLLM release Dynamo pins',
+        )
+    return named[-1]
+
+
+def consumer_python(cache: Path, dynamo: str, log=print) -> Path:
+    """Python of the consumers venv with `dynamo`'s wheel (made on first use, about 2 minutes)."""
     from .digests import cache_key
     from .venvs import ensure_venv, pip_install, venv_python
 
     def install(python: Path) -> None:
-        pip_install(python, "--no-deps", DYNAMO_CONSUMER, log=log)
+        pip_install(python, "--no-deps", dynamo, log=log)
         pip_install(python, *CONSUMER_DEPS, log=log)
 
-    venv = cache / "venvs" / f"dynamo-consumers-{cache_key(DYNAMO_CONSUMER, CONSUMER_DEPS)}"
+    venv = cache / "venvs" / f"dynamo-consumers-{cache_key(dynamo, CONSUMER_DEPS)}"
     ensure_venv(venv, install, "the Dynamo consumers venv", log=log)
     return venv_python(venv)
 
@@ -74,13 +85,15 @@ def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
     return [k for k in of if k not in CPU_ENGINE_KINDS or release.cpu_tier_missing is None]
 
 
-# The CI tiers, a property of the table (releases.toml says the same): every release gets
-# its build, vLLM's own tests and the unit tests (with stock-check): the series differ per
-# release. Every release with a cpu flavour gets engine-S: the engine each release ships
-# differs. The smoke and the reproducibility check prove code that is the same for every
-# release (the smoke script, the build tooling), so they run once: on the newest release
-# that has them. `nox -s matrix` runs every tier of every release, the consumers and the
-# images on a stand-in base included.
+# The CI tiers, a property of the table (releases.toml says the same), sized to CI's hour:
+# every release gets its build and the unit tests (with stock-check): each has its own
+# series, and the overlay's probes meet its real classes there. The upstream gate runs on
+# the oldest row and the newest (the two ends of the series' history) and on a release a
+# Dynamo release pins (`shipped_by`: what Dynamo's users run). The CPU engine tier runs on
+# the oldest release with a CPU engine (its copy-on-write backport) and the newest (the
+# engine users run now, with the multi-rank engines and the smoke). Everything else (the
+# other releases' gates and engines, the consumers, the images on a stand-in base, every
+# build checked for reproducibility) runs in `nox -s matrix`.
 ONCE_KINDS = ("smoke-cpu",)
 
 
@@ -89,20 +102,47 @@ def newest_cpu_release(releases: list[Release]) -> Release | None:
     return next((r for r in reversed(releases) if r.cpu_tier_missing is None), None)
 
 
+def gated_releases(releases: list[Release]) -> dict[str, str]:
+    """The releases CI runs the upstream gate for (by short name), each with why."""
+    why: dict[str, list[str]] = {}
+    for role, release in (("the oldest", releases[:1]), ("the newest", releases[-1:])):
+        for r in release:
+            why.setdefault(r.short, []).append(role)
+    for release in releases:
+        if release.shipped_by:
+            why.setdefault(release.short, []).append(f"the release {release.shipped_by} pins")
+    return {short: " and ".join(roles) for short, roles in why.items()}
+
+
+def engine_releases(releases: list[Release]) -> dict[str, str]:
+    """The releases CI runs engine-S for (by short name), each with why: the oldest and the
+    newest with a CPU engine."""
+    cpu = [r for r in releases if r.cpu_tier_missing is None]
+    why: dict[str, str] = {}
+    if cpu:
+        why[cpu[0].short] = "the oldest with a CPU engine"
+        why[cpu[-1].short] = "the newest with a CPU engine" if len(cpu) > 1 else "the only one with a CPU engine"
+    return why
+
+
 def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
     """Per release: the session kinds CI runs for it, and why (printed by `tests`)."""
     newest_cpu = newest_cpu_release(releases)
+    gated, engines = gated_releases(releases), engine_releases(releases)
     tiers = []
     for release in releases:
-        got = ["build", *(k for k in kinds(release) if k not in ONCE_KINDS or release is newest_cpu)]
-        if release is newest_cpu:
-            why = "the newest with a CPU engine: the engine tests and the smoke"
-        elif release.cpu_tier_missing is None:
-            why = f"a CPU engine of its own; the smoke runs on {newest_cpu.version}"
-        else:
-            why = release.cpu_tier_missing
+        got = ["build", *(["upstream-tests"] if release.short in gated else []), "unit"]
+        if release.short in engines:
+            got += ["engine", *(["smoke-cpu"] if release is newest_cpu else [])]
+        roles = [r for r in (gated.get(release.short), engines.get(release.short)) if r]
+        why = " and ".join(roles) or "between the releases with a role"
+        skipped = [k for k in kinds(release, MATRIX_KINDS) if k not in got]
+        if skipped:
+            why += f"; {', '.join(skipped)} in the matrix"
+        if release.cpu_tier_missing:
+            why += f"; {release.cpu_tier_missing}"
         if release is releases[-1]:
-            why += "; the newest: its build checked for reproducibility"
+            why += "; its build checked for reproducibility"
         tiers.append((release, got, why))
     return tiers
 

