@@ -94,7 +94,6 @@ def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
 # engine users run now, with the multi-rank engines and the smoke). Everything else (the
 # other releases' gates and engines, the consumers, the images on a stand-in base, every
 # build checked for reproducibility) runs in `nox -s matrix`.
-ONCE_KINDS = ("smoke-cpu",)
 
 
 def newest_cpu_release(releases: list[Release]) -> Release | None:
@@ -105,9 +104,9 @@ def newest_cpu_release(releases: list[Release]) -> Release | None:
 def gated_releases(releases: list[Release]) -> dict[str, str]:
     """The releases CI runs the upstream gate for (by short name), each with why."""
     why: dict[str, list[str]] = {}
-    for role, release in (("the oldest", releases[:1]), ("the newest", releases[-1:])):
-        for r in release:
-            why.setdefault(r.short, []).append(role)
+    for role, rows in (("the oldest", releases[:1]), ("the newest", releases[-1:])):
+        for release in rows:
+            why.setdefault(release.short, []).append(role)
     for release in releases:
         if release.shipped_by:
             why.setdefault(release.short, []).append(f"the release {release.shipped_by} pins")

@@ -25,7 +25,7 @@ back: a decode step of it would advance its state past ctx.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from .arithmetic import cdiv
 from .chains import chain_request
@@ -129,19 +129,25 @@ class PrefillChunkCap:
             setattr(self._scheduler, self.LONE_CAP, None)
 
 
-@contextmanager
 def lone_prefill_budget(scheduler):
-    """Around one schedule() of a kvwarm scheduler while a PrefillChunkCap is applied: when
-    a single request is eligible, the step's token budget is the cap. vLLM's scheduler may
-    lift the long-prefill threshold for a lone request (nobody to starve); the budget then
-    caps its chunk the same way, so a lone chain is prefilled one state block per step too."""
+    """The context for one schedule() of a kvwarm scheduler: while a PrefillChunkCap is
+    applied and a single request is eligible, the step's token budget is the cap. vLLM's
+    scheduler may lift the long-prefill threshold for a lone request (nobody to starve); the
+    budget then caps its chunk the same way, so a lone chain is prefilled one state block
+    per step too. Every other step (timed ones included) gets a no-op context."""
     size = getattr(scheduler, PrefillChunkCap.LONE_CAP, None)
+    if not size:
+        return nullcontext()
     counts = getattr(scheduler, "get_request_counts", None)
-    if not size or counts is None or sum(counts()) > 1 or not hasattr(scheduler, "max_num_scheduled_tokens"):
-        yield
-        return
+    if counts is None or sum(counts()) > 1 or not hasattr(scheduler, "max_num_scheduled_tokens"):
+        return nullcontext()
+    return _step_budget(scheduler, min(scheduler.max_num_scheduled_tokens, size))
+
+
+@contextmanager
+def _step_budget(scheduler, budget: int):
     saved = scheduler.max_num_scheduled_tokens
-    scheduler.max_num_scheduled_tokens = min(saved, size)
+    scheduler.max_num_scheduled_tokens = budget
     try:
         yield
     finally:
