@@ -14,7 +14,8 @@ Per release (S = its `short` name in releases.toml):
   image-S, image-standin-S   images/Dockerfile on the official base / a local stand-in
                      (`-- --flavour cpu` for the CPU image)
   bundle-S           an offline bundle for a host without a package index
-Across releases: lint (ruff over the tree), tooling (tests/tooling), lint-patches,
+Across releases: builds (every build-S, two at a time), lint (ruff over the tree), tooling
+(tests/tooling), lint-patches,
 upstream-status (newer upstream releases, or `-- --release X.Y.Z`: whether the newest series
 applies, and which series' version of each patch fits), gpu-smoke
 (every gpu-smoke-S), tests (CI: lint first).
@@ -80,8 +81,7 @@ def _install_patched(
     deps = ("layer-deps", "--release", short) if deps is None else deps
     if deps:
         _kvwarm_build(session, *deps)
-    wheel = _kvwarm_build(session, "wheel-path", "--release", short, "--flavour", flavour, silent=True)
-    session.install("-q", "--no-deps", "--force-reinstall", wheel.strip())
+    _kvwarm_build(session, "install-built", "--release", short, "--flavour", flavour)
 
 
 def _asked(session: nox.Session, question, *args):
@@ -305,6 +305,14 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", *paths)
 
 
+@nox.session(default=False)
+def builds(session: nox.Session) -> None:
+    """Every release's patched cuda wheel, two builds at a time (each is mostly one core's
+    work); `-- --check-reproducible X.Y` builds that one twice, `-- --jobs N`."""
+    _tooling(session)
+    _kvwarm_build(session, "build-all", *session.posargs)
+
+
 @nox.session(name="lint-patches", default=False)
 def lint_patches(session: nox.Session) -> None:
     """Series <-> files, patch headers, and staleness against a fresh export."""
@@ -345,8 +353,8 @@ def tests(session: nox.Session) -> None:
 def matrix(session: nox.Session) -> None:
     """Every tier of every release, each build checked for reproducibility and each image
     built on a stand-in base: what a maintainer runs before a release (docs/sessions.md)."""
-    for name in sessions.matrix_sessions(RELEASES):
-        session.notify(name, posargs=["--check-reproducible"] if name.startswith("build-") else None)
+    for name, posargs in sessions.matrix_plan(RELEASES):
+        session.notify(name, posargs=posargs)
 
 
 if sessions.missing_tiers(RELEASES):

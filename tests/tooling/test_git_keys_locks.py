@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwarm_build import digests, project
+from kvwarm_build import digests, project, venvs
 from kvwarm_build.digests import cache_key
 from kvwarm_build.errors import BuildError
 from kvwarm_build.git import IDENTITY, git
@@ -115,7 +115,7 @@ def install(python):
 if kind == "deps":
     result = venvs.ensure_venv(venv, install, "a test venv", log=log)
 else:
-    venvs.pip_install = lambda python, *args, log: install(python)
+    venvs.install = lambda python, *args, log: install(python)
     result = venvs.ensure_layered_venv(venv, work, [["nothing"]], log=log)
 print(json.dumps(str(result)))
 """
@@ -142,3 +142,16 @@ def test_two_processes_sharing_a_cache_make_a_venv_once(tmp_path, kind):
     second_log = (tmp_path / "second.log").read_text()
     assert "waiting for another process" in second_log and "creating" not in second_log
     assert Path(venv.with_name("shared.lock")).exists()
+
+
+def _dist(site: Path, name: str, version: str) -> None:
+    info = site / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def test_a_layer_resolves_against_the_deps_venv_but_keeps_what_it_names(tmp_path):
+    for name, version in (("Foo_Bar", "1.0"), ("baz", "2.1"), ("torch", "2.13.0+cpu")):
+        _dist(tmp_path, name, version)
+    assert venvs.deps_constraints(tmp_path, ["pytest", "baz>=3", "-q"]) == ["foo-bar==1.0", "torch==2.13.0+cpu"]
+    assert venvs.deps_constraints(tmp_path, ["--no-deps", "baz==3.0"]) == []  # nothing resolved

@@ -15,7 +15,8 @@ from conftest import Index
 from kvwarm_build import image_standin, project
 from kvwarm_build.apt_sources import deb_sources, debian_mirror
 from kvwarm_build.errors import BuildError
-from kvwarm_build.fetch import fetch, package_index
+from kvwarm_build.fetch import fetch, package_index, pip_config
+from kvwarm_build.installer import index_options
 from kvwarm_build.releases import Artifact
 
 # --- the package index ----------------------------------------------------------------------
@@ -76,6 +77,36 @@ def test_an_unreachable_configured_index_is_named_with_the_variable_to_set(pip_e
     with pytest.raises(BuildError) as err:
         fetch(Artifact("vllm-1.0.0.tar.gz", "0" * 64), tmp_path, log=lambda *_: None)
     assert "http://127.0.0.1:9/simple" in err.value.problem and "KVWARM_INDEX_URL" in err.value.fix
+
+
+def test_uv_installs_from_pips_indexes_with_pips_precedence_and_rule(pip_env, monkeypatch):
+    for variable in ("SSL_CERT_FILE", "PIP_CERT", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PIP_FIND_LINKS", "/wheels/from-env")
+    pip_env.write_text(
+        "[global]\nindex-url = http://mirror.example/global/simple\n"
+        "extra-index-url = file:///extra/one\n  file:///extra/two\nfind-links = /wheels/from-config\n"
+        "constraint = /etc/caps.txt\ncert = /etc/ca.crt\n"
+        "[install]\nindex-url = http://mirror.example/install/simple\n"
+    )
+    args, env = index_options(pip_config())
+    assert args == [
+        "--index-url", "http://mirror.example/install/simple",
+        "--extra-index-url", "file:///extra/one", "--extra-index-url", "file:///extra/two",
+        "--find-links", "/wheels/from-env",
+        "--constraint", "/etc/caps.txt",
+        "--index-strategy", "unsafe-best-match",
+    ]  # fmt: skip
+    assert env == {"SSL_CERT_FILE": "/etc/ca.crt"}
+    monkeypatch.setenv("SSL_CERT_FILE", "/users/own.crt")
+    assert index_options(pip_config())[1] == {}  # the user's own choice stays
+
+
+def test_without_any_configuration_uv_keeps_its_default_index(monkeypatch):
+    for variable in ("PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_CERT"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    assert index_options(pip_config()) == (["--index-strategy", "unsafe-best-match"], {})
 
 
 # --- the Debian mirror ----------------------------------------------------------------------

@@ -41,7 +41,7 @@ def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smok
     assert release.cpu_tier_missing is None and sessions.missing_tiers([release]) == []
     assert sessions.ci_sessions([release]) == [
         "lint-patches",
-        "build-9.9",
+        "builds",
         "upstream-tests-9.9",
         "unit-9.9",
         "engine-9.9",
@@ -55,9 +55,9 @@ def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smok
 def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
     releases = load_releases(project.RELEASES)
     names = sessions.ci_sessions(releases)
+    assert names[:2] == ["lint-patches", "builds"]  # `builds` makes every release's wheel
     for release in releases:
-        for kind in ("build", "unit"):
-            assert f"{kind}-{release.short}" in names
+        assert f"unit-{release.short}" in names
         assert (f"upstream-tests-{release.short}" in names) == (release.short in sessions.gated_releases(releases))
         has_cpu = "cpu" in release.flavours
         assert has_cpu == (release.cpu_tier_missing is None)
@@ -65,7 +65,7 @@ def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
     cpu = [r for r in releases if "cpu" in r.flavours]
     assert {f"engine-{cpu[0].short}", f"engine-{cpu[-1].short}", f"smoke-cpu-{cpu[-1].short}"} <= set(names)
     assert {f"upstream-tests-{releases[0].short}", f"upstream-tests-{releases[-1].short}"} <= set(names)
-    kinds = [n.rsplit("-", 1)[0] for n in names[1 + len(releases) :]]
+    kinds = [n.rsplit("-", 1)[0] for n in names[2:]]
     assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
 
 
@@ -101,7 +101,7 @@ def test_ci_plan_checks_the_newest_build_for_reproducibility_and_leaves_images_t
     newest = _cpu_release(tree)
     plan = sessions.ci_plan([older, newest])
     assert [name for name, _ in plan] == sessions.ci_sessions([older, newest])
-    assert {name: args for name, args in plan if args} == {"build-9.9": ["--check-reproducible"]}
+    assert {name: args for name, args in plan if args} == {"builds": ["--check-reproducible", "9.9"]}
     assert not [name for name, _ in plan if name.startswith("image")]
     assert "image-standin-9.9" in sessions.matrix_sessions([older, newest])
 
@@ -162,10 +162,13 @@ def test_the_matrix_runs_every_tier_of_every_release(tree):
     older = _cpu_release(tree, short="9.8", version="9.8.0")
     newest = _cpu_release(tree)
     names = sessions.matrix_sessions([older, newest])
+    assert "builds" in names
     for short in ("9.8", "9.9"):
-        for kind in ("build", *sessions.MATRIX_KINDS, "image-standin"):
+        for kind in (*sessions.MATRIX_KINDS, "image-standin"):
             assert f"{kind}-{short}" in names
     assert set(sessions.ci_sessions([older, newest])) < set(names)
+    checked = dict(sessions.matrix_plan([older, newest]))["builds"]
+    assert checked == ["--check-reproducible", "9.8", "--check-reproducible", "9.9"]
 
 
 BENCHMARKS = {

@@ -47,9 +47,25 @@ def cmd_build(args) -> int:
     return 0
 
 
-def cmd_wheel_path(args) -> int:
-    release = _release(args)
-    print(args.dist / output_name(release, args.flavour))
+def cmd_build_all(args) -> int:
+    from .build_all import build_all
+
+    releases = load_releases(args.releases)
+    checked = {find_release(releases, name).short for name in args.check_reproducible}
+    options = ["--releases", str(args.releases), "--dist", str(args.dist)]
+    build_all(releases, args.jobs, checked, options + (["--cache", str(args.cache)] if args.cache else []))
+    return 0
+
+
+def cmd_install_built(args) -> int:
+    """The built wheel into this venv, over whatever vLLM it holds: --no-deps (its
+    dependencies come from a layered deps venv), byte-compiled (every test process imports it)."""
+    from .installer import install
+
+    wheel = args.dist / output_name(_release(args), args.flavour)
+    if not wheel.is_file():
+        raise BuildError(f"{wheel} is not built", f"build it first: kvwarm-build build --release {args.release}")
+    install(current_python(), "--no-deps", "--reinstall", str(wheel), local=True, log=_log)
     return 0
 
 
@@ -194,7 +210,17 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--if-stale", action="store_true", help="skip when dist/ has a wheel from the same inputs")
     b.add_argument("--no-validate", action="store_true", help="skip post-build validation (tests only)")
     b.add_argument("--check-reproducible", action="store_true", help="build a second time and compare bytes")
-    with_release("wheel-path", cmd_wheel_path, "print where the built wheel is", flavour=True)
+    ba = sub.add_parser("build-all", help="every release's patched cuda wheel, --jobs builds at a time")
+    ba.add_argument("--jobs", type=int, default=2, help="builds at once (each mostly one core's work; default 2)")
+    ba.add_argument(
+        "--check-reproducible",
+        action="append",
+        default=[],
+        metavar="RELEASE",
+        help="build this release twice and compare bytes (repeatable)",
+    )
+    ba.set_defaults(func=cmd_build_all)
+    with_release("install-built", cmd_install_built, "install the built wheel into this venv (--no-deps)", flavour=True)
     m = with_release("materialise", cmd_materialise, "pristine tree + series as commits in a git repo")
     m.add_argument("--tree", type=Path, help="default: work/vllm-X.Y.Z")
     m.add_argument("--force", action="store_true", help="recreate the tree, discarding its commits")

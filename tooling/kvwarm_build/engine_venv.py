@@ -10,13 +10,13 @@ install the patched wheel `--no-deps`.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 from .digests import cache_key
 from .fetch import fetch
+from .installer import install, uninstall
 from .releases import Release
-from .venvs import TORCH_FAMILY, cpu_torch, ensure_layered_venv, ensure_venv, pip_install, wheel_requirements
+from .venvs import TORCH_FAMILY, cpu_torch, ensure_layered_venv, ensure_venv, wheel_requirements
 
 
 def engine_venv_path(release: Release, cache: Path, torch: str, requirements: list[str]) -> Path:
@@ -32,21 +32,16 @@ def ensure_engine_deps(release: Release, cache: Path, log=print) -> Path:
     torch = cpu_torch(flavour, log=log)
     torch_pin = f"torch=={torch}"
 
-    def install(python: Path) -> None:
-        pip_install(python, torch_pin, log=log)
+    def fill(python: Path) -> None:
         # Keep that torch (and the release's test pins) whatever the requirements pull in.
         constraints = python.parents[1] / "kvwarm-constraints.txt"
         constraints.write_text("\n".join([torch_pin, *release.test_pins]) + "\n")
-        pip_install(python, "-c", str(constraints), *requirements, log=log)
-        subprocess.run(
-            [str(python), "-m", "pip", "uninstall", "-q", "-y", *sorted(TORCH_FAMILY - {"torch"})],
-            check=True,
-            capture_output=True,
-        )
+        install(python, "-c", str(constraints), torch_pin, *requirements, log=log)
+        uninstall(python, *sorted(TORCH_FAMILY - {"torch"}))  # uv skips what is not there
 
     return ensure_venv(
         engine_venv_path(release, cache, torch, requirements),
-        install,
+        fill,
         f"the CPU engine venv for vLLM {release.version} ({torch_pin})",
         log=log,
     )

@@ -23,7 +23,7 @@ _CHUNK = 1 << 20
 _PIP_INDEX_KEYS = ("install.index-url", "global.index-url")
 
 
-def _pip_config() -> dict[str, str]:
+def pip_config() -> dict[str, str]:
     """pip's configuration as `pip config list` gives it ({"global.index-url": ...}): its
     files (PIP_CONFIG_FILE included) in pip's own order of precedence."""
     listed = subprocess.run(
@@ -64,7 +64,7 @@ def package_index() -> str:
     for variable in ("KVWARM_INDEX_URL", "PIP_INDEX_URL"):
         if os.environ.get(variable):
             return os.environ[variable]
-    config = _pip_config()
+    config = pip_config()
     for key in _PIP_INDEX_KEYS:
         if config.get(key):
             return config[key]

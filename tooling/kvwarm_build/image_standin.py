@@ -11,6 +11,7 @@ entrypoint, /vllm-workspace.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -28,11 +29,11 @@ from .images import build_image
 from .releases import Release
 
 # Debian bookworm's python3 is 3.11, like the deps venv whose site-packages it gets; uv
-# because the official image installs with it.
+# because the official image installs with it (the uv this tooling runs, pyproject.toml's pin).
 STANDIN_SUITE = "bookworm"
 STANDIN_PACKAGES = ("python3", "python3-pip")
 STANDIN_PYTHON = "3.11"
-STANDIN_UV = "uv==0.13.9"
+STANDIN_UV = f"uv=={importlib.metadata.version('uv')}"
 STANDIN_KEY_LABEL = "io.kvwarm.standin-key"
 # The largest stand-in base is about 3 GB; a build and its checks hold about three copies
 # of it at once under vfs, plus the new layer.

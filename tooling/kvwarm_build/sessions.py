@@ -69,14 +69,15 @@ def dynamo_requirement(releases: list[Release]) -> str:
 def consumer_python(cache: Path, dynamo: str, log=print) -> Path:
     """Python of the consumers venv with `dynamo`'s wheel (made on first use, about 2 minutes)."""
     from .digests import cache_key
-    from .venvs import ensure_venv, pip_install, venv_python
+    from .installer import install
+    from .venvs import ensure_venv, venv_python
 
-    def install(python: Path) -> None:
-        pip_install(python, "--no-deps", dynamo, log=log)
-        pip_install(python, *CONSUMER_DEPS, log=log)
+    def fill(python: Path) -> None:
+        install(python, "--no-deps", dynamo, log=log)
+        install(python, *CONSUMER_DEPS, log=log)
 
     venv = cache / "venvs" / f"dynamo-consumers-{cache_key(dynamo, CONSUMER_DEPS)}"
-    ensure_venv(venv, install, "the Dynamo consumers venv", log=log)
+    ensure_venv(venv, fill, "the Dynamo consumers venv", log=log)
     return venv_python(venv)
 
 
@@ -147,18 +148,20 @@ def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
 
 
 def ci_sessions(releases: list[Release]) -> list[str]:
-    """What `nox -s tests` runs after the tooling tests: lint-patches, the builds, then each
-    kind for every release whose tier has it (ci_tiers)."""
+    """What `nox -s tests` runs after the tooling tests: lint-patches, the builds (`builds`:
+    every release's, two at a time), then each kind for every release whose tier has it
+    (ci_tiers)."""
     tiers = ci_tiers(releases)
-    names = ["lint-patches", *(f"build-{r.short}" for r in releases)]
+    names = ["lint-patches", "builds"]
     for kind in CI_KINDS:
         names += [f"{kind}-{r.short}" for r, got, _ in tiers if kind in got]
     return names
 
 
 def matrix_sessions(releases: list[Release]) -> list[str]:
-    """Every tier of every release (`nox -s matrix`), builds checked for reproducibility."""
-    names = ["lint-patches", *(f"build-{r.short}" for r in releases)]
+    """Every tier of every release (`nox -s matrix`); matrix_plan checks every build for
+    reproducibility."""
+    names = ["lint-patches", "builds"]
     for kind in MATRIX_KINDS:
         names += [f"{kind}-{r.short}" for r in releases if kind in kinds(r, MATRIX_KINDS)]
     return [*names, *(f"image-standin-{r.short}" for r in releases)]
@@ -169,8 +172,14 @@ def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     arguments: ci_sessions, the newest release's build checked for reproducibility. The
     Dockerfile is checked statically by the tooling tests; its real build on a stand-in
     base (image-standin-S: 4 min warm, 7 from an empty cache) runs in the matrix."""
-    newest = f"build-{releases[-1].short}"
-    return [(name, ["--check-reproducible"] if name == newest else None) for name in ci_sessions(releases)]
+    checked = ["--check-reproducible", releases[-1].short]
+    return [(name, checked if name == "builds" else None) for name in ci_sessions(releases)]
+
+
+def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
+    """matrix_sessions with their arguments: every build checked for reproducibility."""
+    checked = [arg for r in releases for arg in ("--check-reproducible", r.short)]
+    return [(name, checked if name == "builds" else None) for name in matrix_sessions(releases)]
 
 
 def engine_selections(release: Release, releases: list[Release]) -> list[list[str]]:

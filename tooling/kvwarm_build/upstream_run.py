@@ -17,6 +17,7 @@ from .digests import cache_key
 from .errors import BuildError
 from .fetch import fetch, sha256_of
 from .hf_standins import seed_hf_cache
+from .installer import install
 from .releases import Release
 from .upstream_tests import (
     TEST_VENV_COMMON,
@@ -29,7 +30,7 @@ from .upstream_tests import (
     run_gate,
     torchvision_for,
 )
-from .venvs import ensure_deps_venv, ensure_layered_venv, pip_install
+from .venvs import ensure_deps_venv, ensure_layered_venv
 
 # Files that shape a run besides the wheel and the tests: stand-in recipes, the
 # torchvision shim, the fixtures plugin run_suite installs, and the selection itself.
@@ -55,7 +56,7 @@ def _test_venv(cache: Path, release: Release, deps_site: Path, log, suffix: str 
 
 
 def _install(python: Path, wheel: Path, log) -> None:
-    pip_install(python, "--no-deps", "--force-reinstall", str(wheel), log=log)
+    install(python, "--no-deps", "--reinstall", str(wheel), local=True, log=log)
 
 
 def _stock_key(release: Release, flavour: str, runs, deps_site: Path) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from wheel.wheelfile import WheelError, WheelFile
 
 from .errors import BuildError
+from .installer import install
 from .repack import WheelName
 from .venvs import layer_on_deps, venv_python
 
@@ -91,25 +92,12 @@ def import_problems(built: Path, dist: str, record: dict, deps_site: Path, modul
         venv = Path(tmp) / "venv"
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
         python = venv_python(venv)
-        layer_on_deps(python, deps_site)  # brings torch and pip from the deps venv
-        install = subprocess.run(
-            [
-                str(python),
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-deps",
-                "--no-index",
-                "--disable-pip-version-check",
-                str(built),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if install.returncode != 0:
-            return [f"pip install --no-deps {built.name} failed: {install.stderr.strip()[-2000:]}"]
+        layer_on_deps(python, deps_site)  # brings torch and vLLM's requirements
+        try:
+            # Imported once: byte-compiling every file would cost more than it saves.
+            install(python, "--no-deps", str(built), compile_bytecode=False, local=True, log=lambda *_: None)
+        except BuildError as err:
+            return [f"installing {built.name} --no-deps failed: {err.problem}"]
         probe = subprocess.run(
             [str(python), "-c", _PROBE, dist, *(overlay_imports(built) if modules is None else modules)],
             capture_output=True,

@@ -6,7 +6,7 @@ own `Requires-Dist` less what only serves a GPU (GPU_ONLY), with the torch the r
 (cpu_torch) and the release's test pins as constraints: a release that imports something
 new needs no edit here. Every venv that needs vLLM (the validator's throwaway venv, unit and
 upstream-test venvs) gets a .pth line pointing at the deps venv and installs only a vLLM
-wheel itself (`--no-deps`).
+wheel itself (`--no-deps`). uv does the installing (installer.py).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import importlib.metadata
 import json
 import re
 import shutil
@@ -27,6 +28,7 @@ from packaging.utils import canonicalize_name
 
 from .digests import cache_key
 from .errors import BuildError
+from .installer import install, installed, uninstall
 
 # What a release wheel requires that only serves a GPU or that the index has only as a CUDA
 # build (kernels, NVIDIA libraries). The venvs here run vLLM's Python on CPU without them;
@@ -107,18 +109,6 @@ def cpu_torch(flavour, log=print, available=None) -> str:
     return flavour.torch_fallback
 
 
-def pip_install(python: Path, *args: str, log=print) -> None:
-    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
-    log("  $ pip install " + " ".join(args))
-    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
-    if result.returncode != 0:
-        tail = "\n".join(result.stdout.splitlines()[-20:])
-        raise BuildError(
-            f"pip install {' '.join(args)} failed:\n{tail}",
-            "check network access to the package index (`pip config list` shows which) and retry",
-        )
-
-
 def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
@@ -149,8 +139,8 @@ def venv_lock(venv: Path, log=print):
         yield
 
 
-def ensure_venv(venv: Path, install, what: str, log=print) -> Path:
-    """`venv`'s site-packages, made on first use by install(python) under venv_lock; the
+def ensure_venv(venv: Path, fill, what: str, log=print) -> Path:
+    """`venv`'s site-packages, made on first use by fill(python) under venv_lock; the
     marker is written last, so a half-made venv is removed and made again."""
     marker = venv / _COMPLETE
     if not marker.exists():
@@ -159,9 +149,9 @@ def ensure_venv(venv: Path, install, what: str, log=print) -> Path:
                 if venv.exists():
                     log(f"removing incomplete {venv}")
                     shutil.rmtree(venv)
-                log(f"creating {what} {venv} (once per cache; a few minutes)")
-                subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-                install(venv_python(venv))
+                log(f"creating {what} {venv} (once per cache; a minute or two)")
+                subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+                fill(venv_python(venv))
                 marker.write_text(venv.name + "\n")
     return site_packages(venv_python(venv))
 
@@ -184,14 +174,7 @@ def deps_key(inputs) -> str:
 def remove_gpu_only(python: Path, keep: str = "torch") -> None:
     """Uninstall what dependencies pulled in that only serves a GPU (xgrammar needs triton on
     x86_64 Linux), `keep` excepted."""
-    listing = subprocess.run(
-        [str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
-    )
-    extra = sorted(
-        d["name"] for d in json.loads(listing.stdout) if gpu_only(d["name"]) and canonicalize_name(d["name"]) != keep
-    )
-    if extra:
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *extra], check=True, capture_output=True)
+    uninstall(python, *sorted(n for n in installed(python) if gpu_only(n) and canonicalize_name(n) != keep))
 
 
 def ensure_deps_venv(release, cache: Path, log=print) -> Path:
@@ -199,17 +182,16 @@ def ensure_deps_venv(release, cache: Path, log=print) -> Path:
     with the same requirements and pins)."""
     inputs = torch, requirements, constraints = deps_inputs(release, cache, log=log)
 
-    def install(python: Path) -> None:
+    def fill(python: Path) -> None:
         pinned = python.parents[1] / "kvwarm-constraints.txt"
         pinned.write_text("\n".join(constraints) + "\n")
-        pip_install(python, "-c", str(pinned), f"torch=={torch}", log=log)
         # One resolution, so every requirement agrees with the release's own pins.
-        pip_install(python, "-c", str(pinned), *requirements, log=log)
+        install(python, "-c", str(pinned), f"torch=={torch}", *requirements, log=log)
         remove_gpu_only(python)
 
     return ensure_venv(
         cache / "venvs" / f"vllm-deps-{deps_key(inputs)}",
-        install,
+        fill,
         f"the vLLM dependency venv for {release.version}'s pins ({', '.join(constraints)})",
         log=log,
     )
@@ -224,8 +206,27 @@ def current_python() -> Path:
     return Path(sys.executable)
 
 
+def deps_constraints(deps_site: Path, args: list[str]) -> list[str]:
+    """Pins of what the deps venv holds, for a layer's install `args` to resolve against:
+    uv sees only the layer's own packages, so without them what it pulls in could differ
+    from the deps venv's. What `args` names itself is left out (the layer's own choice),
+    and a `--no-deps` install resolves nothing."""
+    if "--no-deps" in args:
+        return []
+    named = set()
+    for arg in args:
+        with contextlib.suppress(ValueError):
+            named.add(canonicalize_name(Requirement(arg).name))
+    found = {
+        canonicalize_name(d.metadata["Name"]): d.version
+        for d in importlib.metadata.distributions(path=[str(deps_site)])
+    }
+    return [f"{name}=={version}" for name, version in sorted(found.items()) if name not in named]
+
+
 def ensure_layered_venv(venv: Path, deps_site: Path, installs: list[list[str]], log=print) -> Path:
-    """A venv on top of the deps venv with `installs` (pip argument lists) done in order.
+    """A venv on top of the deps venv with `installs` (uv pip install argument lists) done in
+    order, each resolved against what the deps venv holds (deps_constraints).
 
     Recreated (under venv_lock) whenever what it should hold changes; the marker is written
     last, so a half-made venv is made again.
@@ -241,9 +242,11 @@ def ensure_layered_venv(venv: Path, deps_site: Path, installs: list[list[str]], 
         with venv_lock(venv, log=log):
             if not current():  # else another process made it while this one waited
                 log(f"creating {venv}")
-                subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+                subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True)
                 layer_on_deps(python, deps_site)
-                for args in installs:
-                    pip_install(python, *args, log=log)
+                for step, args in enumerate(installs):
+                    pins = venv / f"kvwarm-deps-pins-{step}.txt"
+                    pins.write_text("\n".join(deps_constraints(deps_site, args)) + "\n")
+                    install(python, "-c", str(pins), *args, log=log)
                 marker.write_text(wanted)
     return python

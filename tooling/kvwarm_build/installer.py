@@ -1,0 +1,111 @@
+"""uv fills the venvs vLLM runs in here, from the indexes pip is configured with.
+
+pip takes about three minutes on two cores to fill a deps venv: one core unzips and
+byte-compiles every file. uv unpacks on every core and links what its cache already holds,
+so venvs that share pins (the releases' deps venvs, the venvs layered on them) cost one
+unpack per package. What is left is byte-compiling, which these venvs keep: every test
+process imports torch and vLLM again, and a host that sets PYTHONDONTWRITEBYTECODE never
+writes what an import compiles.
+
+The indexes stay the user's: pip's index-url, extra-index-url, find-links, constraint and
+cert, as `pip config list` gives them (its files and its PIP_* variables), with pip's rule
+of taking the best version over every index (uv's `unsafe-best-match`: uv's own default
+takes a package from the first index that lists it).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from uv import find_uv_bin
+
+from .errors import BuildError
+from .fetch import pip_config
+
+# pip's precedence for one option: its variables, then [install], then [global].
+_SECTIONS = (":env:", "install", "global")
+# pip's options that take a list, and the uv option each value becomes.
+_LIST_OPTIONS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links", "constraint": "--constraint"}
+
+
+def pip_setting(config: dict[str, str], name: str) -> list[str]:
+    """The values pip would use for option `name` (whitespace-separated, as pip reads them)."""
+    for section in _SECTIONS:
+        value = config.get(f"{section}.{name}")
+        if value:
+            return str(value).split()
+    return []
+
+
+def index_options(config: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """uv's arguments and environment for pip's configuration `config`."""
+    args = []
+    index = pip_setting(config, "index-url")
+    if index:
+        args += ["--index-url", index[0]]
+    for name, option in _LIST_OPTIONS.items():
+        for value in pip_setting(config, name):
+            args += [option, value]
+    cert = pip_setting(config, "cert")
+    env = {"SSL_CERT_FILE": cert[0]} if cert and not os.environ.get("SSL_CERT_FILE") else {}
+    return [*args, "--index-strategy", "unsafe-best-match"], env
+
+
+@functools.cache
+def _configured() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    args, env = index_options(pip_config())
+    return tuple(args), tuple(env.items())
+
+
+def uv_cache(venv: Path) -> Path:
+    """UV_CACHE_DIR if set, else a folder beside the venv: uv hard-links from its cache, which
+    needs one file system."""
+    return Path(os.environ["UV_CACHE_DIR"]) if os.environ.get("UV_CACHE_DIR") else venv.parent / ".uv-cache"
+
+
+def _uv_pip(python: Path, command: str, *args: str, indexes: bool = False) -> subprocess.CompletedProcess:
+    index_args, index_env = _configured() if indexes else ((), ())
+    env = {**os.environ, **dict(index_env), "UV_CACHE_DIR": str(uv_cache(python.parents[1]))}
+    cmd = [find_uv_bin(), "pip", command, "--python", str(python), *index_args, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+
+
+def _checked(result: subprocess.CompletedProcess, what: str, fix: str) -> str:
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).splitlines()[-20:])
+        raise BuildError(f"uv pip {what} failed:\n{tail}", fix)
+    return result.stdout
+
+
+def install(python: Path, *args: str, compile_bytecode: bool = True, local: bool = False, log=print) -> None:
+    """`uv pip install ARGS` into python's venv, byte-compiled unless told not to (a venv
+    imported once). local: local wheel files only, so no index is asked and nothing is kept
+    in uv's cache (a built wheel changes with every build): copied in, as pip does."""
+    log("  $ uv pip install " + " ".join(args))
+    options = [
+        *(["--compile-bytecode"] if compile_bytecode else []),
+        *(["--no-index", "--no-cache", "--link-mode", "copy"] if local else []),
+    ]
+    result = _uv_pip(python, "install", "-q", *options, *args, indexes=not local)
+    _checked(
+        result,
+        f"install {' '.join(args)}",
+        "check network access to the package index (`pip config list` shows which) and retry",
+    )
+
+
+def uninstall(python: Path, *names: str) -> None:
+    if names:
+        _checked(
+            _uv_pip(python, "uninstall", "-q", *names), f"uninstall {' '.join(names)}", f"remove {python.parents[1]}"
+        )
+
+
+def installed(python: Path) -> list[str]:
+    """The names of the distributions in python's venv."""
+    listing = _checked(_uv_pip(python, "list", "--format", "json"), "list", f"remove {python.parents[1]}")
+    return [d["name"] for d in json.loads(listing)]
