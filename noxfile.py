@@ -24,6 +24,7 @@ The logic lives in the kvwarm_build package (tooling/); sessions only call it.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -35,7 +36,9 @@ sys.path.insert(0, str(ROOT / "tooling"))
 
 from kvwarm_build import project, sessions
 from kvwarm_build.errors import BuildError
+from kvwarm_build.fetch import pip_config
 from kvwarm_build.gpu import gpu_missing_reason
+from kvwarm_build.installer import uv_environment
 from kvwarm_build.releases import load_releases
 
 RELEASES = load_releases(project.RELEASES)
@@ -47,7 +50,11 @@ UNIT_WORKERS = ("-n", "auto", "--maxprocesses", "4")
 # Pinned: a newer ruff may format differently or add rules to its default set.
 RUFF = "ruff==0.17.5"
 
-nox.options.default_venv_backend = "venv"
+# uv makes a session's venv and installs its packages in seconds where nox has it (nox[uv]),
+# from the indexes pip is configured with (a user's own UV_* settings win); else venv and pip.
+nox.options.default_venv_backend = "uv|venv"
+for _variable, _value in uv_environment(pip_config()).items():
+    os.environ.setdefault(_variable, _value)
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tooling"]
 nox.options.error_on_missing_interpreters = True

@@ -16,7 +16,7 @@ from kvwarm_build import image_standin, project
 from kvwarm_build.apt_sources import deb_sources, debian_mirror
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import fetch, package_index, pip_config
-from kvwarm_build.installer import index_options
+from kvwarm_build.installer import index_options, uv_environment
 from kvwarm_build.releases import Artifact
 
 # --- the package index ----------------------------------------------------------------------
@@ -98,6 +98,15 @@ def test_uv_installs_from_pips_indexes_with_pips_precedence_and_rule(pip_env, mo
         "--index-strategy", "unsafe-best-match",
     ]  # fmt: skip
     assert env == {"SSL_CERT_FILE": "/etc/ca.crt"}
+    # The same as uv's variables, for nox's uv backend (its lists parted as uv parts them).
+    assert uv_environment(pip_config()) == {
+        "UV_INDEX_URL": "http://mirror.example/install/simple",
+        "UV_EXTRA_INDEX_URL": "file:///extra/one file:///extra/two",
+        "UV_FIND_LINKS": "/wheels/from-env",
+        "UV_CONSTRAINT": "/etc/caps.txt",
+        "UV_INDEX_STRATEGY": "unsafe-best-match",
+        "SSL_CERT_FILE": "/etc/ca.crt",
+    }
     monkeypatch.setenv("SSL_CERT_FILE", "/users/own.crt")
     assert index_options(pip_config())[1] == {}  # the user's own choice stays
 

@@ -21,8 +21,6 @@ import os
 import subprocess
 from pathlib import Path
 
-from uv import find_uv_bin
-
 from .errors import BuildError
 from .fetch import pip_config
 
@@ -55,6 +53,29 @@ def index_options(config: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     return [*args, "--index-strategy", "unsafe-best-match"], env
 
 
+# The same settings as uv's variables, for the uv runs this module does not start (nox's uv
+# backend installing a session's packages): each variable, and what parts its values.
+_VARIABLES = {
+    "index-url": ("UV_INDEX_URL", " "),
+    "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
+    "find-links": ("UV_FIND_LINKS", ","),
+    "constraint": ("UV_CONSTRAINT", " "),
+}
+
+
+def uv_environment(config: dict[str, str]) -> dict[str, str]:
+    """uv's variables for pip's configuration `config`, pip's best-match rule and its cert."""
+    env = {"UV_INDEX_STRATEGY": "unsafe-best-match"}
+    for name, (variable, separator) in _VARIABLES.items():
+        values = pip_setting(config, name)
+        if values:
+            env[variable] = separator.join(values[:1] if name == "index-url" else values)
+    cert = pip_setting(config, "cert")
+    if cert:
+        env["SSL_CERT_FILE"] = cert[0]
+    return env
+
+
 @functools.cache
 def _configured() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     args, env = index_options(pip_config())
@@ -68,6 +89,8 @@ def uv_cache(venv: Path) -> Path:
 
 
 def _uv_pip(python: Path, command: str, *args: str, indexes: bool = False) -> subprocess.CompletedProcess:
+    from uv import find_uv_bin  # here: nox imports this module where uv may not be installed
+
     index_args, index_env = _configured() if indexes else ((), ())
     env = {**os.environ, **dict(index_env), "UV_CACHE_DIR": str(uv_cache(python.parents[1]))}
     cmd = [find_uv_bin(), "pip", command, "--python", str(python), *index_args, *args]
