@@ -53,8 +53,11 @@ RUFF = "ruff==0.17.5"
 # uv makes a session's venv and installs its packages in seconds where nox has it (nox[uv]),
 # from the indexes pip is configured with (a user's own UV_* settings win); else venv and pip.
 nox.options.default_venv_backend = "uv|venv"
-for _variable, _value in uv_environment(pip_config()).items():
-    os.environ.setdefault(_variable, _value)
+try:
+    for _variable, _value in uv_environment(pip_config()).items():
+        os.environ.setdefault(_variable, _value)
+except BuildError:  # no pip beside this nox (uv's tool install): uv keeps its own defaults
+    pass
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["tooling"]
 nox.options.error_on_missing_interpreters = True
