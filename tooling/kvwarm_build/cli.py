@@ -60,12 +60,12 @@ def cmd_build_all(args) -> int:
 def cmd_install_built(args) -> int:
     """The built wheel into this venv, over whatever vLLM it holds: --no-deps (its
     dependencies come from a layered deps venv), byte-compiled (every test process imports it)."""
-    from .installer import install
+    from .installer import install_wheel
 
     wheel = args.dist / output_name(_release(args), args.flavour)
     if not wheel.is_file():
         raise BuildError(f"{wheel} is not built", f"build it first: kvwarm-build build --release {args.release}")
-    install(current_python(), "--no-deps", "--reinstall", str(wheel), local=True, log=_log)
+    install_wheel(current_python(), wheel, log=_log)
     return 0
 
 

@@ -26,8 +26,17 @@ from .fetch import pip_config
 
 # pip's precedence for one option: its variables, then [install], then [global].
 _SECTIONS = (":env:", "install", "global")
-# pip's options that take a list, and the uv option each value becomes.
-_LIST_OPTIONS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links", "constraint": "--constraint"}
+# pip's options uv takes too: uv's option, the variable that sets it (for the uv runs this
+# module does not start: nox's uv backend installing a session's packages), and what parts
+# that variable's values.
+_OPTIONS = {
+    "index-url": ("--index-url", "UV_INDEX_URL", " "),
+    "extra-index-url": ("--extra-index-url", "UV_EXTRA_INDEX_URL", " "),
+    "find-links": ("--find-links", "UV_FIND_LINKS", ","),
+    "constraint": ("--constraint", "UV_CONSTRAINT", " "),
+}
+# pip's rule: the best version over every index.
+_STRATEGY = "unsafe-best-match"
 
 
 def pip_setting(config: dict[str, str], name: str) -> list[str]:
@@ -39,37 +48,27 @@ def pip_setting(config: dict[str, str], name: str) -> list[str]:
     return []
 
 
+def _settings(config: dict[str, str]) -> dict[str, list[str]]:
+    """pip's values of each of _OPTIONS that `config` sets (one index-url, as pip takes)."""
+    found = {name: pip_setting(config, name) for name in _OPTIONS}
+    found["index-url"] = found["index-url"][:1]
+    return {name: values for name, values in found.items() if values}
+
+
 def index_options(config: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """uv's arguments and environment for pip's configuration `config`."""
-    args = []
-    index = pip_setting(config, "index-url")
-    if index:
-        args += ["--index-url", index[0]]
-    for name, option in _LIST_OPTIONS.items():
-        for value in pip_setting(config, name):
-            args += [option, value]
+    args = [arg for name, values in _settings(config).items() for value in values for arg in (_OPTIONS[name][0], value)]
     cert = pip_setting(config, "cert")
     env = {"SSL_CERT_FILE": cert[0]} if cert and not os.environ.get("SSL_CERT_FILE") else {}
-    return [*args, "--index-strategy", "unsafe-best-match"], env
-
-
-# The same settings as uv's variables, for the uv runs this module does not start (nox's uv
-# backend installing a session's packages): each variable, and what parts its values.
-_VARIABLES = {
-    "index-url": ("UV_INDEX_URL", " "),
-    "extra-index-url": ("UV_EXTRA_INDEX_URL", " "),
-    "find-links": ("UV_FIND_LINKS", ","),
-    "constraint": ("UV_CONSTRAINT", " "),
-}
+    return [*args, "--index-strategy", _STRATEGY], env
 
 
 def uv_environment(config: dict[str, str]) -> dict[str, str]:
     """uv's variables for pip's configuration `config`, pip's best-match rule and its cert."""
-    env = {"UV_INDEX_STRATEGY": "unsafe-best-match"}
-    for name, (variable, separator) in _VARIABLES.items():
-        values = pip_setting(config, name)
-        if values:
-            env[variable] = separator.join(values[:1] if name == "index-url" else values)
+    env = {"UV_INDEX_STRATEGY": _STRATEGY}
+    for name, values in _settings(config).items():
+        _, variable, separator = _OPTIONS[name]
+        env[variable] = separator.join(values)
     cert = pip_setting(config, "cert")
     if cert:
         env["SSL_CERT_FILE"] = cert[0]
@@ -119,6 +118,12 @@ def install(python: Path, *args: str, compile_bytecode: bool = True, local: bool
         f"install {' '.join(args)}",
         "check network access to the package index (`pip config list` shows which) and retry",
     )
+
+
+def install_wheel(python: Path, wheel: Path, log=print) -> None:
+    """A wheel file into python's venv over whatever it holds: --no-deps (the dependencies
+    come from a layered deps venv), byte-compiled, copied and never cached (install)."""
+    install(python, "--no-deps", "--reinstall", str(wheel), local=True, log=log)
 
 
 def uninstall(python: Path, *names: str) -> None:

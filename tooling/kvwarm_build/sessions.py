@@ -172,14 +172,18 @@ def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     arguments: ci_sessions, the newest release's build checked for reproducibility. The
     Dockerfile is checked statically by the tooling tests; its real build on a stand-in
     base (image-standin-S: 4 min warm, 7 from an empty cache) runs in the matrix."""
-    checked = ["--check-reproducible", releases[-1].short]
-    return [(name, checked if name == "builds" else None) for name in ci_sessions(releases)]
+    return _with_checked_builds(ci_sessions(releases), releases[-1:])
 
 
 def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     """matrix_sessions with their arguments: every build checked for reproducibility."""
-    checked = [arg for r in releases for arg in ("--check-reproducible", r.short)]
-    return [(name, checked if name == "builds" else None) for name in matrix_sessions(releases)]
+    return _with_checked_builds(matrix_sessions(releases), releases)
+
+
+def _with_checked_builds(names: list[str], checked: list[Release]) -> list[tuple[str, list[str] | None]]:
+    """Each session with its arguments: `builds` checks these releases' builds, the rest none."""
+    builds_args = [arg for r in checked for arg in ("--check-reproducible", r.short)]
+    return [(name, builds_args if name == "builds" else None) for name in names]
 
 
 def engine_selections(release: Release, releases: list[Release]) -> list[list[str]]:

@@ -17,7 +17,7 @@ from .digests import cache_key
 from .errors import BuildError
 from .fetch import fetch, sha256_of
 from .hf_standins import seed_hf_cache
-from .installer import install
+from .installer import install_wheel
 from .releases import Release
 from .upstream_tests import (
     TEST_VENV_COMMON,
@@ -53,10 +53,6 @@ def _test_venv(cache: Path, release: Release, deps_site: Path, log, suffix: str 
         [[*release.test_pins, *TEST_VENV_COMMON], ["--no-deps", *no_deps]],
         log=log,
     )
-
-
-def _install(python: Path, wheel: Path, log) -> None:
-    install(python, "--no-deps", "--reinstall", str(wheel), local=True, log=log)
 
 
 def _stock_key(release: Release, flavour: str, runs, deps_site: Path) -> str:
@@ -98,12 +94,12 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = F
         stock = json.loads(stock_cache.read_text())
         log(f"stock results reused from {stock_cache}")
         log(f"running on patched {patched_wheel.name}")
-        _install(python, patched_wheel, log)
+        install_wheel(python, patched_wheel, log)
         patched = run_gate(str(python), tests_root, work / "patched", hf_home, runs)
     else:
         stock_python = _test_venv(cache, release, deps_site, log, suffix="-stock")
-        _install(stock_python, stock_wheel, log)
-        _install(python, patched_wheel, log)
+        install_wheel(stock_python, stock_wheel, log)
+        install_wheel(python, patched_wheel, log)
         prepare_site(tests_root)
         log(f"running on stock {stock_wheel.name} and patched {patched_wheel.name} side by side")
         with ThreadPoolExecutor(2) as pool:
