@@ -11,6 +11,7 @@ import itertools
 import pytest
 from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_scheduler
 from vllm.kvwarm import scheduler as adapter
+from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep.controller import Phase, Sweep
 from vllm.kvwarm.sweep.plan import SweepConfig
@@ -131,3 +132,21 @@ def test_with_the_hold_off_collections_do_land_in_timed_steps(tmp_path):
         "collections_between_points": 0,
         "collection_seconds": 0.0,
     }
+
+
+@pytest.mark.parametrize("real", [True, False], ids=["chains", "fake-kv"])
+def test_what_exists_before_the_timed_points_is_frozen_while_they_run(tmp_path, real):
+    """With chains, what exists once they are built; without (fake KV), what exists before the
+    first point: so the collection between points scans only what the points made."""
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([DecodePoint(200, 2), DecodePoint(120, 2)], clock=itertools.count().__next__, real=real)
+    frozen_while_timed = []
+
+    def note():
+        if sweep.phase is Phase.MEASURING:
+            frozen_while_timed.append(gc.get_freeze_count())
+
+    _run(scheduler, sweep, each_step=note)
+    assert frozen_while_timed and min(frozen_while_timed) > 0
+    assert [r.kv_seed_regime for r in sweep.rows] == [v.REAL_KV if real else v.FAKE_FALLBACK] * 2
+    assert gc.get_freeze_count() == 0  # unfrozen at the end: the engine had frozen nothing

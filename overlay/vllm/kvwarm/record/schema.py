@@ -7,6 +7,8 @@ added within a version, a rename or removal bumps it.
 
 from __future__ import annotations
 
+import functools
+
 from . import vocabulary as v
 
 NULLABLE_STRING = {"type": ["string", "null"]}
@@ -147,8 +149,21 @@ SCHEMA = {
 }
 
 
+@functools.cache
+def _validator():
+    # The schema is checked once: jsonschema.validate would check it again on every write
+    # (the sweep writes its artifact after every point).
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(SCHEMA)
+    cls.check_schema(SCHEMA)
+    return cls(SCHEMA)
+
+
 def validate(artifact: dict) -> None:
     """Raises jsonschema's ValidationError where the artifact does not fit (a writer's bug)."""
     import jsonschema
 
-    jsonschema.validate(artifact, SCHEMA)
+    error = jsonschema.exceptions.best_match(_validator().iter_errors(artifact))
+    if error is not None:
+        raise error

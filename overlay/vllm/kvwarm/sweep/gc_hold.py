@@ -1,8 +1,9 @@
 """Python's garbage collector held still while a sweep times its steps.
 
 A generation-2 collection inside a timed step is a wrong row (long sweeps saw them grow from
-0.4 s to 9 s). So, unless DYN_BENCH_KV_WARMUP_GC=off: after a rung's chains are built the
-objects that exist are frozen (gc.freeze: later collections skip them), collection is off
+0.4 s to 9 s). So, unless DYN_BENCH_KV_WARMUP_GC=off: after a rung's chains are built (or,
+with no chains, before the first point) the objects that exist are frozen (gc.freeze: later
+collections skip them, so the one between points is short), collection is off
 while a point's requests are admitted and timed, and a collection runs between points,
 untimed. At the end the engine's policy is put back: collection on or off as it was, and the
 frozen objects unfrozen unless the engine had frozen some itself (which it may rely on).
@@ -41,7 +42,8 @@ class GcHold:
     def hold(self) -> None:
         """Before a point's requests are queued: no collection until release()."""
         if self.enabled:
-            self.start()
+            if not self._froze:  # no chains (fake KV): else each release scans the engine's heap
+                self.freeze()
             gc.disable()
             self._held = True
 
