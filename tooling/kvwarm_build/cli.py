@@ -59,12 +59,15 @@ def cmd_build_all(args) -> int:
 
 def cmd_install_built(args) -> int:
     """The built wheel into this venv, over whatever vLLM it holds: --no-deps (its
-    dependencies come from a layered deps venv), byte-compiled (every test process imports it)."""
-    from .installer import install_wheel
+    dependencies come from a layered deps venv), byte-compiled (every test process imports it).
+    The release's other flavours go first: each installs the same `vllm` package."""
+    from .installer import install_wheel, uninstall
 
-    wheel = args.dist / output_name(_release(args), args.flavour)
+    release = _release(args)
+    wheel = args.dist / output_name(release, args.flavour)
     if not wheel.is_file():
         raise BuildError(f"{wheel} is not built", f"build it first: kvwarm-build build --release {args.release}")
+    uninstall(current_python(), *sorted(f.dist for name, f in release.flavours.items() if name != args.flavour))
     install_wheel(current_python(), wheel, log=_log)
     return 0
 
