@@ -9,7 +9,7 @@ Per release (S = its `short` name in releases.toml):
   smoke-cpu-S        the smoke script on the CPU engine       } flavour (`nox -l`: see tests);
                      the multi-rank engines (DP, TP) only on the newest such release
   gpu-smoke-S        the smoke on a CUDA host (skips, exit 0, without a GPU)
-  bench-S            benchmarks/NAME.py (`-- NAME` runs one)
+  bench-S            benchmarks/NAME.py (`-- NAME` runs one; `-- --quick` every quick mode)
   tree-S, export-S   maintainer round trip: the series as commits on a pristine tree, and back
   image-S, image-standin-S   images/Dockerfile on the official base / a local stand-in
                      (`-- --flavour cpu` for the CPU image)
@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import nox
@@ -237,13 +238,16 @@ def _release_sessions(release) -> None:
 
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)
     def bench(session: nox.Session) -> None:
-        """benchmarks/NAME.py inside this release's venv; `-- NAME` runs one. A benchmark whose
+        """benchmarks/NAME.py inside this release's venv; `-- NAME` runs one, `-- --quick` each
+        one's quick mode (checked to reach its result line; `matrix` runs it). A benchmark whose
         file sets `NEEDS_ENGINE = True` at module level runs on the real CPU engine (the patched
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
         _tooling(session)
         _test_support(session)
-        groups = _asked(session, sessions.benchmark_groups, ROOT / "benchmarks", session.posargs, release)
+        names, quick = _asked(session, sessions.bench_arguments, session.posargs)
+        groups = _asked(session, sessions.benchmark_groups, ROOT / "benchmarks", names, release)
+        env = {**_env(session), "KVWARM_RELEASE": version, **({sessions.QUICK_ENV: "1"} if quick else {})}
         for engine_kind, group in groups:
             # install-built drops the other flavour a previous group or run left (one vLLM here)
             if engine_kind:
@@ -251,7 +255,15 @@ def _release_sessions(release) -> None:
             else:
                 _install_patched(session, short)
             for script in group:
-                session.run("python", str(script), env={**_env(session), "KVWARM_RELEASE": version})
+                if not quick:
+                    session.run("python", str(script), env=env)
+                    continue
+                started = time.monotonic()
+                # stdout is kept (its last line is the result), stderr passes through as it comes
+                output = session.run("python", str(script), env=env, silent=True, stderr=None)
+                print(output, end="", flush=True)
+                _asked(session, sessions.result_line, output, script.stem)
+                session.log(f"{script.stem} (quick): its result line in {time.monotonic() - started:.0f} s")
 
     @nox.session(name=f"upstream-tests-{short}", tags=["upstream"], default=False)
     def upstream_tests(session: nox.Session) -> None:

@@ -5,9 +5,10 @@ schedule() + update_from_output()).
 Runs inside a release venv (`nox -s bench-S -- off_path_overhead`); the stock wheel's
 venv comes from the cache (made on first use). Each side runs in its own process, the
 two alternating; each run schedules the same request stream and prints its time and a
-digest of what it scheduled at every step (the fastest of REPEATS drives in that
+digest of what it scheduled at every step (the fastest of a few drives in that
 process). The digests must be equal (same scheduled tokens every step). Medians over the
-runs; the last line is the JSON result.
+runs; `--quick` (or KVWARM_BENCH_QUICK=1): 500 steps, one run per side, one drive. The last
+line is the JSON result.
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
+# The stock side's venv holds vLLM alone: the test support reaches it by path, not install.
+TEST_SUPPORT = HERE.parents[1] / "tests" / "support"
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-STEPS, LIVE_REQUESTS, MAX_TOKENS, RUNS, REPEATS = 3000, 32, 200, 5, 3
+LIVE_REQUESTS, MAX_TOKENS = 32, 200
+FULL, QUICK = (3000, 5, 3), (500, 1, 1)  # steps per drive, runs per side, drives per run
 TARGET_RATIO = 1.01
 
 
-def drive_scheduler() -> dict:
-    """One run: keep LIVE_REQUESTS requests going for STEPS steps; time schedule() +
+def drive_scheduler(steps: int) -> dict:
+    """One run: keep LIVE_REQUESTS requests going for `steps` steps; time schedule() +
     update_from_output() and digest every step's scheduled tokens."""
     from kvwarm_testing.real_kv import make_request, make_scheduler
     from vllm.v1.outputs import ModelRunnerOutput
@@ -50,7 +54,7 @@ def drive_scheduler() -> dict:
     for _ in range(LIVE_REQUESTS):
         add_request()
     started = time.process_time()  # CPU time: other processes on the host do not count
-    for _ in range(STEPS):
+    for _ in range(steps):
         output = scheduler.schedule()
         scheduled = sorted(output.num_scheduled_tokens.items())
         digest.update(repr(scheduled).encode())
@@ -73,12 +77,13 @@ def drive_scheduler() -> dict:
     return {"seconds": elapsed, "digest": digest.hexdigest(), "tokens": tokens, "requests": next_id}
 
 
-def run_side(python: str) -> dict:
+def run_side(python: str, steps: int, repeats: int) -> dict:
+    path = os.pathsep.join(filter(None, [str(TEST_SUPPORT), os.environ.get("PYTHONPATH")]))
     out = subprocess.run(
-        [python, str(HERE), "--worker"],
+        [python, str(HERE), "--worker", str(steps), str(repeats)],
         capture_output=True,
         text=True,
-        env=dict(os.environ, VLLM_TARGET_DEVICE="cpu"),
+        env=dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=path),
         check=False,  # a failed side is reported with its output
     )
     if out.returncode != 0:
@@ -89,7 +94,11 @@ def run_side(python: str) -> dict:
 def main() -> None:
     from kvwarm_build import project
     from kvwarm_build.releases import find_release, load_releases
+    from kvwarm_build.sessions import quick_mode
     from kvwarm_build.stock_check import stock_venv
+
+    quick = quick_mode(sys.argv, os.environ)
+    steps, runs, repeats = QUICK if quick else FULL
 
     release = find_release(
         load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE") or load_releases(project.RELEASES)[-1].version
@@ -97,13 +106,13 @@ def main() -> None:
     stock = str(stock_venv(release, project.cache_dir(), log=print))
     sides = {"stock": stock, "patched": sys.executable}
     print(
-        f"release {release.version}: {STEPS} steps, {LIVE_REQUESTS} live requests, {RUNS} alternating runs per side",
+        f"release {release.version}: {steps} steps, {LIVE_REQUESTS} live requests, {runs} alternating runs per side",
         flush=True,
     )
     results: dict[str, list[dict]] = {name: [] for name in sides}
-    for run in range(RUNS):
+    for run in range(runs):
         for name, python in sides.items():
-            result = run_side(python)
+            result = run_side(python, steps, repeats)
             results[name].append(result)
             print(
                 f"  run {run + 1} {name}: {result['seconds']:.3f} s, {result['tokens']} tokens, "
@@ -127,7 +136,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "metric": f"off_path_scheduler_overhead_{release.short}",
+                "metric": f"off_path_scheduler_overhead_{release.short}" + ("_quick" if quick else ""),
                 "value": round(ours, 3),
                 "unit": "s",
                 "baseline": round(baseline, 3),
@@ -139,9 +148,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--worker"]:
+    if sys.argv[1:2] == ["--worker"]:
         # The fastest of a few drives in one process: interference only ever adds time.
-        drives = [drive_scheduler() for _ in range(REPEATS)]
+        steps, repeats = map(int, sys.argv[2:4])
+        drives = [drive_scheduler(steps) for _ in range(repeats)]
         print(json.dumps(min(drives, key=lambda d: d["seconds"])))
     else:
         main()

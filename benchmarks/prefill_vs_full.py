@@ -14,13 +14,14 @@ spot.
 - from scratch: per point the same 1 + R steps, each of B requests whose whole prompts
   (prefix and new tokens, salted apart, so nothing is found cached) are computed.
 
-Alternating rounds, medians; the last line is the JSON result. `--quick` (one round, two
-points) only shows the benchmark still runs to its result.
+Alternating rounds, medians; the last line is the JSON result. `--quick` (or KVWARM_BENCH_QUICK=1:
+one round, two points) only shows the benchmark still runs to its result.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -29,9 +30,11 @@ from pathlib import Path
 from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
 
+from kvwarm_build.sessions import quick_mode
+
 NEEDS_ENGINE = True  # run in the release's CPU engine venv
 
-QUICK = "--quick" in sys.argv[1:]
+QUICK = quick_mode(sys.argv, os.environ)
 BATCH, REPEATS = 2, 3  # REPEATS: the sweep's default (DYN_BENCH_GIANT_KV_REPEATS)
 ROUNDS = 1 if QUICK else 3
 MAX_MODEL_LEN, BLOCK, BATCHED_TOKENS = 2048, 32, 2048

@@ -5,7 +5,8 @@ vLLM, in the same run.
 Runs inside a release venv (`nox -s bench-S -- shadow_registration`). Each round
 registers every shadow (and releases the fork retentions, as the admission step does),
 then frees them untimed; the baseline touches each shadow's shared prefix and frees it
-untimed. Medians over the rounds; the last line is the JSON result.
+untimed. Medians over the rounds; `--quick` (or KVWARM_BENCH_QUICK=1): one round. The last
+line is the JSON result.
 """
 
 from __future__ import annotations
@@ -13,13 +14,18 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 from kvwarm_testing.real_kv import make_chain, make_kv_cache_manager, make_request
 
-BATCH, CTX, BLOCK, HEADROOM, ROUNDS = 128, 32_768, 16, 3, 5
+from kvwarm_build.sessions import quick_mode
+
+QUICK = quick_mode(sys.argv, os.environ)
+BATCH, CTX, BLOCK, HEADROOM = 128, 32_768, 16, 3
+ROUNDS = 1 if QUICK else 5
 TARGET_RATIO = 2.0
 
 
@@ -67,7 +73,7 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "metric": "shadow_registration_b128_ctx32768",
+                "metric": "shadow_registration_b128_ctx32768" + ("_quick" if QUICK else ""),
                 "value": round(ours * 1e3, 2),
                 "unit": "ms",
                 "baseline": round(baseline * 1e3, 2),

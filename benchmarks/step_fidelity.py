@@ -1,161 +1,766 @@
-"""Step-time fidelity of shadows: the median steady decode step of B shadow requests
-(borrowed real KV, as the sweep measures) against that of B natural requests decoded at
-the same contexts after a real prefill, on the real CPU engine. The CPU stand-in for the
-seed's GPU metric (decode MAPE of the sweep's table against natural decoding).
+"""Step-time fidelity of shadows, paired: per point, B shadow requests (borrowed real KV, timed
+by the real Sweep through the KvWarmScheduler adapter) and B natural requests decoding at the
+same contexts (each prefilled chain[:c] itself, c its context) take turns many times in ONE
+engine, timed by one clock and split into the same phases (vllm.kvwarm.sweep.timing).
 
-Runs inside a release's engine venv (`nox -s bench-S -- step_fidelity`). It reuses
-sweep_vs_prefill's engine, ladder and sides: the shadow side is a Sweep driven
-through the KvWarmScheduler adapter; the natural side prefills each point's B prompts,
-then sends them again to decode the same R steady steps together. Every engine step is
-timed by the same clock (StepClock) on both sides; a point's figure is the median of its
-R steady steps of B requests.
+Runs inside a release's engine venv (`nox -s bench-S -- step_fidelity`). Each model runs in
+an engine process of its own (this script, `--case NAME`), started by the main process,
+which prints the tables and the JSON result:
 
-Rounds alternate the sides (shadow first in odd rounds, natural first in even ones), in
-one engine. Per round, the MAPE of shadow against natural over the ladder is the
-fidelity; the MAPE of one round against the next, on the same side, is the run-to-run
-noise those figures carry. A faithful shadow gives a fidelity MAPE close to the noise
-(ratio near 1). The last line is the JSON result.
+- dense (a small Llama) and MoE (a small Qwen3-MoE, expert parallel): B in {1, 4, 16} over a
+  context ladder; the headline figures;
+- hybrids in copy, in place and exact state hand-off against natural requests: the
+  Qwen3-Next variant of issue 22 (full attention in layers 0 and 3, linear in 1 and 2,
+  hidden 64, 8 experts top-2) and the project's own tiny Qwen3-Next, each in several
+  separate engine processes (a run-level mode shows only across processes).
+
+Per point, one untimed warm-up of each side, then PAIRS pairs in ABBA order (shadow, natural,
+natural, shadow, ...: a linear drift cancels within two pairs). A measurement is one point's
+admission plus STEPS steady steps of its B requests; its figure is the upper median of those
+steps (the sweep's row median), per phase the median. Per point:
+
+  ratio  the median over pairs of shadow/natural, with a 95% percentile-bootstrap interval
+         (resampling pairs);
+  A/A    the same statistic between the two halves of one side (measurements 0, 2, 4, ...
+         against 1, 3, 5, ...), for each side: the noise a ratio of 1 carries.
+
+What is controlled, and why (docs/measurements.md, "Paired step fidelity"): the natural side
+holds the collector as the sweep does; both sides reuse their own cached blocks from one
+measurement to the next (a natural request hits its own earlier prefill, a shadow its parked
+chain), so no measurement gets other physical blocks than the one before; the first
+measurement after a build or a new point is the warm-up, not counted; the load average is
+recorded with each point.
+
+`--quick` (or KVWARM_BENCH_QUICK=1): the dense model alone, two points, two pairs.
+The last line is the JSON result.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import gc
+import itertools
 import json
+import os
+import random
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import release_label  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
+
+from kvwarm_build.sessions import quick_mode
 
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
-ROOT = Path(__file__).resolve().parents[1]
-ROUNDS = 4
-TARGET_RATIO = 1.5  # fidelity MAPE at most 1.5x the run-to-run noise
+HERE = Path(__file__).resolve()
+MAX_MODEL_LEN, BLOCK, BATCHED_TOKENS = 2048, 32, 2048
+PHASES = ("schedule", "forward", "update", "sweep", "other")
+TOLERANCE = 0.02  # every interval within 1 +- 2 %, A/A within 2 %
+BOOTSTRAP = 2000
+# Unique in the process: vLLM's runner keeps a finished request's align-mode state slot by id
+# until a step that runs a forward, so an id used again would start from a stale slot.
+NATURAL_IDS = itertools.count()
 
 
-def load_sweep_vs_prefill():
-    """The sibling benchmark, for its engine settings, ladder, StepClock and both sides."""
-    spec = importlib.util.spec_from_file_location("sweep_vs_prefill", ROOT / "benchmarks" / "sweep_vs_prefill.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@dataclass(frozen=True)
+class Settings:
+    pairs: int  # counted shadow/natural pairs per point
+    steps: int  # steady steps per measurement
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]  # per-request contexts of the attention-only ladders
+    hybrid_points: tuple[tuple[int, int], ...]  # (K, B) of the hybrid ladders
+    runs: dict[str, int]  # engine processes per case
+    # What the variance study turns off or on (the defaults are the controlled benchmark):
+    natural_blocks: str = "own"  # own: a natural measurement hits its earlier blocks; fresh: new ones
+    gc_hold: bool = True  # the collector held out of both sides' measurements
+    pin: bool = True  # the engine process pinned to one CPU
+    modes: tuple[str, ...] | None = None  # the hybrids' state modes (default: every one)
+    flush_denormal: bool = False  # torch.set_flush_denormal: subnormal floats read as zero
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        data = json.loads(text)
+        data["hybrid_points"] = tuple(tuple(p) for p in data["hybrid_points"])
+        for key in ("batches", "contexts", "modes"):
+            data[key] = tuple(data[key]) if data[key] is not None else None
+        return cls(**data)
 
 
-def mape(measured: list[float], reference: list[float]) -> float:
-    return 100 * statistics.fmean(abs(m - r) / r for m, r in zip(measured, reference))
+FULL = Settings(
+    pairs=12,
+    steps=8,
+    batches=(1, 4, 16),
+    contexts=(256, 1024, 2000),
+    hybrid_points=((2800, 2), (1400, 2), (2800, 4), (1400, 4)),
+    runs={"dense": 1, "moe": 1, "hybrid-variant": 6, "hybrid-tiny": 3},
+)
+QUICK = Settings(
+    pairs=2,
+    steps=4,
+    batches=(1, 4),
+    contexts=(512,),
+    hybrid_points=((1400, 2),),  # with --only (the quick mode runs the dense model alone)
+    runs={"dense": 1},
+)
+# The variance study (--variance): the dense model at two points, each source of
+# measurement-to-measurement variance let loose in turn.
+VARIANCE = replace(FULL, batches=(1, 16), contexts=(1024,), runs={"dense": 1})
+VARIANTS = {
+    "controlled": {},
+    "fresh blocks": {"natural_blocks": "fresh"},
+    "collector free": {"gc_hold": False},
+    "unpinned": {"pin": False},
+}
 
 
-def point_medians(clock, points, batch: int, steady_steps: int, side: str) -> list[float]:
-    """Per point (in measuring order), the median of its steady steps, in ms. Steps are
-    grouped by the set of requests they ran; each group must be R steps of B requests."""
-    groups: dict[frozenset, list[float]] = {}
-    for seconds, kind, ids in clock.steps:
-        if kind == "steady":
-            groups.setdefault(ids, []).append(seconds)
-    clock.take()  # and start the next side afresh
-    shapes = [(len(ids), len(times)) for ids, times in groups.items()]
-    if shapes != [(batch, steady_steps)] * len(points):
-        sys.exit(
-            f"{side}: steady steps per point (batch, steps) {shapes}; expected {len(points)} x "
-            f"({batch}, {steady_steps})"
+@dataclass(frozen=True)
+class Case:
+    title: str
+    maker: str  # a kvwarm_testing.tiny_models maker
+    engine: dict
+    modes: tuple[str | None, ...] = (None,)  # state hand-off modes (hybrids)
+
+    def hybrid(self) -> bool:
+        return self.modes != (None,)
+
+
+_COMMON = {"seed": 0, "enforce_eager": True, "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": True}
+_HYBRID = {
+    **_COMMON,
+    "dtype": "bfloat16",
+    "mamba_ssm_cache_dtype": "float32",
+    "mamba_cache_mode": "align",
+    "enable_expert_parallel": True,
+    "max_num_batched_tokens": BATCHED_TOKENS,
+    "max_num_seqs": 16,
+}
+CASES = {
+    "dense": Case(
+        "small Llama (dense: hidden 512, 2 layers, fp32)",
+        "make_small_llama",
+        {**_COMMON, "dtype": "float32", "block_size": BLOCK, "max_num_batched_tokens": BATCHED_TOKENS},
+    ),
+    "moe": Case(
+        "small Qwen3-MoE (hidden 512, 2 layers, 8 experts top-2, fp32, expert parallel)",
+        "make_small_qwen3_moe",
+        {
+            **_COMMON,
+            "dtype": "float32",
+            "block_size": BLOCK,
+            "max_num_batched_tokens": BATCHED_TOKENS,
+            "enable_expert_parallel": True,
+        },
+    ),
+    "hybrid-variant": Case(
+        "Qwen3-Next variant (attention 0 and 3, linear 1 and 2, hidden 64, 8 experts top-2, bf16, EP)",
+        "make_qwen3_next_variant",
+        _HYBRID,
+        ("copy", "inplace", "exact"),
+    ),
+    "hybrid-tiny": Case(
+        "tiny Qwen3-Next (3 linear + 1 attention layer, 4 experts top-2, bf16, EP)",
+        "make_tiny_qwen3_next",
+        _HYBRID,
+        ("copy", "inplace", "exact"),
+    ),
+}
+
+
+# --- statistics (the main process) ---------------------------------------------------------
+
+
+def upper_median(values: list[float]) -> float:
+    return statistics.median_high(values)
+
+
+def paired_ratio(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float, float]:
+    """The median of a[j] / b[j] over pairs j, and its 95% percentile-bootstrap interval."""
+    ratios = [x / y for x, y in zip(a, b)]
+    rng = random.Random(seed)
+    boots = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP))
+    return statistics.median(ratios), boots[int(0.025 * BOOTSTRAP)], boots[int(0.975 * BOOTSTRAP) - 1]
+
+
+def a_a(values: list[float]) -> tuple[float, float, float]:
+    """One side against itself: measurements 1, 3, 5, ... over 0, 2, 4, ..."""
+    return paired_ratio(values[1::2], values[0::2])
+
+
+# --- one engine process: the case ----------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    """One side's measurements of one point, in the order they ran."""
+
+    walls: list[float] = field(default_factory=list)  # seconds: the upper median of each
+    phases: list[dict] = field(default_factory=list)  # seconds: each phase's median
+    tokens: list[list[list[int]]] = field(default_factory=list)  # per measurement, per request
+
+
+class Steps:
+    """Every update_from_output of the engine, seen from around the adapter's own: which
+    requests the step ran, the tokens it sampled and the window the adapter's StepTimer closed
+    for it. A steady step is one where every scheduled request decodes one token past its
+    prompt. One per scheduler (`steps_of`)."""
+
+    def __init__(self, scheduler):
+        self.windows: list = []  # the timers' `closed` list: what they append to
+        self.steady: list[tuple[frozenset, object]] = []
+        self.new_prompts: dict[str, list[int]] = {}
+        self.sampled: dict[str, list[int]] = {}
+        update = scheduler.update_from_output
+
+        def seen(output, runner_output):
+            requests, scheduled = scheduler.requests, output.num_scheduled_tokens
+            steady = (
+                bool(scheduled)
+                and not output.scheduled_new_reqs
+                and set(scheduled.values()) == {1}
+                and all(requests[r].num_computed_tokens > requests[r].num_prompt_tokens for r in scheduled)
+            )
+            for new in output.scheduled_new_reqs:
+                self.new_prompts[new.req_id] = list(new.prompt_token_ids or [])
+            before = len(self.windows)
+            result = update(output, runner_output)
+            for rid, index in (getattr(runner_output, "req_id_to_index", None) or {}).items():
+                self.sampled.setdefault(rid, []).extend(runner_output.sampled_token_ids[index])
+            if steady and len(self.windows) > before:
+                self.steady.append((frozenset(scheduled), self.windows[-1]))
+            self.windows.clear()
+            return result
+
+        scheduler.update_from_output = seen  # the engine core calls it through the instance
+
+    def take(self) -> list[tuple[frozenset, object]]:
+        steady, self.steady = self.steady, []
+        return steady
+
+    def forget(self) -> None:
+        """Drop what was seen of other requests (chains, catch-ups)."""
+        self.new_prompts.clear()
+        self.sampled.clear()
+
+
+def steps_of(scheduler) -> Steps:
+    if not hasattr(scheduler, "_fidelity_steps"):
+        scheduler._fidelity_steps = Steps(scheduler)
+    return scheduler._fidelity_steps
+
+
+class PairedRun:
+    """One engine's ladder for one state mode: the Sweep measures the shadows (every point
+    queued 1 + PAIRS times in a row); between its points the sweep is set aside (no hook runs,
+    its chains stay parked) and the natural requests of the same point run."""
+
+    def __init__(self, core, text, settings: Settings, mode: str | None, lending: str | None):
+        from vllm.kvwarm.sweep.timing import StepTimer
+
+        self.core, self.scheduler, self.text = core, core.scheduler, text
+        self.settings, self.mode, self.lending = settings, mode, lending
+        self.steps = steps_of(self.scheduler)
+        self.natural_timer = StepTimer(time.perf_counter, closed=self.steps.windows)
+        self.results: dict[tuple[int, int], dict] = {}
+        self.rows: list = []  # rows the sweep finished, not yet taken
+
+    def run(self, points) -> list[dict]:
+        from vllm.kvwarm.sweep.controller import Sweep
+        from vllm.kvwarm.sweep.plan import SweepConfig
+
+        config = SweepConfig(
+            steady_steps=self.settings.steps,
+            max_model_len=MAX_MODEL_LEN,
+            state_mode=self.mode,
+            state_lending=self.lending,
+            gc_hold=self.settings.gc_hold,
         )
-    return [1e3 * statistics.median(times) for times in groups.values()]
+        sequence = [p for p in points for _ in range(1 + self.settings.pairs)]
+        sweep = Sweep(sequence, self.text, config, progress=lambda m: None, on_row=self.rows.append)
+        sweep.timer.closed = self.steps.windows
+        scheduler = self.scheduler
+        scheduler.kvwarm_sweep = sweep
+        while True:
+            naturals = [job for row in self.rows for job in self._shadows_measured(row)]
+            self.rows.clear()
+            if naturals:
+                scheduler.kvwarm_sweep = None
+                for point, warm_up in naturals:
+                    self._natural(point, warm_up)
+                scheduler.kvwarm_sweep = sweep
+            if not scheduler.has_requests():
+                break
+            self.core.step_fn()
+        scheduler.kvwarm_sweep = None
+        if not sweep.reset_prefix_cache_ok:
+            sys.exit(f"mode {self.mode}: the sweep's leak check (reset_prefix_cache) failed")
+        return [self.results[(p.batch_size, p.total_kv_read_tokens)] for p in points]
+
+    def _result(self, point) -> dict:
+        key = (point.batch_size, point.total_kv_read_tokens)
+        if key not in self.results:
+            self.results[key] = {
+                "mode": self.mode,
+                "batch": point.batch_size,
+                "k": point.total_kv_read_tokens,
+                "contexts": point.contexts(),
+                "shadow": Measured(),
+                "natural": Measured(),
+                "order": [],
+                "load": [os.getloadavg()[0]],
+                "warm_up": {},
+            }
+        return self.results[key]
+
+    def _shadows_measured(self, row) -> list[tuple[object, bool]]:
+        """The sweep measured a point once more: keep its timed steps (checked against its
+        row); return the natural measurements to run now."""
+        from vllm.kvwarm.kv.injector import SHADOW_PREFIX
+        from vllm.kvwarm.sweep.points import DecodePoint
+
+        point = DecodePoint(row.total_kv_read_tokens, row.batch_size)
+        where = f"{self.mode or 'attention'} K={point.total_kv_read_tokens} B={point.batch_size}"
+        if row.kv_seed_regime != "real_kv":
+            sys.exit(f"{where}: {row.kv_seed_regime} {row.detail}")
+        steady = [(ids, w) for ids, w in self.steps.take() if all(r.startswith(SHADOW_PREFIX) for r in ids)]
+        if [w.wall for _, w in steady] != row.steady_seconds or len({ids for ids, _ in steady}) != 1:
+            sys.exit(f"{where}: the shadows' steady steps seen here are not the row's {row.steady_seconds}")
+        ids = sorted(steady[0][0], key=lambda r: int(r[len(SHADOW_PREFIX) :]))
+        prompts = [self.steps.new_prompts.get(r) for r in ids]
+        if prompts != [self.text(i, c) for i, c in enumerate(point.contexts())]:
+            sys.exit(f"{where}: the shadows' prompts are not chain i's first c_i tokens")
+        tokens = [self.steps.sampled.get(r, []) for r in ids]
+        self.steps.forget()
+        result = self._result(point)
+        done = result["order"].count("S")
+        if "shadow" not in result["warm_up"]:  # the first after the build: not counted
+            result["warm_up"]["shadow"] = row.steady_seconds
+            return [(point, True)]  # the naturals' warm-up prefills them
+        _record(result["shadow"], steady, tokens)
+        result["order"].append("S")
+        last = done + 1 == self.settings.pairs
+        if last:
+            result["load"].append(os.getloadavg()[0])
+        if done % 2:  # ABBA: an odd pair's natural ran before its shadow
+            return []
+        return [(point, False)] if last else [(point, False), (point, False)]  # this pair's, the next's
+
+    def _natural(self, point, warm_up: bool) -> None:
+        """B requests over chain i's first c_i tokens, under a salt of their own (so they compute
+        their KV themselves), decode 1 + STEPS tokens. The warm-up prefills them first (one
+        token each), so every counted measurement hits its own cached blocks and starts with one
+        step over the prompt's uncached tail, as a shadow starts with its admission step."""
+        from vllm.kvwarm.kv.chains import prefix_hasher
+        from vllm.kvwarm.kv.request import greedy_request
+
+        scheduler, result = self.scheduler, self._result(point)
+        prompts = [self.text(i, c) for i, c in enumerate(point.contexts())]
+        salt = f"natural-{self.mode}-{point.batch_size}-{point.total_kv_read_tokens}"
+        if self.settings.natural_blocks == "fresh":  # computed anew, in whatever blocks are free
+            salt += f"-{next(NATURAL_IDS)}"
+            warm_up = True
+        scheduler.kvwarm_timer = self.natural_timer
+        for max_tokens in (1, 1 + self.settings.steps) if warm_up else (1 + self.settings.steps,):
+            ids = []
+            for i, prompt in enumerate(prompts):
+                ids.append(f"natural_{next(NATURAL_IDS)}")
+                hasher = prefix_hasher(scheduler)
+                scheduler.add_request(
+                    greedy_request(ids[-1], prompt, max_tokens, cache_salt=f"{salt}-{i}", block_hasher=hasher)
+                )
+            enabled, hold = gc.isenabled(), self.settings.gc_hold
+            if hold:
+                gc.disable()  # as the sweep holds it for its points (sweep.gc_hold)
+            self.steps.take()
+            while scheduler.has_requests():
+                self.core.step_fn()
+            if hold:
+                gc.collect()
+                if enabled:
+                    gc.enable()
+        scheduler.kvwarm_timer = None
+        steady = self.steps.take()
+        tokens = [self.steps.sampled.get(r, []) for r in ids]
+        self.steps.forget()
+        where = f"{self.mode or 'attention'} K={point.total_kv_read_tokens} B={point.batch_size}"
+        if len(steady) != self.settings.steps or any(s != frozenset(ids) for s, _ in steady):
+            sys.exit(
+                f"{where}: the natural side ran {len(steady)} steady step(s) of its requests, not {self.settings.steps}"
+            )
+        if warm_up and "natural" not in result["warm_up"]:
+            result["warm_up"]["natural"] = [w.wall for _, w in steady]
+            return
+        _record(result["natural"], steady, tokens)
+        result["order"].append("N")
 
 
-def main() -> None:
-    run_in_temp_dir(run)
+def _record(side: Measured, steady, tokens) -> None:
+    from vllm.kvwarm.sweep.timing import phase_medians
+
+    windows = [w for _, w in steady]
+    side.walls.append(upper_median([w.wall for w in windows]))
+    side.phases.append(phase_medians(windows))
+    side.tokens.append(tokens)
 
 
-def run(tmp: Path) -> None:
-    base = load_sweep_vs_prefill()
+def ladder(case: Case, settings: Settings):
+    from vllm.kvwarm.sweep.points import DecodePoint
+
+    if case.hybrid():
+        return [DecodePoint(k, b) for k, b in settings.hybrid_points]
+    # deepest first within a batch, the largest batch first: the order the sweep measures in
+    return [
+        DecodePoint(b * c, b)
+        for b in sorted(settings.batches, reverse=True)
+        for c in sorted(settings.contexts, reverse=True)
+    ]
+
+
+def run_case(name: str, out: Path, settings: Settings) -> None:
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.kvwarm.sweep.dataset import ChainText, load_conversations
-    from vllm.kvwarm.sweep.plan import plan_rungs
+    from vllm.kvwarm.kv.layout import group_layouts
+    from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
+    from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    release = release_label()
-    batch, steady_steps = base.BATCH, base.REPEATS
-    # the sweep measures a rung deepest first: the natural side goes in the same order
-    points = [p for rung in plan_rungs(base.ladder(), steady_steps, base.MAX_MODEL_LEN) for p in rung.points]
-    models = tiny_models
-    model = models.make_small_llama(tmp / "small-llama")
-    conversations = load_conversations(models.write_sharegpt(tmp / "sharegpt.json"))
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model),
-            dtype="float32",
-            seed=0,
-            enforce_eager=True,
-            block_size=base.BLOCK,
-            max_model_len=base.MAX_MODEL_LEN,
-            max_num_batched_tokens=base.BATCHED_TOKENS,
-            max_num_seqs=2 * batch,
-            enable_prefix_caching=True,
-            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+    case = CASES[name]
+    if settings.flush_denormal:
+        import torch
+
+        torch.set_flush_denormal(True)
+    if settings.pin:  # every thread of the engine (one OpenMP thread: the caller's) on one CPU
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    with tempfile.TemporaryDirectory() as tmp:
+        model = getattr(tiny_models, case.maker)(Path(tmp) / name)
+        conversations, _ = load_dataset(tiny_models.write_sharegpt(Path(tmp) / "sharegpt.json"))
+        started = time.perf_counter()
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(model=str(model), scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler", **case.engine)
         )
-    )
-    clock = base.StepClock(engine.engine_core.engine_core)
-    tokenizer = engine.get_tokenizer()
+        start_seconds = time.perf_counter() - started
+        core = engine.engine_core.engine_core
+        tokenizer = engine.get_tokenizer()
+        text = ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
+        kvm = core.scheduler.kv_cache_manager
+        points = ladder(case, settings)
+        results = []
+        for mode in settings.modes or case.modes if case.hybrid() else case.modes:
+            lending = None
+            if mode is not None:
+                decision = decide_state_mode(kvm, group_layouts(kvm), {STATE_ENV: mode})
+                if decision.mode != mode:
+                    results.append({"mode": mode, "refused": decision.reason})
+                    continue
+                lending = decision.lending
+            results += PairedRun(core, text, settings, mode, lending).run(points)
+            if not core.scheduler.reset_prefix_cache():
+                sys.exit(f"reset_prefix_cache() failed after mode {mode}: blocks still in use")
+    for r in results:
+        for side in ("shadow", "natural"):
+            if side in r:
+                r[side] = r[side].__dict__
+    out.write_text(json.dumps({"case": name, "engine_start_seconds": start_seconds, "points": results}))
 
-    def chain_text():
-        return ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
 
-    ks = [p.total_kv_read_tokens for p in points]
+# --- the main process ----------------------------------------------------------------------
+
+
+def uptime() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
+
+
+def run_engine(name: str, run: int, tmp: Path, settings: Settings, in_process: bool = False) -> dict:
+    """One engine's measurements: in a process of its own (two engines cannot share one), or
+    in this one where it is the only engine (the quick mode: one vLLM import less)."""
+    out = tmp / f"{name}-{run}.json"
+    started = time.perf_counter()
+    if in_process:
+        run_case(name, out, settings)
+    else:
+        args = [sys.executable, str(HERE), "--case", name, "--out", str(out), "--settings", settings.to_json()]
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            sys.exit(f"the {name} engine (run {run}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    result["run"], result["wall_seconds"] = run, time.perf_counter() - started
     print(
-        f"vLLM {release} CPU engine, small Llama (hidden 512, 2 layers); B={batch}, R={steady_steps} steady steps "
-        f"per point, {ROUNDS} alternating rounds; ladder K = {ks}",
+        f"  {name} run {run}: {result['wall_seconds']:.0f} s (engine start {result['engine_start_seconds']:.0f} s); "
+        f"{uptime()}",
         flush=True,
     )
+    return result
 
-    sides = {
-        "shadow": lambda: base.warm_up_side(clock, points, chain_text(), lambda message: None),
-        "natural": lambda: base.prefill_side(clock, points, chain_text()),
-    }
-    medians: dict[str, list[list[float]]] = {name: [] for name in sides}
-    for round_ in range(1, ROUNDS + 1):
-        order = ("shadow", "natural") if round_ % 2 else ("natural", "shadow")
-        for name in order:
-            sides[name]()
-            medians[name].append(point_medians(clock, points, batch, steady_steps, name))
-            if not clock.scheduler.reset_prefix_cache():
-                sys.exit(f"reset_prefix_cache() failed after the {name} side: blocks still in use")
-        fidelity = mape(medians["shadow"][-1], medians["natural"][-1])
-        print(f"round {round_} ({order[0]} first): shadow vs natural MAPE {fidelity:.2f}%", flush=True)
 
-    print(f"{'K':>7}  {'shadow ms':>9}  {'natural ms':>10}  {'shadow/natural':>14}   (medians over rounds)")
-    over_rounds = {
-        name: [statistics.median(r[i] for r in rounds) for i in range(len(points))] for name, rounds in medians.items()
+def spread(values: list[float]) -> float:
+    """The median absolute deviation over the median: one side's measurement-to-measurement noise."""
+    m = statistics.median(values)
+    return statistics.median(abs(v - m) for v in values) / m
+
+
+def point_figures(p: dict) -> dict:
+    s, n = p["shadow"]["walls"], p["natural"]["walls"]
+    return {
+        "ratio": paired_ratio(s, n),
+        "aa_shadow": a_a(s),
+        "aa_natural": a_a(n),
+        "spread": {"shadow": spread(s), "natural": spread(n)},
+        "shadow_ms": 1e3 * statistics.median(s),
+        "natural_ms": 1e3 * statistics.median(n),
+        "phases": {
+            side: {ph: 1e3 * statistics.median(m[ph] for m in p[side]["phases"]) for ph in PHASES}
+            for side in ("shadow", "natural")
+        },
+        "schedule_ratio": paired_ratio(
+            [m["schedule"] for m in p["shadow"]["phases"]], [m["schedule"] for m in p["natural"]["phases"]]
+        ),
+        "tokens_match": _tokens_match(p),
+        # the first measurement after the build (or the point's first): against the counted median
+        "warm_up": {
+            side: upper_median(p["warm_up"][side]) / statistics.median(p[side]["walls"]) for side in p["warm_up"]
+        },
     }
-    for k, s, n in zip(ks, over_rounds["shadow"], over_rounds["natural"]):
-        print(f"{k:>7}  {s:>9.3f}  {n:>10.3f}  {s / n:>14.3f}")
-    fidelity = statistics.fmean(mape(s, n) for s, n in zip(medians["shadow"], medians["natural"]))
-    noise_by_side = {
-        name: statistics.fmean(mape(rounds[r + 1], rounds[r]) for r in range(ROUNDS - 1))
-        for name, rounds in medians.items()
-    }
-    noise = statistics.fmean(noise_by_side.values())
+
+
+def _tokens_match(p: dict) -> str:
+    """How many of the shadows' sampled tokens equal the natural requests' (first measurements)."""
+    shadow, natural = p["shadow"]["tokens"][0], p["natural"]["tokens"][0]
+    same = sum(a == b for s, t in zip(shadow, natural) for a, b in zip(s, t))
+    return f"{same}/{sum(len(t) for t in natural)}"
+
+
+def interval(f) -> str:
+    return f"{f[0]:.3f} [{f[1]:.3f}, {f[2]:.3f}]"
+
+
+def within(f) -> bool:
+    return 1 - TOLERANCE <= f[1] and f[2] <= 1 + TOLERANCE
+
+
+def print_attention_case(result: dict) -> list[dict]:
+    rows = []
     print(
-        f"fidelity: shadow vs natural MAPE {fidelity:.2f}% (mean over {ROUNDS} rounds); on the medians over "
-        f"rounds {mape(over_rounds['shadow'], over_rounds['natural']):.2f}%",
-        flush=True,
+        f"{'B':>3} {'K':>6}  {'shadow ms':>9} {'natural ms':>10}  {'shadow/natural [95%]':>22}  "
+        f"{'A/A shadow':>22}  {'A/A natural':>22}  {'spread S|N':>11}  load"
     )
+    for p in result["points"]:
+        f = point_figures(p)
+        rows.append({**f, "batch": p["batch"], "k": p["k"]})
+        print(
+            f"{p['batch']:>3} {p['k']:>6}  {f['shadow_ms']:>9.3f} {f['natural_ms']:>10.3f}  "
+            f"{interval(f['ratio']):>22}  "
+            f"{interval(f['aa_shadow']):>22}  {interval(f['aa_natural']):>22}  "
+            f"{100 * f['spread']['shadow']:>4.1f}|{100 * f['spread']['natural']:<4.1f}%  "
+            + "-".join(f"{x:.1f}" for x in p["load"])
+        )
+    print("  phases, ms (per measurement the median of its steps; the median over measurements): shadow | natural")
+    print(f"  {'B':>3} {'K':>6}  " + "  ".join(f"{ph:>15}" for ph in PHASES) + "   schedule S/N [95%]")
+    for p, f in zip(result["points"], rows):
+        cells = "  ".join(f"{f['phases']['shadow'][ph]:>6.3f} | {f['phases']['natural'][ph]:<6.3f}" for ph in PHASES)
+        print(f"  {p['batch']:>3} {p['k']:>6}  {cells}   {interval(f['schedule_ratio'])}")
+    return rows
+
+
+def print_hybrid_case(runs: list[dict]) -> dict[str, str]:
+    """Every run's rows, then per mode how many rows agree with natural decoding."""
     print(
-        f"run-to-run noise: MAPE of one round against the next {noise:.2f}% (shadow "
-        f"{noise_by_side['shadow']:.2f}%, natural {noise_by_side['natural']:.2f}%)",
-        flush=True,
+        f"{'run':>3} {'mode':>7} {'B':>2} {'K':>5}  {'shadow ms':>9} {'natural ms':>10}  "
+        f"{'shadow/natural [95%]':>22}  {'A/A natural':>22}  tokens  forward ms S|N"
     )
-    ratio = fidelity / noise if noise else float("inf")
+    agree: dict[str, list[bool]] = {}
+    by_run: dict[tuple[int, str], list[float]] = {}
+    for result in runs:
+        for p in result["points"]:
+            if "refused" in p:
+                print(f"{result['run']:>3} {p['mode']:>7}  refused: {p['refused']}")
+                continue
+            f = point_figures(p)
+            ok = f["ratio"][1] <= 1 <= f["ratio"][2] or within(f["ratio"])
+            agree.setdefault(p["mode"], []).append(ok)
+            by_run.setdefault((result["run"], p["mode"]), []).append(f["shadow_ms"])
+            print(
+                f"{result['run']:>3} {p['mode']:>7} {p['batch']:>2} {p['k']:>5}  {f['shadow_ms']:>9.3f} "
+                f"{f['natural_ms']:>10.3f}  {interval(f['ratio']):>22}  {interval(f['aa_natural']):>22}  "
+                f"{f['tokens_match']:>6}  "
+                f"{f['phases']['shadow']['forward']:.3f}|{f['phases']['natural']['forward']:.3f}"
+            )
+    for result in runs:
+        copy = by_run.get((result["run"], "copy"))
+        line = ", ".join(
+            f"{mode}/copy {statistics.median(a / b for a, b in zip(by_run[(result['run'], mode)], copy)):.3f}"
+            for mode in ("inplace", "exact")
+            if copy and (result["run"], mode) in by_run
+        )
+        if line:
+            print(f"  run {result['run']}: shadow step medians, point by point, {line}")
+    summary = {mode: f"{sum(oks)}/{len(oks)}" for mode, oks in agree.items()}
+    print(
+        "  rows agreeing with natural decoding (interval holds 1, or lies within 1 +- "
+        f"{100 * TOLERANCE:g}%): " + ", ".join(f"{m} {v}" for m, v in summary.items())
+    )
+    return summary
+
+
+def variance_study(release: str, tmp: Path) -> None:
+    """The dense model under each variant of VARIANTS, one engine each."""
+    print(f"variance study, vLLM {release}: dense model, {VARIANCE.pairs} pairs per point; {uptime()}", flush=True)
+    results = {name: run_engine("dense", 1, tmp, replace(VARIANCE, **changes)) for name, changes in VARIANTS.items()}
+    print(
+        f"\n{'variant':>18} {'B':>3} {'K':>6}  {'spread S|N':>11}  {'A/A shadow':>22}  {'A/A natural':>22}  "
+        f"{'shadow/natural [95%]':>22}  warm-up/median S|N"
+    )
+    for name, result in results.items():
+        for p in result["points"]:
+            f = point_figures(p)
+            print(
+                f"{name:>18} {p['batch']:>3} {p['k']:>6}  {100 * f['spread']['shadow']:>4.1f}|"
+                f"{100 * f['spread']['natural']:<4.1f}%  {interval(f['aa_shadow']):>22}  "
+                f"{interval(f['aa_natural']):>22}  "
+                f"{interval(f['ratio']):>22}  {f['warm_up'].get('shadow', 0):.2f}|{f['warm_up'].get('natural', 0):.2f}"
+            )
+    print(f"\n{uptime()}", flush=True)
     print(
         json.dumps(
             {
-                "metric": f"step_fidelity_mape_b{batch}_{len(points)}pts_{release}",
-                "value": round(fidelity, 2),
+                "metric": f"step_fidelity_variance_{release}",
+                "value": round(100 * max(spread_of(results["controlled"])), 2),
                 "unit": "%",
-                "baseline": round(noise, 2),
-                "ratio": round(ratio, 2),
-                "target": f"ratio <= {TARGET_RATIO:g} (fidelity MAPE within {TARGET_RATIO:g}x the run-to-run noise)",
+                "baseline": round(100 * max(max(spread_of(r)) for n, r in results.items() if n != "controlled"), 2),
+                "ratio": None,
+                "target": "report only: the largest spread (MAD/median) controlled, and with a source let loose",
+            }
+        )
+    )
+
+
+def machine_floor(settings: Settings) -> None:
+    """The host's own noise, without vLLM: a fixed matrix product about as long as a small
+    model's step, timed in the same shape (pairs of two measurements of STEPS repetitions,
+    each the upper median) in a process pinned the same way. Its A/A is the floor under any
+    A/A of the engine's."""
+    import torch
+
+    if settings.pin:
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    torch.set_num_threads(1)
+    a, b = torch.randn(512, 512), torch.randn(512, 512)  # about 10 ms a product here
+
+    def measurement() -> float:
+        times = []
+        for _ in range(settings.steps):
+            started = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - started)
+        return upper_median(times)
+
+    measurement()  # the warm-up
+    walls = [measurement() for _ in range(4 * settings.pairs)]
+    aa, ms = a_a(walls), 1e3 * statistics.median(walls)
+    print(f"machine floor: {ms:.3f} ms, spread {100 * spread(walls):.1f} %, A/A {interval(aa)}; {uptime()}")
+    print(
+        json.dumps(
+            {
+                "metric": "step_fidelity_machine_floor",
+                "value": round(100 * abs(aa[0] - 1), 2),
+                "unit": "%",
+                "baseline": round(100 * spread(walls), 2),
+                "ratio": None,
+                "target": "report only: the A/A a fixed computation shows on this host",
+            }
+        )
+    )
+
+
+def spread_of(result: dict) -> list[float]:
+    return [spread(p[side]["walls"]) for p in result["points"] for side in ("shadow", "natural")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the quick mode (also KVWARM_BENCH_QUICK=1)")
+    parser.add_argument("--only", help="comma-separated cases (default: every case of the mode)")
+    parser.add_argument("--runs", type=int, help="engine processes per hybrid case (default: FULL's)")
+    parser.add_argument("--variance", action="store_true", help="the variance study instead")
+    parser.add_argument("--floor", action="store_true", help="the host's own noise, a fixed matrix product")
+    parser.add_argument("--modes", help="comma-separated state modes of the hybrids (default: every one)")
+    parser.add_argument("--flush-denormal", action="store_true", help="subnormal floats read as zero")
+    parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one engine process
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        run_case(args.case, args.out, Settings.from_json(args.settings))
+        return
+    quick = quick_mode(sys.argv, os.environ)
+    settings = QUICK if quick else FULL
+    release = release_label()
+    if args.floor:
+        machine_floor(settings)
+        return
+    if args.variance:
+        with tempfile.TemporaryDirectory() as tmp:
+            variance_study(release, Path(tmp))
+        return
+    names = args.only.split(",") if args.only else list(settings.runs)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        sys.exit(f"--only {args.only}: unknown case(s) {unknown}; the cases are {', '.join(CASES)}")
+    if args.modes:
+        settings = replace(settings, modes=tuple(args.modes.split(",")))
+    if args.flush_denormal:
+        settings = replace(settings, flush_denormal=True)
+    if args.runs:
+        settings = replace(settings, runs={**settings.runs, **{n: args.runs for n in names if CASES[n].hybrid()}})
+    print(
+        f"vLLM {release} CPU engine: paired shadow/natural steps, {settings.pairs} ABBA pairs of {settings.steps} "
+        f"steady steps per point (after one warm-up each); {uptime()}; {os.cpu_count()} CPUs",
+        flush=True,
+    )
+    by_case: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            runs = range(1, settings.runs.get(name, 1) + 1)
+            alone = len(names) == 1 and len(runs) == 1
+            by_case[name] = [run_engine(name, run, Path(tmp), settings, in_process=alone) for run in runs]
+    headline, hybrids = [], {}
+    for name, runs in by_case.items():
+        print(f"\n{name}: {CASES[name].title}", flush=True)
+        if CASES[name].hybrid():
+            hybrids[name] = print_hybrid_case(runs)
+        else:
+            for result in runs:
+                headline += print_attention_case(result)
+    print(f"\n{uptime()}", flush=True)
+    worst = max((abs(r["ratio"][0] - 1) for r in headline), default=0.0)
+    noise = max((abs(r[k][0] - 1) for r in headline for k in ("aa_shadow", "aa_natural")), default=0.0)
+    inside = sum(within(r["ratio"]) for r in headline)
+    if headline:
+        print(
+            f"attention-only points: largest |shadow/natural - 1| {100 * worst:.2f}%, largest A/A {100 * noise:.2f}%; "
+            f"{inside}/{len(headline)} intervals within 1 +- {100 * TOLERANCE:g}%",
+            flush=True,
+        )
+    attention = "_".join(n for n in by_case if not CASES[n].hybrid()) or "hybrids"
+    print(
+        json.dumps(
+            {
+                "metric": f"step_fidelity_paired_{attention}_{release}" + ("_quick" if quick else ""),
+                "value": round(100 * worst, 2),
+                "unit": "%",
+                "baseline": round(100 * noise, 2),
+                "ratio": round(worst / noise, 2) if noise else None,
+                "target": f"every point's 95% interval within 1 +- {100 * TOLERANCE:g}% "
+                f"and A/A <= {100 * TOLERANCE:g}%",
+                "points_within": f"{inside}/{len(headline)}",
+                "hybrid_rows_agreeing": hybrids,
             }
         )
     )

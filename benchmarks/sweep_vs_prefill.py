@@ -20,12 +20,14 @@ weigh long prompts unlike a real model does.
 
 Every engine step is timed and classed (see StepClock); both sides must show R steady
 steps of B requests per point. Three alternating rounds, medians; the warm-up side runs
-first. The last line is the JSON result.
+first. `--quick` (or KVWARM_BENCH_QUICK=1): 3 points up to a quarter of the depth, one
+round. The last line is the JSON result.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,10 +36,14 @@ from pathlib import Path
 from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
 
+from kvwarm_build.sessions import quick_mode
+
 NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
 
-BATCH, REPEATS, POINTS = 4, 3, 8  # REPEATS: the sweep's default (DYN_BENCH_GIANT_KV_REPEATS)
-ROUNDS = 3  # alternating rounds of both sides; each side's median counts
+QUICK = quick_mode(sys.argv, os.environ)
+BATCH, REPEATS = 4, 3  # REPEATS: the sweep's default (DYN_BENCH_GIANT_KV_REPEATS)
+POINTS = 3 if QUICK else 8
+ROUNDS = 1 if QUICK else 3  # alternating rounds of both sides; each side's median counts
 MAX_MODEL_LEN, BLOCK, BATCHED_TOKENS = 2048, 32, 2048
 TARGET_RATIO = 3.0
 
@@ -48,7 +54,7 @@ def ladder():
     must not reach max_model_len, or vLLM finishes (and frees) the chain by length."""
     from vllm.kvwarm.sweep.points import DecodePoint
 
-    k_max = BATCH * (MAX_MODEL_LEN - 3 - REPEATS)
+    k_max = BATCH * (MAX_MODEL_LEN - 3 - REPEATS) // (4 if QUICK else 1)  # quick: a quarter as deep
     return [DecodePoint(k_max * j // POINTS, BATCH) for j in range(1, POINTS + 1)]
 
 
@@ -256,7 +262,7 @@ def run(tmp: Path) -> None:
     print(
         json.dumps(
             {
-                "metric": f"sweep_vs_prefill_b{BATCH}_{POINTS}pts_{release}",
+                "metric": f"sweep_vs_prefill_b{BATCH}_{POINTS}pts_{release}" + ("_quick" if QUICK else ""),
                 "value": round(ours, 2),
                 "unit": "s",
                 "baseline": round(baseline, 2),

@@ -176,8 +176,12 @@ def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
 
 
 def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
-    """matrix_sessions with their arguments: every build checked for reproducibility."""
-    return _with_checked_builds(matrix_sessions(releases), releases)
+    """matrix_sessions with their arguments: every build checked for reproducibility, and
+    every benchmark's quick mode on the newest release with a CPU engine (about 8 minutes
+    here: more than CI's budget leaves)."""
+    plan = _with_checked_builds(matrix_sessions(releases), releases)
+    newest_cpu = newest_cpu_release(releases)
+    return plan + ([(f"bench-{newest_cpu.short}", [QUICK_FLAG])] if newest_cpu is not None else [])
 
 
 def _with_checked_builds(names: list[str], checked: list[Release]) -> list[tuple[str, list[str] | None]]:
@@ -208,6 +212,52 @@ def needs_engine(script: Path) -> bool:
         if any(isinstance(t, ast.Name) and t.id == "NEEDS_ENGINE" for t in targets):
             return isinstance(node.value, ast.Constant) and node.value.value is True
     return False
+
+
+# A benchmark's quick mode (a small ladder, one round: minutes for all of them together, so
+# CI runs it): `nox -s bench-S -- --quick` sets QUICK_ENV for every script it runs; a script
+# run by hand also takes QUICK_FLAG. Every benchmark ends with one JSON line of RESULT_KEYS.
+QUICK_FLAG, QUICK_ENV = "--quick", "KVWARM_BENCH_QUICK"
+RESULT_KEYS = ("metric", "value", "unit", "baseline", "ratio", "target")
+
+
+def quick_mode(argv: list[str], environ) -> bool:
+    """Whether a benchmark runs its quick mode: QUICK_FLAG among its arguments or QUICK_ENV=1."""
+    return QUICK_FLAG in argv[1:] or environ.get(QUICK_ENV, "") == "1"
+
+
+def bench_arguments(posargs: list[str]) -> tuple[list[str], bool]:
+    """bench-S's arguments as (benchmark names, quick?)."""
+    flags = [a for a in posargs if a.startswith("-")]
+    unknown = [a for a in flags if a != QUICK_FLAG]
+    if unknown:
+        raise BuildError(
+            f"bench session arguments {unknown} are not understood",
+            f"pass benchmark names and, for every benchmark's quick mode, {QUICK_FLAG}",
+        )
+    return [a for a in posargs if not a.startswith("-")], QUICK_FLAG in flags
+
+
+def result_line(output: str, benchmark: str) -> dict:
+    """The result a benchmark's standard output ends with: its last line, a JSON object
+    holding RESULT_KEYS (the figures themselves are not judged here). Its standard error
+    is not part of `output` (vLLM's libraries write to it as the interpreter exits)."""
+    import json
+
+    lines = [line for line in output.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    try:
+        result = json.loads(last)
+    except json.JSONDecodeError:
+        result = None
+    missing = [k for k in RESULT_KEYS if not isinstance(result, dict) or k not in result]
+    if missing:
+        raise BuildError(
+            f"benchmark {benchmark} did not end with its result line (a JSON object with "
+            f"{', '.join(RESULT_KEYS)}; missing {', '.join(missing)}): its last line is {last[:200]!r}",
+            f"run `python benchmarks/{benchmark}.py {QUICK_FLAG}` in the bench venv and fix what stops it",
+        )
+    return result
 
 
 def benchmark_groups(folder: Path, names: list[str], release: Release) -> list[tuple[bool, list[Path]]]:

@@ -192,6 +192,61 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
     )
 
 
+def make_small_qwen3_moe(directory: Path, seed: int = 0) -> Path:
+    """The MoE counterpart of the small Llama: 2 layers, hidden 512, an 8-expert top-2 MoE
+    (experts of 256) in each, 8 heads of 64 (2 KV heads), fp32. The experts' weights are a
+    step's main cost at small batches, so which experts the batch routes to moves it.
+    Run it with --enable-expert-parallel (the gate's condition for MoE models)."""
+    return _save_model(
+        directory,
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        "float32",
+        seed,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=256,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=4096,
+    )
+
+
+def make_qwen3_next_variant(directory: Path, seed: int = 0) -> Path:
+    """Another Qwen3-Next layout: full attention in layers 0 and 3, gated-delta-net linear
+    attention in 1 and 2, hidden 64, an 8-expert top-2 MoE; head sizes 64. Run it in bfloat16
+    with mamba_ssm_cache_dtype="float32", mamba_cache_mode="align" and expert parallel on."""
+    return _save_model(
+        directory,
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        "bfloat16",
+        seed,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=4096,
+    )
+
+
 def make_tiny_nemotron_h(directory: Path, seed: int = 0) -> Path:
     """NemotronH: Mamba2, attention, Mamba2, MLP layers (dense), heads of 64, fp32.
     Mamba2 runs on the CPU engine only where the release's mixer does not need Triton
