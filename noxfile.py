@@ -239,13 +239,14 @@ def _release_sessions(release) -> None:
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)
     def bench(session: nox.Session) -> None:
         """benchmarks/NAME.py inside this release's venv; `-- NAME` runs one, `-- --quick` each
-        one's quick mode (checked to reach its result line; `matrix` runs it). A benchmark whose
+        one's quick mode (checked to reach its result line; `matrix` runs it), and what follows a
+        second `--` goes to each script (`-- step_fidelity -- --floor`). A benchmark whose
         file sets `NEEDS_ENGINE = True` at module level runs on the real CPU engine (the patched
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
         _tooling(session)
         _test_support(session)
-        names, quick = _asked(session, sessions.bench_arguments, session.posargs)
+        names, quick, script_args = _asked(session, sessions.bench_arguments, session.posargs)
         groups = _asked(session, sessions.benchmark_groups, ROOT / "benchmarks", names, release)
         env = {**_env(session), "KVWARM_RELEASE": version, **({sessions.QUICK_ENV: "1"} if quick else {})}
         for engine_kind, group in groups:
@@ -256,11 +257,11 @@ def _release_sessions(release) -> None:
                 _install_patched(session, short)
             for script in group:
                 if not quick:
-                    session.run("python", str(script), env=env)
+                    session.run("python", str(script), *script_args, env=env)
                     continue
                 started = time.monotonic()
                 # stdout is kept (its last line is the result), stderr passes through as it comes
-                output = session.run("python", str(script), env=env, silent=True, stderr=None)
+                output = session.run("python", str(script), *script_args, env=env, silent=True, stderr=None)
                 print(output, end="", flush=True)
                 _asked(session, sessions.result_line, output, script.stem)
                 session.log(f"{script.stem} (quick): its result line in {time.monotonic() - started:.0f} s")

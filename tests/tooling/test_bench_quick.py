@@ -16,16 +16,22 @@ from kvwarm_build.errors import BuildError
 RESULT = {"metric": "m", "value": 1.0, "unit": "s", "baseline": 2.0, "ratio": 0.5, "target": "ratio <= 1"}
 
 
-def test_the_bench_session_takes_benchmark_names_and_the_quick_flag():
-    assert sessions.bench_arguments([]) == ([], False)
-    assert sessions.bench_arguments(["--quick"]) == ([], True)
+def test_the_bench_session_takes_benchmark_names_the_quick_flag_and_the_scripts_arguments():
+    assert sessions.bench_arguments([]) == ([], False, [])
+    assert sessions.bench_arguments(["--quick"]) == ([], True, [])
     assert sessions.bench_arguments(["step_fidelity", "--quick", "build_time"]) == (
         ["step_fidelity", "build_time"],
         True,
+        [],
+    )
+    assert sessions.bench_arguments(["step_fidelity", "--", "--only", "dense", "--"]) == (
+        ["step_fidelity"],
+        False,
+        ["--only", "dense", "--"],
     )
     with pytest.raises(BuildError) as err:
         sessions.bench_arguments(["--fast"])
-    assert "--fast" in err.value.problem and "--quick" in err.value.fix
+    assert "--fast" in err.value.problem and "--quick" in err.value.fix and "`--`" in err.value.fix
 
 
 def test_a_benchmark_is_quick_by_its_flag_or_the_sessions_variable():

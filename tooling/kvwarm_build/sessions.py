@@ -226,16 +226,20 @@ def quick_mode(argv: list[str], environ) -> bool:
     return QUICK_FLAG in argv[1:] or environ.get(QUICK_ENV, "") == "1"
 
 
-def bench_arguments(posargs: list[str]) -> tuple[list[str], bool]:
-    """bench-S's arguments as (benchmark names, quick?)."""
-    flags = [a for a in posargs if a.startswith("-")]
+def bench_arguments(posargs: list[str]) -> tuple[list[str], bool, list[str]]:
+    """bench-S's arguments as (benchmark names, quick?, the scripts' own arguments): what
+    follows a `--` goes to every benchmark run (`-- step_fidelity -- --only dense`)."""
+    cut = posargs.index("--") if "--" in posargs else len(posargs)
+    ours, theirs = posargs[:cut], posargs[cut + 1 :]
+    flags = [a for a in ours if a.startswith("-")]
     unknown = [a for a in flags if a != QUICK_FLAG]
     if unknown:
         raise BuildError(
             f"bench session arguments {unknown} are not understood",
-            f"pass benchmark names and, for every benchmark's quick mode, {QUICK_FLAG}",
+            f"pass benchmark names and, for every benchmark's quick mode, {QUICK_FLAG}; "
+            "a benchmark's own arguments after a second `--`",
         )
-    return [a for a in posargs if not a.startswith("-")], QUICK_FLAG in flags
+    return [a for a in ours if not a.startswith("-")], QUICK_FLAG in flags, theirs
 
 
 def result_line(output: str, benchmark: str) -> dict:
