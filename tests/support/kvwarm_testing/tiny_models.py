@@ -137,46 +137,53 @@ def make_small_llama(directory: Path, seed: int = 0) -> Path:
     )
 
 
-def make_tiny_qwen3_moe(directory: Path, seed: int = 0, kv_heads: int = 1) -> Path:
-    """Attention-only MoE: 2 layers, a 4-expert top-2 MoE in each, head size 64, fp32.
-    Run it with --enable-expert-parallel (the gate's condition for MoE models). `kv_heads`
-    widens the KV a token reads (8: about 1.3 us per token of KV on this host, where 1 is
-    lost in a busy host's noise)."""
+def _qwen3_moe(directory: Path, seed: int, **dims) -> Path:
+    """A 2-layer Qwen3-MoE in fp32, top-2 over its experts, MoE in every layer, heads of 64."""
     return _save_model(
         directory,
         "Qwen3MoeConfig",
         "Qwen3MoeForCausalLM",
         "float32",
         seed,
-        hidden_size=128,
-        intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=max(2, kv_heads),
-        num_key_value_heads=kv_heads,
         head_dim=64,
-        num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=64,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         max_position_embeddings=4096,
+        **dims,
     )
 
 
-def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
-    """The Qwen3-Next layout: 3 gated-delta-net linear-attention layers + 1 full attention
-    layer, a 4-expert top-2 MoE; head sizes 64 (CPU kernels support them). Run it in
-    bfloat16 with mamba_ssm_cache_dtype="float32"."""
+def make_tiny_qwen3_moe(directory: Path, seed: int = 0, kv_heads: int = 1) -> Path:
+    """Attention-only MoE: 2 layers, a 4-expert top-2 MoE in each, head size 64, fp32.
+    Run it with --enable-expert-parallel (the gate's condition for MoE models). `kv_heads`
+    widens the KV a token reads (8: about 1.3 us per token of KV on this host, where 1 is
+    lost in a busy host's noise)."""
+    return _qwen3_moe(
+        directory,
+        seed,
+        hidden_size=128,
+        intermediate_size=128,
+        num_attention_heads=max(2, kv_heads),
+        num_key_value_heads=kv_heads,
+        num_experts=4,
+        moe_intermediate_size=64,
+    )
+
+
+def _qwen3_next(directory: Path, seed: int, **dims) -> Path:
+    """A 4-layer Qwen3-Next in bfloat16: heads of 64 (CPU kernels support them), 2 attention
+    heads over 1 KV head, gated-delta-net layers of 1 key and 2 value heads, a top-2 MoE with
+    experts and shared expert of 64. Run it with mamba_ssm_cache_dtype="float32"."""
     return _save_model(
         directory,
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
         "bfloat16",
         seed,
-        hidden_size=128,
         intermediate_size=128,
         num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"],
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
@@ -184,11 +191,24 @@ def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
         linear_num_value_heads=2,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
-        num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=64,
         shared_expert_intermediate_size=64,
         max_position_embeddings=4096,
+        **dims,
+    )
+
+
+def make_tiny_qwen3_next(directory: Path, seed: int = 0) -> Path:
+    """The Qwen3-Next layout: 3 gated-delta-net linear-attention layers + 1 full attention
+    layer, a 4-expert top-2 MoE; head sizes 64 (CPU kernels support them). Run it in
+    bfloat16 with mamba_ssm_cache_dtype="float32"."""
+    return _qwen3_next(
+        directory,
+        seed,
+        hidden_size=128,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_experts=4,
     )
 
 
@@ -197,24 +217,15 @@ def make_small_qwen3_moe(directory: Path, seed: int = 0) -> Path:
     (experts of 256) in each, 8 heads of 64 (2 KV heads), fp32. The experts' weights are a
     step's main cost at small batches, so which experts the batch routes to moves it.
     Run it with --enable-expert-parallel (the gate's condition for MoE models)."""
-    return _save_model(
+    return _qwen3_moe(
         directory,
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        "float32",
         seed,
         hidden_size=512,
         intermediate_size=1024,
-        num_hidden_layers=2,
         num_attention_heads=8,
         num_key_value_heads=2,
-        head_dim=64,
         num_experts=8,
-        num_experts_per_tok=2,
         moe_intermediate_size=256,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=4096,
     )
 
 
@@ -222,28 +233,12 @@ def make_qwen3_next_variant(directory: Path, seed: int = 0) -> Path:
     """Another Qwen3-Next layout: full attention in layers 0 and 3, gated-delta-net linear
     attention in 1 and 2, hidden 64, an 8-expert top-2 MoE; head sizes 64. Run it in bfloat16
     with mamba_ssm_cache_dtype="float32", mamba_cache_mode="align" and expert parallel on."""
-    return _save_model(
+    return _qwen3_next(
         directory,
-        "Qwen3NextConfig",
-        "Qwen3NextForCausalLM",
-        "bfloat16",
         seed,
         hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
         layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
         num_experts=8,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        max_position_embeddings=4096,
     )
 
 
