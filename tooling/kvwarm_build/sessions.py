@@ -177,8 +177,8 @@ def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
 
 def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     """matrix_sessions with their arguments: every build checked for reproducibility, and
-    every benchmark's quick mode on the newest release with a CPU engine (about 8 minutes
-    here: more than CI's budget leaves)."""
+    every benchmark's quick mode on the newest release with a CPU engine (about 4 minutes
+    here with its venvs: more than CI's budget leaves)."""
     plan = _with_checked_builds(matrix_sessions(releases), releases)
     newest_cpu = newest_cpu_release(releases)
     return plan + ([(f"bench-{newest_cpu.short}", [QUICK_FLAG])] if newest_cpu is not None else [])
@@ -214,9 +214,9 @@ def needs_engine(script: Path) -> bool:
     return False
 
 
-# A benchmark's quick mode (a small ladder, one round: minutes for all of them together, so
-# CI runs it): `nox -s bench-S -- --quick` sets QUICK_ENV for every script it runs; a script
-# run by hand also takes QUICK_FLAG. Every benchmark ends with one JSON line of RESULT_KEYS.
+# A benchmark's quick mode (a small ladder, one round: minutes for all of them together; the
+# matrix runs it): `nox -s bench-S -- --quick` sets QUICK_ENV for every script it runs; a
+# script run by hand also takes QUICK_FLAG. Every benchmark ends with one JSON line of RESULT_KEYS.
 QUICK_FLAG, QUICK_ENV = "--quick", "KVWARM_BENCH_QUICK"
 RESULT_KEYS = ("metric", "value", "unit", "baseline", "ratio", "target")
 
