@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import COMPILED, VERSION, entries, make_patches, sha256
+from conftest import COMPILED, VERSION, entries, make_patches, release_toml, sha256
 
 from kvwarm_build import project
 from kvwarm_build.build import build, check_reproducible, current_record
@@ -127,6 +127,28 @@ def _rewrite(wheel: Path, name: str, data: bytes) -> None:
     with zipfile.ZipFile(wheel, "w") as zf:
         for info, old in items:
             zf.writestr(info, data if info.filename == name else old)
+
+
+def test_unchanged_entries_are_copied_as_the_release_wheel_stores_them(tree):
+    # One entry stored uncompressed (as wheels may keep small or incompressible files), the
+    # others deflated: each unchanged one keeps its stored bytes; a patched one is written anew.
+    with zipfile.ZipFile(tree["wheel"]) as zf:
+        items = [(i, zf.read(i)) for i in zf.infolist()]
+    with zipfile.ZipFile(tree["wheel"], "w") as zf:
+        for info, data in items:
+            info.compress_type = zipfile.ZIP_STORED if info.filename == "vllm/version.py" else zipfile.ZIP_DEFLATED
+            zf.writestr(info, data)
+    (tree["root"] / "releases.toml").write_text(release_toml(tree["wheel"]))
+    wheel = run_build(tree)
+    with zipfile.ZipFile(tree["wheel"]) as up, zipfile.ZipFile(wheel) as built:
+        stored = lambda info: (info.compress_type, info.compress_size, info.CRC)
+        ours = {i.filename: i for i in built.infolist()}
+        for name in ("vllm/version.py", "vllm/__init__.py", *COMPILED):
+            assert stored(ours[name]) == stored(up.getinfo(name)) and built.read(name) == up.read(name)
+            assert ours[name].date_time == max(i.date_time for i in up.infolist())
+        assert ours["vllm/version.py"].compress_type == zipfile.ZIP_STORED
+        assert ours["vllm/v1/core/block_pool.py"].CRC != up.getinfo("vllm/v1/core/block_pool.py").CRC
+    assert record_problems(wheel) == []
 
 
 def test_validation_catches_tampered_entries_and_changed_compiled_files(tree):

@@ -1,10 +1,9 @@
 """Every release's wheel, a few builds at a time.
 
-A build is mostly one core's work (compressing the repacked wheel, hashing it, importing it
+A build is mostly one core's work (reading and hashing the repacked wheel, importing it
 once), so on two cores two builds take little longer than one. Each runs as its own
-`kvwarm-build build` process: a build sets process-wide state while it writes the wheel
-(SOURCE_DATE_EPOCH, repack.py), and a failure stays one release's. Their output is
-interleaved line by line, each line led by its release.
+`kvwarm-build build` process, so a failure stays one release's. Their output is interleaved
+line by line, each line led by its release.
 """
 
 from __future__ import annotations

@@ -1,21 +1,27 @@
 """Write the patched wheel: upstream entries, patched files, overlay, label, build record.
 
-Entries are streamed from the release wheel into a new one with `wheel`'s WheelFile, which
-verifies every upstream entry against its RECORD while reading and writes a fresh RECORD.
-Everything that could vary between runs is fixed: entry order, timestamps, file modes, the
-compression level. Same inputs therefore give a byte-identical wheel.
+What the series leaves unchanged is copied from the release wheel as it is stored there
+(its compressed bytes, under the new wheel's timestamp and modes): inflating and deflating
+hundreds of MiB again was most of a build. Its RECORD rows are upstream's, which the
+sha256-pinned release wheel vouches for; validation re-reads every entry of the result
+against them. Everything else is written at a fixed compression level, and entry order,
+timestamps and modes are fixed, so the same inputs give a byte-identical wheel.
 """
 
 from __future__ import annotations
 
-import calendar
+import base64
+import csv
+import hashlib
+import io
 import os
 import re
 import stat
+import struct
 import zipfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from packaging.version import Version
 from wheel.wheelfile import WheelFile
@@ -24,6 +30,10 @@ from .errors import BuildError
 
 FORBIDDEN_LABEL_PARTS = ("cpu", "rocm", "tpu", "xpu")  # vLLM's platform detection greps these
 COMPRESS_LEVEL = 6  # zlib's default, which the release wheels use: same size as upstream
+# A zip entry's local header: signature, versions, flags, method, time, date, CRC, sizes,
+# then the lengths of the name and of the extra field that follow it.
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_HEADER_SIGNATURE = 0x04034B50
 
 
 @dataclass(frozen=True)
@@ -80,21 +90,6 @@ def _entry(name: str, mode_source: int, date_time: tuple) -> zipfile.ZipInfo:
     return info
 
 
-@contextmanager
-def _source_date_epoch(date_time: tuple):
-    """WheelFile stamps the RECORD it writes on close from SOURCE_DATE_EPOCH, else from
-    the clock: pin it to the wheel's fixed timestamp while writing."""
-    saved = os.environ.get("SOURCE_DATE_EPOCH")
-    os.environ["SOURCE_DATE_EPOCH"] = str(calendar.timegm((*date_time, 0, 0, 0)))
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["SOURCE_DATE_EPOCH"]
-        else:
-            os.environ["SOURCE_DATE_EPOCH"] = saved
-
-
 def relabel_version_file(text: str, version: str, patched: str, label: str) -> str:
     """Point vllm/_version.py at the labelled version (setuptools-scm layout)."""
     new, n = re.subn(
@@ -131,6 +126,47 @@ def retag_wheel_file(text: str, tag: str) -> str:
     return "\n".join(lines).rstrip("\n") + f"\nTag: {tag}\n\n"
 
 
+def _record_rows(zin: zipfile.ZipFile, dist_info: str) -> dict[str, tuple[str, str]]:
+    """The release wheel's RECORD as {path: (hash, size)}."""
+    text = zin.read(f"{dist_info}/RECORD").decode()
+    return {row[0]: (row[1], row[2]) for row in csv.reader(io.StringIO(text)) if row and row[1]}
+
+
+def _copy_stored(source: BinaryIO, info: zipfile.ZipInfo, zout: zipfile.ZipFile, entry: zipfile.ZipInfo) -> None:
+    """Write `info`'s stored (compressed) bytes from the open release wheel `source` into
+    `zout` under `entry`'s name, timestamp and mode. zipfile has no public call for a raw
+    copy, so this does what its own writer does around the data (the header at start_dir,
+    then the entry in the central directory lists)."""
+    source.seek(info.header_offset)
+    header = source.read(_LOCAL_HEADER.size)
+    fields = _LOCAL_HEADER.unpack(header)
+    if fields[0] != _LOCAL_HEADER_SIGNATURE:
+        raise BuildError(f"{info.filename}: no local file header where the release wheel says", "fetch it again")
+    source.seek(fields[-2] + fields[-1], os.SEEK_CUR)  # past the name and the extra field
+    entry.compress_type, entry.CRC = info.compress_type, info.CRC
+    entry.compress_size, entry.file_size = info.compress_size, info.file_size
+    zout.fp.seek(zout.start_dir)
+    entry.header_offset = zout.start_dir
+    zout._writecheck(entry)
+    zout._didModify = True
+    zout.fp.write(entry.FileHeader())
+    left = info.compress_size
+    while left:
+        chunk = source.read(min(left, 1 << 20))
+        if not chunk:
+            raise BuildError(f"{info.filename}: the release wheel ends inside this entry", "fetch it again")
+        zout.fp.write(chunk)
+        left -= len(chunk)
+    zout.start_dir = zout.fp.tell()
+    zout.filelist.append(entry)
+    zout.NameToInfo[entry.filename] = entry
+
+
+def _hash_row(data: bytes) -> tuple[str, str]:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"sha256={digest}", str(len(data))
+
+
 def repack(
     upstream: Path,
     out: Path,
@@ -147,7 +183,7 @@ def repack(
     patched = check_label(label, source.version)
     target = WheelName(source.dist, patched, source.tag)
     path = out / target.filename
-    with WheelFile(upstream) as zin:
+    with WheelFile(upstream) as zin, open(upstream, "rb") as stored:
         infos = zin.infolist()
         names = {i.filename for i in infos}
         clash = sorted(set(additions) & names)
@@ -156,13 +192,19 @@ def repack(
                 f"overlay/new files would replace upstream files: {', '.join(clash[:5])}",
                 "change upstream files with a patch, not the overlay",
             )
+        upstream_rows = _record_rows(zin, source.dist_info)
         # One fixed timestamp per release wheel: its newest entry's.
         date_time = max(i.date_time for i in infos)
-
         dist_info = [i for i in infos if i.filename.startswith(source.dist_info + "/")]
+        record: dict[str, tuple[str, str]] = {}
+
+        def write(name: str, mode_source: int, data: bytes) -> None:
+            zout.writestr(_entry(name, mode_source, date_time), data)
+            record[name] = _hash_row(data)
+
         total = sum(i.file_size for i in infos)
         done, shown = 0, 0
-        with _source_date_epoch(date_time), WheelFile(path, "w") as zout:
+        with zipfile.ZipFile(path, "w") as zout:
             for info in infos:
                 done += info.file_size
                 if done * 4 // total > shown:  # a line per quarter of the bytes
@@ -171,26 +213,36 @@ def repack(
                 if info in dist_info or info.is_dir():
                     continue
                 name = info.filename
-                if name in replacements:
-                    data = replacements[name]
-                    if data is None:
-                        continue
-                else:
-                    data = zin.read(info)
                 if name == "vllm/_version.py":
-                    data = relabel_version_file(data.decode(), source.version, patched, label).encode()
-                zout.writestr(_entry(name, info.external_attr, date_time), data)
+                    data = replacements.get(name, zin.read(info))
+                    write(
+                        name,
+                        info.external_attr,
+                        relabel_version_file(data.decode(), source.version, patched, label).encode(),
+                    )
+                elif name in replacements:
+                    if replacements[name] is not None:
+                        write(name, info.external_attr, replacements[name])
+                elif name in upstream_rows:
+                    _copy_stored(stored, info, zout, _entry(name, info.external_attr, date_time))
+                    record[name] = upstream_rows[name]
+                else:
+                    write(name, info.external_attr, zin.read(info))  # no upstream RECORD row: hashed here
             for name in sorted(additions):
-                zout.writestr(_entry(name, 0, date_time), additions[name])
+                write(name, 0, additions[name])
             for info in dist_info:
                 leaf = info.filename[len(source.dist_info) + 1 :]
                 if leaf == "RECORD":
-                    continue  # WheelFile writes a new one on close
+                    continue  # written last, for this wheel
                 data = zin.read(info)
                 if leaf == "METADATA":
                     data = relabel_metadata(data.decode(), source.version, patched).encode()
                 elif leaf == "WHEEL":
                     data = retag_wheel_file(data.decode(), target.tag).encode()
-                name = f"{target.dist_info}/{leaf}"
-                zout.writestr(_entry(name, info.external_attr, date_time), data)
+                write(f"{target.dist_info}/{leaf}", info.external_attr, data)
+            rows = io.StringIO()
+            writer = csv.writer(rows, lineterminator="\n")
+            writer.writerows((name, hash_, size) for name, (hash_, size) in record.items())
+            writer.writerow((f"{target.dist_info}/RECORD", "", ""))
+            zout.writestr(_entry(f"{target.dist_info}/RECORD", 0, date_time), rows.getvalue())
     return path
