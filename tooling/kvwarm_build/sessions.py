@@ -15,11 +15,13 @@ from .errors import BuildError
 from .releases import Release
 
 # Per release, in the order `tests` runs them; the CPU engine tiers need a cpu flavour.
-CI_KINDS = ("upstream-tests", "unit", "engine", "smoke-cpu")
+# bench-S runs every benchmark's quick mode (`--quick`): a benchmark is the same script on
+# every release, so CI and the matrix run it once, on the newest release with a CPU engine.
+CI_KINDS = ("upstream-tests", "unit", "engine", "smoke-cpu", "bench")
 # consumers-S (real sweeps exported, then Dynamo's readers: 4 to 10 minutes) runs in the
 # matrix only; CI's unit tests check the exports on fixtures of Dynamo's own artifact.
-MATRIX_KINDS = (*CI_KINDS, "consumers")
-CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu", "consumers"})
+MATRIX_KINDS = ("upstream-tests", "unit", "engine", "smoke-cpu", "consumers")
+CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu", "consumers", "bench"})
 # The markers of tests/engine whose tests need an engine of their own kind (two CPU engines
 # at once fail vLLM's memory check): tests/engine/conftest.py registers these and refuses a
 # run that mixes kinds; engine-S runs one pytest process per kind. The one home of both.
@@ -92,7 +94,8 @@ def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
 # the oldest row and the newest (the two ends of the series' history) and on a release a
 # Dynamo release pins (`shipped_by`: what Dynamo's users run). The CPU engine tier runs on
 # the oldest release with a CPU engine (its copy-on-write backport) and the newest (the
-# engine users run now, with the multi-rank engines and the smoke). Everything else (the
+# engine users run now, with the multi-rank engines, the smoke and every benchmark's quick
+# mode). Everything else (the
 # other releases' gates and engines, the consumers, the images on a stand-in base, every
 # build checked for reproducibility) runs in `nox -s matrix`.
 
@@ -133,7 +136,7 @@ def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
     for release in releases:
         got = ["build", *(["upstream-tests"] if release.short in gated else []), "unit"]
         if release.short in engines:
-            got += ["engine", *(["smoke-cpu"] if release is newest_cpu else [])]
+            got += ["engine", *(["smoke-cpu", "bench"] if release is newest_cpu else [])]
         roles = [r for r in (gated.get(release.short), engines.get(release.short)) if r]
         why = " and ".join(roles) or "between the releases with a role"
         skipped = [k for k in kinds(release, MATRIX_KINDS) if k not in got]
@@ -159,12 +162,14 @@ def ci_sessions(releases: list[Release]) -> list[str]:
 
 
 def matrix_sessions(releases: list[Release]) -> list[str]:
-    """Every tier of every release (`nox -s matrix`); matrix_plan checks every build for
-    reproducibility."""
+    """Every tier of every release (`nox -s matrix`), the images on a stand-in base and the
+    benchmarks' quick modes; matrix_plan checks every build for reproducibility."""
     names = ["lint-patches", "builds"]
     for kind in MATRIX_KINDS:
         names += [f"{kind}-{r.short}" for r in releases if kind in kinds(r, MATRIX_KINDS)]
-    return [*names, *(f"image-standin-{r.short}" for r in releases)]
+    newest_cpu = newest_cpu_release(releases)
+    bench = [f"bench-{newest_cpu.short}"] if newest_cpu is not None else []
+    return [*names, *(f"image-standin-{r.short}" for r in releases), *bench]
 
 
 def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
@@ -172,22 +177,20 @@ def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     arguments: ci_sessions, the newest release's build checked for reproducibility. The
     Dockerfile is checked statically by the tooling tests; its real build on a stand-in
     base (image-standin-S: 4 min warm, 7 from an empty cache) runs in the matrix."""
-    return _with_checked_builds(ci_sessions(releases), releases[-1:])
+    return _with_arguments(ci_sessions(releases), releases[-1:])
 
 
 def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
-    """matrix_sessions with their arguments: every build checked for reproducibility, and
-    every benchmark's quick mode on the newest release with a CPU engine (about 4 minutes
-    here with its venvs: more than CI's budget leaves)."""
-    plan = _with_checked_builds(matrix_sessions(releases), releases)
-    newest_cpu = newest_cpu_release(releases)
-    return plan + ([(f"bench-{newest_cpu.short}", [QUICK_FLAG])] if newest_cpu is not None else [])
+    """matrix_sessions with their arguments: every build checked for reproducibility."""
+    return _with_arguments(matrix_sessions(releases), releases)
 
 
-def _with_checked_builds(names: list[str], checked: list[Release]) -> list[tuple[str, list[str] | None]]:
-    """Each session with its arguments: `builds` checks these releases' builds, the rest none."""
+def _with_arguments(names: list[str], checked: list[Release]) -> list[tuple[str, list[str] | None]]:
+    """Each session with its arguments: `builds` checks these releases' builds, `bench-S`
+    runs the quick modes, the rest none."""
     builds_args = [arg for r in checked for arg in ("--check-reproducible", r.short)]
-    return [(name, builds_args if name == "builds" else None) for name in names]
+    args = {"builds": builds_args}
+    return [(name, args.get(name, [QUICK_FLAG] if name.startswith("bench-") else None)) for name in names]
 
 
 def engine_selections(release: Release, releases: list[Release]) -> list[list[str]]:
@@ -214,8 +217,8 @@ def needs_engine(script: Path) -> bool:
     return False
 
 
-# A benchmark's quick mode (a small ladder, one round: minutes for all of them together; the
-# matrix runs it): `nox -s bench-S -- --quick` sets QUICK_ENV for every script it runs; a
+# A benchmark's quick mode (a small ladder, one round: minutes for all of them together; CI
+# and the matrix run it): `nox -s bench-S -- --quick` sets QUICK_ENV for every script it runs; a
 # script run by hand also takes QUICK_FLAG. Every benchmark ends with one JSON line of RESULT_KEYS.
 QUICK_FLAG, QUICK_ENV = "--quick", "KVWARM_BENCH_QUICK"
 RESULT_KEYS = ("metric", "value", "unit", "baseline", "ratio", "target")
