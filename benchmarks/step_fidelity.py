@@ -21,35 +21,50 @@ steps (the sweep's row median), per phase the median. Per point:
 
   ratio  the median over pairs of shadow/natural, with a 95% percentile-bootstrap interval
          (resampling pairs);
-  A/A    the same statistic between the two halves of one side (measurements 0, 2, 4, ...
-         against 1, 3, 5, ...), for each side: the noise a ratio of 1 carries.
+  A/A    the same statistic within one side, each measurement against the one two later
+         (2 over 0, 3 over 1, 6 over 4, ...: both ran after the same side), for each side:
+         the noise a ratio of 1 carries;
+  after other/own  a side's measurements run right after the other side's over those run
+         right after its own: what the state one side leaves costs the next (ABBA cancels it
+         from the ratio; an A/A of even against odd measurements would measure it instead);
+  faults, preempted  per steady step, the process's minor page faults and involuntary
+         context switches (getrusage), the median over measurements.
 
 What is controlled, and why (docs/measurements.md, "Paired step fidelity"): the natural side
 holds the collector as the sweep does; both sides reuse their own cached blocks from one
 measurement to the next (a natural request hits its own earlier prefill, a shadow its parked
 chain), so no measurement gets other physical blocks than the one before; the first
 measurement after a build or a new point is the warm-up, not counted; the load average is
-recorded with each point.
+recorded with each point. `--variance` changes one thing at a time (fresh blocks, the
+collector free, an unpinned process, the engine's other threads isolated from its CPU, glibc
+without its trim, tcmalloc, the KV cache on huge pages).
 
-`--quick` (or KVWARM_BENCH_QUICK=1): the dense model alone, two points, two pairs.
+`--quick` (or KVWARM_BENCH_QUICK=1): the dense model alone, two points, four pairs (the fewest
+that give an A/A). `--pairs N` for more pairs: on a host whose speed drifts, a point's interval
+narrows only as 1/sqrt(N) (docs/measurements.md, "What the variance is").
 The last line is the JSON result.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
+import math
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from _engine import release_label  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
@@ -80,8 +95,10 @@ class Settings:
     natural_blocks: str = "own"  # own: a natural measurement hits its earlier blocks; fresh: new ones
     gc_hold: bool = True  # the collector held out of both sides' measurements
     pin: bool = True  # the engine process pinned to one CPU
+    isolate: bool = False  # with pin: the engine's other threads (gloo's loops, ...) on the other CPUs
     modes: tuple[str, ...] | None = None  # the hybrids' state modes (default: every one)
     flush_denormal: bool = False  # torch.set_flush_denormal: subnormal floats read as zero
+    allocator: str = "glibc"  # the engine process's malloc: a key of ALLOCATORS
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -104,7 +121,7 @@ FULL = Settings(
     runs={"dense": 1, "moe": 1, "hybrid-variant": 6, "hybrid-tiny": 3},
 )
 QUICK = Settings(
-    pairs=2,
+    pairs=4,
     steps=4,
     batches=(1, 4),
     contexts=(512,),
@@ -119,6 +136,24 @@ VARIANTS = {
     "fresh blocks": {"natural_blocks": "fresh"},
     "collector free": {"gc_hold": False},
     "unpinned": {"pin": False},
+    "isolated": {"isolate": True},
+    "glibc, no trim": {"allocator": "glibc-no-trim"},
+    "tcmalloc": {"allocator": "tcmalloc"},
+    "huge pages": {"allocator": "thp"},
+}
+# The engine process's malloc, set in its environment before it starts. glibc's default
+# gives memory above its trim threshold back to the kernel and serves large blocks by mmap:
+# the next step that needs them faults their pages in again (and the kernel zeroes them).
+# vLLM's own CPU launcher preloads tcmalloc where it finds it; an in-process engine, as here
+# and in every test, runs on whatever the interpreter started with.
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
+ALLOCATORS = {
+    "glibc": {},
+    "glibc-no-trim": {"MALLOC_TRIM_THRESHOLD_": str(1 << 40), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)},
+    "tcmalloc": {"LD_PRELOAD": str(TCMALLOC)},
+    # torch's CPU allocator asks for transparent huge pages (madvise) for large blocks: the KV
+    # cache; with the kernel's THP in `madvise` mode, nothing else gets them.
+    "thp": {"THP_MEM_ALLOC_ENABLE": "1"},
 }
 
 
@@ -178,6 +213,9 @@ CASES = {
 # --- statistics (the main process) ---------------------------------------------------------
 
 
+NOT_MEASURED = (math.nan, math.nan, math.nan)
+
+
 def upper_median(values: list[float]) -> float:
     return statistics.median_high(values)
 
@@ -191,8 +229,26 @@ def paired_ratio(a: list[float], b: list[float], seed: int = 0) -> tuple[float, 
 
 
 def a_a(values: list[float]) -> tuple[float, float, float]:
-    """One side against itself: measurements 1, 3, 5, ... over 0, 2, 4, ..."""
-    return paired_ratio(values[1::2], values[0::2])
+    """One side against itself, each measurement against the one two later (2 over 0, 3 over
+    1, 6 over 4, 7 over 5, ...): ABBA runs a side's measurements alternately after one of its
+    own and after one of the other side's, and two apart they ran after the same."""
+    first = [j for j in range(len(values) - 2) if j % 4 < 2]
+    if not first:  # fewer than three measurements (the quick mode)
+        return NOT_MEASURED
+    return paired_ratio([values[j + 2] for j in first], [values[j] for j in first])
+
+
+def carry_over(point: dict, side: str) -> tuple[float, float, float]:
+    """A side's measurements that ran right after the other side's over those right after
+    its own (the k-th against the k-th): what the state the other side leaves costs."""
+    letter = side[0].upper()  # `order` holds S and N
+    after: dict[bool, list[float]] = {True: [], False: []}
+    positions = [i for i, x in enumerate(point["order"]) if x == letter]
+    for wall, i in zip(point[side]["walls"], positions):
+        if i:
+            after[point["order"][i - 1] == letter].append(wall)
+    n = min(len(after[True]), len(after[False]))
+    return paired_ratio(after[False][:n], after[True][:n]) if n else NOT_MEASURED
 
 
 # --- one engine process: the case ----------------------------------------------------------
@@ -205,17 +261,28 @@ class Measured:
     walls: list[float] = field(default_factory=list)  # seconds: the upper median of each
     phases: list[dict] = field(default_factory=list)  # seconds: each phase's median
     tokens: list[list[list[int]]] = field(default_factory=list)  # per measurement, per request
+    faults: list[float] = field(default_factory=list)  # the median minor page faults of its steps
+    preempted: list[float] = field(default_factory=list)  # the median involuntary context switches
+
+
+class SteadyStep(NamedTuple):
+    ids: frozenset  # the requests it ran
+    window: object  # the StepTimer's window
+    faults: int  # minor page faults of the process since the step before
+    preempted: int  # involuntary context switches since the step before
 
 
 class Steps:
     """Every update_from_output of the engine, seen from around the adapter's own: which
     requests the step ran, the tokens it sampled and the window the adapter's StepTimer closed
-    for it. A steady step is one where every scheduled request decodes one token past its
-    prompt. One per scheduler (`steps_of`)."""
+    for it, and what the process's resource usage says of it (page faults, preemptions). A
+    steady step is one where every scheduled request decodes one token past its prompt. One
+    per scheduler (`steps_of`)."""
 
     def __init__(self, scheduler):
         self.windows: list = []  # the timers' `closed` list: what they append to
-        self.steady: list[tuple[frozenset, object]] = []
+        self.steady: list[SteadyStep] = []
+        self.usage = _usage()
         self.new_prompts: dict[str, list[int]] = {}
         self.sampled: dict[str, list[int]] = {}
         update = scheduler.update_from_output
@@ -234,14 +301,16 @@ class Steps:
             result = update(output, runner_output)
             for rid, index in (getattr(runner_output, "req_id_to_index", None) or {}).items():
                 self.sampled.setdefault(rid, []).extend(runner_output.sampled_token_ids[index])
+            usage, self.usage = self.usage, _usage()
             if steady and len(self.windows) > before:
-                self.steady.append((frozenset(scheduled), self.windows[-1]))
+                faults, preempted = (now - then for now, then in zip(self.usage, usage))
+                self.steady.append(SteadyStep(frozenset(scheduled), self.windows[-1], faults, preempted))
             self.windows.clear()
             return result
 
         scheduler.update_from_output = seen  # the engine core calls it through the instance
 
-    def take(self) -> list[tuple[frozenset, object]]:
+    def take(self) -> list[SteadyStep]:
         steady, self.steady = self.steady, []
         return steady
 
@@ -249,6 +318,11 @@ class Steps:
         """Drop what was seen of other requests (chains, catch-ups)."""
         self.new_prompts.clear()
         self.sampled.clear()
+
+
+def _usage() -> tuple[int, int]:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt, usage.ru_nivcsw
 
 
 def steps_of(scheduler) -> Steps:
@@ -330,10 +404,10 @@ class PairedRun:
         where = f"{self.mode or 'attention'} K={point.total_kv_read_tokens} B={point.batch_size}"
         if row.kv_seed_regime != "real_kv":
             sys.exit(f"{where}: {row.kv_seed_regime} {row.detail}")
-        steady = [(ids, w) for ids, w in self.steps.take() if all(r.startswith(SHADOW_PREFIX) for r in ids)]
-        if [w.wall for _, w in steady] != row.steady_seconds or len({ids for ids, _ in steady}) != 1:
+        steady = [s for s in self.steps.take() if all(r.startswith(SHADOW_PREFIX) for r in s.ids)]
+        if [s.window.wall for s in steady] != row.steady_seconds or len({s.ids for s in steady}) != 1:
             sys.exit(f"{where}: the shadows' steady steps seen here are not the row's {row.steady_seconds}")
-        ids = sorted(steady[0][0], key=lambda r: int(r[len(SHADOW_PREFIX) :]))
+        ids = sorted(steady[0].ids, key=lambda r: int(r[len(SHADOW_PREFIX) :]))
         prompts = [self.steps.new_prompts.get(r) for r in ids]
         if prompts != [self.text(i, c) for i, c in enumerate(point.contexts())]:
             sys.exit(f"{where}: the shadows' prompts are not chain i's first c_i tokens")
@@ -391,24 +465,26 @@ class PairedRun:
         tokens = [self.steps.sampled.get(r, []) for r in ids]
         self.steps.forget()
         where = f"{self.mode or 'attention'} K={point.total_kv_read_tokens} B={point.batch_size}"
-        if len(steady) != self.settings.steps or any(s != frozenset(ids) for s, _ in steady):
+        if len(steady) != self.settings.steps or any(s.ids != frozenset(ids) for s in steady):
             sys.exit(
                 f"{where}: the natural side ran {len(steady)} steady step(s) of its requests, not {self.settings.steps}"
             )
         if warm_up and "natural" not in result["warm_up"]:
-            result["warm_up"]["natural"] = [w.wall for _, w in steady]
+            result["warm_up"]["natural"] = [s.window.wall for s in steady]
             return
         _record(result["natural"], steady, tokens)
         result["order"].append("N")
 
 
-def _record(side: Measured, steady, tokens) -> None:
+def _record(side: Measured, steady: list[SteadyStep], tokens) -> None:
     from vllm.kvwarm.sweep.timing import phase_medians
 
-    windows = [w for _, w in steady]
+    windows = [s.window for s in steady]
     side.walls.append(upper_median([w.wall for w in windows]))
     side.phases.append(phase_medians(windows))
     side.tokens.append(tokens)
+    side.faults.append(statistics.median(s.faults for s in steady))
+    side.preempted.append(statistics.median(s.preempted for s in steady))
 
 
 def ladder(case: Case, settings: Settings):
@@ -422,6 +498,19 @@ def ladder(case: Case, settings: Settings):
         for b in sorted(settings.batches, reverse=True)
         for c in sorted(settings.contexts, reverse=True)
     ]
+
+
+def isolate_this_thread() -> None:
+    """Leave this thread's CPU to it: every other thread of the process (vLLM's gloo groups
+    start several loop threads, each waking about 100 times a second) goes to the other CPUs."""
+    here, main = os.sched_getaffinity(0), threading.get_native_id()
+    others = set(range(os.cpu_count() or 1)) - here
+    if not others:
+        sys.exit("--isolate needs a CPU besides the measuring one")
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        if tid != main:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, others)
 
 
 def run_case(name: str, out: Path, settings: Settings) -> None:
@@ -446,6 +535,8 @@ def run_case(name: str, out: Path, settings: Settings) -> None:
             EngineArgs(model=str(model), scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler", **case.engine)
         )
         start_seconds = time.perf_counter() - started
+        if settings.pin and settings.isolate:
+            isolate_this_thread()
         core = engine.engine_core.engine_core
         tokenizer = engine.get_tokenizer()
         text = ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
@@ -463,11 +554,25 @@ def run_case(name: str, out: Path, settings: Settings) -> None:
             results += PairedRun(core, text, settings, mode, lending).run(points)
             if not core.scheduler.reset_prefix_cache():
                 sys.exit(f"reset_prefix_cache() failed after mode {mode}: blocks still in use")
+        huge_pages = _huge_pages_kib()
     for r in results:
         for side in ("shadow", "natural"):
             if side in r:
                 r[side] = r[side].__dict__
-    out.write_text(json.dumps({"case": name, "engine_start_seconds": start_seconds, "points": results}))
+    out.write_text(
+        json.dumps(
+            {"case": name, "engine_start_seconds": start_seconds, "huge_pages_kib": huge_pages, "points": results}
+        )
+    )
+
+
+def _huge_pages_kib() -> int:
+    """How much of this process's memory transparent huge pages back (the KV cache, if any)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
 
 
 # --- the main process ----------------------------------------------------------------------
@@ -484,17 +589,20 @@ def run_engine(name: str, run: int, tmp: Path, settings: Settings, in_process: b
     out = tmp / f"{name}-{run}.json"
     started = time.perf_counter()
     if in_process:
+        if settings.allocator != "glibc":
+            sys.exit(f"the {settings.allocator} allocator needs an engine process of its own")
         run_case(name, out, settings)
     else:
         args = [sys.executable, str(HERE), "--case", name, "--out", str(out), "--settings", settings.to_json()]
-        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        env = {**os.environ, **ALLOCATORS[settings.allocator]}
+        done = subprocess.run(args, capture_output=True, text=True, check=False, env=env)
         if done.returncode != 0:
             sys.exit(f"the {name} engine (run {run}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     result = json.loads(out.read_text())
     result["run"], result["wall_seconds"] = run, time.perf_counter() - started
     print(
-        f"  {name} run {run}: {result['wall_seconds']:.0f} s (engine start {result['engine_start_seconds']:.0f} s); "
-        f"{uptime()}",
+        f"  {name} run {run}: {result['wall_seconds']:.0f} s (engine start {result['engine_start_seconds']:.0f} s; "
+        f"{result.get('huge_pages_kib', 0) >> 10} MiB on huge pages); {uptime()}",
         flush=True,
     )
     return result
@@ -512,7 +620,11 @@ def point_figures(p: dict) -> dict:
         "ratio": paired_ratio(s, n),
         "aa_shadow": a_a(s),
         "aa_natural": a_a(n),
+        "carry_over": {side: carry_over(p, side) for side in ("shadow", "natural")},
         "spread": {"shadow": spread(s), "natural": spread(n)},
+        # per step, the median over measurements (older result files lack them)
+        "faults": {side: statistics.median(p[side].get("faults") or [0]) for side in ("shadow", "natural")},
+        "preempted": {side: statistics.median(p[side].get("preempted") or [0]) for side in ("shadow", "natural")},
         "shadow_ms": 1e3 * statistics.median(s),
         "natural_ms": 1e3 * statistics.median(n),
         "phases": {
@@ -549,7 +661,7 @@ def print_attention_case(result: dict) -> list[dict]:
     rows = []
     print(
         f"{'B':>3} {'K':>6}  {'shadow ms':>9} {'natural ms':>10}  {'shadow/natural [95%]':>22}  "
-        f"{'A/A shadow':>22}  {'A/A natural':>22}  {'spread S|N':>11}  load"
+        f"{'A/A shadow':>22}  {'A/A natural':>22}  {'spread S|N':>11}  faults S|N  load"
     )
     for p in result["points"]:
         f = point_figures(p)
@@ -559,7 +671,7 @@ def print_attention_case(result: dict) -> list[dict]:
             f"{interval(f['ratio']):>22}  "
             f"{interval(f['aa_shadow']):>22}  {interval(f['aa_natural']):>22}  "
             f"{100 * f['spread']['shadow']:>4.1f}|{100 * f['spread']['natural']:<4.1f}%  "
-            + "-".join(f"{x:.1f}" for x in p["load"])
+            f"{f['faults']['shadow']:>4.0f}|{f['faults']['natural']:<4.0f}  " + "-".join(f"{x:.1f}" for x in p["load"])
         )
     print("  phases, ms (per measurement the median of its steps; the median over measurements): shadow | natural")
     print(f"  {'B':>3} {'K':>6}  " + "  ".join(f"{ph:>15}" for ph in PHASES) + "   schedule S/N [95%]")
@@ -609,31 +721,41 @@ def print_hybrid_case(runs: list[dict]) -> dict[str, str]:
     return summary
 
 
-def variance_study(release: str, tmp: Path) -> None:
-    """The dense model under each variant of VARIANTS, one engine each."""
+def variance_study(release: str, tmp: Path, variants: list[str], runs: int) -> None:
+    """The dense model under each of `variants` (VARIANTS' names), `runs` engines each."""
     print(f"variance study, vLLM {release}: dense model, {VARIANCE.pairs} pairs per point; {uptime()}", flush=True)
-    results = {name: run_engine("dense", 1, tmp, replace(VARIANCE, **changes)) for name, changes in VARIANTS.items()}
+    results = {}
+    for name in variants:
+        changes = VARIANTS[name]
+        if changes.get("allocator") == "tcmalloc" and not TCMALLOC.exists():
+            print(f"  {name}: left out, no {TCMALLOC} (Debian's libtcmalloc-minimal4)", flush=True)
+            continue
+        for run in range(1, runs + 1):
+            label = name if runs == 1 else f"{name} #{run}"
+            results[label] = run_engine("dense", run, tmp, replace(VARIANCE, **changes))
     print(
-        f"\n{'variant':>18} {'B':>3} {'K':>6}  {'spread S|N':>11}  {'A/A shadow':>22}  {'A/A natural':>22}  "
-        f"{'shadow/natural [95%]':>22}  warm-up/median S|N"
+        f"\n{'variant':>15} {'B':>2} {'K':>6} {'ms S|N':>13}  {'spread S|N':>11}  {'A/A shadow':>22}  "
+        f"{'A/A natural':>22}  {'after other/own, N':>22}  {'shadow/natural [95%]':>22}  faults S|N  preempted S|N"
     )
     for name, result in results.items():
         for p in result["points"]:
             f = point_figures(p)
             print(
-                f"{name:>18} {p['batch']:>3} {p['k']:>6}  {100 * f['spread']['shadow']:>4.1f}|"
-                f"{100 * f['spread']['natural']:<4.1f}%  {interval(f['aa_shadow']):>22}  "
-                f"{interval(f['aa_natural']):>22}  "
-                f"{interval(f['ratio']):>22}  {f['warm_up'].get('shadow', 0):.2f}|{f['warm_up'].get('natural', 0):.2f}"
+                f"{name:>15} {p['batch']:>2} {p['k']:>6} {f['shadow_ms']:>6.2f}|{f['natural_ms']:<6.2f}  "
+                f"{100 * f['spread']['shadow']:>4.1f}|{100 * f['spread']['natural']:<4.1f}%  "
+                f"{interval(f['aa_shadow']):>22}  {interval(f['aa_natural']):>22}  "
+                f"{interval(f['carry_over']['natural']):>22}  {interval(f['ratio']):>22}  "
+                f"{f['faults']['shadow']:>4.0f}|{f['faults']['natural']:<4.0f}  "
+                f"{f['preempted']['shadow']:>4.1f}|{f['preempted']['natural']:<4.1f}"
             )
     print(f"\n{uptime()}", flush=True)
     print(
         json.dumps(
             {
                 "metric": f"step_fidelity_variance_{release}",
-                "value": round(100 * max(spread_of(results["controlled"])), 2),
+                "value": _largest_spread(r for n, r in results.items() if n.startswith("controlled")),
                 "unit": "%",
-                "baseline": round(100 * max(max(spread_of(r)) for n, r in results.items() if n != "controlled"), 2),
+                "baseline": _largest_spread(r for n, r in results.items() if not n.startswith("controlled")),
                 "ratio": None,
                 "target": "report only: the largest spread (MAD/median) controlled, and with a source let loose",
             }
@@ -642,45 +764,73 @@ def variance_study(release: str, tmp: Path) -> None:
 
 
 def machine_floor(settings: Settings) -> None:
-    """The host's own noise, without vLLM: a fixed matrix product about as long as a small
-    model's step, timed in the same shape (pairs of two measurements of STEPS repetitions,
-    each the upper median) in a process pinned the same way. Its A/A is the floor under any
-    A/A of the engine's."""
+    """The host's own noise, without vLLM: fixed work about as long as a small model's step,
+    timed in the same shape (measurements of STEPS repetitions, each the upper median) in a
+    process pinned the same way. Three probes take turns, so they see the same moments: a
+    matrix product that stays in the caches (compute), a sum over 128 MiB (memory bandwidth,
+    what a decode step's KV and weight reads need) and a loop of the interpreter's own work
+    (what schedule() and update_from_output() are). Their A/A is the floor under the engine's."""
     import torch
 
     if settings.pin:
         os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
-    a, b = torch.randn(512, 512), torch.randn(512, 512)  # about 10 ms a product here
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    big = torch.empty(32 << 20).uniform_()  # 128 MiB of float32
 
-    def measurement() -> float:
+    def interpreter() -> None:
+        table = {}
+        for i in range(20_000):
+            table[i % 97] = table.get(i % 97, 0) + i
+
+    probes = {
+        "compute": lambda: torch.mm(a, b),
+        "memory": lambda: big.sum(),
+        "interpreter": interpreter,
+    }
+
+    def measurement(probe) -> float:
         times = []
         for _ in range(settings.steps):
             started = time.perf_counter()
-            torch.mm(a, b)
+            probe()
             times.append(time.perf_counter() - started)
         return upper_median(times)
 
-    measurement()  # the warm-up
-    walls = [measurement() for _ in range(4 * settings.pairs)]
-    aa, ms = a_a(walls), 1e3 * statistics.median(walls)
-    print(f"machine floor: {ms:.3f} ms, spread {100 * spread(walls):.1f} %, A/A {interval(aa)}; {uptime()}")
+    walls: dict[str, list[float]] = {name: [] for name in probes}
+    for name, probe in probes.items():
+        measurement(probe)  # the warm-up
+    for _ in range(4 * settings.pairs):
+        for name, probe in probes.items():
+            walls[name].append(measurement(probe))
+    figures = {}
+    for name, values in walls.items():
+        aa = a_a(values)
+        figures[name] = {"ms": 1e3 * statistics.median(values), "spread": spread(values), "aa": aa}
+        print(
+            f"machine floor, {name:>11}: {figures[name]['ms']:7.3f} ms, spread {100 * spread(values):4.1f} %, "
+            f"A/A {interval(aa)}"
+        )
+    print(uptime())
+    worst = max(abs(f["aa"][0] - 1) for f in figures.values())
     print(
         json.dumps(
             {
                 "metric": "step_fidelity_machine_floor",
-                "value": round(100 * abs(aa[0] - 1), 2),
+                "value": round(100 * worst, 2),
                 "unit": "%",
-                "baseline": round(100 * spread(walls), 2),
+                "baseline": round(100 * max(f["spread"] for f in figures.values()), 2),
                 "ratio": None,
-                "target": "report only: the A/A a fixed computation shows on this host",
+                "target": "report only: the largest A/A (value) and spread (baseline) of fixed work on this host",
+                "probes": {n: {k: v if k != "aa" else list(v) for k, v in f.items()} for n, f in figures.items()},
             }
         )
     )
 
 
-def spread_of(result: dict) -> list[float]:
-    return [spread(p[side]["walls"]) for p in result["points"] for side in ("shadow", "natural")]
+def _largest_spread(results) -> float | None:
+    spreads = [spread(p[side]["walls"]) for r in results for p in r["points"] for side in ("shadow", "natural")]
+    return round(100 * max(spreads), 2) if spreads else None
 
 
 def main() -> None:
@@ -688,8 +838,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the quick mode (also KVWARM_BENCH_QUICK=1)")
     parser.add_argument("--only", help="comma-separated cases (default: every case of the mode)")
     parser.add_argument("--runs", type=int, help="engine processes per hybrid case (default: FULL's)")
+    parser.add_argument("--pairs", type=int, help="ABBA pairs per point (default: 12; the interval narrows as 1/sqrt)")
     parser.add_argument("--variance", action="store_true", help="the variance study instead")
-    parser.add_argument("--floor", action="store_true", help="the host's own noise, a fixed matrix product")
+    parser.add_argument("--variants", help=f"the variance study's variants (default: all of {', '.join(VARIANTS)})")
+    parser.add_argument(
+        "--floor", action="store_true", help="the host's own noise: fixed compute, memory and interpreter work"
+    )
     parser.add_argument("--modes", help="comma-separated state modes of the hybrids (default: every one)")
     parser.add_argument("--flush-denormal", action="store_true", help="subnormal floats read as zero")
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one engine process
@@ -707,7 +861,11 @@ def main() -> None:
         return
     if args.variance:
         with tempfile.TemporaryDirectory() as tmp:
-            variance_study(release, Path(tmp))
+            variants = args.variants.split(",") if args.variants else list(VARIANTS)
+            unknown = [v for v in variants if v not in VARIANTS]
+            if unknown:
+                sys.exit(f"--variants {args.variants}: unknown {unknown}; the variants are {', '.join(VARIANTS)}")
+            variance_study(release, Path(tmp), variants, args.runs or 1)
         return
     names = args.only.split(",") if args.only else list(settings.runs)
     unknown = [n for n in names if n not in CASES]
@@ -717,6 +875,8 @@ def main() -> None:
         settings = replace(settings, modes=tuple(args.modes.split(",")))
     if args.flush_denormal:
         settings = replace(settings, flush_denormal=True)
+    if args.pairs:
+        settings = replace(settings, pairs=args.pairs)
     if args.runs:
         settings = replace(settings, runs={**settings.runs, **{n: args.runs for n in names if CASES[n].hybrid()}})
     print(
@@ -740,7 +900,8 @@ def main() -> None:
                 headline += print_attention_case(result)
     print(f"\n{uptime()}", flush=True)
     worst = max((abs(r["ratio"][0] - 1) for r in headline), default=0.0)
-    noise = max((abs(r[k][0] - 1) for r in headline for k in ("aa_shadow", "aa_natural")), default=0.0)
+    noises = (abs(r[k][0] - 1) for r in headline for k in ("aa_shadow", "aa_natural"))
+    noise = max((n for n in noises if math.isfinite(n)), default=0.0)
     inside = sum(within(r["ratio"]) for r in headline)
     if headline:
         print(
