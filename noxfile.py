@@ -239,8 +239,8 @@ def _release_sessions(release) -> None:
     @nox.session(name=f"bench-{short}", tags=["bench"], default=False)
     def bench(session: nox.Session) -> None:
         """benchmarks/NAME.py inside this release's venv; `-- NAME` runs one, `-- --quick` each
-        one's quick mode (checked to reach its result line; `matrix` runs it), and what follows a
-        second `--` goes to each script (`-- step_fidelity -- --floor`). A benchmark whose
+        one's quick mode (checked to reach its result line; `tests` and `matrix` run it), and
+        what follows a second `--` goes to each script (`-- step_fidelity -- --floor`). A benchmark whose
         file sets `NEEDS_ENGINE = True` at module level runs on the real CPU engine (the patched
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
@@ -361,8 +361,8 @@ def gpu_smoke_all(session: nox.Session) -> None:
 @nox.session(default=False)
 def tests(session: nox.Session) -> None:
     """Everything CI runs: lint, tooling tests, lint-patches, then each release's tier
-    (releases.toml's rule): builds, upstream, unit and engine tests; the smoke on the newest
-    CPU release."""
+    (releases.toml's rule): builds, upstream, unit and engine tests; the smoke and every
+    benchmark's quick mode on the newest CPU release."""
     lint(session)  # seconds: a style slip fails before minutes of builds
     tooling(session)
     for release, got, why in sessions.ci_tiers(RELEASES):
