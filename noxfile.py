@@ -178,7 +178,10 @@ def _release_sessions(release) -> None:
             _install_patched(session, short, flavour="cpu", deps=engine_deps)
             selections = sessions.engine_selections(release, RELEASES)
             for selection in selections if not session.posargs else [[]]:
-                session.run("pytest", "-q", *selection, *(session.posargs or ["tests/engine"]), env=_env(session))
+                # -rs: a skipped engine test says why (a host whose CPU engine cannot run its model)
+                session.run(
+                    "pytest", "-q", "-rs", *selection, *(session.posargs or ["tests/engine"]), env=_env(session)
+                )
 
         @nox.session(name=f"consumers-{short}", tags=["consumers"], default=False)
         def consumers(session: nox.Session) -> None:

@@ -26,6 +26,25 @@ def use_in_process_engine(kv_cache_gib: int = 1) -> None:
         os.environ.setdefault(key, value)
 
 
+def fp32_conv_refusal() -> str | None:
+    """Why this host's CPU engine cannot load an fp32 Mamba2 model (None when it can). On a
+    CPU with AVX-512 BF16, vLLM prepacks causal_conv1d weights with a kernel that some
+    releases implement for bf16 only; probed by packing a small fp32 weight."""
+    import torch
+
+    if not torch.cpu._is_avx512_bf16_supported():
+        return None
+    from vllm import _custom_ops as ops
+
+    if not hasattr(ops, "causal_conv1d_weight_pack"):
+        return None
+    try:
+        ops.causal_conv1d_weight_pack(torch.zeros(64, 4))  # (channels, width): channels a multiple of 32
+    except NotImplementedError as err:  # the dtype; any other error is the probe's own and is raised
+        return f"this CPU has AVX-512 BF16, and vLLM's causal_conv1d weight prepack refuses fp32 here ({err})"
+    return None
+
+
 def engine_env(device: str) -> dict[str, str]:
     """The environment of an engine in another process on `device` (cpu | cuda)."""
     return dict(CPU_ENGINE_ENV) if device == "cpu" else {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
