@@ -243,8 +243,9 @@ def _release_sessions(release) -> None:
     def bench(session: nox.Session) -> None:
         """benchmarks/NAME.py inside this release's venv; `-- NAME` runs one, `-- --quick` each
         one's quick mode (checked to reach its result line; `tests` and `matrix` run it), and
-        what follows a second `--` goes to each script (`-- step_fidelity -- --floor`). A benchmark whose
-        file sets `NEEDS_ENGINE = True` at module level runs on the real CPU engine (the patched
+        what follows a second `--` goes to each script (`-- step_fidelity -- --floor`). A
+        benchmark whose file sets `NEEDS_ENGINE = True` at module level runs on the real CPU
+        engine (the patched
         cpu-flavour wheel on the engine deps, as engine-S); the others on the patched cuda wheel
         (scheduler-only deps, as unit-S). Scheduler-only benchmarks run first, then engine ones."""
         _tooling(session)

@@ -602,7 +602,7 @@ def run_engine(name: str, run: int, tmp: Path, settings: Settings, in_process: b
     result["run"], result["wall_seconds"] = run, time.perf_counter() - started
     print(
         f"  {name} run {run}: {result['wall_seconds']:.0f} s (engine start {result['engine_start_seconds']:.0f} s; "
-        f"{result.get('huge_pages_kib', 0) >> 10} MiB on huge pages); {uptime()}",
+        f"{result['huge_pages_kib'] >> 10} MiB on huge pages); {uptime()}",
         flush=True,
     )
     return result
@@ -622,9 +622,9 @@ def point_figures(p: dict) -> dict:
         "aa_natural": a_a(n),
         "carry_over": {side: carry_over(p, side) for side in ("shadow", "natural")},
         "spread": {"shadow": spread(s), "natural": spread(n)},
-        # per step, the median over measurements (older result files lack them)
-        "faults": {side: statistics.median(p[side].get("faults") or [0]) for side in ("shadow", "natural")},
-        "preempted": {side: statistics.median(p[side].get("preempted") or [0]) for side in ("shadow", "natural")},
+        # per step, the median over measurements
+        "faults": {side: statistics.median(p[side]["faults"]) for side in ("shadow", "natural")},
+        "preempted": {side: statistics.median(p[side]["preempted"]) for side in ("shadow", "natural")},
         "shadow_ms": 1e3 * statistics.median(s),
         "natural_ms": 1e3 * statistics.median(n),
         "phases": {
@@ -806,11 +806,8 @@ def machine_floor(settings: Settings) -> None:
     figures = {}
     for name, values in walls.items():
         aa = a_a(values)
-        figures[name] = {"ms": 1e3 * statistics.median(values), "spread": spread(values), "aa": aa}
-        print(
-            f"machine floor, {name:>11}: {figures[name]['ms']:7.3f} ms, spread {100 * spread(values):4.1f} %, "
-            f"A/A {interval(aa)}"
-        )
+        f = figures[name] = {"ms": 1e3 * statistics.median(values), "spread": spread(values), "aa": aa}
+        print(f"machine floor, {name:>11}: {f['ms']:7.3f} ms, spread {100 * f['spread']:4.1f} %, A/A {interval(aa)}")
     print(uptime())
     worst = max(abs(f["aa"][0] - 1) for f in figures.values())
     print(
@@ -822,7 +819,7 @@ def machine_floor(settings: Settings) -> None:
                 "baseline": round(100 * max(f["spread"] for f in figures.values()), 2),
                 "ratio": None,
                 "target": "report only: the largest A/A (value) and spread (baseline) of fixed work on this host",
-                "probes": {n: {k: v if k != "aa" else list(v) for k, v in f.items()} for n, f in figures.items()},
+                "probes": figures,
             }
         )
     )

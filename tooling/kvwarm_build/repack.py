@@ -30,6 +30,7 @@ from .errors import BuildError
 
 FORBIDDEN_LABEL_PARTS = ("cpu", "rocm", "tpu", "xpu")  # vLLM's platform detection greps these
 COMPRESS_LEVEL = 6  # zlib's default, which the release wheels use: same size as upstream
+VERSION_FILE = "vllm/_version.py"  # relabelled, so never copied as stored
 # A zip entry's local header: signature, versions, flags, method, time, date, CRC, sizes,
 # then the lengths of the name and of the extra field that follow it.
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
@@ -126,10 +127,9 @@ def retag_wheel_file(text: str, tag: str) -> str:
     return "\n".join(lines).rstrip("\n") + f"\nTag: {tag}\n\n"
 
 
-def _record_rows(zin: zipfile.ZipFile, dist_info: str) -> dict[str, tuple[str, str]]:
-    """The release wheel's RECORD as {path: (hash, size)}."""
-    text = zin.read(f"{dist_info}/RECORD").decode()
-    return {row[0]: (row[1], row[2]) for row in csv.reader(io.StringIO(text)) if row and row[1]}
+def parse_record(data: bytes) -> dict[str, tuple[str, str]]:
+    """A wheel's RECORD as {path: (hash, size)}; RECORD's own row has neither."""
+    return {row[0]: (row[1], row[2]) for row in csv.reader(io.StringIO(data.decode())) if row}
 
 
 def _copy_stored(source: BinaryIO, info: zipfile.ZipInfo, zout: zipfile.ZipFile, entry: zipfile.ZipInfo) -> None:
@@ -192,7 +192,7 @@ def repack(
                 f"overlay/new files would replace upstream files: {', '.join(clash[:5])}",
                 "change upstream files with a patch, not the overlay",
             )
-        upstream_rows = _record_rows(zin, source.dist_info)
+        upstream_rows = {path: row for path, row in parse_record(zin.read(zin.record_path)).items() if row[0]}
         # One fixed timestamp per release wheel: its newest entry's.
         date_time = max(i.date_time for i in infos)
         dist_info = [i for i in infos if i.filename.startswith(source.dist_info + "/")]
@@ -213,21 +213,19 @@ def repack(
                 if info in dist_info or info.is_dir():
                     continue
                 name = info.filename
-                if name == "vllm/_version.py":
-                    data = replacements.get(name, zin.read(info))
-                    write(
-                        name,
-                        info.external_attr,
-                        relabel_version_file(data.decode(), source.version, patched, label).encode(),
-                    )
-                elif name in replacements:
-                    if replacements[name] is not None:
-                        write(name, info.external_attr, replacements[name])
-                elif name in upstream_rows:
+                if name in replacements:
+                    data = replacements[name]
+                    if data is None:
+                        continue
+                elif name in upstream_rows and name != VERSION_FILE:
                     _copy_stored(stored, info, zout, _entry(name, info.external_attr, date_time))
                     record[name] = upstream_rows[name]
+                    continue
                 else:
-                    write(name, info.external_attr, zin.read(info))  # no upstream RECORD row: hashed here
+                    data = zin.read(info)
+                if name == VERSION_FILE:
+                    data = relabel_version_file(data.decode(), source.version, patched, label).encode()
+                write(name, info.external_attr, data)
             for name in sorted(additions):
                 write(name, 0, additions[name])
             for info in dist_info:

@@ -95,9 +95,8 @@ def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
 # Dynamo release pins (`shipped_by`: what Dynamo's users run). The CPU engine tier runs on
 # the oldest release with a CPU engine (its copy-on-write backport) and the newest (the
 # engine users run now, with the multi-rank engines, the smoke and every benchmark's quick
-# mode). Everything else (the
-# other releases' gates and engines, the consumers, the images on a stand-in base, every
-# build checked for reproducibility) runs in `nox -s matrix`.
+# mode). Everything else (the other releases' gates and engines, the consumers, the images
+# on a stand-in base, every build checked for reproducibility) runs in `nox -s matrix`.
 
 
 def newest_cpu_release(releases: list[Release]) -> Release | None:
@@ -189,8 +188,13 @@ def _with_arguments(names: list[str], checked: list[Release]) -> list[tuple[str,
     """Each session with its arguments: `builds` checks these releases' builds, `bench-S`
     runs the quick modes, the rest none."""
     builds_args = [arg for r in checked for arg in ("--check-reproducible", r.short)]
-    args = {"builds": builds_args}
-    return [(name, args.get(name, [QUICK_FLAG] if name.startswith("bench-") else None)) for name in names]
+
+    def arguments(name: str) -> list[str] | None:
+        if name == "builds":
+            return builds_args
+        return [QUICK_FLAG] if name.startswith("bench-") else None
+
+    return [(name, arguments(name)) for name in names]
 
 
 def engine_selections(release: Release, releases: list[Release]) -> list[list[str]]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ast
-import csv
-import io
 import json
 import subprocess
 import sys
@@ -16,7 +14,7 @@ from wheel.wheelfile import WheelError, WheelFile
 
 from .errors import BuildError
 from .installer import install
-from .repack import WheelName
+from .repack import WheelName, parse_record
 from .venvs import layer_on_deps, venv_python
 
 _MARK = "KVWARM-PROBE "
@@ -55,8 +53,8 @@ def overlay_imports(wheel: Path) -> list[str]:
 def record_rows(wheel: Path) -> dict[str, str]:
     """RECORD of a wheel as {path: hash}."""
     with WheelFile(wheel) as zf:
-        text = zf.read(zf.record_path).decode()
-    return {row[0]: row[1] for row in csv.reader(io.StringIO(text)) if row}
+        rows = parse_record(zf.read(zf.record_path))
+    return {path: hash_ for path, (hash_, _) in rows.items()}
 
 
 def record_problems(wheel: Path) -> list[str]:
