@@ -44,12 +44,12 @@ def hybrid(tmp_path_factory):
     )
 
 
-def test_this_build_gives_exact_state_by_default_lent_in_place(hybrid):
+def test_this_build_gives_exact_state_by_default_lent_by_copy(hybrid):
     kvm = hybrid.kv_cache_manager
     layouts = group_layouts(kvm)
     assert [g.kind for g in layouts].count(STATE_ALIGN) == 3
     decision = decide_state_mode(kvm, layouts, {})
-    assert (decision.mode, decision.lending) == ("exact", "inplace")
+    assert (decision.mode, decision.lending) == ("exact", "copy")
 
 
 @pytest.mark.parametrize("mode", ["copy", "inplace"])

@@ -49,7 +49,8 @@ def test_a_point_is_admitted_one_token_short_then_decoded_by_the_stock_loop(sche
     new = {r.req_id: r for r in admission.scheduled_new_reqs}
     for shadow, chain, ctx in zip(point.shadows, chains, [60, 99]):
         sid = shadow.request_id
-        assert sid.startswith(SHADOW_PREFIX) and shadow.borrowed_kv
+        # keys of its own on an attention layout: hashed past its prefix, like any request
+        assert sid.startswith(SHADOW_PREFIX) and not shadow.borrowed_kv
         assert new[sid].num_computed_tokens == ctx and admission.num_scheduled_tokens[sid] == 1
         assert new[sid].block_ids == kvm.get_block_ids(sid)
         assert shadow.prompt_token_ids == chain.all_token_ids[: ctx + 1]
@@ -57,7 +58,13 @@ def test_a_point_is_admitted_one_token_short_then_decoded_by_the_stock_loop(sche
     copies = admission.kv_cache_block_copies or []
     assert (len(copies) == 2) == fork  # one partial tail block per shadow (60 % 16, 99 % 16)
 
+    tails = [manager.req_to_blocks[s.request_id][ctx // 16] for s, ctx in zip(point.shadows, [60, 99])]
+    chain_keys = {b.block_hash for c in chains for b in manager.req_to_blocks[c.request_id]}
     steady = [_step(scheduler) for _ in range(3)]
+    # the ctx-60 shadow fills its tail block (48..63) itself and caches it, as a natural
+    # request would; the ctx-99 one does not reach its block's end
+    assert tails[0].block_hash is not None and tails[0].block_hash not in chain_keys
+    assert tails[1].block_hash is None
     for output in steady:
         assert sorted(output.num_scheduled_tokens) == sorted(s.request_id for s in point.shadows)
         assert set(output.num_scheduled_tokens.values()) == {1}

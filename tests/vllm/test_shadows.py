@@ -225,6 +225,44 @@ def test_steady_steps_of_a_borrowed_shadow_hash_nothing():
     _assert_clean_end(kvm, shadow, chain)
 
 
+def _salted_shadow(request_id: str, chain, ctx: int):
+    """A shadow as the injector builds it: the chain's first ctx + 1 tokens, a block hasher,
+    its own id as salt."""
+    from vllm.kvwarm.kv.request import greedy_request
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+
+    hasher = get_request_block_hasher(16, sha256)
+    return greedy_request(request_id, chain.all_token_ids[: ctx + 1], 8, cache_salt=request_id, block_hasher=hasher)
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_shadow_with_keys_of_its_own_caches_only_the_blocks_it_fills(fork):
+    """own_keys on an attention layout: the stock running loop caches the tail block the
+    shadow fills under the shadow's salted key, as it would a natural request's; the
+    borrowed prefix is never re-keyed and no key of the shadow's is the chain's."""
+    kvm = make_kv_cache_manager([16])
+    manager = kvm.coordinator.single_type_managers[0]
+    chain = make_chain(kvm, "chain", 64)
+    hashes_before = {b.block_id: b.block_hash for b in manager.req_to_blocks["chain"]}
+    shadow = _salted_shadow("shadow", chain, 30)
+    register_shadow(kvm, shadow, chain, ctx=30, steady_steps=1, fork=fork, own_keys=True)
+    release_fork_retentions(kvm)
+    assert not shadow.borrowed_kv and manager.num_cached_block["shadow"] == 1
+    shadow.num_computed_tokens = 30
+    for _ in range(6):  # writes positions 30..35: block 1 full at 32, block 2 partial
+        shadow.append_output_token_ids(5)
+        assert kvm.allocate_slots(shadow, 1) is not None
+        shadow.num_computed_tokens += 1
+
+    table = manager.req_to_blocks["shadow"]
+    assert manager.num_cached_block["shadow"] == 2
+    assert table[1].block_hash is not None and table[2].block_hash is None
+    assert {b.block_id: b.block_hash for b in manager.req_to_blocks["chain"]} == hashes_before
+    assert table[1].block_hash not in hashes_before.values()
+    _assert_clean_end(kvm, shadow, chain)
+
+
 def test_registration_refuses_a_request_that_already_has_blocks():
     kvm = make_kv_cache_manager([16])
     chain = make_chain(kvm, "chain", 64)

@@ -361,9 +361,9 @@ def test_state_mode_resolution(build, requested, mode, reason):
 
 @pytest.mark.parametrize(
     "build, lending",
-    [(PATCHED_028, INPLACE), (STOCK_025, INPLACE), (STOCK_028, COPY), (StateBuild(False, False), None)],
+    [(PATCHED_028, COPY), (STOCK_025, INPLACE), (STOCK_028, COPY), (StateBuild(False, False), None)],
 )
-def test_exact_mode_lends_catch_ups_in_place_where_safe_else_by_copy(build, lending):
+def test_exact_mode_lends_catch_ups_by_copy_where_the_build_forks_else_in_place(build, lending):
     decision = resolve_state_mode(group_layouts(_hybrid()[0]), build, "exact")
     assert decision.lending == lending
 
@@ -505,3 +505,67 @@ def test_borrowed_shadows_leave_the_chain_state_alone(tmp_path, stock_loop):
     history = list(_in_place_steady_steps(tmp_path, borrowed_kv=True, stock_loop=stock_loop))
     assert [step[:3] for step in history] == [(112 + i, 3, True) for i in range(20)]
     assert all(len(step[3]) == 1 for step in history)
+
+
+@pytest.mark.parametrize("scheduler_kind", ["sync", "async"])
+def test_a_copy_shadow_with_keys_of_its_own_is_hashed_and_leaves_the_chain_alone(tmp_path, scheduler_kind):
+    """A shadow as the injector builds it (a block hasher under its own salt), lent the state
+    by copy, stepped through schedule() past the 128 crossing on a layout whose state block
+    is larger than the hash unit: it is hashed like any request (its own blocks get keys),
+    the chain's blocks keep their keys, no other block takes one of them, and every
+    reference comes back."""
+    from vllm.kvwarm.kv.request import greedy_request
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(
+        tmp_path,
+        block_size=64,
+        hash_block_size=16,
+        state_block_size=64,
+        scheduler_cls=AsyncScheduler if scheduler_kind == "async" else Scheduler,
+    )
+    kvm = scheduler.kv_cache_manager
+    chain = make_request("chain", 192, hash_block_size=16)
+    chain.max_tokens = chain.sampling_params.max_tokens = 1000
+    scheduler.add_request(chain)
+    while chain.num_computed_tokens < 192 or chain.num_output_placeholders:
+        step_scheduler(scheduler)
+    scheduler.running.remove(chain)  # parked
+    chain_blocks = [b for m in kvm.coordinator.single_type_managers for b in m.req_to_blocks["chain"]]
+    chain_keys = {b.block_id: b.block_hash for b in chain_blocks if b.block_hash is not None}
+    assert chain_keys
+
+    steps = 40
+    hasher = get_request_block_hasher(16, sha256)
+    shadow = greedy_request("shadow", chain.all_token_ids[:112], steps, cache_salt="shadow", block_hasher=hasher)
+    register_shadow(kvm, shadow, chain, ctx=111, steady_steps=steps, state_mode=COPY, own_keys=True)
+    assert not shadow.borrowed_kv
+    release_fork_retentions(kvm)
+    shadow.num_computed_tokens, shadow.status = 111, RequestStatus.RUNNING  # admitted one short
+    scheduler.requests["shadow"] = shadow
+    scheduler.running.append(shadow)
+    keyed = set()
+    while "shadow" in scheduler.requests:
+        own = [b for m in kvm.coordinator.single_type_managers for b in m.req_to_blocks.get("shadow", [])]
+        keyed |= {b.block_id for b in own if b.block_hash is not None and b.block_id not in chain_keys}
+        step_scheduler(scheduler)
+        assert {b.block_id: b.block_hash for b in chain_blocks if b.block_hash is not None} == chain_keys
+        holders = [b.block_id for b in kvm.block_pool.blocks if b.block_hash in chain_keys.values()]
+        assert sorted(holders) == sorted(chain_keys)
+    assert keyed  # the blocks it filled itself were cached, as a natural request's are
+    assert len(shadow.output_token_ids) == steps
+    _release_all(kvm, chain)
+
+
+def test_an_in_place_shadow_is_never_hashed_even_with_keys_of_its_own():
+    """In place the shadow's state block is the chain's: own_keys changes nothing there."""
+    kvm, _, _ = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    shadow = make_request("shadow", 101)
+    register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=INPLACE, own_keys=True)
+    assert shadow.borrowed_kv
+    _release_all(kvm, shadow, chain)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .borrowing import ShadowRegistrationError
+from .chains import prefix_hasher
 from .fake_kv import allocate_fake, fake_request
 from .layout import group_layouts
 from .request import greedy_request
@@ -48,10 +49,14 @@ class Admission:
     failure: str | None = None  # the registration error, when the point was refused
 
 
-def shadow_request(request_id: str, chain, ctx: int, max_tokens: int):
-    """A greedy request over the chain's first ctx + 1 tokens that decodes `max_tokens`."""
-    # Never hashed (borrowed_kv), so no block hasher; the salt keeps it out of prefix hits.
-    return greedy_request(request_id, chain.all_token_ids[: ctx + 1], max_tokens, cache_salt=request_id)
+def shadow_request(request_id: str, chain, ctx: int, max_tokens: int, block_hasher):
+    """A greedy request over the chain's first ctx + 1 tokens that decodes `max_tokens`.
+    It carries a block hasher as a frontend request does (so its steps do a natural
+    request's hashing work), salted with its own id: its keys never match the chain's,
+    and nothing can hit what it caches (kv.shadows.register_shadow says where it does)."""
+    return greedy_request(
+        request_id, chain.all_token_ids[: ctx + 1], max_tokens, cache_salt=request_id, block_hasher=block_hasher
+    )
 
 
 class ShadowInjector:
@@ -101,6 +106,7 @@ class ShadowInjector:
                 admission.state_mode,
                 " for the point",
             )
+        hasher = prefix_hasher(scheduler) if admission.chains is not None else None
         try:
             for i, ctx in enumerate(admission.contexts):
                 request_id = f"{SHADOW_PREFIX}{self._next}"
@@ -113,7 +119,7 @@ class ShadowInjector:
                     allocate_fake(kvm, request, ctx)
                     continue
                 text = (admission.prompt_chains or admission.chains)[i]
-                request = shadow_request(request_id, text, ctx, admission.steady_steps + 1)
+                request = shadow_request(request_id, text, ctx, admission.steady_steps + 1, hasher)
                 register_shadow(
                     kvm,
                     request,
@@ -123,6 +129,7 @@ class ShadowInjector:
                     fork=admission.fork,
                     state_mode=admission.state_mode,
                     room_past_chain=admission.prompt_chains is not None,
+                    own_keys=True,
                 )
                 admission.shadows.append(request)
         except BaseException:

@@ -3,7 +3,14 @@
 `register_shadow` gives a shadow request (a vLLM Request with no blocks yet) the chain's
 KV up to position ctx and private room for `steady_steps` steady steps, group by group:
 attention/MLA groups as in kv.attention, align-mode state groups as in kv.state.
-The shadow is marked `borrowed_kv`, so nothing of it is ever hashed.
+A shadow with keys of its own (a block hasher under its own salt, as the injector builds
+it) is hashed like any request past what it borrows, so a steady step does the
+prefix-cache work a natural request's does: attention groups' cached counts are pinned at
+the shared prefix, state groups' at the whole table, and the blocks it fills itself are
+cached under keys nothing else computes. Not in place: there the shadow's state block is
+the chain's, and a state manager that hashes partial tails would key it under the shadow.
+A shadow in place, or without keys of its own, is marked `borrowed_kv`: nothing of it is
+ever hashed.
 
 It stages first (the pool pre-check, every depth check, every fresh block), then commits
 group by group; any failure unwinds every step already done, so the pool is exactly as
@@ -109,12 +116,14 @@ def register_shadow(
     fork: bool | None = None,
     state_mode: str | None = None,
     room_past_chain: bool = False,
+    own_keys: bool = False,
 ) -> ShadowRegistration:
     """Raises ShadowRegistrationError (with a reason) or the underlying error, in both
     cases with nothing left registered. `chain` is the lending Request; `state_mode`
     (copy | inplace, see state_mode.resolve_state_mode) is required on hybrid layouts.
     room_past_chain: the chain holds exactly ctx tokens (an exact-state catch-up); the
-    shadow's tail past it is fresh."""
+    shadow's tail past it is fresh. own_keys: the shadow carries a block hasher salted with
+    its own id (see the module's docstring for where it is then hashed)."""
     if ctx < 1 or steady_steps < 0:
         raise ValueError(f"need ctx >= 1 and steady_steps >= 0, got ctx={ctx}, steady_steps={steady_steps}")
     if not has_borrowing_hooks(kv_cache_manager):
@@ -136,7 +145,7 @@ def register_shadow(
             for g in layouts
         ]
         tables = [commit(shadow.request_id) for commit in commits]
-        shadow.borrowed_kv = True
+        shadow.borrowed_kv = not own_keys or mode == INPLACE
     except BaseException:
         undo.run()
         raise

@@ -2,10 +2,10 @@
 
 DYN_BENCH_KV_WARMUP_STATE = auto | copy | inplace | exact (default auto, any case) is read
 only on layouts with align-mode state groups. exact (kv/catchup.py) lends each shadow a
-catch-up chain prefilled to the shadow's own context, handed over in place where that is
-safe, else by copy; a build with neither refuses it. auto means exact (its extra cost is
-untimed; docs/state-handoff.md says why). copy and in place read the chain's state at its
-whole depth: cheaper, approximate, and only on request. The decision never looks at
+catch-up chain prefilled to the shadow's own context, handed over by copy where the build
+can fork, else in place where that is safe; a build with neither refuses it. auto means
+exact (its extra cost is untimed; docs/state-handoff.md says why). copy and in place read
+the chain's state at its whole depth: cheaper, approximate, and only on request. The decision never looks at
 the free pool, so every data-parallel rank decides, and stamps, the same.
 
 In place is unsafe where a manager hashes partial state tails of a borrowed request
@@ -45,9 +45,11 @@ class StateBuild:
     inplace_ok: bool  # no state manager hashes partial tails of borrowed requests
 
     def lending_mode(self) -> str | None:
-        """How exact mode hands a catch-up chain's state over: in place (no copy; each
-        catch-up serves one shadow once) where that is safe, else copy; None: neither."""
-        return INPLACE if self.inplace_ok else COPY if self.can_fork else None
+        """How exact mode hands a catch-up chain's state over: by copy where the build can
+        fork (a copy-lent shadow is hashed like a natural request, so its steps do the same
+        prefix-cache work: kv.shadows), else in place where that is safe; None: neither.
+        The copy costs one state block a shadow and a page copy in the untimed admission."""
+        return COPY if self.can_fork else INPLACE if self.inplace_ok else None
 
 
 @dataclass(frozen=True)
