@@ -225,17 +225,6 @@ def test_steady_steps_of_a_borrowed_shadow_hash_nothing():
     _assert_clean_end(kvm, shadow, chain)
 
 
-def _salted_shadow(request_id: str, chain, ctx: int):
-    """A shadow as the injector builds it: the chain's first ctx + 1 tokens, a block hasher,
-    its own id as salt."""
-    from vllm.kvwarm.kv.request import greedy_request
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-
-    hasher = get_request_block_hasher(16, sha256)
-    return greedy_request(request_id, chain.all_token_ids[: ctx + 1], 8, cache_salt=request_id, block_hasher=hasher)
-
-
 @pytest.mark.parametrize("fork", [True, False])
 def test_a_shadow_with_keys_of_its_own_caches_only_the_blocks_it_fills(fork):
     """own_keys on an attention layout: the stock running loop caches the tail block the
@@ -245,7 +234,7 @@ def test_a_shadow_with_keys_of_its_own_caches_only_the_blocks_it_fills(fork):
     manager = kvm.coordinator.single_type_managers[0]
     chain = make_chain(kvm, "chain", 64)
     hashes_before = {b.block_id: b.block_hash for b in manager.req_to_blocks["chain"]}
-    shadow = _salted_shadow("shadow", chain, 30)
+    shadow = make_request("shadow", 31, cache_salt="shadow")  # the chain's tokens, keys of its own
     register_shadow(kvm, shadow, chain, ctx=30, steady_steps=1, fork=fork, own_keys=True)
     release_fork_retentions(kvm)
     assert not shadow.borrowed_kv and manager.num_cached_block["shadow"] == 1

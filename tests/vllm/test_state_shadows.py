@@ -514,9 +514,6 @@ def test_a_copy_shadow_with_keys_of_its_own_is_hashed_and_leaves_the_chain_alone
     is larger than the hash unit: it is hashed like any request (its own blocks get keys),
     the chain's blocks keep their keys, no other block takes one of them, and every
     reference comes back."""
-    from vllm.kvwarm.kv.request import greedy_request
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import RequestStatus
@@ -540,8 +537,8 @@ def test_a_copy_shadow_with_keys_of_its_own_is_hashed_and_leaves_the_chain_alone
     assert chain_keys
 
     steps = 40
-    hasher = get_request_block_hasher(16, sha256)
-    shadow = greedy_request("shadow", chain.all_token_ids[:112], steps, cache_salt="shadow", block_hasher=hasher)
+    shadow = make_request("shadow", 112, hash_block_size=16, cache_salt="shadow")  # the chain's tokens
+    shadow.max_tokens = shadow.sampling_params.max_tokens = steps
     register_shadow(kvm, shadow, chain, ctx=111, steady_steps=steps, state_mode=COPY, own_keys=True)
     assert not shadow.borrowed_kv
     release_fork_retentions(kvm)

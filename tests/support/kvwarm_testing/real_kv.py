@@ -198,8 +198,10 @@ def make_request(
     num_tokens: int,
     token: int = 7,
     hash_block_size: int | None = BLOCK_SIZE,
+    cache_salt: str | None = None,
 ):
-    """A greedy request of num_tokens prompt tokens; hash_block_size None: no block hasher."""
+    """A greedy request of num_tokens prompt tokens; hash_block_size None: no block hasher;
+    cache_salt: keys of its own (a shadow as the injector builds it)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -213,6 +215,7 @@ def make_request(
         prompt_token_ids=[token] * num_tokens,
         sampling_params=params,
         pooling_params=None,
+        cache_salt=cache_salt,
         block_hasher=get_request_block_hasher(hash_block_size, sha256) if hash_block_size else None,
     )
 

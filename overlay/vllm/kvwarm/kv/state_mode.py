@@ -5,8 +5,9 @@ only on layouts with align-mode state groups. exact (kv/catchup.py) lends each s
 catch-up chain prefilled to the shadow's own context, handed over by copy where the build
 can fork, else in place where that is safe; a build with neither refuses it. auto means
 exact (its extra cost is untimed; docs/state-handoff.md says why). copy and in place read
-the chain's state at its whole depth: cheaper, approximate, and only on request. The decision never looks at
-the free pool, so every data-parallel rank decides, and stamps, the same.
+the chain's state at its whole depth: cheaper, approximate, and only on request. The
+decision never looks at the free pool, so every data-parallel rank decides, and stamps,
+the same.
 
 In place is unsafe where a manager hashes partial state tails of a borrowed request
 (stock 0.28.0's `_cache_partial_tail_block`: the shadow's key stacks on the chain's
