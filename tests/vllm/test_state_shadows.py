@@ -566,3 +566,63 @@ def test_an_in_place_shadow_is_never_hashed_even_with_keys_of_its_own():
     register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=INPLACE, own_keys=True)
     assert shadow.borrowed_kv
     _release_all(kvm, shadow, chain)
+
+
+@pytest.mark.parametrize("mode", [COPY, INPLACE])
+@pytest.mark.parametrize("ctx, noted", [(150, 1), (100, 0), (60, None)])
+def test_a_shadow_is_noted_as_come_from_the_slot_below(mode, ctx, noted):
+    """The manager notes the slot below the read slot as the one the shadow's state left
+    (none below slot 0); that slot is null in the shadow's table, and unwinding forgets it."""
+    kvm, _, state = _hybrid()
+    chain = make_chain(kvm, "chain", 192)
+    shadow = make_request("shadow", ctx + 1)
+    register_shadow(kvm, shadow, chain, ctx=ctx, steady_steps=3, state_mode=mode)
+    assert state.last_state_block_idx.get("shadow") == noted
+    if noted is not None:
+        assert state.req_to_blocks["shadow"][noted].is_null
+    _release_all(kvm, shadow, chain)
+    _no_align_bookkeeping_left(state, "shadow")
+
+
+def test_a_copy_shadow_keeps_the_state_bookkeeping_of_a_request_decoding_there(tmp_path):
+    """Through the real Scheduler: a natural request prefilled to 100 tokens decodes across
+    128 into state slot 2; a copy shadow at ctx 150 (read slot 2) decodes beside it. At every
+    depth both have left the same slot and hold state blocks at the same slots, so each step
+    does the same state bookkeeping, up to the next crossing (192), where the natural request
+    allocates its next state block and the shadow's is already placed."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(tmp_path, block_size=64, hash_block_size=16, state_block_size=64)
+    kvm = scheduler.kv_cache_manager
+    _, state = kvm.coordinator.single_type_managers
+    chain = make_request("chain", 192, hash_block_size=16)
+    chain.max_tokens = chain.sampling_params.max_tokens = 1000
+    scheduler.add_request(chain)
+    while chain.num_computed_tokens < 192:
+        step_scheduler(scheduler)
+    scheduler.running.remove(chain)  # parked
+
+    natural = make_request("natural", 100, token=9, hash_block_size=16, cache_salt="natural")
+    natural.max_tokens = natural.sampling_params.max_tokens = 100
+    scheduler.add_request(natural)
+    shadow = make_request("shadow", 151, hash_block_size=16, cache_salt="shadow")
+    shadow.max_tokens = shadow.sampling_params.max_tokens = 41  # to depth 191, within the chain's blocks
+    register_shadow(kvm, shadow, chain, ctx=150, steady_steps=41, state_mode=COPY, own_keys=True)
+    release_fork_retentions(kvm)
+    shadow.num_computed_tokens, shadow.status = 150, RequestStatus.RUNNING  # admitted one short
+    scheduler.requests["shadow"] = shadow
+    scheduler.running.append(shadow)
+
+    def bookkeeping(request_id):
+        table = state.req_to_blocks[request_id][:3]
+        return state.last_state_block_idx.get(request_id), [i for i, b in enumerate(table) if not b.is_null]
+
+    seen = {"natural": {}, "shadow": {}}
+    while natural.num_computed_tokens < 191:
+        step_scheduler(scheduler)
+        for request in (natural, shadow):
+            if request.request_id in state.req_to_blocks:
+                seen[request.request_id][request.num_computed_tokens] = bookkeeping(request.request_id)
+    depths = range(152, 191)
+    assert [seen["shadow"][d] for d in depths] == [seen["natural"][d] for d in depths]
+    assert seen["shadow"][160] == (1, [2])

@@ -7,6 +7,15 @@ its steady steps cross into, then the speculative scratch; the whole table count
 cached. In place, the shadow shares the chain's state block (and advances it); by copy,
 the state is forked with `_apply_cow` like an attention tail.
 
+A shadow's steady steps do a decoding request's state bookkeeping. vLLM's align-mode
+manager notes, per request, the slot it last left (after a crossing, a prefill chunk, or a
+hit at a state-block boundary), and checks that slot at every step to free what it held.
+A shadow comes into its read slot from the slot below, so that slot is noted for it (it is
+null in the shadow's table: nothing is freed). A shadow noted nowhere would skip that
+check, which a natural request skips only in its first state block after a single-chunk
+prefill without a hit. At a crossing a natural request allocates its next state block and
+frees the one it left; a shadow's is placed already, and it keeps the one it left.
+
 The chain's state slot is derived from its computed depth: a parked chain's table may
 still hold an older state block, and last_state_block_idx may name a slot already nulled.
 """
@@ -71,6 +80,15 @@ def stage_state(group, pool, chain, ctx: int, steady_steps: int, mode: str, undo
         record = GroupTable(group.group_id, 0, state_slot=read_slot, blanks=[b.block_id for b in blanks])
         if copy:
             record.forks = [fork(manager, pool, sid, read_slot, state, forked_copy, undo)]
+        note_slot_left(manager, sid, read_slot - 1)
         return record
 
     return commit
+
+
+def note_slot_left(manager, request_id: str, slot: int) -> None:
+    """What the manager records when a request's state moves on from `slot` (where this
+    build keeps that record; unwinding the table forgets it). Nothing below slot 0."""
+    left = getattr(manager, "last_state_block_idx", None)
+    if left is not None and slot >= 0:
+        left[request_id] = slot
