@@ -681,13 +681,15 @@ def print_attention_case(result: dict) -> list[dict]:
     return rows
 
 
-def print_hybrid_case(runs: list[dict]) -> dict[str, str]:
-    """Every run's rows, then per mode how many rows agree with natural decoding."""
+def print_hybrid_case(runs: list[dict]) -> tuple[dict[str, str], dict[str, str]]:
+    """Every run's rows, then per mode how many rows agree with natural decoding and at how
+    many the schedule() S/N interval holds 1."""
     print(
         f"{'run':>3} {'mode':>7} {'B':>2} {'K':>5}  {'shadow ms':>9} {'natural ms':>10}  "
         f"{'shadow/natural [95%]':>22}  {'A/A natural':>22}  tokens  forward ms S|N   schedule S/N [95%]"
     )
     agree: dict[str, list[bool]] = {}
+    schedule_at_1: dict[str, list[bool]] = {}
     by_run: dict[tuple[int, str], list[float]] = {}
     for result in runs:
         for p in result["points"]:
@@ -697,6 +699,7 @@ def print_hybrid_case(runs: list[dict]) -> dict[str, str]:
             f = point_figures(p)
             ok = f["ratio"][1] <= 1 <= f["ratio"][2] or within(f["ratio"])
             agree.setdefault(p["mode"], []).append(ok)
+            schedule_at_1.setdefault(p["mode"], []).append(f["schedule_ratio"][1] <= 1 <= f["schedule_ratio"][2])
             by_run.setdefault((result["run"], p["mode"]), []).append(f["shadow_ms"])
             print(
                 f"{result['run']:>3} {p['mode']:>7} {p['batch']:>2} {p['k']:>5}  {f['shadow_ms']:>9.3f} "
@@ -715,11 +718,13 @@ def print_hybrid_case(runs: list[dict]) -> dict[str, str]:
         if line:
             print(f"  run {result['run']}: shadow step medians, point by point, {line}")
     summary = {mode: f"{sum(oks)}/{len(oks)}" for mode, oks in agree.items()}
+    schedule = {mode: f"{sum(oks)}/{len(oks)}" for mode, oks in schedule_at_1.items()}
     print(
         "  rows agreeing with natural decoding (interval holds 1, or lies within 1 +- "
         f"{100 * TOLERANCE:g}%): " + ", ".join(f"{m} {v}" for m, v in summary.items())
     )
-    return summary
+    print("  schedule() S/N interval holds 1: " + ", ".join(f"{m} {v}" for m, v in schedule.items()))
+    return summary, schedule
 
 
 def variance_study(release: str, tmp: Path, variants: list[str], runs: int) -> None:
@@ -888,11 +893,11 @@ def main() -> None:
             runs = range(1, settings.runs.get(name, 1) + 1)
             alone = len(names) == 1 and len(runs) == 1
             by_case[name] = [run_engine(name, run, Path(tmp), settings, in_process=alone) for run in runs]
-    headline, hybrids = [], {}
+    headline, hybrids, hybrid_schedules = [], {}, {}
     for name, runs in by_case.items():
         print(f"\n{name}: {CASES[name].title}", flush=True)
         if CASES[name].hybrid():
-            hybrids[name] = print_hybrid_case(runs)
+            hybrids[name], hybrid_schedules[name] = print_hybrid_case(runs)
         else:
             for result in runs:
                 headline += print_attention_case(result)
@@ -924,6 +929,7 @@ def main() -> None:
                 "points_within": f"{inside}/{len(headline)}",
                 "schedule_holding_1": f"{schedule_at_1}/{len(headline)}",
                 "hybrid_rows_agreeing": hybrids,
+                "hybrid_schedule_holding_1": hybrid_schedules,
             }
         )
     )
