@@ -653,6 +653,11 @@ def interval(f) -> str:
     return f"{f[0]:.3f} [{f[1]:.3f}, {f[2]:.3f}]"
 
 
+def holds_one(f) -> bool:
+    """A (median, low, high) interval that contains 1."""
+    return f[1] <= 1 <= f[2]
+
+
 def within(f) -> bool:
     return 1 - TOLERANCE <= f[1] and f[2] <= 1 + TOLERANCE
 
@@ -697,9 +702,9 @@ def print_hybrid_case(runs: list[dict]) -> tuple[dict[str, str], dict[str, str]]
                 print(f"{result['run']:>3} {p['mode']:>7}  refused: {p['refused']}")
                 continue
             f = point_figures(p)
-            ok = f["ratio"][1] <= 1 <= f["ratio"][2] or within(f["ratio"])
+            ok = holds_one(f["ratio"]) or within(f["ratio"])
             agree.setdefault(p["mode"], []).append(ok)
-            schedule_at_1.setdefault(p["mode"], []).append(f["schedule_ratio"][1] <= 1 <= f["schedule_ratio"][2])
+            schedule_at_1.setdefault(p["mode"], []).append(holds_one(f["schedule_ratio"]))
             by_run.setdefault((result["run"], p["mode"]), []).append(f["shadow_ms"])
             print(
                 f"{result['run']:>3} {p['mode']:>7} {p['batch']:>2} {p['k']:>5}  {f['shadow_ms']:>9.3f} "
@@ -907,7 +912,7 @@ def main() -> None:
     noise = max((n for n in noises if math.isfinite(n)), default=0.0)
     inside = sum(within(r["ratio"]) for r in headline)
     # the shadows' schedule() against the natural requests' (the sweep's own work is not in it)
-    schedule_at_1 = sum(r["schedule_ratio"][1] <= 1 <= r["schedule_ratio"][2] for r in headline)
+    schedule_at_1 = sum(holds_one(r["schedule_ratio"]) for r in headline)
     if headline:
         print(
             f"attention-only points: largest |shadow/natural - 1| {100 * worst:.2f}%, largest A/A {100 * noise:.2f}%; "

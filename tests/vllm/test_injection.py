@@ -5,7 +5,7 @@ request that finished its prompt)."""
 from __future__ import annotations
 
 import pytest
-from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, park, step_scheduler
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX, Admission
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 
@@ -15,16 +15,10 @@ def _step(scheduler):
 
 
 def _parked_chains(scheduler, lengths):
-    chains = []
-    for i, n in enumerate(lengths):
-        chain = make_request(f"chain{i}", n, token=11 + i)
-        chain.max_tokens = chain.sampling_params.max_tokens = 10_000
-        scheduler.add_request(chain)
-        chains.append(chain)
-    while any(c.num_computed_tokens < c.num_prompt_tokens or c.num_output_placeholders for c in chains):
-        _step(scheduler)
+    chains = [make_request(f"chain{i}", n, token=11 + i) for i, n in enumerate(lengths)]
     for chain in chains:
-        scheduler.running.remove(chain)  # parked: resident, never scheduled again
+        chain.max_tokens = chain.sampling_params.max_tokens = 10_000
+    park(scheduler, chains, token=5)
     return chains
 
 

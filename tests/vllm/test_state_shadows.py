@@ -17,6 +17,7 @@ from kvwarm_testing.real_kv import (
     make_kv_cache_manager,
     make_request,
     make_scheduler,
+    park,
     step_scheduler,
 )
 from vllm.kvwarm.kv import state_mode
@@ -394,6 +395,26 @@ def test_stamps_and_metadata_are_the_same_whatever_the_free_pool():
     assert state_stamps(None, 192) == []  # pure-attention points carry no state stamp
 
 
+def _parked_chain(scheduler, tokens: int = 192):
+    """A chain prefilled through `scheduler` (hash unit 16), then parked: resident, no
+    longer scheduled."""
+    chain = make_request("chain", tokens, hash_block_size=16)
+    chain.max_tokens = chain.sampling_params.max_tokens = 1000
+    park(scheduler, [chain])
+    return chain
+
+
+def _admit_one_short(scheduler, shadow, ctx: int, running: bool = True) -> None:
+    """A registered shadow admitted as the injector admits it: ctx tokens computed, one
+    short of its prompt; `running`: scheduled by the stock loop from the next step."""
+    from vllm.v1.request import RequestStatus
+
+    shadow.num_computed_tokens, shadow.status = ctx, RequestStatus.RUNNING
+    scheduler.requests[shadow.request_id] = shadow
+    if running:
+        scheduler.running.append(shadow)
+
+
 def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps: int = 20):
     """Through the real AsyncScheduler: a 192-token chain prefilled and parked, then an
     in-place shadow at ctx 111 on a layout whose state block (64) is larger than the
@@ -405,19 +426,13 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import RequestStatus
 
     scheduler = make_scheduler(
         tmp_path, block_size=64, hash_block_size=16, state_block_size=64, scheduler_cls=AsyncScheduler
     )
     kvm = scheduler.kv_cache_manager
     _, state = kvm.coordinator.single_type_managers
-    chain = make_request("chain", 192, hash_block_size=16)
-    chain.max_tokens = chain.sampling_params.max_tokens = 1000
-    scheduler.add_request(chain)
-    while chain.num_computed_tokens < 192 or chain.num_output_placeholders:
-        step_scheduler(scheduler)
-    scheduler.running.remove(chain)  # parked: resident, no longer scheduled
+    chain = _parked_chain(scheduler)
     chain_state = state.req_to_blocks["chain"][2]
     chain_key = chain_state.block_hash
     assert chain_key is not None  # the chain's full-block key on its state block
@@ -427,10 +442,7 @@ def _in_place_steady_steps(tmp_path, borrowed_kv: bool, stock_loop: bool, steps:
     register_shadow(kvm, shadow, chain, ctx=111, steady_steps=steps, state_mode=INPLACE)
     release_fork_retentions(kvm)
     shadow.borrowed_kv = borrowed_kv  # False: what a build without the exemption does
-    shadow.num_computed_tokens, shadow.status = 111, RequestStatus.RUNNING  # admitted one short
-    scheduler.requests["shadow"] = shadow
-    if stock_loop:
-        scheduler.running.append(shadow)
+    _admit_one_short(scheduler, shadow, 111, running=stock_loop)
     for _ in range(steps):
         if stock_loop:
             step_scheduler(scheduler)
@@ -516,7 +528,6 @@ def test_a_copy_shadow_with_keys_of_its_own_is_hashed_and_leaves_the_chain_alone
     reference comes back."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import RequestStatus
 
     scheduler = make_scheduler(
         tmp_path,
@@ -526,12 +537,7 @@ def test_a_copy_shadow_with_keys_of_its_own_is_hashed_and_leaves_the_chain_alone
         scheduler_cls=AsyncScheduler if scheduler_kind == "async" else Scheduler,
     )
     kvm = scheduler.kv_cache_manager
-    chain = make_request("chain", 192, hash_block_size=16)
-    chain.max_tokens = chain.sampling_params.max_tokens = 1000
-    scheduler.add_request(chain)
-    while chain.num_computed_tokens < 192 or chain.num_output_placeholders:
-        step_scheduler(scheduler)
-    scheduler.running.remove(chain)  # parked
+    chain = _parked_chain(scheduler)
     chain_blocks = [b for m in kvm.coordinator.single_type_managers for b in m.req_to_blocks["chain"]]
     chain_keys = {b.block_id: b.block_hash for b in chain_blocks if b.block_hash is not None}
     assert chain_keys
@@ -542,9 +548,7 @@ def test_a_copy_shadow_with_keys_of_its_own_is_hashed_and_leaves_the_chain_alone
     register_shadow(kvm, shadow, chain, ctx=111, steady_steps=steps, state_mode=COPY, own_keys=True)
     assert not shadow.borrowed_kv
     release_fork_retentions(kvm)
-    shadow.num_computed_tokens, shadow.status = 111, RequestStatus.RUNNING  # admitted one short
-    scheduler.requests["shadow"] = shadow
-    scheduler.running.append(shadow)
+    _admit_one_short(scheduler, shadow, 111)
     keyed = set()
     while "shadow" in scheduler.requests:
         own = [b for m in kvm.coordinator.single_type_managers for b in m.req_to_blocks.get("shadow", [])]
@@ -590,17 +594,10 @@ def test_a_copy_shadow_keeps_the_state_bookkeeping_of_a_request_decoding_there(t
     depth both have left the same slot and hold state blocks at the same slots, so each step
     does the same state bookkeeping, up to the next crossing (192), where the natural request
     allocates its next state block and the shadow's is already placed."""
-    from vllm.v1.request import RequestStatus
-
     scheduler = make_scheduler(tmp_path, block_size=64, hash_block_size=16, state_block_size=64)
     kvm = scheduler.kv_cache_manager
     _, state = kvm.coordinator.single_type_managers
-    chain = make_request("chain", 192, hash_block_size=16)
-    chain.max_tokens = chain.sampling_params.max_tokens = 1000
-    scheduler.add_request(chain)
-    while chain.num_computed_tokens < 192:
-        step_scheduler(scheduler)
-    scheduler.running.remove(chain)  # parked
+    chain = _parked_chain(scheduler)
 
     natural = make_request("natural", 100, token=9, hash_block_size=16, cache_salt="natural")
     natural.max_tokens = natural.sampling_params.max_tokens = 100
@@ -609,9 +606,7 @@ def test_a_copy_shadow_keeps_the_state_bookkeeping_of_a_request_decoding_there(t
     shadow.max_tokens = shadow.sampling_params.max_tokens = 41  # to depth 191, within the chain's blocks
     register_shadow(kvm, shadow, chain, ctx=150, steady_steps=41, state_mode=COPY, own_keys=True)
     release_fork_retentions(kvm)
-    shadow.num_computed_tokens, shadow.status = 150, RequestStatus.RUNNING  # admitted one short
-    scheduler.requests["shadow"] = shadow
-    scheduler.running.append(shadow)
+    _admit_one_short(scheduler, shadow, 150)
 
     def bookkeeping(request_id):
         table = state.req_to_blocks[request_id][:3]

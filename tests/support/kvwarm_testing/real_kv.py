@@ -236,3 +236,14 @@ def step_scheduler(scheduler, token: int = 7):
         ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled),
     )
     return output
+
+
+def park(scheduler, chains, token: int = 7) -> None:
+    """Prefill `chains` (requests with room to decode) through `scheduler`, then park them:
+    resident, never scheduled again. Steps as step_scheduler does, sampling `token`."""
+    for chain in chains:
+        scheduler.add_request(chain)
+    while any(c.num_computed_tokens < c.num_prompt_tokens or c.num_output_placeholders for c in chains):
+        step_scheduler(scheduler, token)
+    for chain in chains:
+        scheduler.running.remove(chain)
