@@ -9,7 +9,8 @@ which prints the tables and the JSON result:
 
 - dense (a small Llama) and MoE (a small Qwen3-MoE, expert parallel): B in {1, 4, 16} over a
   context ladder; the headline figures;
-- hybrids in copy, in place and exact state hand-off against natural requests: the
+- hybrids in copy and exact state hand-off against natural requests (in place asked for
+  is refused where the build can fork, and the refusal printed with its reason): the
   Qwen3-Next variant of issue 22 (full attention in layers 0 and 3, linear in 1 and 2,
   hidden 64, 8 experts top-2) and the project's own tiny Qwen3-Next, each in several
   separate engine processes (a run-level mode shows only across processes).
@@ -686,9 +687,9 @@ def print_attention_case(result: dict) -> list[dict]:
     return rows
 
 
-def print_hybrid_case(runs: list[dict]) -> tuple[dict[str, str], dict[str, str]]:
+def print_hybrid_case(runs: list[dict]) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """Every run's rows, then per mode how many rows agree with natural decoding and at how
-    many the schedule() S/N interval holds 1."""
+    many the schedule() S/N interval holds 1; and the modes this build refuses, with why."""
     print(
         f"{'run':>3} {'mode':>7} {'B':>2} {'K':>5}  {'shadow ms':>9} {'natural ms':>10}  "
         f"{'shadow/natural [95%]':>22}  {'A/A natural':>22}  tokens  forward ms S|N   schedule S/N [95%]"
@@ -696,10 +697,12 @@ def print_hybrid_case(runs: list[dict]) -> tuple[dict[str, str], dict[str, str]]
     agree: dict[str, list[bool]] = {}
     schedule_at_1: dict[str, list[bool]] = {}
     by_run: dict[tuple[int, str], list[float]] = {}
+    refused: dict[str, str] = {}
     for result in runs:
         for p in result["points"]:
             if "refused" in p:
                 print(f"{result['run']:>3} {p['mode']:>7}  refused: {p['refused']}")
+                refused[p["mode"]] = p["refused"]
                 continue
             f = point_figures(p)
             ok = holds_one(f["ratio"]) or within(f["ratio"])
@@ -729,7 +732,7 @@ def print_hybrid_case(runs: list[dict]) -> tuple[dict[str, str], dict[str, str]]
         f"{100 * TOLERANCE:g}%): " + ", ".join(f"{m} {v}" for m, v in summary.items())
     )
     print("  schedule() S/N interval holds 1: " + ", ".join(f"{m} {v}" for m, v in schedule.items()))
-    return summary, schedule
+    return summary, schedule, refused
 
 
 def variance_study(release: str, tmp: Path, variants: list[str], runs: int) -> None:
@@ -898,11 +901,11 @@ def main() -> None:
             runs = range(1, settings.runs.get(name, 1) + 1)
             alone = len(names) == 1 and len(runs) == 1
             by_case[name] = [run_engine(name, run, Path(tmp), settings, in_process=alone) for run in runs]
-    headline, hybrids, hybrid_schedules = [], {}, {}
+    headline, hybrids, hybrid_schedules, hybrid_refused = [], {}, {}, {}
     for name, runs in by_case.items():
         print(f"\n{name}: {CASES[name].title}", flush=True)
         if CASES[name].hybrid():
-            hybrids[name], hybrid_schedules[name] = print_hybrid_case(runs)
+            hybrids[name], hybrid_schedules[name], hybrid_refused[name] = print_hybrid_case(runs)
         else:
             for result in runs:
                 headline += print_attention_case(result)
@@ -935,6 +938,7 @@ def main() -> None:
                 "schedule_holding_1": f"{schedule_at_1}/{len(headline)}",
                 "hybrid_rows_agreeing": hybrids,
                 "hybrid_schedule_holding_1": hybrid_schedules,
+                "hybrid_modes_refused": hybrid_refused,
             }
         )
     )

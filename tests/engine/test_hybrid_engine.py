@@ -2,6 +2,8 @@
 linear attention + full attention + MoE) in align mode. A shadow at the chain's computed
 depth decodes the same greedy tokens as a natural request over the same prefix, with the
 state handed over by copy and in place; in exact mode at contexts off the boundaries too.
+In place asked for by a user is refused, since this build can fork (docs/state-handoff.md);
+its machinery stays, the hand-off of a build that cannot.
 
 Runs in its own pytest process (`-m hybrid`): one CPU engine per process.
 """
@@ -14,7 +16,8 @@ import pytest
 from vllm.kvwarm.kv.chains import chain_request, is_prefilled, park
 from vllm.kvwarm.kv.injector import Admission
 from vllm.kvwarm.kv.layout import STATE_ALIGN, group_layouts
-from vllm.kvwarm.kv.state_mode import decide_state_mode
+from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
+from vllm.kvwarm.record.vocabulary import STATE_INPLACE_UNFAITHFUL
 
 pytestmark = pytest.mark.hybrid
 STEPS = 5
@@ -44,12 +47,14 @@ def hybrid(tmp_path_factory):
     )
 
 
-def test_this_build_gives_exact_state_by_default_lent_by_copy(hybrid):
+def test_this_build_gives_exact_state_by_default_lent_by_copy_and_refuses_in_place(hybrid):
     kvm = hybrid.kv_cache_manager
     layouts = group_layouts(kvm)
     assert [g.kind for g in layouts].count(STATE_ALIGN) == 3
     decision = decide_state_mode(kvm, layouts, {})
     assert (decision.mode, decision.lending) == ("exact", "copy")
+    refused = decide_state_mode(kvm, layouts, {STATE_ENV: "inplace"})
+    assert (refused.mode, refused.reason) == (None, STATE_INPLACE_UNFAITHFUL)
 
 
 @pytest.mark.parametrize("mode", ["copy", "inplace"])

@@ -340,12 +340,13 @@ PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemptio
         (STOCK_025, "inplace", INPLACE, None),
         (PATCHED_025, None, EXACT, None),
         (PATCHED_025, "COPY", COPY, None),
-        (PATCHED_025, " InPlace ", INPLACE, None),
+        (PATCHED_025, " InPlace ", None, vocabulary.STATE_INPLACE_UNFAITHFUL),
         (STOCK_028, "auto", EXACT, None),
         (STOCK_028, "copy", COPY, None),
         (STOCK_028, "inplace", None, vocabulary.STATE_INPLACE_UNSUPPORTED),
         (PATCHED_028, "auto", EXACT, None),
-        (PATCHED_028, "inplace", INPLACE, None),
+        (PATCHED_028, "inplace", None, vocabulary.STATE_INPLACE_UNFAITHFUL),
+        (StateBuild(can_fork=False, inplace_ok=False), "inplace", None, vocabulary.STATE_INPLACE_UNSUPPORTED),
         (StateBuild(can_fork=False, inplace_ok=False), "auto", None, vocabulary.STATE_HAND_OFF_UNSUPPORTED),
         (PATCHED_028, "fork", None, vocabulary.STATE_MODE_INVALID),
         (PATCHED_028, "exact", EXACT, None),
@@ -374,6 +375,10 @@ def test_this_build_probes_as_a_patched_build(monkeypatch):
     assert state_mode.probe_state_build(group_layouts(kvm), kvm) == PATCHED_028 == PATCHED_025
     monkeypatch.delenv(state_mode.STATE_ENV, raising=False)
     assert decide_state_mode(kvm, group_layouts(kvm), {}).mode == EXACT
+    refused = decide_state_mode(kvm, group_layouts(kvm), {state_mode.STATE_ENV: "inplace"})
+    assert (refused.mode, refused.reason) == (None, vocabulary.STATE_INPLACE_UNFAITHFUL)
+    assert state_mode.refusal_hint(refused.reason).startswith(f"set {state_mode.STATE_ENV} to copy")
+    assert state_mode.refusal_hint(vocabulary.STATE_HAND_OFF_UNSUPPORTED) is None  # nothing to set
 
 
 def test_the_state_mode_is_validated_only_where_it_matters():

@@ -4,15 +4,18 @@ DYN_BENCH_KV_WARMUP_STATE = auto | copy | inplace | exact (default auto, any cas
 only on layouts with align-mode state groups. exact (kv/catchup.py) lends each shadow a
 catch-up chain prefilled to the shadow's own context, handed over by copy where the build
 can fork, else in place where that is safe; a build with neither refuses it. auto means
-exact (its extra cost is untimed; docs/state-handoff.md says why). copy and in place read
-the chain's state at its whole depth: cheaper, approximate, and only on request. The
-decision never looks at the free pool, so every data-parallel rank decides, and stamps,
-the same.
+exact (its extra cost is untimed; docs/state-handoff.md says why). copy reads the chain's
+state at its whole depth: cheaper, approximate, and only on request. The decision never
+looks at the free pool, so every data-parallel rank decides, and stamps, the same.
 
 In place is unsafe where a manager hashes partial state tails of a borrowed request
 (stock 0.28.0's `_cache_partial_tail_block`: the shadow's key stacks on the chain's
 block and the promotion check fails a few steps later); a build whose managers exempt
-borrowed requests from hashing (`Request.borrowed_kv`) is safe.
+borrowed requests from hashing (`Request.borrowed_kv`) is safe. Safe is not faithful: an
+in-place shadow shares the chain's state block, so it is exempt from the prefix-cache work
+a natural request's step does, and its timed schedule() is lighter. So in place is only the
+hand-off of a build that cannot fork; where the build can, `inplace` is refused
+(`state_inplace_unfaithful`) and copy does what it would.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ..record.vocabulary import (
     STATE_COPY_UNSUPPORTED,
     STATE_EXACT_UNSUPPORTED,
     STATE_HAND_OFF_UNSUPPORTED,
+    STATE_INPLACE_UNFAITHFUL,
     STATE_INPLACE_UNSUPPORTED,
     STATE_MODE_INVALID,
     STATE_MODES,
@@ -99,10 +103,22 @@ def resolve_state_mode(layouts: list[GroupLayout], build: StateBuild, requested:
     if wanted == COPY:
         return StateDecision(requested, COPY, None) if build.can_fork else refuse(STATE_COPY_UNSUPPORTED)
     if wanted == INPLACE:
-        return StateDecision(requested, INPLACE, None) if build.inplace_ok else refuse(STATE_INPLACE_UNSUPPORTED)
+        if not build.inplace_ok:
+            return refuse(STATE_INPLACE_UNSUPPORTED)
+        return refuse(STATE_INPLACE_UNFAITHFUL) if build.can_fork else StateDecision(requested, INPLACE, None)
     # auto: exact wherever the build can lend catch-ups (docs/state-handoff.md, "auto")
     lending = build.lending_mode()
     return StateDecision(requested, EXACT, None, lending) if lending else refuse(STATE_HAND_OFF_UNSUPPORTED)
+
+
+def refusal_hint(reason: str | None) -> str | None:
+    """What to set instead, where the refused mode was one a user asked for."""
+    instead = {
+        STATE_COPY_UNSUPPORTED: "exact or auto",
+        STATE_INPLACE_UNSUPPORTED: "copy, exact or auto",
+        STATE_INPLACE_UNFAITHFUL: "copy (the same state, stepped as a natural request is), exact or auto",
+    }.get(reason)
+    return f"set {STATE_ENV} to {instead}" if instead else None
 
 
 def decide_state_mode(kv_cache_manager, layouts: list[GroupLayout], environ) -> StateDecision:

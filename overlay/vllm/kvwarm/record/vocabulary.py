@@ -86,6 +86,9 @@ HYBRID_STATE_LAYERS_UNSUPPORTED = "hybrid_state_layers_unsupported"
 STATE_MODE_INVALID = "state_mode_invalid"
 STATE_COPY_UNSUPPORTED = "state_copy_unsupported"
 STATE_INPLACE_UNSUPPORTED = "state_inplace_unsupported"
+# In place where the build can fork: copy hands over the same state and steps as a natural
+# request does, in place would time a lighter schedule() (docs/state-handoff.md).
+STATE_INPLACE_UNFAITHFUL = "state_inplace_unfaithful"
 STATE_EXACT_UNSUPPORTED = "state_exact_unsupported"
 STATE_HAND_OFF_UNSUPPORTED = "state_hand_off_unsupported"
 CONTENT_TOO_SHALLOW = "content_too_shallow"  # written "content_too_shallow: H < N"

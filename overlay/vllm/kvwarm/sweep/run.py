@@ -24,7 +24,7 @@ from vllm.logger import init_logger
 
 from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import prefix_unit
-from ..kv.state_mode import STATE_ENV, decide_state_mode
+from ..kv.state_mode import STATE_ENV, decide_state_mode, refusal_hint
 from ..record import export
 from ..record import vocabulary as v
 from ..record.files import write_atomically
@@ -220,7 +220,8 @@ class SweepRun:
         meta.warm_eligible, meta.skip_reason = reason is None, reason
         meta.batch_semantics, meta.global_batch_factor = "per_rank", self.layout.data_parallel_size
         if reason is not None:
-            writer.progress(f"warm-up skipped ({reason}): every point on fake KV")
+            hint = refusal_hint(reason)
+            writer.progress(f"warm-up skipped ({reason}): every point on fake KV" + (f"; {hint}" if hint else ""))
         config = SweepConfig(
             steady_steps=settings.steady_steps,
             max_model_len=max_model_len,
