@@ -16,7 +16,7 @@ from kvwarm_build import image_standin, project
 from kvwarm_build.apt_sources import deb_sources, debian_mirror
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import fetch, package_index, pip_config
-from kvwarm_build.installer import index_options, uv_environment
+from kvwarm_build.installer import failure_fix, index_options, uv_environment
 from kvwarm_build.releases import Artifact
 
 # --- the package index ----------------------------------------------------------------------
@@ -218,3 +218,19 @@ def test_no_package_index_or_debian_mirror_host_is_named_in_the_tooling():
     paths += [p for folder in ("tooling", "tests") for p in sorted((project.ROOT / folder).rglob("*.py"))]
     found = [f"{path.relative_to(project.ROOT)}" for path in paths if hosts.search(path.read_text())]
     assert found == []
+
+
+def test_a_full_disk_gets_a_space_fix_not_an_index_fix(tmp_path):
+    """uv's words when a CI host's disk filled during a wheel install (seen in CI): the fix
+    names the space left and where, not the package index."""
+    index_fix = "check network access to the package index and retry"
+    full = (
+        "error: Failed to install: vllm-9.9.1+kvwarm.1-cp38-abi3-manylinux_2_28_x86_64.whl\n"
+        "  cause: failed to copy file from /tmp/.tmpPMZsak/archive-v0/x.py to /v/.tmpxt1XRh: "
+        "No space left on device (os error 28)"
+    )
+    venv = tmp_path / "venv"
+    fix = failure_fix(full, index_fix, venv)
+    assert fix.startswith("free disk space (") and f"GiB free at {venv} now" in fix
+    assert "KVWARM_CACHE_DIR" in fix and "index" not in fix
+    assert failure_fix("error: Failed to fetch: connection refused", index_fix, venv) == index_fix

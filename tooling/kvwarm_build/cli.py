@@ -15,7 +15,7 @@ from .fetch import fetch
 from .maint import export_patches, lint_releases, materialise, write_series
 from .releases import FLAVOURS, find_release, load_releases
 from .series import read_series, series_folder
-from .venvs import current_python, ensure_deps_venv, layer_on_deps
+from .venvs import current_python, ensure_deps_venv, install_wheel, layer_on_deps
 
 
 def _log(message: str) -> None:
@@ -61,14 +61,14 @@ def cmd_install_built(args) -> int:
     """The built wheel into this venv, over whatever vLLM it holds: --no-deps (its
     dependencies come from a layered deps venv), byte-compiled (every test process imports it).
     The release's other flavours go first: each installs the same `vllm` package."""
-    from .installer import install_wheel, uninstall
+    from .installer import uninstall
 
     release = _release(args)
     wheel = args.dist / output_name(release, args.flavour)
     if not wheel.is_file():
         raise BuildError(f"{wheel} is not built", f"build it first: kvwarm-build build --release {args.release}")
     uninstall(current_python(), *sorted(f.dist for name, f in release.flavours.items() if name != args.flavour))
-    install_wheel(current_python(), wheel, log=_log)
+    install_wheel(current_python(), wheel, _cache(args), log=_log)
     return 0
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -87,53 +88,79 @@ def uv_cache(venv: Path) -> Path:
     return Path(os.environ["UV_CACHE_DIR"]) if os.environ.get("UV_CACHE_DIR") else venv.parent / ".uv-cache"
 
 
-def _uv_pip(python: Path, command: str, *args: str, indexes: bool = False) -> subprocess.CompletedProcess:
+def _uv_pip(
+    python: Path, command: str, *args: str, indexes: bool = False, cache: Path | None = None
+) -> subprocess.CompletedProcess:
     from uv import find_uv_bin  # here: nox imports this module where uv may not be installed
 
     index_args, index_env = _configured() if indexes else ((), ())
-    env = {**os.environ, **dict(index_env), "UV_CACHE_DIR": str(uv_cache(python.parents[1]))}
+    env = {**os.environ, **dict(index_env), "UV_CACHE_DIR": str(cache or uv_cache(python.parents[1]))}
     cmd = [find_uv_bin(), "pip", command, "--python", str(python), *index_args, *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
 
 
-def _checked(result: subprocess.CompletedProcess, what: str, fix: str) -> str:
+# What uv prints when the disk filled (errno 28): then the fix is space, not the index.
+_DISK_FULL = ("No space left on device", "os error 28")
+
+
+def failure_fix(output: str, fix: str, venv: Path) -> str:
+    """The fix to print for a failed uv run: `fix`, or where space is short and how much."""
+    if not any(mark in output for mark in _DISK_FULL):
+        return fix
+    existing = next(path for path in (venv, *venv.parents) if path.exists())
+    free = shutil.disk_usage(existing).free / 2**30
+    return (
+        f"free disk space ({free:.1f} GiB free at {venv} now; docs/sessions.md gives what a CI "
+        "run needs), or point KVWARM_CACHE_DIR and TMPDIR at a larger disk"
+    )
+
+
+def _checked(result: subprocess.CompletedProcess, what: str, fix: str, venv: Path) -> str:
     if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).splitlines()[-20:])
-        raise BuildError(f"uv pip {what} failed:\n{tail}", fix)
+        output = result.stdout + result.stderr
+        tail = "\n".join(output.splitlines()[-20:])
+        raise BuildError(f"uv pip {what} failed:\n{tail}", failure_fix(output, fix, venv))
     return result.stdout
 
 
-def install(python: Path, *args: str, compile_bytecode: bool = True, local: bool = False, log=print) -> None:
+def install(
+    python: Path,
+    *args: str,
+    compile_bytecode: bool = True,
+    local: bool = False,
+    cache: Path | None = None,
+    log=print,
+) -> None:
     """`uv pip install ARGS` into python's venv, byte-compiled unless told not to (a venv
     imported once). local: local wheel files only, so no index is asked and nothing is kept
-    in uv's cache (a built wheel changes with every build): copied in, as pip does."""
+    in uv's cache: copied in, as pip does (a throwaway venv). cache: uv's cache to link
+    from, instead of uv_cache's."""
     log("  $ uv pip install " + " ".join(args))
     options = [
         *(["--compile-bytecode"] if compile_bytecode else []),
         *(["--no-index", "--no-cache", "--link-mode", "copy"] if local else []),
     ]
-    result = _uv_pip(python, "install", "-q", *options, *args, indexes=not local)
+    result = _uv_pip(python, "install", "-q", *options, *args, indexes=not local, cache=cache)
     _checked(
         result,
         f"install {' '.join(args)}",
         "check network access to the package index (`pip config list` shows which) and retry",
+        python.parents[1],
     )
-
-
-def install_wheel(python: Path, wheel: Path, log=print) -> None:
-    """A wheel file into python's venv over whatever it holds: --no-deps (the dependencies
-    come from a layered deps venv), byte-compiled, copied and never cached (install)."""
-    install(python, "--no-deps", "--reinstall", str(wheel), local=True, log=log)
 
 
 def uninstall(python: Path, *names: str) -> None:
     if names:
         _checked(
-            _uv_pip(python, "uninstall", "-q", *names), f"uninstall {' '.join(names)}", f"remove {python.parents[1]}"
+            _uv_pip(python, "uninstall", "-q", *names),
+            f"uninstall {' '.join(names)}",
+            f"remove {python.parents[1]}",
+            python.parents[1],
         )
 
 
 def installed(python: Path) -> list[str]:
     """The names of the distributions in python's venv."""
-    listing = _checked(_uv_pip(python, "list", "--format", "json"), "list", f"remove {python.parents[1]}")
+    venv = python.parents[1]
+    listing = _checked(_uv_pip(python, "list", "--format", "json"), "list", f"remove {venv}", venv)
     return [d["name"] for d in json.loads(listing)]

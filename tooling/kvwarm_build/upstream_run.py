@@ -17,7 +17,7 @@ from .digests import cache_key
 from .errors import BuildError
 from .fetch import fetch, sha256_of
 from .hf_standins import seed_hf_cache
-from .installer import install_wheel
+from .installer import install
 from .releases import Release
 from .upstream_tests import (
     TEST_VENV_COMMON,
@@ -30,7 +30,7 @@ from .upstream_tests import (
     run_gate,
     torchvision_for,
 )
-from .venvs import ensure_deps_venv, ensure_layered_venv
+from .venvs import ensure_deps_venv, ensure_layered_venv, install_wheel
 
 # Files that shape a run besides the wheel and the tests: stand-in recipes, the
 # torchvision shim, the fixtures plugin run_suite installs, and the selection itself.
@@ -94,12 +94,14 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = F
         stock = json.loads(stock_cache.read_text())
         log(f"stock results reused from {stock_cache}")
         log(f"running on patched {patched_wheel.name}")
-        install_wheel(python, patched_wheel, log)
+        install_wheel(python, patched_wheel, cache, log)
         patched = run_gate(str(python), tests_root, work / "patched", hf_home, runs)
     else:
         stock_python = _test_venv(cache, release, deps_site, log, suffix="-stock")
-        install_wheel(stock_python, stock_wheel, log)
-        install_wheel(python, patched_wheel, log)
+        # From uv's cache, as the unit tests' stock venv has it: one unpack of the release
+        # wheel on disk.
+        install(stock_python, "--no-deps", "--reinstall", str(stock_wheel), log=log)
+        install_wheel(python, patched_wheel, cache, log)
         prepare_site(tests_root)
         log(f"running on stock {stock_wheel.name} and patched {patched_wheel.name} side by side")
         with ThreadPoolExecutor(2) as pool:

@@ -28,6 +28,7 @@ from packaging.utils import canonicalize_name
 
 from .digests import cache_key
 from .errors import BuildError
+from .fetch import sha256_of
 from .installer import install, installed, uninstall
 
 # What a release wheel requires that only serves a GPU or that the index has only as a CUDA
@@ -137,6 +138,22 @@ def venv_lock(venv: Path, log=print):
             log(f"waiting for another process making {venv}")
             fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+
+
+def install_wheel(python: Path, wheel: Path, cache: Path, log=print) -> None:
+    """A built wheel into python's venv over whatever it holds: --no-deps (the dependencies
+    come from a layered deps venv), byte-compiled. Its files are hard-linked from one unpack
+    per wheel digest under `cache`/unpacked (uv's cache of that digest), so the venvs that
+    hold one build (the unit tests', the upstream gate's, the engine sessions') share one
+    copy on disk; a new build of the same name drops the old unpack (venvs on it keep their
+    links)."""
+    digest = sha256_of(wheel)[:16]
+    unpacks = cache / "unpacked" / wheel.name
+    with venv_lock(unpacks, log=log):
+        for old in unpacks.glob("*"):
+            if old.name != digest:
+                shutil.rmtree(old, ignore_errors=True)
+        install(python, "--no-deps", "--reinstall", str(wheel), cache=unpacks / digest, log=log)
 
 
 def ensure_venv(venv: Path, fill, what: str, log=print) -> Path:
