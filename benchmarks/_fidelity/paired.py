@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from _engine import is_steady_step
+
 from .cases import MAX_MODEL_LEN, Settings
 from .stats import upper_median
 
@@ -56,13 +58,7 @@ class Steps:
         update = scheduler.update_from_output
 
         def seen(output, runner_output):
-            requests, scheduled = scheduler.requests, output.num_scheduled_tokens
-            steady = (
-                bool(scheduled)
-                and not output.scheduled_new_reqs
-                and set(scheduled.values()) == {1}
-                and all(requests[r].num_computed_tokens > requests[r].num_prompt_tokens for r in scheduled)
-            )
+            scheduled, steady = output.num_scheduled_tokens, is_steady_step(scheduler, output)
             for new in output.scheduled_new_reqs:
                 self.new_prompts[new.req_id] = list(new.prompt_token_ids or [])
             before = len(self.windows)
