@@ -26,3 +26,15 @@ def run_in_temp_dir(run: Callable[[Path], None]) -> None:
     """run(folder) in a temporary folder that lives as long as the engine (the model's)."""
     with tempfile.TemporaryDirectory() as tmp:
         run(Path(tmp))
+
+
+def is_steady_step(scheduler, output) -> bool:
+    """Whether a step (the scheduler's output for it, asked before update_from_output) is
+    steady decoding: requests scheduled, none new, each decoding one token past its prompt."""
+    requests, scheduled = scheduler.requests, output.num_scheduled_tokens
+    return (
+        bool(scheduled)
+        and not output.scheduled_new_reqs
+        and set(scheduled.values()) == {1}
+        and all(requests[r].num_computed_tokens > requests[r].num_prompt_tokens for r in scheduled)
+    )

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import is_steady_step, release_label, run_in_temp_dir  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
 
 from kvwarm_build.sessions import quick_mode
@@ -74,16 +74,12 @@ class StepClock:
         update = self.scheduler.update_from_output
 
         def classify(output, runner_output):
-            requests, scheduled = self.scheduler.requests, output.num_scheduled_tokens
+            scheduled = output.num_scheduled_tokens
             if not scheduled:
                 kind = "idle"
             elif any(new.num_computed_tokens for new in output.scheduled_new_reqs):
                 kind = "admit"
-            elif (
-                not output.scheduled_new_reqs
-                and set(scheduled.values()) == {1}
-                and all(requests[r].num_computed_tokens > requests[r].num_prompt_tokens for r in scheduled)
-            ):
+            elif is_steady_step(self.scheduler, output):
                 kind = "steady"
             else:
                 kind = "prefill"

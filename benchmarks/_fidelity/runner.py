@@ -1,0 +1,127 @@
+"""Engine processes: the case one runs (run_case, in a process started as
+`step_fidelity.py --case NAME`), and the main process's start and read-back of each (run_engine)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from kvwarm_testing import tiny_models
+
+from .cases import ALLOCATORS, CASES, Settings, ladder
+from .paired import PairedRun
+
+# The script an engine process runs (`--case`): the benchmark's entry point.
+ENTRY = Path(__file__).resolve().parent.parent / "step_fidelity.py"
+
+
+def isolate_this_thread() -> None:
+    """Leave this thread's CPU to it: every other thread of the process (vLLM's gloo groups
+    start several loop threads, each waking about 100 times a second) goes to the other CPUs."""
+    here, main = os.sched_getaffinity(0), threading.get_native_id()
+    others = set(range(os.cpu_count() or 1)) - here
+    if not others:
+        sys.exit("--isolate needs a CPU besides the measuring one")
+    for tid in (int(t) for t in os.listdir("/proc/self/task")):
+        if tid != main:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, others)
+
+
+def run_case(name: str, out: Path, settings: Settings) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.kvwarm.kv.layout import group_layouts
+    from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
+    from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    case = CASES[name]
+    if settings.flush_denormal:
+        import torch
+
+        torch.set_flush_denormal(True)
+    if settings.pin:  # every thread of the engine (one OpenMP thread: the caller's) on one CPU
+        os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    with tempfile.TemporaryDirectory() as tmp:
+        model = getattr(tiny_models, case.maker)(Path(tmp) / name)
+        conversations, _ = load_dataset(tiny_models.write_sharegpt(Path(tmp) / "sharegpt.json"))
+        started = time.perf_counter()
+        engine = LLMEngine.from_engine_args(
+            EngineArgs(model=str(model), scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler", **case.engine)
+        )
+        start_seconds = time.perf_counter() - started
+        if settings.pin and settings.isolate:
+            isolate_this_thread()
+        core = engine.engine_core.engine_core
+        tokenizer = engine.get_tokenizer()
+        text = ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
+        kvm = core.scheduler.kv_cache_manager
+        points = ladder(case, settings)
+        results = []
+        for mode in settings.modes or case.modes if case.hybrid() else case.modes:
+            lending = None
+            if mode is not None:
+                decision = decide_state_mode(kvm, group_layouts(kvm), {STATE_ENV: mode})
+                if decision.mode != mode:
+                    results.append({"mode": mode, "refused": decision.reason})
+                    continue
+                lending = decision.lending
+            results += PairedRun(core, text, settings, mode, lending).run(points)
+            if not core.scheduler.reset_prefix_cache():
+                sys.exit(f"reset_prefix_cache() failed after mode {mode}: blocks still in use")
+        huge_pages = _huge_pages_kib()
+    for r in results:
+        for side in ("shadow", "natural"):
+            if side in r:
+                r[side] = r[side].__dict__
+    out.write_text(
+        json.dumps(
+            {"case": name, "engine_start_seconds": start_seconds, "huge_pages_kib": huge_pages, "points": results}
+        )
+    )
+
+
+def _huge_pages_kib() -> int:
+    """How much of this process's memory transparent huge pages back (the KV cache, if any)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return 0
+
+
+def uptime() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
+
+
+def run_engine(name: str, run: int, tmp: Path, settings: Settings, in_process: bool = False) -> dict:
+    """One engine's measurements: in a process of its own (two engines cannot share one), or
+    in this one where it is the only engine (the quick mode: one vLLM import less)."""
+    out = tmp / f"{name}-{run}.json"
+    started = time.perf_counter()
+    if in_process:
+        if settings.allocator != "glibc":
+            sys.exit(f"the {settings.allocator} allocator needs an engine process of its own")
+        run_case(name, out, settings)
+    else:
+        args = [sys.executable, str(ENTRY), "--case", name, "--out", str(out), "--settings", settings.to_json()]
+        env = {**os.environ, **ALLOCATORS[settings.allocator]}
+        done = subprocess.run(args, capture_output=True, text=True, check=False, env=env)
+        if done.returncode != 0:
+            sys.exit(f"the {name} engine (run {run}) failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    result["run"], result["wall_seconds"] = run, time.perf_counter() - started
+    print(
+        f"  {name} run {run}: {result['wall_seconds']:.0f} s (engine start {result['engine_start_seconds']:.0f} s; "
+        f"{result['huge_pages_kib'] >> 10} MiB on huge pages); {uptime()}",
+        flush=True,
+    )
+    return result
