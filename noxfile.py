@@ -39,8 +39,8 @@ from kvwarm_build import project, sessions
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import pip_config
 from kvwarm_build.gpu import gpu_missing_reason
-from kvwarm_build.installer import uv_environment
 from kvwarm_build.releases import load_releases
+from kvwarm_build.venvs.installer import uv_environment
 
 RELEASES = load_releases(project.RELEASES)
 SMOKE = ROOT / "smoke" / "kvwarm_smoke.py"

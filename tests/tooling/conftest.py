@@ -16,8 +16,8 @@ import pytest
 from wheel.wheelfile import WheelFile
 
 from kvwarm_build import project
+from kvwarm_build.builds.maint import export_patches, write_series
 from kvwarm_build.git import git as run_git
-from kvwarm_build.maint import export_patches, write_series
 
 VERSION = "9.9.1"
 WHEEL_NAME = f"vllm-{VERSION}-cp38-abi3-manylinux_2_28_x86_64.whl"

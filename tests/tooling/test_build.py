@@ -12,11 +12,11 @@ import pytest
 from conftest import COMPILED, VERSION, entries, make_patches, release_toml, sha256
 
 from kvwarm_build import project
-from kvwarm_build.build import build, check_reproducible, current_record
+from kvwarm_build.builds.build import build, check_reproducible, current_record
+from kvwarm_build.builds.series import read_series
+from kvwarm_build.builds.validate import compiled_problems, import_problems, record_problems, validate
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import find_release, load_releases
-from kvwarm_build.series import read_series
-from kvwarm_build.validate import compiled_problems, import_problems, record_problems, validate
 
 LABELLED = f"{VERSION}+kvwarm.3"
 
@@ -212,7 +212,7 @@ def test_the_current_record_is_read_from_the_given_roots(tree):
 
 
 def test_layered_venv_is_reused_until_its_inputs_change(tmp_path):
-    from kvwarm_build.venvs import ensure_layered_venv, site_packages
+    from kvwarm_build.venvs.deps import ensure_layered_venv, site_packages
 
     deps, other = tmp_path / "deps", tmp_path / "other"
     deps.mkdir(), other.mkdir()

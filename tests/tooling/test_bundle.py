@@ -15,9 +15,9 @@ import pytest
 from wheel.wheelfile import WheelFile
 
 from kvwarm_build import project
-from kvwarm_build.build import encode_record
-from kvwarm_build.bundle import MIB, index_options, make_bundle
-from kvwarm_build.bundle_resolve import Target, read_have, resolve
+from kvwarm_build.builds.build import encode_record
+from kvwarm_build.bundles.make import MIB, index_options, make_bundle
+from kvwarm_build.bundles.resolve import Target, read_have, resolve
 from kvwarm_build.errors import BuildError
 
 FAKE = "9.9.1+kvwarm.3"  # a fake release of the patched build

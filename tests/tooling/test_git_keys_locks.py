@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvwarm_build import digests, project, venvs
+from kvwarm_build import digests, project
 from kvwarm_build.digests import cache_key
 from kvwarm_build.errors import BuildError
 from kvwarm_build.git import IDENTITY, git
+from kvwarm_build.venvs import deps
 
 # --- git ------------------------------------------------------------------------------------
 
@@ -73,9 +74,9 @@ def test_a_cache_key_is_a_stable_short_name_of_its_inputs_and_the_python(monkeyp
 
 
 def test_the_venv_names_come_from_the_one_cache_key(tmp_path):
-    from kvwarm_build.engine_venv import engine_venv_path
     from kvwarm_build.releases import load_releases
-    from kvwarm_build.venvs import deps_key
+    from kvwarm_build.venvs.deps import deps_key
+    from kvwarm_build.venvs.engine import engine_venv_path
 
     release = load_releases(project.RELEASES)[0]
     path = engine_venv_path(release, tmp_path, "2.0+cpu", ["a"])
@@ -94,7 +95,7 @@ _RACER = """
 import json, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from kvwarm_build import venvs
+from kvwarm_build.venvs import deps
 venv, role, work = Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
 kind = sys.argv[5]
 
@@ -113,10 +114,10 @@ def install(python):
         time.sleep(0.05)
 
 if kind == "deps":
-    result = venvs.ensure_venv(venv, install, "a test venv", log=log)
+    result = deps.ensure_venv(venv, install, "a test venv", log=log)
 else:
-    venvs.install = lambda python, *args, log: install(python)
-    result = venvs.ensure_layered_venv(venv, work, [["nothing"]], log=log)
+    deps.install = lambda python, *args, log: install(python)
+    result = deps.ensure_layered_venv(venv, work, [["nothing"]], log=log)
 print(json.dumps(str(result)))
 """
 
@@ -153,5 +154,5 @@ def _dist(site: Path, name: str, version: str) -> None:
 def test_a_layer_resolves_against_the_deps_venv_but_keeps_what_it_names(tmp_path):
     for name, version in (("Foo_Bar", "1.0"), ("baz", "2.1"), ("torch", "2.13.0+cpu")):
         _dist(tmp_path, name, version)
-    assert venvs.deps_constraints(tmp_path, ["pytest", "baz>=3", "-q"]) == ["foo-bar==1.0", "torch==2.13.0+cpu"]
-    assert venvs.deps_constraints(tmp_path, ["--no-deps", "baz==3.0"]) == []  # nothing resolved
+    assert deps.deps_constraints(tmp_path, ["pytest", "baz>=3", "-q"]) == ["foo-bar==1.0", "torch==2.13.0+cpu"]
+    assert deps.deps_constraints(tmp_path, ["--no-deps", "baz==3.0"]) == []  # nothing resolved

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvwarm_build import image_standin, project
-from kvwarm_build.build import output_name
+from kvwarm_build import project
+from kvwarm_build.builds.build import output_name
 from kvwarm_build.errors import BuildError
-from kvwarm_build.image_builders import Builder
-from kvwarm_build.images import DIST_ALIAS
+from kvwarm_build.images import standin as image_standin
+from kvwarm_build.images.builders import Builder
+from kvwarm_build.images.dockerfile import DIST_ALIAS
 from kvwarm_build.releases import load_releases
 
 NEWEST = load_releases(project.RELEASES)[-1]

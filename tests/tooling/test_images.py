@@ -10,9 +10,13 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from kvwarm_build import image_builders, image_refs, image_standin, images, project
-from kvwarm_build.build import output_name
+from kvwarm_build import project
+from kvwarm_build.builds.build import output_name
 from kvwarm_build.errors import BuildError
+from kvwarm_build.images import builders as image_builders
+from kvwarm_build.images import dockerfile
+from kvwarm_build.images import refs as image_refs
+from kvwarm_build.images import standin as image_standin
 from kvwarm_build.releases import load_releases
 
 RELEASES = load_releases(project.RELEASES)
@@ -21,7 +25,7 @@ _VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 
 
 def parsed() -> DockerfileParser:
-    return DockerfileParser(path=str(images.DOCKERFILE), env_replace=False)
+    return DockerfileParser(path=str(dockerfile.DOCKERFILE), env_replace=False)
 
 
 def instructions(name: str) -> list[str]:
@@ -131,7 +135,7 @@ def test_a_flavour_whose_dist_is_not_vllm_gets_the_metadata_alias_before_the_sel
     assert run.index("$install --no-deps") < alias < run.index("vllm.kvwarm selfcheck")
     body = run[alias : run.index("fi;", alias)]
     assert 'python3 "$alias" "$VLLM_DIST";' in body and 'python3 "$alias" --check "$VLLM_DIST";' in body
-    assert "/tmp/kvwarm-context/" + images.DIST_ALIAS.name in body
+    assert "/tmp/kvwarm-context/" + dockerfile.DIST_ALIAS.name in body
 
 
 def test_build_args_refuse_a_wheel_of_another_version():

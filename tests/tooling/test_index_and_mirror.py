@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 from conftest import Index
 
-from kvwarm_build import image_standin, project
-from kvwarm_build.apt_sources import deb_sources, debian_mirror
+from kvwarm_build import project
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import fetch, package_index, pip_config
-from kvwarm_build.installer import failure_fix, index_options, uv_environment
+from kvwarm_build.images import standin as image_standin
+from kvwarm_build.images.apt_sources import deb_sources, debian_mirror
 from kvwarm_build.releases import Artifact
+from kvwarm_build.venvs.installer import failure_fix, index_options, uv_environment
 
 # --- the package index ----------------------------------------------------------------------
 

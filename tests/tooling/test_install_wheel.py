@@ -10,7 +10,7 @@ from pathlib import Path
 import conftest
 from conftest import make_release_wheel
 
-from kvwarm_build.venvs import install_wheel, site_packages, venv_python
+from kvwarm_build.venvs.deps import install_wheel, site_packages, venv_python
 
 KERNELS = "vllm/_C.abi3.so"
 

@@ -8,10 +8,17 @@ import pytest
 from conftest import BLOCK_POOL, GOOD_EDITS, VERSION, git, make_patches
 
 from kvwarm_build import project
+from kvwarm_build.builds.maint import (
+    export_patches,
+    lint,
+    lint_releases,
+    materialise,
+    names_across_releases,
+    write_series,
+)
+from kvwarm_build.builds.series import patch_file_name, read_series, series_folder
 from kvwarm_build.errors import BuildError
-from kvwarm_build.maint import export_patches, lint, lint_releases, materialise, names_across_releases, write_series
 from kvwarm_build.releases import load_releases
-from kvwarm_build.series import patch_file_name, read_series, series_folder
 
 
 def test_round_trip_is_byte_identical(tree, tmp_path):

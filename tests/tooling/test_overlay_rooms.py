@@ -11,27 +11,27 @@ OVERLAY = Path(__file__).resolve().parents[2] / "overlay" / "vllm" / "kvwarm"
 PACKAGE = "vllm.kvwarm"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(OVERLAY).with_suffix("").parts
-    return ".".join([PACKAGE, *parts[:-1]] + ([] if parts[-1] == "__init__" else [parts[-1]]))
+def module_name(path: Path, root: Path = OVERLAY, package: str = PACKAGE) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join([package, *parts[:-1]] + ([] if parts[-1] == "__init__" else [parts[-1]]))
 
 
-def imports() -> dict[str, set[str]]:
-    """{module: the overlay modules it imports anywhere in its body}."""
-    modules = {module_name(p): p for p in OVERLAY.rglob("*.py")}
+def imports(root: Path = OVERLAY, package: str = PACKAGE) -> dict[str, set[str]]:
+    """{module: the modules of `package` (at `root`) it imports anywhere in its body}."""
+    modules = {module_name(p, root, package): p for p in root.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
         found = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
             if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if not target.startswith(PACKAGE):
+            if not target.startswith(package):
                 continue
             # `from pkg import module` names a module; `from module import name` does not
             found |= {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules}

@@ -13,7 +13,7 @@ from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml, make_pat
 from kvwarm_build import project, sessions
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import load_releases
-from kvwarm_build.stock_check import file_problems
+from kvwarm_build.upstream.stock_check import file_problems
 
 CPU_FLAVOUR = flavour_toml(
     "cpu",
@@ -268,7 +268,7 @@ def test_a_stock_test_may_skip_but_one_must_pass():
 def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
     from wheel.wheelfile import WheelFile
 
-    from kvwarm_build.validate import overlay_imports
+    from kvwarm_build.builds.validate import overlay_imports
 
     wheel = tmp_path / "vllm-9.9.1-py3-none-any.whl"
     with WheelFile(wheel, "w") as zf:
@@ -285,7 +285,7 @@ def test_validation_imports_every_vllm_module_the_overlay_uses(tmp_path):
 def test_the_real_overlay_imports_are_found(tmp_path):
     from wheel.wheelfile import WheelFile
 
-    from kvwarm_build.validate import overlay_imports
+    from kvwarm_build.builds.validate import overlay_imports
 
     wheel = tmp_path / "vllm-9.9.1-py3-none-any.whl"
     with WheelFile(wheel, "w") as zf:
@@ -314,7 +314,7 @@ def _sdist(version: str, block_pool: str, torch: str = "2.99.0") -> bytes:
 
 
 def test_upstream_status_reports_newer_releases_cpu_wheels_torch_and_each_patch(tree, index, tmp_path):
-    from kvwarm_build.upstream_status import upstream_status
+    from kvwarm_build.upstream.status import upstream_status
 
     _, url = index
     pristine = SOURCES[BLOCK_POOL]
@@ -346,7 +346,7 @@ def test_upstream_status_reports_newer_releases_cpu_wheels_torch_and_each_patch(
 
 
 def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
-    from kvwarm_build.upstream_status import upstream_status
+    from kvwarm_build.upstream.status import upstream_status
 
     _, url = index
     Index.files = {f"vllm-{VERSION}.tar.gz": _sdist(VERSION, SOURCES[BLOCK_POOL])}
@@ -373,7 +373,7 @@ def _two_rows(tree):
 
 
 def test_upstream_status_says_per_patch_which_series_version_fits_a_release_asked_for(tree, index, tmp_path):
-    from kvwarm_build.upstream_status import upstream_status
+    from kvwarm_build.upstream.status import upstream_status
 
     _, url = index
     pristine = SOURCES[BLOCK_POOL]
@@ -389,7 +389,7 @@ def test_upstream_status_says_per_patch_which_series_version_fits_a_release_aske
 
 
 def test_upstream_status_says_none_where_no_series_version_fits(tree, index, tmp_path):
-    from kvwarm_build.upstream_status import upstream_status
+    from kvwarm_build.upstream.status import upstream_status
 
     _, url = index
     moved = SOURCES[BLOCK_POOL].replace("    return 3\n", "    return 33\n")
@@ -404,7 +404,7 @@ def test_upstream_status_says_none_where_no_series_version_fits(tree, index, tmp
 
 
 def test_upstream_status_refuses_a_release_the_index_lacks(tree, index, tmp_path):
-    from kvwarm_build.upstream_status import upstream_status
+    from kvwarm_build.upstream.status import upstream_status
 
     _, url = index
     Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", SOURCES[BLOCK_POOL])}
@@ -414,7 +414,8 @@ def test_upstream_status_refuses_a_release_the_index_lacks(tree, index, tmp_path
 
 
 def test_upstream_status_release_option_is_repeatable_and_comma_separated(monkeypatch):
-    from kvwarm_build import cli, upstream_status
+    from kvwarm_build import cli
+    from kvwarm_build.upstream import status as upstream_status
 
     asked = []
     monkeypatch.setattr(upstream_status, "upstream_status", lambda *a, versions, **k: asked.append(versions) or [])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvwarm_build.errors import BuildError
-from kvwarm_build.upstream_tests import (
+from kvwarm_build.upstream.suite import (
     CONNECTOR_UNIT,
     CORE,
     Selection,
@@ -112,7 +112,7 @@ def test_extract_tests_refuses_foreign_dir(tmp_path):
 
 
 def test_the_site_folder_is_written_once_and_repaired_when_changed(tmp_path):
-    from kvwarm_build.upstream_tests import prepare_site
+    from kvwarm_build.upstream.suite import prepare_site
 
     site = prepare_site(tmp_path)
     shim = site / "sitecustomize.py"
@@ -190,7 +190,7 @@ def test_run_gate_runs_each_selection_and_keeps_a_missing_package_a_failure(tmp_
 
 
 def test_torchvision_goes_with_the_torch_of_the_deps_venv():
-    from kvwarm_build.upstream_tests import torchvision_for
+    from kvwarm_build.upstream.suite import torchvision_for
 
     assert torchvision_for("2.20.0+cpu") == "torchvision==0.35.0"
     assert torchvision_for("2.21.1") == "torchvision==0.36.0"

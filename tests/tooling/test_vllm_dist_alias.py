@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvwarm_build.images import DIST_ALIAS
+from kvwarm_build.images.dockerfile import DIST_ALIAS
 
 VERSION = "9.9.1+kvwarm.3"
 ALIAS = "9.9.1+kvwarm.3.cpu"  # vLLM takes "cpu" in version("vllm") for a CPU build

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 from . import project
-from .build import check_reproducible, ensure_built, output_name
-from .bundle_resolve import Target
+from .builds.build import check_reproducible, ensure_built, output_name
+from .builds.maint import export_patches, lint_releases, materialise, write_series
+from .builds.series import read_series, series_folder
+from .bundles.resolve import Target
 from .errors import BuildError
 from .fetch import fetch
-from .maint import export_patches, lint_releases, materialise, write_series
 from .releases import FLAVOURS, find_release, load_releases
-from .series import read_series, series_folder
-from .venvs import current_python, ensure_deps_venv, install_wheel, layer_on_deps
+from .venvs.deps import current_python, ensure_deps_venv, install_wheel, layer_on_deps
 
 
 def _log(message: str) -> None:
@@ -48,7 +48,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_build_all(args) -> int:
-    from .build_all import build_all
+    from .builds.build_all import build_all
 
     releases = load_releases(args.releases)
     checked = {find_release(releases, name).short for name in args.check_reproducible}
@@ -61,7 +61,7 @@ def cmd_install_built(args) -> int:
     """The built wheel into this venv, over whatever vLLM it holds: --no-deps (its
     dependencies come from a layered deps venv), byte-compiled (every test process imports it).
     The release's other flavours go first: each installs the same `vllm` package."""
-    from .installer import uninstall
+    from .venvs.installer import uninstall
 
     release = _release(args)
     wheel = args.dist / output_name(release, args.flavour)
@@ -113,33 +113,33 @@ def cmd_layer_deps(args) -> int:
 
 
 def cmd_layer_engine_deps(args) -> int:
-    from .engine_venv import ensure_engine_deps
+    from .venvs.engine import ensure_engine_deps
 
     layer_on_deps(current_python(), ensure_engine_deps(_release(args), _cache(args), log=_log))
     return 0
 
 
 def cmd_stock_engine_python(args) -> int:
-    from .engine_venv import stock_engine_venv
+    from .venvs.engine import stock_engine_venv
 
     print(stock_engine_venv(_release(args), _cache(args), log=_log))
     return 0
 
 
 def cmd_upstream_tests(args) -> int:
-    from .upstream_run import run_upstream_tests
+    from .upstream.run import run_upstream_tests
 
     return run_upstream_tests(_release(args), _cache(args), args.dist, full=args.full, log=_log)
 
 
 def cmd_stock_check(args) -> int:
-    from .stock_check import check_tests_on_stock
+    from .upstream.stock_check import check_tests_on_stock
 
     return check_tests_on_stock(_release(args), _cache(args), log=_log)
 
 
 def cmd_upstream_status(args) -> int:
-    from .upstream_status import upstream_status
+    from .upstream.status import upstream_status
 
     versions = [v.strip() for arg in args.release for v in arg.split(",") if v.strip()]
     lines = upstream_status(load_releases(args.releases), project.PATCHES, _cache(args), log=_log, versions=versions)
@@ -150,37 +150,37 @@ def cmd_upstream_status(args) -> int:
 
 def _patched_wheel(args, release):
     """The patched wheel (built when stale) and its build record."""
-    from .build import read_built_record
+    from .builds.build import read_built_record
 
     wheel = ensure_built(release, args.flavour, _cache(args), dist=args.dist, if_stale=True, log=_log)
     return wheel, read_built_record(wheel)
 
 
 def cmd_image(args) -> int:
-    from . import images
-    from .image_builders import detect_builder
+    from .images.builders import detect_builder
+    from .images.dockerfile import build_image
 
     release = _release(args)
     builder = detect_builder()
     _log(f"image builder: {builder.name}")
     wheel, record = _patched_wheel(args, release)
     base = args.base or release.flavour(args.flavour).image
-    tag, _ = images.build_image(builder, release, wheel, record, base, tag=args.tag, log=_log)
+    tag, _ = build_image(builder, release, wheel, record, base, tag=args.tag, log=_log)
     print(tag)
     return 0
 
 
 def cmd_image_standin(args) -> int:
-    from . import image_standin
+    from .images.standin import build_on_standin
 
     release = _release(args)
     wheel, record = _patched_wheel(args, release)
-    image_standin.build_on_standin(release, wheel, record, _cache(args), flavour=args.flavour, keep=args.keep, log=_log)
+    build_on_standin(release, wheel, record, _cache(args), flavour=args.flavour, keep=args.keep, log=_log)
     return 0
 
 
 def cmd_bundle(args) -> int:
-    from .bundle import index_options, make_bundle
+    from .bundles.make import index_options, make_bundle
 
     release = _release(args)
     wheel, record = _patched_wheel(args, release)

@@ -28,7 +28,7 @@ class Flavour:
     wheel: Artifact
     torch: str  # the torch the wheel pins
     image: str
-    torch_fallback: str | None = None  # when no index we reach has the pin's CPU build (venvs.cpu_torch)
+    torch_fallback: str | None = None  # when no index we reach has the pin's CPU build (venvs.deps.cpu_torch)
 
 
 @dataclass(frozen=True)

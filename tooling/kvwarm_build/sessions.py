@@ -71,8 +71,8 @@ def dynamo_requirement(releases: list[Release]) -> str:
 def consumer_python(cache: Path, dynamo: str, log=print) -> Path:
     """Python of the consumers venv with `dynamo`'s wheel (made on first use, about 2 minutes)."""
     from .digests import cache_key
-    from .installer import install
-    from .venvs import ensure_venv, venv_python
+    from .venvs.deps import ensure_venv, venv_python
+    from .venvs.installer import install
 
     def fill(python: Path) -> None:
         install(python, "--no-deps", dynamo, log=log)

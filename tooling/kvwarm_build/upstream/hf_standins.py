@@ -13,8 +13,8 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..errors import BuildError
 from ._make_standins import STANDINS, VERSION
-from .errors import BuildError
 
 _SCRIPT = Path(__file__).with_name("_make_standins.py")
 MARKER = ".kvwarm-standins.json"
@@ -28,7 +28,7 @@ def seed_hf_cache(hub_dir: Path, model_ids: Iterable[str], python: str) -> None:
     if unknown:
         raise BuildError(
             f"no offline stand-in recipe for hub id(s): {', '.join(unknown)}",
-            "add them to STANDINS in kvwarm_build/_make_standins.py",
+            "add them to STANDINS in kvwarm_build/upstream/_make_standins.py",
         )
     marker = hub_dir / MARKER
     seeded = _seeded(marker)

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from wheel.wheelfile import WheelError, WheelFile
 
-from .errors import BuildError
-from .installer import install
+from ..errors import BuildError
+from ..venvs.deps import layer_on_deps, venv_python
+from ..venvs.installer import install
 from .repack import WheelName, parse_record
-from .venvs import layer_on_deps, venv_python
 
 _MARK = "KVWARM-PROBE "
 _PROBE = f"""

@@ -26,9 +26,9 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from .digests import cache_key
-from .errors import BuildError
-from .fetch import sha256_of
+from ..digests import cache_key
+from ..errors import BuildError
+from ..fetch import sha256_of
 from .installer import install, installed, uninstall
 
 # What a release wheel requires that only serves a GPU or that the index has only as a CUDA
@@ -175,7 +175,7 @@ def ensure_venv(venv: Path, fill, what: str, log=print) -> Path:
 
 def deps_inputs(release, cache: Path, log=print) -> tuple[str, list[str], list[str]]:
     """(torch, requirements, constraints) of the release's deps venv, from its cuda wheel."""
-    from .fetch import fetch
+    from ..fetch import fetch
 
     flavour = release.flavour("cuda")
     wheel = fetch(flavour.wheel, cache / "downloads", log=log)

@@ -2,7 +2,7 @@
 
 The folder holds the patched wheel and the dependency wheels the target lacks (wheels/),
 manifest.json (every file with its name, version, size and sha256; a file cut with
-`split_mib` lists its parts instead of itself) and install.py (bundle_install.py: verify,
+`split_mib` lists its parts instead of itself) and install.py (bundles/install.py: verify,
 join, pip install --no-index, selfcheck). It is written in a staging folder next to `out`
 and moved into place when complete, so a failed run leaves the previous bundle intact.
 """
@@ -21,10 +21,10 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from .build import read_built_record
-from .bundle_resolve import Plan, Target, Wheel, read_have, resolve
-from .errors import BuildError
-from .fetch import sha256_of
+from ..builds.build import read_built_record
+from ..errors import BuildError
+from ..fetch import sha256_of
+from .resolve import Plan, Target, Wheel, read_have, resolve
 
 MANIFEST = "manifest.json"
 INSTALLER = "install.py"
@@ -174,7 +174,7 @@ def make_bundle(
             "files": sorted(files, key=lambda e: e["file"]),
         }
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        shutil.copyfile(Path(__file__).with_name("bundle_install.py"), staging / INSTALLER)
+        shutil.copyfile(Path(__file__).with_name("install.py"), staging / INSTALLER)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from wheel.wheelfile import WheelFile
 
+from ..errors import BuildError
+from ..git import git
 from .apply import apply_series
-from .errors import BuildError
-from .git import git
 from .series import Patch, Series, header_problems, parse_headers, patch_file_name, read_series, series_folder
 
 UPSTREAM_TAG = "upstream"

@@ -29,7 +29,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import NormalizedName, canonicalize_name
 from packaging.version import Version
 
-from .errors import BuildError
+from ..errors import BuildError
 
 MIN_PIP = Version("24.1")  # platform options together with --dry-run
 ROUNDS = 3  # marker fix-up rounds before giving up

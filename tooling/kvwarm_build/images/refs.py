@@ -8,12 +8,12 @@ import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
 
-from . import project
-from .errors import BuildError
-from .git import git
-from .image_builders import KEPT, Builder, image_config, inspect_image
-from .releases import Release
-from .repack import WheelName
+from .. import project
+from ..builds.repack import WheelName
+from ..errors import BuildError
+from ..git import git
+from ..releases import Release
+from .builders import KEPT, Builder, image_config, inspect_image
 
 SERIES_LABEL = "io.kvwarm.series-digest"
 

@@ -1,10 +1,10 @@
 """The dependency venv the real CPU engine runs on, one per release.
 
 The cpu flavour's kernels are ABI-locked to the torch its wheel pins. That torch is what the
-venv gets (venvs.cpu_torch); where no index we reach has it, releases.toml names a
+venv gets (deps.cpu_torch); where no index we reach has it, releases.toml names a
 `torch_fallback` that loads the same kernels (a CUDA build of the same version runs on CPU).
 Everything else is the cpu wheel's own Requires-Dist less GPU-only packages. vLLM itself is
-not in here: engine sessions layer this venv under their own (see venvs.layer_on_deps) and
+not in here: engine sessions layer this venv under their own (see deps.layer_on_deps) and
 install the patched wheel `--no-deps`.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .digests import cache_key
-from .fetch import fetch
+from ..digests import cache_key
+from ..fetch import fetch
+from ..releases import Release
+from .deps import TORCH_FAMILY, cpu_torch, ensure_layered_venv, ensure_venv, wheel_requirements
 from .installer import install, uninstall
-from .releases import Release
-from .venvs import TORCH_FAMILY, cpu_torch, ensure_layered_venv, ensure_venv, wheel_requirements
 
 
 def engine_venv_path(release: Release, cache: Path, torch: str, requirements: list[str]) -> Path:

@@ -26,7 +26,7 @@ from typing import BinaryIO
 from packaging.version import Version
 from wheel.wheelfile import WheelFile
 
-from .errors import BuildError
+from ..errors import BuildError
 
 FORBIDDEN_LABEL_PARTS = ("cpu", "rocm", "tpu", "xpu")  # vLLM's platform detection greps these
 COMPRESS_LEVEL = 6  # zlib's default, which the release wheels use: same size as upstream
@@ -109,7 +109,7 @@ def relabel_version_file(text: str, version: str, patched: str, label: str) -> s
     if n != 1 or m != 1:
         raise BuildError(
             f"vllm/_version.py of {version} does not have the expected setuptools-scm lines",
-            "extend kvwarm_build.repack.relabel_version_file for this release",
+            "extend kvwarm_build.builds.repack.relabel_version_file for this release",
         )
     return new
 

@@ -6,7 +6,7 @@ import os
 import shutil
 import subprocess
 
-from .errors import BuildError
+from ..errors import BuildError
 
 
 def ensure_host_tools(tools: tuple[str, ...], why: str, log=print) -> None:

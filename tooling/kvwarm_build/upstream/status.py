@@ -20,11 +20,11 @@ from pathlib import Path
 from packaging.utils import parse_sdist_filename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from .apply import git_apply, touched_paths
-from .errors import BuildError
-from .fetch import fetch, package_index, project_files
-from .releases import Artifact, Release
-from .series import Patch, Series, read_series, series_folder
+from ..builds.apply import git_apply, touched_paths
+from ..builds.series import Patch, Series, read_series, series_folder
+from ..errors import BuildError
+from ..fetch import fetch, package_index, project_files
+from ..releases import Artifact, Release
 
 _TORCH_PIN = re.compile(r"^torch==(?P<version>[^\s;#]+)", re.MULTILINE)
 

@@ -13,8 +13,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import BuildError
-from .git import git
+from ..errors import BuildError
+from ..git import git
 from .series import FLAVOUR_SPECIFIC, Patch, Series
 
 _FAILED_FILE = re.compile(r"error: (?:patch failed: )?(?P<file>[^:\s]+)(?::\d+)?:?")

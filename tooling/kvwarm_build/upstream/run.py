@@ -12,14 +12,15 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .build import ensure_built
-from .digests import cache_key
-from .errors import BuildError
-from .fetch import fetch, sha256_of
+from ..builds.build import ensure_built
+from ..digests import cache_key
+from ..errors import BuildError
+from ..fetch import fetch, sha256_of
+from ..releases import Release
+from ..venvs.deps import ensure_deps_venv, ensure_layered_venv, install_wheel
+from ..venvs.installer import install
 from .hf_standins import seed_hf_cache
-from .installer import install
-from .releases import Release
-from .upstream_tests import (
+from .suite import (
     TEST_VENV_COMMON,
     TEST_VENV_NO_DEPS,
     compare,
@@ -30,13 +31,12 @@ from .upstream_tests import (
     run_gate,
     torchvision_for,
 )
-from .venvs import ensure_deps_venv, ensure_layered_venv, install_wheel
 
 # Files that shape a run besides the wheel and the tests: stand-in recipes, the
 # torchvision shim, the fixtures plugin run_suite installs, and the selection itself.
 _RUN_INPUTS = [
     Path(__file__).with_name(n)
-    for n in ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py", "upstream_tests.py")
+    for n in ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py", "suite.py")
 ]
 
 

@@ -22,8 +22,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .errors import BuildError
-from .fetch import pip_config
+from ..errors import BuildError
+from ..fetch import pip_config
 
 # pip's precedence for one option: its variables, then [install], then [global].
 _SECTIONS = (":env:", "install", "global")

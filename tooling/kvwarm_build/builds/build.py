@@ -12,16 +12,16 @@ from pathlib import Path
 
 from wheel.wheelfile import WheelFile
 
-from . import project
+from .. import project
+from ..digests import digest_named
+from ..errors import BuildError
+from ..fetch import fetch
+from ..releases import Release
+from ..venvs.deps import ensure_deps_venv
 from .apply import apply_series
-from .digests import digest_named
-from .errors import BuildError
-from .fetch import fetch
-from .releases import Release
 from .repack import WheelName, repack
 from .series import read_series, series_folder
 from .validate import validate as validate_wheel
-from .venvs import ensure_deps_venv
 
 
 def build_record(release: Release, flavour: str, overlay: dict[str, bytes], series_digest: str) -> dict:
@@ -171,5 +171,5 @@ def check_reproducible(
     differing = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n)) or ["(entry order or zip metadata)"]
     raise BuildError(
         f"two builds of {wheel.name} from the same inputs differ: {', '.join(differing[:10])}",
-        "find what varies between runs (time, file modes, ordering) in kvwarm_build.repack",
+        "find what varies between runs (time, file modes, ordering) in kvwarm_build.builds.repack",
     )
