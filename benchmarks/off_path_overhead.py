@@ -95,7 +95,7 @@ def main() -> None:
     from kvwarm_build import project
     from kvwarm_build.releases import find_release, load_releases
     from kvwarm_build.sessions import quick_mode
-    from kvwarm_build.stock_check import stock_venv
+    from kvwarm_build.upstream.stock_check import stock_venv
 
     quick = quick_mode(sys.argv, os.environ)
     steps, runs, repeats = QUICK if quick else FULL
