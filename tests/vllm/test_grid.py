@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
+from vllm.kvwarm.record.shape import GraphConfig, expected_graph
 from vllm.kvwarm.scheduler import KvWarmScheduler
-from vllm.kvwarm.sweep.graphs import GraphConfig, expected_graph, graph_config
+from vllm.kvwarm.sweep.graphs import graph_config
 from vllm.kvwarm.sweep.grid import GridLimits, axis, decode_grid, prefill_grid, thin
 from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint, parse_points
 

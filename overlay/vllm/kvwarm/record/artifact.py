@@ -19,6 +19,7 @@ from pathlib import Path
 from . import vocabulary as v
 from .files import write_atomically
 from .schema import validate
+from .shape import point_key
 
 
 def utc_now() -> str:
@@ -164,16 +165,6 @@ def build_artifact(
             if r.skipped
         ],
     }
-
-
-def point_key(point: dict) -> tuple:
-    """A point's identity across ranks and runs (rows of schema 1 and 2 are decode points)."""
-    return (
-        point.get("point_type", v.DECODE),
-        point["total_kv_read_tokens"],
-        point["batch_size"],
-        point.get("total_prefill_tokens", 0),
-    )
 
 
 def _ms(value: float | None) -> str:

@@ -44,9 +44,9 @@ from ..kv.layout import STATE_ALIGN, group_layouts
 from ..kv.prefix import prefix_unit
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
+from ..record.shape import GraphConfig, expected_graph
 from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
 from .gc_hold import GcHold
-from .graphs import GraphConfig, expected_graph
 from .plan import (
     PointPlan,
     Rung,
