@@ -238,8 +238,8 @@ def test_an_exact_point_whose_catch_ups_do_not_fit_is_skipped_after_the_ranks_me
     monkeypatch.setattr(catchups, "cached_tokens", lambda kvm, request: lookups.append(request) or 0)
     meetings = []
     sweep = make_sweep([DecodePoint(600, 2), DecodePoint(40, 2)], state_mode="exact", state_lending="inplace")
-    post = sweep._exchange.post
-    sweep._exchange.post = lambda kind, record: (meetings.append(kind), post(kind, record))[1]
+    post = sweep._meetings.exchange.post
+    sweep._meetings.exchange.post = lambda kind, record: (meetings.append(kind), post(kind, record))[1]
     _run(scheduler, sweep)
     first, second = sweep.rows
     assert first.kv_seed_regime == "skip:decode_injection_failed" and "pool_exhausted" in first.detail

@@ -6,7 +6,7 @@ does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
 every point, and on any failure with status "failed", the error and every row measured.
 Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an exchange
-(sweep.store_exchange.make_exchange), which also carries each write to the combined view
+(sweep.exchange.make_exchange), which also carries each write to the combined view
 OUT/sweep.json (record.combined) on rank 0's side. With DYN_FPM_BENCHMARK_OUTPUT_PATH set,
 the last rank to finish also writes Dynamo's self-benchmark artifact there (record.export),
 where OUT is one folder every rank sees.
@@ -28,18 +28,19 @@ from ..kv.state_mode import STATE_ENV, decide_state_mode, refusal_hint
 from ..record import export
 from ..record import vocabulary as v
 from ..record.files import write_atomically
+from ..record.shape import GraphConfig
 from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
 from .engine_record import kv_cache_tokens, run_record
+from .exchange import make_exchange
 from .gate import content_reason, model_gate_reason
-from .graphs import GraphConfig, graph_config
+from .graphs import graph_config
 from .grid import CAPS, GridLimits, decode_grid, points_file, prefill_grid
 from .limits import SweepRefused, check_engine, check_points
 from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
 from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
-from .store_exchange import make_exchange
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
