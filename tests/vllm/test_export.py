@@ -305,6 +305,20 @@ def test_the_engines_graphs_are_what_the_sweep_recorded_and_a_skipped_point_gets
     assert prefill["sample_reasons"][1] == v.CUDAGRAPH_DISABLED
 
 
+def test_rows_written_before_their_sample_kind_still_export_and_report(tmp_path):
+    from vllm.kvwarm.record.runs import load_run
+
+    root = tmp_path / "s"
+    artifact = write_rank(root, [decode_row(300, 2), prefill_row(64, 0, 1)])
+    assert [r["sample_kind"] for r in artifact["results"]] == [v.STEP, v.SHOT_FORWARD]
+    for row in artifact["results"]:
+        del row["sample_kind"]
+    (root / "sweep.json").write_text(json.dumps(artifact))
+    files = {f["config"]["mode"]: f for f in dynamo_files(root, tmp_path / "b.json")}
+    assert [r["kvwarm_sweep"]["steady_seconds"] for r in files["decode"]["results"]] == [[0.010, 0.012, 0.011]]
+    assert [row.kind for row in load_run(str(root)).rows] == ["decode", "prefill"]
+
+
 def test_the_profiler_tables_hold_the_rows_in_the_profilers_units(tmp_path):
     root = dp_sweep(
         tmp_path / "s",

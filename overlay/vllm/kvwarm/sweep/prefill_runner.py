@@ -103,7 +103,10 @@ class PrefillRunner:
         shot.done = True
         problem = verify_step(shots, shot, output)
         if problem is None and shot.timed and window is None:
-            problem = (v.PREFILL_INJECTION_FAILED, "the shot's step was not timed (no step timer: use the adapter)")
+            raise RuntimeError(
+                "a bug: a timed prefill shot's step came without its step window; the sweep must be driven "
+                "through the scheduler adapter (vllm.kvwarm.scheduler), whose StepTimer closes every step's window"
+            )
         if problem is not None:
             shots.failure = problem
         elif shot.timed:

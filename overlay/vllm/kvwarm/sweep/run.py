@@ -46,10 +46,10 @@ from .writer import ArtifactWriteError, ArtifactWriter
 logger = init_logger(__name__)
 
 CONFIG_KEY = "kvwarm_sweep"
-GRID_FILE = "grid.json"  # a generated grid, beside the artifact
+GRID_FILE = "grid.json"  # a generated grid, beside the artifact (grid_path)
 INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused)
 # Prefill points' new tokens come from the dataset's held-out half, as much of it as this
-# (shots cycle through it, each led by a token of its own).
+# (tails cycle through it, each led by tokens of its own).
 TAIL_TOKENS = 8192
 
 
@@ -148,6 +148,11 @@ def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
     return {**CAPS, **asked}, graphs
 
 
+def grid_path(out: str) -> Path:
+    """Where a --grid sweep writes its generated grid: in its output folder."""
+    return Path(out) / GRID_FILE
+
+
 def new_writer(out: str, config: dict, environ, rank_out: str | None = None, layout=None) -> ArtifactWriter:
     """The artifact writer of a run, with what the environment asked for recorded."""
     writer = ArtifactWriter(out, config, rank_out, layout)
@@ -170,7 +175,8 @@ class SweepRun:
         self.layout = rank_layout(parallel)
         size, rank = self.layout.data_parallel_size, self.layout.data_parallel_rank
         rank_out = str(Path(spec["out"]) / f"dp{rank}") if size > 1 else None
-        config = {"points": spec.get("points") or GRID_FILE, "model": vllm_config.model_config.model}
+        points = spec.get("points") or str(grid_path(spec["out"]))
+        config = {"points": points, "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
         self.environ = environ
@@ -267,7 +273,7 @@ class SweepRun:
             except PointsFileError:
                 continue  # beyond what this engine runs as one step
             points.append(point)
-        path = Path(self.writer.root) / GRID_FILE
+        path = grid_path(self.writer.root)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(points_file(points), indent=2).encode())
         self.writer.meta.grid = {
