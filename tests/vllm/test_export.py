@@ -261,6 +261,64 @@ def test_the_graph_a_point_runs_in_follows_the_engines_capture_sizes(tmp_path):
     assert f["results"][0]["point"]["expected_cudagraph_mode"] == "PIECEWISE"  # the row's own record wins
 
 
+def test_the_engines_graphs_are_what_the_sweep_recorded_and_a_skipped_point_gets_the_sweeps_graph(tmp_path):
+    """The sweep records vLLM's own decode_mode()/mixed_mode() answers (kvwarm.cudagraph): the
+    export takes them over its reading of the resolved mode's name, and a point without a
+    graph record of its own (a skipped one) is given the graph by the sweep's own rule."""
+    graphs = {
+        **RESOLVED,
+        "enforce_eager": False,
+        "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE",
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
+    }
+    recorded = {
+        "mode": "FULL_AND_PIECEWISE",
+        "decode_mode": "FULL",
+        "prefill_mode": "NONE",  # not what the mode's name reads as: the record wins
+        "capture_sizes": [1, 2, 4, 8, 16],
+        "decode_capture_sizes": [1, 2, 4],
+        "prefill_capture_sizes": [],
+    }
+    root = tmp_path / "s"
+    skipped = PointRow(600, 3, v.skip_regime(v.BATCH_SIZE_MISMATCH), detail="a timed step ran 2 requests")
+    artifact = write_rank(root, [decode_row(300, 2), skipped, prefill_row(8, 0, 1)], resolved=graphs)
+    artifact["kvwarm"]["cudagraph"] = recorded
+    write_artifact(root, artifact)
+    files = {f["config"]["mode"]: f for f in dynamo_files(root, tmp_path / "b.json")}
+    cudagraph = files["decode"]["cudagraph"]
+    assert (cudagraph["mode"], cudagraph["prefill_mode"], cudagraph["decode_mode"]) == (
+        "FULL_AND_PIECEWISE",
+        "NONE",
+        "FULL",
+    )
+    assert (cudagraph["decode_capture_sizes"], cudagraph["prefill_capture_sizes"]) == ([1, 2, 4], [])
+    assert files["decode"]["engine"]["graph"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
+    (entry,) = files["decode"]["skipped_points"]
+    point = entry["point"]  # B = 3 rides the decode capture size 4, padded by 1
+    assert (point["expected_cudagraph_mode"], point["expected_capture_size"], point["padding_tokens"]) == ("FULL", 4, 1)
+    (prefill,) = [r["point"] for r in files["prefill"]["results"]]  # no prefill graphs: eager, no padding
+    assert (prefill["expected_cudagraph_mode"], prefill["expected_capture_size"], prefill["padding_tokens"]) == (
+        "NONE",
+        None,
+        0,
+    )
+    assert prefill["sample_reasons"][1] == v.CUDAGRAPH_DISABLED
+
+
+def test_rows_written_before_their_sample_kind_still_export_and_report(tmp_path):
+    from vllm.kvwarm.record.runs import load_run
+
+    root = tmp_path / "s"
+    artifact = write_rank(root, [decode_row(300, 2), prefill_row(64, 0, 1)])
+    assert [r["sample_kind"] for r in artifact["results"]] == [v.STEP, v.SHOT_FORWARD]
+    for row in artifact["results"]:
+        del row["sample_kind"]
+    (root / "sweep.json").write_text(json.dumps(artifact))
+    files = {f["config"]["mode"]: f for f in dynamo_files(root, tmp_path / "b.json")}
+    assert [r["kvwarm_sweep"]["steady_seconds"] for r in files["decode"]["results"]] == [[0.010, 0.012, 0.011]]
+    assert [row.kind for row in load_run(str(root)).rows] == ["decode", "prefill"]
+
+
 def test_the_profiler_tables_hold_the_rows_in_the_profilers_units(tmp_path):
     root = dp_sweep(
         tmp_path / "s",

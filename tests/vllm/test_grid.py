@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
+from vllm.kvwarm.record.shape import GraphConfig, expected_graph
 from vllm.kvwarm.scheduler import KvWarmScheduler
-from vllm.kvwarm.sweep.graphs import GraphConfig, expected_graph, graph_config
+from vllm.kvwarm.sweep.graphs import graph_config
 from vllm.kvwarm.sweep.grid import GridLimits, axis, decode_grid, prefill_grid, thin
 from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint, parse_points
 
@@ -141,3 +142,25 @@ def test_a_grid_sweep_writes_its_points_file_and_every_row_records_its_graph(tmp
         kind, n = row["point"]["point_type"], row["point"]["total_prefill_tokens"] or row["point"]["batch_size"]
         assert row["graph"] == expected_graph(graphs, kind, n)
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_a_grid_sweeps_record_names_its_points_file_by_its_path(tmp_path, monkeypatch):
+    """config.points is where the generated grid was written, so the export finds the grid's
+    kinds from any working directory (before the sweep has rows of them)."""
+    from vllm.kvwarm.record.export_input import SweepRecord
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    make_scheduler(
+        tmp_path,
+        num_blocks=256,
+        scheduler_cls=KvWarmScheduler,
+        additional_config={"kvwarm_sweep": {"grid": CAPS, "out": str(out)}},
+    )
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "running" and not artifact["results"]
+    assert artifact["config"]["points"] == str(out / "grid.json") and (out / "grid.json").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert SweepRecord(out, [artifact], [out / "sweep.json"]).kinds() == ["decode", "prefill"]

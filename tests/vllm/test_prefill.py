@@ -80,7 +80,7 @@ def test_prefill_points_run_as_shots_of_b_new_requests_on_real_prefixes(tmp_path
             r.batch_size,
             r.kv_seed_regime,
             r.sample_reasons,
-            len(r.steady_seconds),
+            len(r.samples),
         )
         for r in sweep.rows
     ]
@@ -101,7 +101,7 @@ def test_prefill_points_run_as_shots_of_b_new_requests_on_real_prefixes(tmp_path
     prompts = [tuple(r.prompt_token_ids) for s in shots for r in s]
     assert len(set(prompts)) == len(prompts)
     for row in sweep.rows:  # a shot's time is its forward phase (the tick clock: one tick)
-        assert row.steady_seconds == [1, 1, 1] and row.phases["forward"] == 1
+        assert row.samples == [1, 1, 1] and row.phases["forward"] == 1
 
 
 def test_prefill_points_run_before_decode_points_in_one_sweep(tmp_path):
@@ -166,6 +166,35 @@ def test_a_shot_whose_requests_do_not_fit_the_pool_is_skipped_by_name(tmp_path):
     pool.free_blocks(taken)
     _run(scheduler, sweep)
     assert in_use(pool) == {}
+
+
+def test_each_row_names_what_its_samples_are(tmp_path):
+    """A prefill row's samples are its shots' forward phases, a decode row's whole steps: the
+    row says which (its samples keep the artifact's key, steady_seconds)."""
+    from vllm.kvwarm.record.artifact import KvwarmMeta, build_artifact
+    from vllm.kvwarm.record.schema import validate
+
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([DecodePoint(200, 2), PrefillPoint(64, 64, 2)])
+    _run(scheduler, sweep)
+    assert [(r.point_type, r.sample_kind) for r in sweep.rows] == [("prefill", "shot_forward"), ("decode", "step")]
+    artifact = build_artifact(sweep.rows, KvwarmMeta(), {"points": "p.json"}, "complete")
+    validate(artifact)
+    assert [(r["sample_kind"], len(r["steady_seconds"])) for r in artifact["results"]] == [
+        ("shot_forward", STEPS),
+        ("step", STEPS),
+    ]
+
+
+def test_a_timed_shot_without_its_step_window_is_a_bug_not_a_skipped_point(tmp_path, monkeypatch):
+    """The adapter's StepTimer closes a window for every step after the first; a timed shot
+    whose step has none means the sweep is driven wrong: it raises, naming that."""
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([PrefillPoint(64, 0, 2)])
+    monkeypatch.setattr(sweep.timer, "update_done", lambda at: None)
+    with pytest.raises(RuntimeError, match="a timed prefill shot's step came without its step window"):
+        _run(scheduler, sweep)
+    assert sweep.rows == []
 
 
 def _hybrid_scheduler(tmp_path):

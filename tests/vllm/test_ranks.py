@@ -15,12 +15,16 @@ from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_sc
 from test_sweep import make_sweep
 from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import KvWarmScheduler
-from vllm.kvwarm.sweep import ranks, store_exchange
+from vllm.kvwarm.sweep import ranks
+from vllm.kvwarm.sweep.exchange import make_exchange
+from vllm.kvwarm.sweep.exchange import store as store_exchange
+from vllm.kvwarm.sweep.exchange.files import FileExchange
+from vllm.kvwarm.sweep.exchange.solo import SoloExchange
+from vllm.kvwarm.sweep.exchange.store import PORT_OFFSET, StoreExchange, store_address
 from vllm.kvwarm.sweep.points import DecodePoint
-from vllm.kvwarm.sweep.ranks import FileExchange, RankFailed
+from vllm.kvwarm.sweep.ranks import RankFailed
 from vllm.kvwarm.sweep.run import SweepRun
 from vllm.kvwarm.sweep.settings import SettingsError, read_settings
-from vllm.kvwarm.sweep.store_exchange import PORT_OFFSET, StoreExchange, make_exchange, store_address
 
 EXCHANGES = ("store", "files")
 
@@ -461,7 +465,7 @@ def test_the_store_listens_beside_vllms_dp_master_port_or_where_the_setting_says
     files = make_exchange(layout, tmp_path, parallel, read_settings({"DYN_BENCH_KV_WARMUP_RANK_SYNC": "files"}))
     assert isinstance(files, FileExchange) and files.folder.parent.name == ".kvwarm-sync"
     assert isinstance(
-        make_exchange(ranks.RankLayout(1, 0, 1, 1, False), tmp_path, parallel, read_settings({})), ranks.SoloExchange
+        make_exchange(ranks.RankLayout(1, 0, 1, 1, False), tmp_path, parallel, read_settings({})), SoloExchange
     )
 
 

@@ -58,7 +58,7 @@ def test_every_timed_step_is_split_into_its_phases(tmp_path, cls):
     sweep = _sweep([DecodePoint(200, 2), DecodePoint(90, 1)], clock=itertools.count().__next__)
     _run(scheduler, sweep)
     for row in sweep.rows:
-        assert row.steady_seconds == [8, 8, 8]
+        assert row.samples == [8, 8, 8]
         assert row.phases == {"schedule": 1, "forward": 1, "update": 1, "sweep": 4, "other": 1}
 
 

@@ -69,8 +69,8 @@ def test_a_sweep_measures_every_point_on_real_kv_and_leaves_nothing_behind(tmp_p
         (120, 2, "real_kv"),
     ]
     for row in sweep.rows:
-        assert len(row.steady_seconds) == REPEATS and all(t > 0 for t in row.steady_seconds)
-        assert row.median_seconds == sorted(row.steady_seconds)[1]
+        assert len(row.samples) == REPEATS and all(t > 0 for t in row.samples)
+        assert row.median_seconds == sorted(row.samples)[1]
         assert row.sample_reasons == ["kvwarm_real_kv"]
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
@@ -97,7 +97,7 @@ def test_a_tight_pool_trims_the_chains_and_measures_what_they_cannot_cover_on_fa
         (300, "real_kv", ["kvwarm_real_kv"]),
         (600, "fake_fallback", ["kvwarm_fake_fallback"]),
     ]
-    assert len(sweep.rows[1].steady_seconds) == 1  # below the giant-KV threshold: the legacy single step
+    assert len(sweep.rows[1].samples) == 1  # below the giant-KV threshold: the legacy single step
     (stage,) = sweep.stages
     assert stage["batch"] == 2 and stage["depth"] == 288
 
@@ -137,8 +137,7 @@ def test_warm_up_off_measures_every_point_on_fake_kv_without_chains(tmp_path):
     _run(scheduler, sweep)
     assert not sweep.stages and not any(r.request_id.startswith("__kvwarm_chain") for r in scheduler.requests.values())
     assert [
-        (r.total_kv_read_tokens, r.batch_size, r.kv_seed_regime, len(r.steady_seconds), r.sample_reasons)
-        for r in sweep.rows
+        (r.total_kv_read_tokens, r.batch_size, r.kv_seed_regime, len(r.samples), r.sample_reasons) for r in sweep.rows
     ] == [(90, 3, "legacy", 1, []), (2_000, 2, "legacy", REPEATS, []), (300, 2, "legacy", 1, [])]
 
 
@@ -178,7 +177,7 @@ def test_a_point_at_the_edge_of_max_model_len_is_measured_on_real_kv(tmp_path):
     scheduler = make_scheduler(tmp_path, num_blocks=160, scheduler_cls=KvWarmScheduler)
     sweep = make_sweep([DecodePoint(1020, 1)])
     _run(scheduler, sweep)
-    assert [(r.kv_seed_regime, len(r.steady_seconds)) for r in sweep.rows] == [("real_kv", REPEATS)]
+    assert [(r.kv_seed_regime, len(r.samples)) for r in sweep.rows] == [("real_kv", REPEATS)]
     assert sweep.stages[0]["depth"] == 1020
 
 
@@ -238,8 +237,8 @@ def test_an_exact_point_whose_catch_ups_do_not_fit_is_skipped_after_the_ranks_me
     monkeypatch.setattr(catchups, "cached_tokens", lambda kvm, request: lookups.append(request) or 0)
     meetings = []
     sweep = make_sweep([DecodePoint(600, 2), DecodePoint(40, 2)], state_mode="exact", state_lending="inplace")
-    post = sweep._exchange.post
-    sweep._exchange.post = lambda kind, record: (meetings.append(kind), post(kind, record))[1]
+    post = sweep._meetings.exchange.post
+    sweep._meetings.exchange.post = lambda kind, record: (meetings.append(kind), post(kind, record))[1]
     _run(scheduler, sweep)
     first, second = sweep.rows
     assert first.kv_seed_regime == "skip:decode_injection_failed" and "pool_exhausted" in first.detail

@@ -7,15 +7,20 @@ what a build can do is probed (kv.capabilities). The rooms, and which way import
                 `KvWarmAsyncScheduler`): stock scheduling plus the sweep's hooks
   __main__.py   `python -m vllm.kvwarm info | sweep | report | export | selfcheck`
   ranks.py      `note_launch`, which the series' rank hook calls
-  sweep/        the measurement controller and its inputs: points, settings, dataset, gate,
-                plan, rows, ranks; the run that ties them to an engine and writes the record
+  sweep/        the measurement controller (rungs, decode points, catch-ups) and its
+                helpers: the prefill runner, the decode steps, the ranks' meetings; its
+                inputs: points, settings, dataset, gate, plan, graphs and grid; rows; the
+                ranks' layout and exchange (exchange/: solo, files, store, the combined
+                view); the run that ties them to an engine and writes the record
   kv/           everything that touches vLLM's KV-cache internals (docs/hooks.md): layout,
                 capabilities, shadow registration, state hand-off, chains, fake KV,
                 catch-ups, the injector
   record/       the measurement record as plain data (vocabulary, artifact, schema,
-                combined view), its readers (runs, plot, report) and the planners' formats
-                (export: Dynamo's self-benchmark artifact, the profiler's tables); imports
-                nothing of vLLM
+                combined view), the arithmetic of a point's shape the sweep shares (shape:
+                point keys, balanced splits, the graph a step runs in), its readers (runs,
+                plot, report) and the planners' formats (export: Dynamo's self-benchmark
+                artifact as envelope, rows and engine provenance, the profiler's tables);
+                imports nothing of vLLM
 
   scheduler -> sweep -> kv -> record.vocabulary; sweep -> record; record -> nothing above.
 """

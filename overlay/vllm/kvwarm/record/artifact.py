@@ -19,6 +19,7 @@ from pathlib import Path
 from . import vocabulary as v
 from .files import write_atomically
 from .schema import validate
+from .shape import point_key
 
 
 def utc_now() -> str:
@@ -33,14 +34,20 @@ class PointRow:
     batch_size: int
     kv_seed_regime: str  # a vocabulary regime, or skip:<reason>
     sample_reasons: list[str] = field(default_factory=list)
-    # every timed sample: a decode point's steady steps, a prefill point's measured shots
-    steady_seconds: list[float] = field(default_factory=list)
+    # every timed sample, each of `sample_kind` (the artifact's key: steady_seconds)
+    samples: list[float] = field(default_factory=list)
     median_seconds: float | None = None
     detail: str | None = None  # why a point was skipped, in words
     point_type: str = v.DECODE
     total_prefill_tokens: int = 0  # prefill: N, the new tokens the step computes (decode: 0)
     phases: dict[str, float | None] | None = None  # the median of each vocabulary PHASES over the samples
     graph: dict | None = None  # the CUDA graph the steps should run in, and what they ran
+    # what one sample times (vocabulary SAMPLE_KINDS); None: the usual kind of the point type
+    sample_kind: str | None = None
+
+    def __post_init__(self):
+        if self.sample_kind is None:
+            self.sample_kind = v.SAMPLE_KIND_OF[self.point_type]
 
     @property
     def point(self) -> dict:
@@ -57,10 +64,10 @@ class PointRow:
 
     @property
     def spread(self) -> float | None:
-        """(max - min) / median of the timed steps."""
-        if not self.steady_seconds or not self.median_seconds:
+        """(max - min) / median of the timed samples."""
+        if not self.samples or not self.median_seconds:
             return None
-        return (max(self.steady_seconds) - min(self.steady_seconds)) / self.median_seconds
+        return (max(self.samples) - min(self.samples)) / self.median_seconds
 
 
 @dataclass
@@ -108,13 +115,14 @@ SINGLE_RANK = {
 
 
 def _result(r: PointRow, dp_size: int) -> dict:
-    times = r.steady_seconds
+    times = r.samples
     return {
         "point": r.point,
         "global_batch_size": r.batch_size * dp_size,
         "kv_seed_regime": r.kv_seed_regime,
         "sample_reasons": r.sample_reasons,
         "steady_seconds": times,
+        "sample_kind": r.sample_kind,
         "median_seconds": r.median_seconds,
         "min_seconds": min(times),
         "max_seconds": max(times),
@@ -164,16 +172,6 @@ def build_artifact(
             if r.skipped
         ],
     }
-
-
-def point_key(point: dict) -> tuple:
-    """A point's identity across ranks and runs (rows of schema 1 and 2 are decode points)."""
-    return (
-        point.get("point_type", v.DECODE),
-        point["total_kv_read_tokens"],
-        point["batch_size"],
-        point.get("total_prefill_tokens", 0),
-    )
 
 
 def _ms(value: float | None) -> str:

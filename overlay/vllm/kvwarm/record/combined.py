@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 
 from . import vocabulary as v
-from .artifact import point_key, results_csv
+from .artifact import results_csv
 from .files import locked, write_atomically
+from .shape import point_key
 
 LOCK = ".kvwarm-combine.lock"
 

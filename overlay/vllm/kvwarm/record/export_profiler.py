@@ -20,7 +20,8 @@ import json
 from pathlib import Path
 
 from . import vocabulary as v
-from .export_dynamo import grid, median, resolved_args
+from .export_dynamo_engine import resolved_args
+from .export_dynamo_rows import median, points_over_ranks
 from .export_input import ExportError
 from .files import write_atomically
 
@@ -33,7 +34,7 @@ DECODE_JSON = "decode_raw_data.json"
 
 def _times_ms(sweep, kind: str) -> list[tuple[tuple, float]]:
     """(point key, the slowest rank's median in ms) per point measured on every rank."""
-    everywhere, measured, _, _ = grid(sweep, kind)
+    everywhere, measured, _, _ = points_over_ranks(sweep, kind)
     return [(key, max(median(m[key]) for m in measured) * 1e3) for key in everywhere]
 
 

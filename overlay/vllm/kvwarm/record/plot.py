@@ -83,7 +83,7 @@ def figure(runs: list[Run]):
     return fig
 
 
-def _capture_sizes(runs: list[Run], kind: str) -> list[int]:
+def _recorded_capture_sizes(runs: list[Run], kind: str) -> list[int]:
     key = "decode_capture_sizes" if kind == v.DECODE else "prefill_capture_sizes"
     return sorted({s for run in runs for s in (run.meta.cudagraph or {}).get(key, [])})
 
@@ -187,7 +187,7 @@ def _draw(ax, runs: list[Run], panel: Panel) -> None:
         )
     if panel.kind == v.PREFILL:
         drawn = [panel.x(r) for run in runs for r in rows_of[id(run)]]
-        for size in (s for s in _capture_sizes(runs, v.PREFILL) if drawn and s <= max(drawn)):
+        for size in (s for s in _recorded_capture_sizes(runs, v.PREFILL) if drawn and s <= max(drawn)):
             ax.axvline(size, color="0.6", linestyle=":", linewidth=1)
     if handles:
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)  # never over data

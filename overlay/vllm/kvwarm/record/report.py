@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import vocabulary as v
-from .artifact import point_key
 from .plot import figure, png_bytes
 from .runs import ReportError, Row, Run, labels_for, load_run
+from .shape import point_key
 
 MATPLOTLIB_HINT = (
     "matplotlib is not installed in this Python environment: `pip install matplotlib` "

@@ -90,6 +90,7 @@ RESULT = _object(
         "ranks": {"type": "array", "items": _object({"rank": COUNT, "median_seconds": SECONDS})},
         "phases": PHASES,
         "graph": GRAPH,
+        "sample_kind": {"enum": list(v.SAMPLE_KINDS)},
     },
 )
 SKIPPED = _object(

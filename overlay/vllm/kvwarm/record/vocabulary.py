@@ -28,6 +28,12 @@ POINT_TYPES = (DECODE, PREFILL)
 # the step; other: the rest of the step's wall time (the engine loop, output processing).
 PHASES = ("schedule", "forward", "update", "sweep", "other")
 
+# --- sample_kind: what one of a row's timed samples (its steady_seconds) is ------------------
+STEP = "step"  # a whole step window, from one update's end to the next (decode)
+SHOT_FORWARD = "shot_forward"  # a prefill shot's forward phase, from schedule() to its output
+SAMPLE_KINDS = (STEP, SHOT_FORWARD)
+SAMPLE_KIND_OF = {DECODE: STEP, PREFILL: SHOT_FORWARD}
+
 # --- kv_seed_regime: what the KV a row's steps read was ------------------------------------
 REAL_KV = "real_kv"  # borrowed from chains of real text
 FAKE_FALLBACK = "fake_fallback"  # warm-up on, but no chain covers the point: fake KV

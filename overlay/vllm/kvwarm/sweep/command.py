@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..record import vocabulary as v
 from ..record.combined import rank_path
-from .run import CONFIG_KEY, GRID_FILE, INPUT_ERRORS, new_writer, read_inputs
+from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
 
 ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 POLL_SECONDS = 1.0
@@ -85,7 +85,9 @@ def run(argv: list[str]) -> int:
     spec = {"out": str(Path(args.out).resolve()), "engine_args": engine_argv}  # recorded as given
     spec.update({"grid": args.grid} if args.grid else {"points": str(Path(args.points).resolve())})
     writer = new_writer(
-        spec["out"], {"points": spec.get("points", GRID_FILE), "engine_args": {"given": engine_argv}}, os.environ
+        spec["out"],
+        {"points": spec.get("points") or str(grid_path(spec["out"])), "engine_args": {"given": engine_argv}},
+        os.environ,
     )
     try:
         read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it

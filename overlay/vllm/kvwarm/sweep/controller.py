@@ -17,9 +17,11 @@ null block is in use).
 A sweep that is not `real` (warm-up off, or the gate refused the model) plans no chains:
 every point runs on fake KV, stamped with `fake_regime`.
 
-Across data-parallel ranks (sweep.ranks) every rank runs this same controller and they meet
-at its boundaries (MEETING), so every rank enters its admission and timed steps together and
-no rank's timed step overlaps another's chain prefill. B is per rank.
+Across data-parallel ranks every rank runs this same controller and they meet at its
+boundaries (MEETING, sweep.meetings), so every rank enters its admission and timed steps
+together and no rank's timed step overlaps another's chain prefill. B is per rank. A prefill
+point is measured by its own runner (sweep.prefill_runner); what is here is the rungs, the
+decode points and the exact state's catch-ups.
 
 While a point is measured, `measuring()` names the only requests the step may run; the
 adapter keeps every other request (a server's own) queued until the point ends.
@@ -44,9 +46,12 @@ from ..kv.layout import STATE_ALIGN, group_layouts
 from ..kv.prefix import prefix_unit
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
+from ..record.shape import GraphConfig, expected_graph
 from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
+from .decode_steps import DecodeSteps
+from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
-from .graphs import GraphConfig, expected_graph
+from .meetings import Meetings, check_same_point
 from .plan import (
     PointPlan,
     Rung,
@@ -58,25 +63,16 @@ from .plan import (
     trim_rung,
 )
 from .points import DecodePoint, PrefillPoint
-from .prefill import (
-    PrefillShots,
-    Shot,
-    TailText,
-    check_shot,
-    free_seeds,
-    prefill_row,
-    seed_fake_prefixes,
-    shot_requests,
-    verify_step,
-)
-from .ranks import RankFailed, SoloExchange
-from .rows import measured_row, skipped_row
-from .timing import StepTimer, Window, phase_medians
+from .prefill import TailText
+from .prefill_runner import Next, PrefillRunner
+from .ranks import RankFailed
+from .rows import skipped_row
+from .timing import StepTimer, Window
 
 
 class Phase(enum.Enum):
     NEXT_RUNG = "next_rung"  # between rungs: the next one is planned, or the sweep ends
-    MEETING = "meeting"  # waiting for every rank at a boundary (then `_then` runs)
+    MEETING = "meeting"  # waiting for every rank at a boundary (then what waits on it runs)
     BUILDING = "building"  # the rung's chains are prefilling
     NEXT_POINT = "next_point"  # the rung is built: its next point starts, or it is shed
     CATCHING_UP = "catching_up"  # exact state: the point's catch-up chains are prefilling
@@ -126,23 +122,16 @@ class Sweep:
         self.timer = StepTimer(clock)  # the adapter reports its clock readings to it
         self._gc = GcHold(config.gc_hold)
         self._progress, self._on_row = progress, on_row or (lambda row: None)
-        self._exchange = exchange or SoloExchange()
-        self._then: Callable[[list[dict]], None] | None = None  # what runs once the ranks meet
+        self._meetings = Meetings(exchange or SoloExchange())
         self._rung: Rung | None = None
         self._queue: list[PointPlan] = []
-        self._point: tuple[PointPlan, Admission] | None = None  # the point being measured
+        self._point: DecodeSteps | None = None  # the decode point being measured
         self._catchups: CatchUps | None = None
-        self._prefill: PrefillShots | None = None  # the prefill point being measured
-        self._prefill_plan: PointPlan | None = None
+        self._prefill: PrefillRunner | None = None  # the prefill point being measured
         self._restaging: PointPlan | None = None  # a prefill point waiting for its chains again
         self._tails = TailText(tail_tokens or [], vocab_size)
         self._graphs = graphs
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
-        self._times: list[float] = []
-        self._windows: list[Window] = []  # the timed steps' phases
-        self._ids: set[str] | None = None  # the measured point's request ids
-        self._last_update: float | None = None
-        self._mismatch: str | None = None  # why the point's steps were not B alone
         self._drifted: set[str] = set()  # chains an in-place shadow has advanced
         self._ending: float | None = None  # when the sweep began waiting for outside requests to end
 
@@ -157,14 +146,8 @@ class Sweep:
         """While a point is admitted and measured: the ids of its requests, the only ones
         its steps may schedule (empty until they are admitted). None between points."""
         if self._prefill is not None:
-            shot = self._prefill.current
-            return {r.request_id for r in shot.requests} if shot else set()
-        if self._point is None:
-            return None
-        shadows = self._point[1].shadows
-        if self._ids is None or len(self._ids) != len(shadows):  # once per point, after admission
-            self._ids = {r.request_id for r in shadows}
-        return self._ids
+            return self._prefill.current_ids()
+        return None if self._point is None else self._point.ids()
 
     def gc_record(self) -> dict:
         """The collector's policy over the sweep, for the artifact."""
@@ -178,7 +161,7 @@ class Sweep:
     def before_schedule(self, scheduler) -> None:
         phase = self.phase
         if phase is Phase.MEETING:
-            self._poll_meeting()
+            self._meetings.poll()
         elif phase is Phase.NEXT_RUNG:
             self._start_next_rung(scheduler)
         elif phase is Phase.BUILDING:
@@ -197,32 +180,14 @@ class Sweep:
         if self.phase is not Phase.MEASURING:
             return
         if self._prefill is not None:
-            self._prefill_step(scheduler, output, window)
+            self._prefill.step(output, window)
             return
-        plan, admission = self._point
-        if admission.failure is not None:
-            self._finish_point(skipped_row(plan.point, v.POINT_SKIP_REASON, admission.failure), scheduler)
-            return
-        ids = self.measuring()
-        scheduled = output.num_scheduled_tokens
-        now = self.clock()
-        if any(r.req_id in ids for r in output.scheduled_new_reqs):
-            self._last_update = now  # the admission step: scaffolding, not timed
-            return
-        if not ids & set(scheduled):
-            return
-        if set(scheduled) != ids or set(scheduled.values()) != {1}:
-            foreign = len(set(scheduled) - ids)
-            self._mismatch = self._mismatch or (
-                f"step scheduled {len(scheduled)} request(s) for a point of {len(ids)}"
-                + (f", {foreign} of them not the sweep's" if foreign else "")
-            )
-        self._times.append(window.wall if window is not None else now - self._last_update)
-        self._last_update = now
-        if window is not None:
-            self._windows.append(window)
-        if len(self._times) == admission.steady_steps:
-            self._finish_point(self._row(plan, admission), scheduler)
+        point = self._point
+        if point.admission.failure is not None:
+            self._finish_point(skipped_row(point.plan.point, v.POINT_SKIP_REASON, point.admission.failure), scheduler)
+        elif point.step(output, window):
+            chains = self._rung.chains[: point.plan.point.batch_size]
+            self._finish_point(point.row(self.config, chains, self._drifted), scheduler)
 
     def abandon(self, scheduler, error: str) -> None:
         """This rank's sweep stopped on `error`: give back what it holds (chains, the point's
@@ -232,15 +197,14 @@ class Sweep:
 
         self.phase = Phase.DONE
         self._gc.end()
-        self._then = None
-        self._exchange.post_failure(error)
+        self._meetings.fail(error)
         scheduler.kvwarm_injector.drop_pending()
-        ids = [r.request_id for r in self._point[1].shadows] if self._point else []
+        ids = [r.request_id for r in self._point.admission.shadows] if self._point else []
         ids += [c.request_id for c in self._rung.chains] if self._rung else []
         ids += [c.request_id for c in self._catchups.requests] if self._catchups else []
-        ids += [r.request_id for s in self._prefill.shots for r in s.requests] if self._prefill else []
+        ids += self._prefill.request_ids() if self._prefill else []
         if self._prefill is not None:
-            free_seeds(scheduler, self._prefill)
+            self._prefill.release(scheduler)
         self._point, self._catchups, self._prefill = None, None, None
         self._restore_chunks()
         live = [i for i in ids if i in scheduler.requests]
@@ -251,18 +215,8 @@ class Sweep:
 
     def _meet(self, kind: str, record: dict, then: Callable[[list[dict]], None]) -> None:
         """Post this rank's record for a boundary; `then` runs once every rank has posted."""
-        self._exchange.post(kind, {**record, "failed": None})
-        self._then = then
+        self._meetings.post(kind, record, then)
         self.phase = Phase.MEETING
-
-    def _poll_meeting(self) -> None:
-        records = self._exchange.poll()
-        if records is None:
-            time.sleep(0.001)  # the other ranks are not there yet: let them have the CPU
-            return
-        _raise_on_peer_failure(records)
-        then, self._then = self._then, None
-        then(records)
 
     # --- rungs -------------------------------------------------------------------------------
 
@@ -371,7 +325,7 @@ class Sweep:
         self._meet("point", {"index": len(self.rows)}, lambda records: self._start_point(scheduler, plan, records))
 
     def _start_point(self, scheduler, plan: PointPlan, records: list[dict]) -> None:
-        _check_same_point(records)
+        check_same_point(records)
         if plan.prefill:
             self._start_prefill(scheduler, plan)
             return
@@ -400,7 +354,7 @@ class Sweep:
             self._meet("caught_up", {"index": len(self.rows)}, lambda records: self._after_catch_up(scheduler, records))
 
     def _after_catch_up(self, scheduler, records: list[dict]) -> None:
-        _check_same_point(records)
+        check_same_point(records)
         catchups = self._catchups
         if catchups.short:
             self._finish_point(skipped_row(catchups.plan.point, v.POINT_SKIP_REASON, catchups.short), scheduler)
@@ -410,20 +364,9 @@ class Sweep:
 
     def _measure(self, scheduler, plan: PointPlan, admission: Admission) -> None:
         """Queue the point's requests; its admission and timed steps follow (after_update)."""
-        self._point = (plan, scheduler.kvwarm_injector.queue(admission))
-        self._times, self._windows, self._mismatch, self._ids = [], [], None, None
+        self._point = DecodeSteps(plan, scheduler.kvwarm_injector.queue(admission), self.clock)
         self._gc.hold()
         self.phase = Phase.MEASURING
-
-    def _row(self, plan: PointPlan, admission: Admission) -> PointRow:
-        point = plan.point
-        if self._mismatch:
-            return skipped_row(point, v.BATCH_SIZE_MISMATCH, f"{v.BATCH_SIZE_MISMATCH}: {self._mismatch}")
-        row = measured_row(
-            plan, admission.contexts, self._times, self.config, self._rung.chains[: point.batch_size], self._drifted
-        )
-        row.phases = phase_medians(self._windows)
-        return row
 
     def _finish_point(self, row: PointRow, scheduler) -> None:
         if self._graphs is not None and not row.skipped:
@@ -448,103 +391,39 @@ class Sweep:
     # --- prefill points ----------------------------------------------------------------------
 
     def _start_prefill(self, scheduler, plan: PointPlan) -> None:
-        """The point's requests' prefixes (chain i's first kv_i tokens, fake prefixes, or
-        none), then its warm shot; the measured shots follow one per step (_next_shot)."""
-        point = plan.point
-        kvm = scheduler.kv_cache_manager
-        prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
-        name = f"{len(self.rows)}_s{self._number}"
-        if not point.total_kv_read_tokens:
-            regime, prompts, salts = v.NOT_APPLICABLE, [[] for _ in prefixes], [None] * len(prefixes)
-        elif plan.real:
-            chains = self._rung.chains
-            regime = v.REAL_PREFIX
-            prompts = [c.prompt_token_ids[:p] for c, p in zip(chains, prefixes)]
-            salts = [c.cache_salt for c in chains]
-        else:
-            vocab = max(3, scheduler.vllm_config.model_config.get_vocab_size())
-            regime = v.FAKE_PREFIX
-            prompts = [[(i * 7919 + 31 * t + 2) % vocab for t in range(p)] for i, p in enumerate(prefixes)]
-            salts = [None] * len(prefixes)
-        steps = self.config.steady_steps
-        shots = PrefillShots(point, regime, prefixes, point.new_tokens(), prompts, salts, steps)
-        if regime == v.FAKE_PREFIX:
-            seed_fake_prefixes(scheduler, shots, name)
-        self._prefill, self._prefill_plan = shots, plan
-        self._windows, self._ids = [], None
+        """The point's prefixes, then its warm shot; the measured shots follow one per step."""
+        ids = (len(self.rows), self._number)
+        self._prefill = PrefillRunner(scheduler, plan, self._rung.chains, self._tails, self.config.steady_steps, ids)
         self._gc.hold()
         self.phase = Phase.MEASURING
         self._next_shot(scheduler)
 
     def _next_shot(self, scheduler) -> None:
-        """Queue the next shot once the last one's requests are gone (they finish after their
-        one token), or end the point."""
-        shots = self._prefill
-        shot = shots.current
-        if shot is not None and (not shot.done or any(r.request_id in scheduler.requests for r in shot.requests)):
-            return
-        if shots.finished:
-            self._finish_prefill(scheduler)
-            return
-        timed = bool(shots.shots)  # the first shot warms up, untimed
-        requests = shot_requests(scheduler, shots, self._tails, f"{len(self.rows)}_{len(shots.shots)}_s{self._number}")
-        problem = check_shot(scheduler, shots, requests)
-        if problem is not None and problem[0] == v.REAL_SEED_VALIDATION_FAILED and not self._prefill_plan.retried:
+        step = self._prefill.next_shot(scheduler)
+        if step is Next.RESTAGE:
             self._restage(scheduler)
-            return
-        if problem is not None:
-            shots.failure = problem
-            self._finish_prefill(scheduler)
-            return
-        shots.shots.append(Shot(requests, timed))
-        for request in requests:
-            scheduler.add_request(request)
-
-    def _prefill_step(self, scheduler, output, window: Window | None) -> None:
-        shots = self._prefill
-        shot = shots.current
-        ids = {r.request_id for r in shot.requests} if shot else set()
-        if shot is None or shot.done or not any(r.req_id in ids for r in output.scheduled_new_reqs):
-            return
-        shot.done = True
-        problem = verify_step(shots, shot, output)
-        if problem is None and shot.timed and window is None:
-            problem = (v.PREFILL_INJECTION_FAILED, "the shot's step was not timed (no step timer: use the adapter)")
-        if problem is not None:
-            shots.failure = problem
-        elif shot.timed:
-            shots.times.append(window.phases["forward"])
-            shots.windows.append(window)
+        elif step is Next.DONE:
+            runner, self._prefill = self._prefill, None
+            self._finish_point(runner.finish(scheduler), scheduler)
 
     def _restage(self, scheduler) -> None:
         """A chain's prefix is no longer cached: build the rung's chains again, once, and
         start the point over (this rank alone: the ranks met before the point)."""
         from vllm.v1.request import RequestStatus
 
-        plan = self._prefill_plan
+        plan = self._prefill.plan
         plan.retried = True
         self._progress(
             f"prefill point N={plan.point.total_prefill_tokens} P={plan.point.total_kv_read_tokens}: "
             "a chain's prefix was not cached; building the chains again"
         )
-        free_seeds(scheduler, self._prefill)
-        self._prefill, self._prefill_plan, self._restaging = None, None, plan
+        self._prefill.release(scheduler)
+        self._prefill, self._restaging = None, plan
         self._gc.release()
         scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
         self._rung.chains = []
         self._rung.started = self.clock()
         self._add_chains(scheduler, self._rung)
-
-    def _finish_prefill(self, scheduler) -> None:
-        from vllm.v1.request import RequestStatus
-
-        shots = self._prefill
-        live = [r.request_id for s in shots.shots for r in s.requests if r.request_id in scheduler.requests]
-        if live:
-            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        free_seeds(scheduler, shots)
-        self._prefill, self._prefill_plan = None, None
-        self._finish_point(prefill_row(shots), scheduler)
 
     # --- the end -----------------------------------------------------------------------------
 
@@ -566,15 +445,3 @@ class Sweep:
         self._gc.end()
         self.phase = Phase.DONE
         self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
-
-
-def _check_same_point(records: list[dict]) -> None:
-    at = {r["rank"]: r["index"] for r in records}
-    if len(set(at.values())) > 1:
-        raise RankFailed(f"the ranks are at different points: {at} (rank: point index)")
-
-
-def _raise_on_peer_failure(records: list[dict]) -> None:
-    failed = [r for r in records if r.get("failed")]
-    if failed:
-        raise RankFailed("; ".join(f"rank {r['rank']} failed: {r['failed']}" for r in failed))

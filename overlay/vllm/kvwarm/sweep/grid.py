@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .graphs import GraphConfig
+from ..record.shape import GraphConfig
 from .plan import CHAIN_DEPTH_MARGIN
 from .points import DecodePoint, PrefillPoint
 

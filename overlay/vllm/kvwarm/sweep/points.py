@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..record.shape import balanced
+
 SCHEMA_VERSION = 1
 TOP_LEVEL_KEYS = ("decode", "prefill", "schema_version")
 DECODE_KEYS = ("batch_size", "total_kv_read_tokens")
@@ -27,12 +29,6 @@ PREFILL_KEYS = ("batch_size", "total_kv_read_tokens", "total_prefill_tokens")
 
 class PointsFileError(ValueError):
     pass
-
-
-def balanced(total: int, parts: int) -> list[int]:
-    """`parts` integers summing to `total`, the first total % parts of them one larger."""
-    base, longer = divmod(total, parts)
-    return [base + 1] * longer + [base] * (parts - longer)
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,14 @@ from .points import PrefillPoint
 from .timing import Window, phase_medians
 
 PREFILL_PREFIX = "__kvwarm_prefill_"  # frontend ids never start like this
-# Every shot's tail starts with a token of its own, so no two shots' tails share a block
-# hash (a block's hash chains its predecessors'), whatever the text after it.
-_SHOT_NUMBERS = itertools.count(1)
+# Every tail taken (one per request of a shot) starts with tokens of its own, so no two
+# tails share a block hash (a block's hash chains its predecessors'), whatever the text after.
+_TAKE_NUMBERS = itertools.count(1)
 
 
 class TailText:
     """take(n): the next n tokens of text the chains never use (the held-out half of the
-    dataset, or synthetic tokens), led by a token unique to the shot."""
+    dataset, or synthetic tokens), led by tokens unique to this take."""
 
     def __init__(self, tokens: list[int], vocab_size: int):
         self._tokens = tokens or [2]
@@ -50,8 +50,8 @@ class TailText:
         self._at = 0
 
     def take(self, n: int) -> list[int]:
-        shot = next(_SHOT_NUMBERS)
-        lead = [2 + shot % (self._vocab - 2), 2 + (shot // (self._vocab - 2)) % (self._vocab - 2)]
+        taken = next(_TAKE_NUMBERS)
+        lead = [2 + taken % (self._vocab - 2), 2 + (taken // (self._vocab - 2)) % (self._vocab - 2)]
         body = []
         while len(lead) + len(body) < n:
             body.append(self._tokens[self._at % len(self._tokens)])
@@ -186,4 +186,5 @@ def prefill_row(shots: PrefillShots) -> PointRow:
         point_type=v.PREFILL,
         total_prefill_tokens=point.total_prefill_tokens,
         phases=phase_medians(shots.windows),
+        sample_kind=v.SHOT_FORWARD,
     )

@@ -43,7 +43,9 @@ def measured_row(
     elif config.fake_regime == v.FAKE_FALLBACK:
         reasons.append(v.STAMP_FAKE_FALLBACK)
     regime = v.REAL_KV if plan.real else config.fake_regime
-    row = PointRow(measured, point.batch_size, regime, reasons, list(times), statistics.median_high(times))
+    row = PointRow(
+        measured, point.batch_size, regime, reasons, list(times), statistics.median_high(times), sample_kind=v.STEP
+    )
     if len(times) > 1 and row.spread > NOISY_SPREAD:
         row.sample_reasons.append(v.NOISY)
     return row

@@ -6,7 +6,7 @@ does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
 every point, and on any failure with status "failed", the error and every row measured.
 Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an exchange
-(sweep.store_exchange.make_exchange), which also carries each write to the combined view
+(sweep.exchange.make_exchange), which also carries each write to the combined view
 OUT/sweep.json (record.combined) on rank 0's side. With DYN_FPM_BENCHMARK_OUTPUT_PATH set,
 the last rank to finish also writes Dynamo's self-benchmark artifact there (record.export),
 where OUT is one folder every rank sees.
@@ -28,27 +28,28 @@ from ..kv.state_mode import STATE_ENV, decide_state_mode, refusal_hint
 from ..record import export
 from ..record import vocabulary as v
 from ..record.files import write_atomically
+from ..record.shape import GraphConfig
 from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
 from .engine_record import kv_cache_tokens, run_record
+from .exchange import make_exchange
 from .gate import content_reason, model_gate_reason
-from .graphs import GraphConfig, graph_config
+from .graphs import graph_config
 from .grid import CAPS, GridLimits, decode_grid, points_file, prefill_grid
 from .limits import SweepRefused, check_engine, check_points
 from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
 from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
-from .store_exchange import make_exchange
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
 
 CONFIG_KEY = "kvwarm_sweep"
-GRID_FILE = "grid.json"  # a generated grid, beside the artifact
+GRID_FILE = "grid.json"  # a generated grid, beside the artifact (grid_path)
 INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused)
 # Prefill points' new tokens come from the dataset's held-out half, as much of it as this
-# (shots cycle through it, each led by a token of its own).
+# (tails cycle through it, each led by tokens of its own).
 TAIL_TOKENS = 8192
 
 
@@ -147,6 +148,11 @@ def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
     return {**CAPS, **asked}, graphs
 
 
+def grid_path(out: str) -> Path:
+    """Where a --grid sweep writes its generated grid: in its output folder."""
+    return Path(out) / GRID_FILE
+
+
 def new_writer(out: str, config: dict, environ, rank_out: str | None = None, layout=None) -> ArtifactWriter:
     """The artifact writer of a run, with what the environment asked for recorded."""
     writer = ArtifactWriter(out, config, rank_out, layout)
@@ -169,7 +175,8 @@ class SweepRun:
         self.layout = rank_layout(parallel)
         size, rank = self.layout.data_parallel_size, self.layout.data_parallel_rank
         rank_out = str(Path(spec["out"]) / f"dp{rank}") if size > 1 else None
-        config = {"points": spec.get("points") or GRID_FILE, "model": vllm_config.model_config.model}
+        points = spec.get("points") or str(grid_path(spec["out"]))
+        config = {"points": points, "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
         self.environ = environ
@@ -266,7 +273,7 @@ class SweepRun:
             except PointsFileError:
                 continue  # beyond what this engine runs as one step
             points.append(point)
-        path = Path(self.writer.root) / GRID_FILE
+        path = grid_path(self.writer.root)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(points_file(points), indent=2).encode())
         self.writer.meta.grid = {

@@ -2,7 +2,7 @@
 
 Values are checked when read: an unknown value is a SettingsError that names the
 variable, the value and what it accepts. The DYN_BENCH_KV_WARMUP_RANK_* variables say how
-data-parallel ranks meet (sweep.ranks). DYN_BENCH_KV_WARMUP_STATE is not read here: it
+data-parallel ranks meet (sweep.exchange). DYN_BENCH_KV_WARMUP_STATE is not read here: it
 only matters on layouts with state groups, where an invalid value becomes the gate's
 `state_mode_invalid` (see state_mode).
 """

@@ -1,6 +1,6 @@
 """The artifact writer: a rank's sweep.json after every point, and progress lines with the time
 left. Under data parallel each rank writes OUT/dp<R>/ and hands each write to its exchange
-(sweep.ranks), which keeps the combined view OUT/sweep.json (record.combined) on rank 0's
+(sweep.exchange), which keeps the combined view OUT/sweep.json (record.combined) on rank 0's
 side (or, with the file exchange, in the one OUT every rank shares).
 
 A write that fails raises ArtifactWriteError for the caller to end the sweep with; it never
@@ -32,7 +32,7 @@ class ArtifactWriter:
         self.out = rank_out or out  # where this rank's artifact goes
         self.config = config
         self.layout = layout
-        self.exchange = None  # under data parallel: what each write is shared through (sweep.ranks)
+        self.exchange = None  # under data parallel: what each write is shared through (sweep.exchange)
         self.meta = KvwarmMeta(noisy_spread=NOISY_SPREAD)
         self.run: dict = {"started_at": utc_now(), "finished_at": None}
         self.rows: list[PointRow] = []

@@ -1,4 +1,4 @@
-"""The ranks' exchange over torch's TCPStore (the default), and the choice of exchange.
+"""The ranks' exchange over torch's TCPStore (the default).
 
 Rank 0 hosts a `torch.distributed.TCPStore` at vLLM's DP master address
 (`parallel_config.data_parallel_master_ip`) on a port derived from the DP master port
@@ -12,10 +12,8 @@ under `kvwarm/`:
   artifact/<R>   rank R's latest artifact (JSON), after each of its writes (R > 0)
 
 `poll` checks every rank's key of the open boundary (non-blocking) and fetches them in one
-`multi_get` once all are there. Rank 0 writes the combined view OUT/sweep.json from its own
-artifact and every other rank's latest after each of its writes; once its own sweep has
-ended, a thread keeps gathering until the view is final (every rank done, or given up on:
-silent for the timeout after rank 0's end, or missed a boundary), then closes the store.
+`multi_get` once all are there. Rank 0 keeps the combined view OUT/sweep.json from its own
+artifact and every other rank's latest (sweep.exchange.view).
 """
 
 from __future__ import annotations
@@ -30,10 +28,9 @@ from pathlib import Path
 from torch.distributed import TCPStore
 from vllm.logger import init_logger
 
-from ..record import vocabulary as v
-from ..record.combined import write_view
-from .ranks import DEFAULT_TIMEOUT, FileExchange, RankFailed, RankLayout, SoloExchange
-from .settings import RANK_SYNC_ENV, RANK_SYNC_PORT_ENV, RANK_TIMEOUT_ENV, Settings
+from ..ranks import DEFAULT_TIMEOUT, RankFailed
+from ..settings import RANK_SYNC_ENV, RANK_SYNC_PORT_ENV, RANK_TIMEOUT_ENV
+from .view import CombinedView
 
 logger = init_logger(__name__)
 
@@ -41,7 +38,6 @@ PREFIX = "kvwarm"
 PORT_OFFSET = 10  # above the DP master port: vLLM may take the master port and the 9 after it
 OP_SECONDS = 10.0  # what one store operation may take before the store counts as gone
 RETRY_SECONDS = 0.25  # between a client's attempts to connect
-COLLECT_SECONDS = 0.5  # how often rank 0 gathers the others' records after its own end
 NETWORK_ERRORS = (RuntimeError, OSError)  # torch's DistError is a RuntimeError
 # The least a rank waits for the others to start (its connection, the first boundary):
 # engines of one launch start seconds or minutes apart, whatever the rank timeout says.
@@ -60,21 +56,6 @@ def store_address(parallel_config, port: int | None = None) -> tuple[str, int, s
     return host, master - PORT_OFFSET, f"vLLM's DP master port {master} - {PORT_OFFSET}"
 
 
-def make_exchange(layout: RankLayout, out: str | Path, parallel_config, settings: Settings):
-    """The exchange of this rank: none under one rank, else the one the settings ask for.
-    Never raises for the store: one this rank cannot host or reach fails the first boundary,
-    inside `schedule()`, where the adapter's failure handling keeps the engine serving."""
-    if layout.data_parallel_size == 1:
-        return SoloExchange()
-    size, rank, timeout = layout.data_parallel_size, layout.data_parallel_rank, float(settings.rank_timeout)
-    start = max(timeout, START_TIMEOUT)
-    if settings.rank_sync == "files":
-        run = f"{parallel_config.data_parallel_master_ip}-{parallel_config.data_parallel_master_port}"
-        return FileExchange(out, run, size, rank, timeout=timeout, start_timeout=start)
-    host, port, origin = store_address(parallel_config, settings.rank_sync_port)
-    return StoreExchange(host, port, size, rank, timeout=timeout, start_timeout=start, root=out, origin=origin)
-
-
 def _first_line(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
@@ -82,7 +63,7 @@ def _first_line(err: BaseException) -> str:
 
 class StoreExchange:
     """The exchange of one rank through the launch's TCPStore; the same interface as
-    sweep.ranks.FileExchange (`post`, `poll`, `post_failure`, `share`)."""
+    sweep.exchange.files.FileExchange (`post`, `poll`, `post_failure`, `share`)."""
 
     def __init__(
         self,
@@ -100,7 +81,7 @@ class StoreExchange:
         self.host, self.port, self.size, self.rank, self.timeout = host, port, size, rank, timeout
         self.start_timeout = timeout if start_timeout is None else start_timeout  # connection, first boundary
         self.root = Path(root)  # where rank 0 writes the combined view
-        self._origin, self._clock = origin or "given", clock
+        self._origin, self.clock = origin or "given", clock
         self._lock = threading.RLock()  # the store, its error and the pending writes
         self._store: TCPStore | None = None
         self._error: str | None = None  # why the store cannot be used: the next post or poll raises it
@@ -111,7 +92,7 @@ class StoreExchange:
         self._warned = False
         self.created = clock()
         self.lost: dict[int, str] = {}  # ranks that missed a boundary, with why
-        self.view = _View(self) if rank == 0 else None
+        self.view = CombinedView(self) if rank == 0 else None
         if rank == 0:
             self._host()
         else:
@@ -224,7 +205,7 @@ class StoreExchange:
         if self._posted_at is not None:
             raise RuntimeError(f"exchange {self._seq} ({self._kind}) is still open")
         self._seq += 1
-        self._kind, self._posted_at = kind, self._clock()
+        self._kind, self._posted_at = kind, self.clock()
         self._set(self._key(self._seq, self.rank), json.dumps({**record, "kind": kind, "rank": self.rank}).encode())
 
     def post_failure(self, error: str) -> None:
@@ -253,7 +234,7 @@ class StoreExchange:
                     return records
                 missing = None
                 limit = self.start_timeout if self._seq == 1 else self.timeout
-                if self._clock() - self._posted_at > limit:
+                if self.clock() - self._posted_at > limit:
                     missing = [r for r, key in enumerate(keys) if not self._store.check([key])]
             except NETWORK_ERRORS as err:
                 self._error = self._gone(err)
@@ -282,6 +263,11 @@ class StoreExchange:
                     "[kvwarm sweep dp%d] the combined view on rank 0 misses this rank's records: %s", self.rank, err
                 )
 
+    def unheard(self) -> str | None:
+        """Why rank 0 can hear from no rank (the store is gone or never came), else None."""
+        with self._lock:
+            return self._error if self._error and self._store is None else None
+
     def fetch_artifacts(self) -> dict[int, bytes]:
         """Rank 0: every other rank's latest published artifact (those that have one)."""
         with self._lock:
@@ -295,101 +281,3 @@ class StoreExchange:
                 logger.warning("[kvwarm sweep dp0] gathering the other ranks' records failed: %s", _first_line(err))
                 return {}
         return dict(zip(present, values))
-
-
-class _View:
-    """Rank 0's combined view: its own artifact and every other rank's latest from the store,
-    rewritten after each of its own writes and, once its own sweep has ended, by a thread
-    until final."""
-
-    def __init__(self, exchange: StoreExchange):
-        self.exchange = exchange
-        self.own: dict | None = None
-        self.seen: dict[int, tuple[bytes, dict, float]] = {}  # rank: (record, parsed, when it last changed)
-        self.ended_at: float | None = None
-        self.combined: dict | None = None
-        self.collector: threading.Thread | None = None
-        self._written = None  # what the last write was made of
-        self._lock = threading.Lock()
-
-    def update(self, artifact: dict) -> None:
-        with self._lock:
-            self.own = artifact
-            if artifact["status"] != v.RUNNING and self.ended_at is None:
-                self.ended_at = self.exchange._clock()
-            self._write(force=True)
-            if self.ended_at is None or self.collector is not None:
-                return
-            if self.final:
-                self.exchange.close()
-                return
-            self.collector = threading.Thread(target=self._collect, name="kvwarm-ranks-view", daemon=True)
-            self.collector.start()
-
-    @property
-    def final(self) -> bool:
-        return self.combined is not None and self.combined["status"] != v.RUNNING
-
-    def _gather(self) -> list[dict | None]:
-        now = self.exchange._clock()
-        for rank, value in self.exchange.fetch_artifacts().items():
-            if rank not in self.seen or self.seen[rank][0] != value:
-                self.seen[rank] = (value, json.loads(value), now)
-        return [self.own] + [self.seen[r][1] if r in self.seen else None for r in range(1, self.exchange.size)]
-
-    def _lost(self, ranks: list[dict | None]) -> dict[int, str]:
-        """The ranks given up on: those that missed one of rank 0's boundaries, and, after
-        rank 0's own end, those silent for the timeout since (or that cannot be heard at all)."""
-        exchange = self.exchange
-        lost = {rank: f"rank 0 gave up on it: {why}" for rank, why in exchange.lost.items()}
-        if self.ended_at is None:
-            return lost
-        now = exchange._clock()
-        for rank in range(1, exchange.size):
-            artifact = ranks[rank]
-            if rank in lost or (artifact and artifact["status"] != v.RUNNING):
-                continue
-            last = (
-                f"its last record: {artifact['status']}, {len(artifact['results'])} row(s)"
-                if artifact
-                else "it sent no record"
-            )
-            if exchange._error and exchange._store is None:
-                lost[rank] = f"rank 0 cannot hear from it ({last}): {exchange._error}"
-                continue
-            since = max(self.seen[rank][2] if rank in self.seen else exchange.created, self.ended_at)
-            if now - since > exchange.timeout:
-                lost[rank] = (
-                    f"rank 0 gave up on it: nothing new from it for {exchange.timeout:.0f} s "
-                    f"after rank 0's own end ({last})"
-                )
-        return lost
-
-    def _write(self, force: bool = False) -> None:
-        ranks = self._gather()
-        lost = self._lost(ranks)
-        made_of = (
-            [self.seen[r][0] if r in self.seen else None for r in range(1, self.exchange.size)],
-            sorted(lost.items()),
-        )
-        if not force and made_of == self._written:
-            return
-        self.combined = write_view(self.exchange.root, ranks, lost)
-        self._written = made_of
-
-    def _collect(self) -> None:
-        while True:
-            time.sleep(COLLECT_SECONDS)
-            with self._lock:
-                try:
-                    self._write()
-                except Exception:
-                    logger.exception(
-                        "[kvwarm sweep dp0] writing the combined view to %s failed; it stays as it was",
-                        self.exchange.root,
-                    )
-                    self.exchange.close()
-                    return
-                if self.final:
-                    self.exchange.close()
-                    return

@@ -1,0 +1,113 @@
+"""A point's shape as plain arithmetic, the one copy the sweep and the exports share: its
+identity across ranks and runs (`point_key`), the balanced split of a total over its requests
+(`balanced`), and the CUDA graph a step of its shape should run in (`expected_graph`).
+
+A decode step of B requests runs the graph captured for the smallest decode capture size
+>= B, padded to it; a prefill step of N new tokens the smallest prefill capture size >= N
+(vLLM's mixed mode: piecewise graphs, by token count). Past the largest size, or with graphs
+off, the step runs eager. Decode capture sizes are the capture sizes up to max_num_seqs, and
+only when the decode mode captures; prefill ones all capture sizes, when the mixed mode does.
+The sweep reads the modes from the engine (sweep.graphs); the exports from the record.
+
+Plain data: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import vocabulary as v
+
+NONE = "NONE"  # vLLM's CUDAGraphMode.NONE, by name
+
+
+def point_key(point: dict) -> tuple:
+    """A point's identity across ranks and runs (rows of schema 1 and 2 are decode points)."""
+    return (
+        point.get("point_type", v.DECODE),
+        point["total_kv_read_tokens"],
+        point["batch_size"],
+        point.get("total_prefill_tokens", 0),
+    )
+
+
+def balanced(total: int, parts: int) -> list[int]:
+    """`parts` integers summing to `total`, the first total % parts of them one larger."""
+    base, longer = divmod(total, parts)
+    return [base + 1] * longer + [base] * (parts - longer)
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    mode: str = NONE  # the engine's cudagraph_mode
+    decode_mode: str = NONE
+    prefill_mode: str = NONE
+    capture_sizes: tuple[int, ...] = ()  # as configured (read even where graphs are off, e.g. on CPU)
+    decode_capture_sizes: tuple[int, ...] = ()
+    prefill_capture_sizes: tuple[int, ...] = ()
+    max_num_seqs: int | None = 0  # None: not recorded (every capture size is a decode one)
+    max_num_batched_tokens: int | None = 0
+
+    @classmethod
+    def of(
+        cls,
+        mode: str,
+        decode_mode: str,
+        prefill_mode: str,
+        sizes,
+        max_num_seqs: int | None,
+        max_num_batched_tokens: int | None,
+    ) -> GraphConfig:
+        """The engine's graphs from its modes' names and its configured capture sizes: which
+        of those sizes decode and prefill steps can run in."""
+        sizes = tuple(sorted({int(s) for s in sizes or [] if int(s) > 0}))
+        decode = tuple(s for s in sizes if max_num_seqs is None or s <= max_num_seqs)
+        return cls(
+            mode=mode,
+            decode_mode=decode_mode,
+            prefill_mode=prefill_mode,
+            capture_sizes=sizes,
+            decode_capture_sizes=decode if decode_mode != NONE else (),
+            prefill_capture_sizes=sizes if prefill_mode != NONE else (),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+
+    def record(self) -> dict:
+        """The artifact's `cudagraph` block."""
+        return {
+            "mode": self.mode,
+            "decode_mode": self.decode_mode,
+            "prefill_mode": self.prefill_mode,
+            "capture_sizes": list(self.capture_sizes),
+            "decode_capture_sizes": list(self.decode_capture_sizes),
+            "prefill_capture_sizes": list(self.prefill_capture_sizes),
+        }
+
+
+def expected_graph(config: GraphConfig, kind: str, n: int) -> dict:
+    """The graph a step of `n` (decode: B requests; prefill: N new tokens) should run in."""
+    decode = kind == v.DECODE
+    mode = config.decode_mode if decode else config.prefill_mode
+    sizes = config.decode_capture_sizes if decode else config.prefill_capture_sizes
+    limit = config.max_num_seqs if decode else config.max_num_batched_tokens
+    reasons = []
+    capture = next((s for s in sizes if s >= n), None) if mode != NONE else None
+    if mode == NONE or not sizes:
+        reasons.append(v.CUDAGRAPH_DISABLED)
+    elif n in sizes:
+        reasons.append(v.CAPTURE)
+    elif n - 1 in sizes:
+        reasons.append(v.POST_CAPTURE)
+    elif capture is None:
+        reasons.append(v.EAGER_TAIL)
+    if n == limit:
+        reasons.append(v.ENGINE_LIMIT)
+    return {
+        "expected_cudagraph_mode": mode if capture is not None else NONE,
+        "expected_capture_size": capture,
+        "padding_tokens": capture - n if capture is not None else 0,
+        "reasons": reasons,
+        "observed_cudagraph_mode": None,
+        "observed_size": None,
+    }

@@ -1,0 +1,67 @@
+"""A decode point's steps once its requests are queued (sweep.controller drives it): the ids
+its steps may run (its shadows, once admitted), the admission step (scaffolding, not timed),
+then each steady step's time (the window the adapter's StepTimer closed, else the gap between
+consecutive update_from_output calls) until the point's steady steps are timed, and its row.
+A step that ran other than the point's B requests, one token each, skips the row
+(measured_batch_size_mismatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..kv.injector import Admission
+from ..record import vocabulary as v
+from ..record.artifact import PointRow
+from .plan import PointPlan, SweepConfig
+from .rows import measured_row, skipped_row
+from .timing import Window, phase_medians
+
+
+class DecodeSteps:
+    def __init__(self, plan: PointPlan, admission: Admission, clock: Callable[[], float]):
+        self.plan, self.admission, self._clock = plan, admission, clock
+        self._times: list[float] = []
+        self._windows: list[Window] = []  # the timed steps' phases
+        self._ids: set[str] | None = None  # the point's request ids
+        self._last_update = clock()
+        self._mismatch: str | None = None  # why the point's steps were not B alone
+
+    def ids(self) -> set[str]:
+        """The ids of the point's requests (empty until they are admitted)."""
+        shadows = self.admission.shadows
+        if self._ids is None or len(self._ids) != len(shadows):  # once per point, after admission
+            self._ids = {r.request_id for r in shadows}
+        return self._ids
+
+    def step(self, output, window: Window | None) -> bool:
+        """After a step: its time kept if it was a steady step of the point; True once every
+        steady step is timed."""
+        ids = self.ids()
+        scheduled = output.num_scheduled_tokens
+        now = self._clock()
+        if any(r.req_id in ids for r in output.scheduled_new_reqs):
+            self._last_update = now  # the admission step: scaffolding, not timed
+            return False
+        if not ids & set(scheduled):
+            return False
+        if set(scheduled) != ids or set(scheduled.values()) != {1}:
+            foreign = len(set(scheduled) - ids)
+            self._mismatch = self._mismatch or (
+                f"step scheduled {len(scheduled)} request(s) for a point of {len(ids)}"
+                + (f", {foreign} of them not the sweep's" if foreign else "")
+            )
+        self._times.append(window.wall if window is not None else now - self._last_update)
+        self._last_update = now
+        if window is not None:
+            self._windows.append(window)
+        return len(self._times) == self.admission.steady_steps
+
+    def row(self, config: SweepConfig, chains: list, drifted: set[str]) -> PointRow:
+        """`chains`: the requests whose state the shadows read; `drifted`: see rows.measured_row."""
+        point = self.plan.point
+        if self._mismatch:
+            return skipped_row(point, v.BATCH_SIZE_MISMATCH, f"{v.BATCH_SIZE_MISMATCH}: {self._mismatch}")
+        row = measured_row(self.plan, self.admission.contexts, self._times, config, chains, drifted)
+        row.phases = phase_medians(self._windows)
+        return row

@@ -1,0 +1,128 @@
+"""One prefill point being measured inside a sweep (sweep.controller drives it): its prefixes,
+its warm shot and its measured shots one step each, and its row. What a shot is, its requests
+and its checks: sweep.prefill.
+
+The runner holds the shots' state; the controller calls `next_shot` at each schedule() and
+`step` after each update_from_output(), and acts on what `next_shot` says: a point whose
+chain prefix is no longer cached asks for its rung's chains again (RESTAGE, once), a point
+whose shots are done or failed is finished (DONE).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from ..kv.layout import group_layouts
+from ..kv.prefix import prefix_unit
+from ..record import vocabulary as v
+from ..record.artifact import PointRow
+from .plan import PointPlan
+from .prefill import (
+    PrefillShots,
+    Shot,
+    TailText,
+    check_shot,
+    free_seeds,
+    prefill_row,
+    seed_fake_prefixes,
+    shot_requests,
+    verify_step,
+)
+from .timing import Window
+
+
+class Next(enum.Enum):
+    SHOT = "shot"  # a shot is queued or still running: carry on
+    RESTAGE = "restage"  # a chain's prefix is gone: build the rung's chains again, then start over
+    DONE = "done"  # every shot measured, or the point failed: finish it
+
+
+class PrefillRunner:
+    def __init__(self, scheduler, plan: PointPlan, chains: list, tails: TailText, steady_steps: int, ids: tuple):
+        """The point's requests' prefixes (chain i's first kv_i tokens, fake prefixes, or
+        none); `ids`: (the point's index, the sweep's number), which its requests' ids carry."""
+        point = plan.point
+        kvm = scheduler.kv_cache_manager
+        prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
+        if not point.total_kv_read_tokens:
+            regime, prompts, salts = v.NOT_APPLICABLE, [[] for _ in prefixes], [None] * len(prefixes)
+        elif plan.real:
+            regime = v.REAL_PREFIX
+            prompts = [c.prompt_token_ids[:p] for c, p in zip(chains, prefixes)]
+            salts = [c.cache_salt for c in chains]
+        else:
+            vocab = max(3, scheduler.vllm_config.model_config.get_vocab_size())
+            regime = v.FAKE_PREFIX
+            prompts = [[(i * 7919 + 31 * t + 2) % vocab for t in range(p)] for i, p in enumerate(prefixes)]
+            salts = [None] * len(prefixes)
+        self.plan = plan
+        self.shots = PrefillShots(point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps)
+        self._tails, self._ids = tails, ids
+        if regime == v.FAKE_PREFIX:
+            seed_fake_prefixes(scheduler, self.shots, f"{ids[0]}_s{ids[1]}")
+
+    def current_ids(self) -> set[str]:
+        """The ids of the current shot's requests (empty before the first)."""
+        shot = self.shots.current
+        return {r.request_id for r in shot.requests} if shot else set()
+
+    def request_ids(self) -> list[str]:
+        """The ids of every shot's requests so far."""
+        return [r.request_id for s in self.shots.shots for r in s.requests]
+
+    def next_shot(self, scheduler) -> Next:
+        """Queue the next shot once the last one's requests are gone (they finish after their
+        one token); the first shot warms up, untimed."""
+        shots = self.shots
+        shot = shots.current
+        if shot is not None and (not shot.done or any(r.request_id in scheduler.requests for r in shot.requests)):
+            return Next.SHOT
+        if shots.finished:
+            return Next.DONE
+        timed = bool(shots.shots)
+        index, number = self._ids
+        requests = shot_requests(scheduler, shots, self._tails, f"{index}_{len(shots.shots)}_s{number}")
+        problem = check_shot(scheduler, shots, requests)
+        if problem is not None and problem[0] == v.REAL_SEED_VALIDATION_FAILED and not self.plan.retried:
+            return Next.RESTAGE
+        if problem is not None:
+            shots.failure = problem
+            return Next.DONE
+        shots.shots.append(Shot(requests, timed))
+        for request in requests:
+            scheduler.add_request(request)
+        return Next.SHOT
+
+    def step(self, output, window: Window | None) -> None:
+        """After a step: the current shot's, if it ran in it, is checked and its time kept."""
+        shots = self.shots
+        shot = shots.current
+        ids = self.current_ids()
+        if shot is None or shot.done or not any(r.req_id in ids for r in output.scheduled_new_reqs):
+            return
+        shot.done = True
+        problem = verify_step(shots, shot, output)
+        if problem is None and shot.timed and window is None:
+            raise RuntimeError(
+                "a bug: a timed prefill shot's step came without its step window; the sweep must be driven "
+                "through the scheduler adapter (vllm.kvwarm.scheduler), whose StepTimer closes every step's window"
+            )
+        if problem is not None:
+            shots.failure = problem
+        elif shot.timed:
+            shots.times.append(window.phases["forward"])
+            shots.windows.append(window)
+
+    def release(self, scheduler) -> None:
+        """Give back the point's fake prefixes (at its end, or when it starts over)."""
+        free_seeds(scheduler, self.shots)
+
+    def finish(self, scheduler) -> PointRow:
+        """End the point: its requests still there are aborted, its prefixes freed; its row."""
+        from vllm.v1.request import RequestStatus
+
+        live = [i for i in self.request_ids() if i in scheduler.requests]
+        if live:
+            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        self.release(scheduler)
+        return prefill_row(self.shots)
