@@ -169,8 +169,8 @@ class PairedRun:
         if row.kv_seed_regime != "real_kv":
             sys.exit(f"{where}: {row.kv_seed_regime} {row.detail}")
         steady = [s for s in self.steps.take() if all(r.startswith(SHADOW_PREFIX) for r in s.ids)]
-        if [s.window.wall for s in steady] != row.steady_seconds or len({s.ids for s in steady}) != 1:
-            sys.exit(f"{where}: the shadows' steady steps seen here are not the row's {row.steady_seconds}")
+        if [s.window.wall for s in steady] != row.samples or len({s.ids for s in steady}) != 1:
+            sys.exit(f"{where}: the shadows' steady steps seen here are not the row's {row.samples}")
         ids = sorted(steady[0].ids, key=lambda r: int(r[len(SHADOW_PREFIX) :]))
         prompts = [self.steps.new_prompts.get(r) for r in ids]
         if prompts != [self.text(i, c) for i, c in enumerate(point.contexts())]:
@@ -180,7 +180,7 @@ class PairedRun:
         result = self._result(point)
         done = result["order"].count("S")
         if "shadow" not in result["warm_up"]:  # the first after the build: not counted
-            result["warm_up"]["shadow"] = row.steady_seconds
+            result["warm_up"]["shadow"] = row.samples
             return [(point, True)]  # the naturals' warm-up prefills them
         _record(result["shadow"], steady, tokens)
         result["order"].append("S")

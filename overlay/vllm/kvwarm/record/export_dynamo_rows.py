@@ -133,7 +133,8 @@ def _row_graph(row: dict, kind: str, graphs) -> dict:
     return {
         "mode": graph.get("expected_cudagraph_mode"),
         "capture": graph.get("expected_capture_size"),
-        "padding": graph.get("padding_tokens"),
+        # Dynamo writes null padding where nothing captures the step; the sweep's rows say 0.
+        "padding": graph.get("padding_tokens") if graph.get("expected_capture_size") is not None else None,
         "reasons": list(graph.get("reasons") or []),
     }
 
