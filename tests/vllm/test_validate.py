@@ -15,7 +15,8 @@ from vllm.kvwarm.record.combined import write_view
 from vllm.kvwarm.record.predict import FORWARD, MixedRow, Predictor, read_mixed_rows
 from vllm.kvwarm.record.runs import from_artifact
 from vllm.kvwarm.record.trace_reader import TraceError, read_trace
-from vllm.kvwarm.record.validate import ValidateError, run, validate
+from vllm.kvwarm.record.validate import ValidateError, validate
+from vllm.kvwarm.record.validate_cli import run
 from vllm.kvwarm.record.validate_metrics import band
 
 

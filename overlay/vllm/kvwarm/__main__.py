@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(argv[1:])
     if argv[:1] == ["validate"]:  # its own parser: a table held against a served-step trace
-        from vllm.kvwarm.record.validate import run
+        from vllm.kvwarm.record.validate_cli import run
 
         return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")

@@ -11,15 +11,12 @@ loops unless --allow-loop-mismatch. Plain data: nothing here imports vLLM.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from . import vocabulary as v
 from .export_input import ExportError, SweepRecord, load_sweep
-from .predict import BASES, MIXED, STEP, Predictor, read_mixed_rows
+from .predict import MIXED, STEP, Predictor, read_mixed_rows
 from .runs import ReportError, locate, read_rows
 from .trace_reader import KINDS, Step, Trace, TraceError, read_trace
 from .validate_match import Match, Provenance, loop_refusal, match, refusal
@@ -194,44 +191,3 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
         result.scored.append(Scored(step, served, predict(predictor, step)))
     mark_noise(result.scored)
     return result
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m vllm.kvwarm validate",
-        description="Predict every step of a served-step trace from a sweep's table; per step kind and KV band: "
-        "coverage, MAPE, P95, bias and the trace's own repeat noise.",
-    )
-    p.add_argument("table", metavar="TABLE", help="a sweep's --out folder (one rank, or the data-parallel view)")
-    p.add_argument("trace", metavar="TRACE", help="a trace folder (the kvwarm_trace setting's out)")
-    p.add_argument("--out", default="kvwarm-validate", help="folder for validate.json, .csv, .png")
-    p.add_argument("--json", action="store_true", help="print only the one-line JSON summary")
-    p.add_argument(
-        "--basis", choices=BASES, default=STEP, help="step: the whole window (default); forward: the forward phase"
-    )
-    p.add_argument(
-        "--allow-loop-mismatch", action="store_true", help="hold a trace and a table of different engine loops together"
-    )
-    return p
-
-
-def run(argv: list[str]) -> int:
-    from .validate_output import text, write
-
-    args = parser().parse_args(argv)
-    try:
-        result = validate(args.table, args.trace, args.basis, args.allow_loop_mismatch)
-    except ValidateError as err:
-        print(f"kvwarm validate: {err}", file=sys.stderr)
-        return 2
-    written, note = write(result, Path(args.out))
-    if args.json:
-        print(json.dumps(result.summary(), sort_keys=True))
-        for torn in result.torn:
-            print(f"kvwarm validate: torn last line, skipped: {torn}", file=sys.stderr)
-    else:
-        print(text(result))
-        print(f"\nwrote {', '.join(p.name for p in written)} in {Path(args.out).resolve()}")
-    if note:
-        print(f"kvwarm validate: {note}", file=sys.stderr)
-    return 0
