@@ -18,7 +18,7 @@
             reset_prefix_cache() succeeding.
   generate  greedy tokens for fixed prompts on a tiny MoE model, written as JSON; run once
             on the official release and once on the patched build (warm-up off, through the
-            scheduler adapter), then
+            scheduler adapter that matches the engine's loop: the async one on CUDA), then
   compare   checks the two are token-identical.
 
 Runs inside a venv that has vLLM and the test-support package (tests/support: the tiny models
@@ -37,7 +37,6 @@ from pathlib import Path
 
 from kvwarm_testing.engine import engine_env, fp32_conv_refusal
 
-ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 # Points per case: two rungs, deepest first; K/B stays within max_model_len less the steps.
 POINTS = [(1600, 2), (900, 2), (2400, 4), (1200, 4)]
 HYBRID_POINTS = [(1800, 2), (1500, 2), (3200, 4)]  # contexts past the 256/640-token state blocks
@@ -349,17 +348,19 @@ def generate(args) -> int:
 
     work = Path(args.work).resolve()
     model = _model(work, "tiny_qwen3_moe", Path(args.model) if args.model else None)
-    extra = {"scheduler_cls": ADAPTER} if args.adapter else {}
-    llm = LLM(
-        model=str(model),
-        dtype=_dtype(args.device, "float32"),
-        max_model_len=MAX_MODEL_LEN,
-        seed=0,
-        enable_prefix_caching=True,
-        enforce_eager=args.device == "cpu",
-        max_num_seqs=8,
-        **extra,
-    )
+    engine = {
+        "model": str(model),
+        "dtype": _dtype(args.device, "float32"),
+        "max_model_len": MAX_MODEL_LEN,
+        "seed": 0,
+        "enable_prefix_caching": True,
+        "enforce_eager": args.device == "cpu",
+        "max_num_seqs": 8,
+    }
+    extra = {"scheduler_cls": _adapter(engine)} if args.adapter else {}
+    if extra:
+        _log(f"through {extra['scheduler_cls']}")
+    llm = LLM(**engine, **extra)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(PROMPTS * 2, params)  # twice: the second round hits the prefix cache
     import vllm
@@ -368,6 +369,16 @@ def generate(args) -> int:
     Path(args.out).write_text(json.dumps({"vllm": vllm.__version__, "adapter": args.adapter, "tokens": tokens}))
     _log(f"vLLM {vllm.__version__}: {len(tokens)} greedy completions -> {args.out}")
     return 0
+
+
+def _adapter(engine: dict) -> str:
+    """The adapter that matches the loop vLLM resolves for these engine arguments (the
+    adapter refuses the other one)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.kvwarm.sweep.loop import adapter_for
+    from vllm.usage.usage_lib import UsageContext
+
+    return adapter_for(EngineArgs(**engine).create_engine_config(UsageContext.LLM_CLASS))
 
 
 def compare(args) -> int:
@@ -387,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     g = sub.add_parser("generate", help="greedy tokens for fixed prompts")
     g.add_argument("--out", required=True)
-    g.add_argument("--adapter", action="store_true", help=f"through --scheduler-cls {ADAPTER}")
+    g.add_argument("--adapter", action="store_true", help="through the scheduler adapter that matches the loop")
     for q in (s, g):
         q.add_argument("--device", choices=["cpu", "cuda"], required=True)
         q.add_argument("--work", required=True, help="folder for models, artifacts and logs")

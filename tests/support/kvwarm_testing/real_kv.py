@@ -57,16 +57,19 @@ def make_scheduler(
     state_block_size: int | None = None,
     scheduler_cls: type | None = None,
     additional_config: dict | None = None,
+    async_scheduling: bool | None = None,
 ):
     """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
 
     state_block_size adds an align-mode Mamba group (the hybrid layout); hash_block_size
     sets the prefix-match unit (default: the block size); scheduler_cls may be
-    AsyncScheduler."""
+    AsyncScheduler (or an async adapter), and async scheduling is then on (`async_scheduling`
+    sets it otherwise)."""
     import dataclasses
     import json
 
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -110,6 +113,12 @@ def make_scheduler(
         additional_config=additional_config or {},
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # Async scheduling as the class needs it (the adapter refuses a class that does not match
+    # the loop): on for AsyncScheduler and its subclasses, as on CUDA. Set after the config is
+    # made, where the CPU platform has turned it off.
+    if async_scheduling is None:
+        async_scheduling = issubclass(scheduler_cls or Scheduler, AsyncScheduler)
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     groups = [
         KVCacheGroupSpec(
             ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32)

@@ -1,0 +1,98 @@
+"""The adapter that runs matches the engine's loop: the sweep command picks the class for the
+async scheduling vLLM resolves (its own config code, each release's), and an adapter built
+for the other loop refuses to start, naming both ways out. On the real classes; the CPU
+platform's override of async scheduling is lifted where a test needs CUDA's default."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvwarm_testing.real_kv import make_scheduler
+from vllm.kvwarm.scheduler import AdapterMismatch, KvWarmAsyncScheduler, KvWarmScheduler
+from vllm.kvwarm.sweep.command import engine_args_from, engine_config
+
+SYNC = "vllm.kvwarm.scheduler.KvWarmScheduler"
+ASYNC = "vllm.kvwarm.scheduler.KvWarmAsyncScheduler"
+
+
+def _tiny_model(tmp_path):
+    model = tmp_path / "tiny-llama"
+    model.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 1024,
+        "torch_dtype": "float32",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """The CPU platform turns async scheduling off after vLLM has resolved it; here it keeps
+    vLLM's value, as CUDA's platform does."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    platform_update = platform.check_and_update_config
+
+    def keep_resolved(cls, vllm_config):
+        resolved = vllm_config.scheduler_config.async_scheduling
+        platform_update(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = resolved
+
+    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_resolved))
+
+
+def _resolved(tmp_path, *args: str):
+    argv = ["--model", str(_tiny_model(tmp_path)), "--skip-tokenizer-init", "--dtype", "float32", *args]
+    config = engine_config(engine_args_from(argv, {"out": str(tmp_path / "out")}))
+    return config.scheduler_config.scheduler_cls, config.scheduler_config.async_scheduling
+
+
+def test_the_command_picks_the_async_adapter_where_vllm_turns_async_scheduling_on(tmp_path, as_on_cuda):
+    """Nothing asked: vLLM's default (on, where nothing rules it out) and the async adapter."""
+    assert _resolved(tmp_path) == (ASYNC, True)
+
+
+def test_the_command_picks_the_sync_adapter_where_async_scheduling_is_off(tmp_path, as_on_cuda):
+    assert _resolved(tmp_path, "--no-async-scheduling") == (SYNC, False)
+
+
+def test_on_the_cpu_platform_the_command_picks_the_sync_adapter_whatever_is_asked(tmp_path):
+    assert _resolved(tmp_path, "--async-scheduling") == (SYNC, False)
+
+
+def test_a_scheduler_class_given_is_kept(tmp_path, as_on_cuda):
+    assert _resolved(tmp_path, "--scheduler-cls", SYNC) == (SYNC, True)  # the adapter refuses it at start
+
+
+@pytest.mark.parametrize(
+    "cls, async_scheduling, ways_out",
+    [
+        (KvWarmScheduler, True, [f"--scheduler-cls {ASYNC}", "--no-async-scheduling"]),
+        (KvWarmAsyncScheduler, False, [f"--scheduler-cls {SYNC}", "--async-scheduling"]),
+    ],
+    ids=["sync-class-async-loop", "async-class-sync-loop"],
+)
+def test_an_adapter_built_for_the_other_loop_refuses_to_start_naming_both_ways_out(
+    tmp_path, cls, async_scheduling, ways_out
+):
+    with pytest.raises(AdapterMismatch) as refused:
+        make_scheduler(tmp_path, scheduler_cls=cls, async_scheduling=async_scheduling)
+    for way_out in ways_out:
+        assert way_out in str(refused.value)
+
+
+@pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
+def test_an_adapter_built_for_its_loop_starts(tmp_path, cls):
+    scheduler = make_scheduler(tmp_path, scheduler_cls=cls)
+    assert bool(scheduler.vllm_config.scheduler_config.async_scheduling) is (cls is KvWarmAsyncScheduler)
