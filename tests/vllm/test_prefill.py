@@ -186,13 +186,13 @@ def test_each_row_names_what_its_samples_are(tmp_path):
     ]
 
 
-def test_a_timed_shot_without_its_step_window_is_a_bug_not_a_skipped_point(tmp_path, monkeypatch):
-    """The adapter's StepTimer closes a window for every step after the first; a timed shot
-    whose step has none means the sweep is driven wrong: it raises, naming that."""
+def test_a_timed_shot_without_its_span_is_a_bug_not_a_skipped_point(tmp_path, monkeypatch):
+    """The adapter's StepTimer times every step it saw scheduled; a timed shot whose step has
+    no span means the sweep is driven wrong: it raises, naming that."""
     scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
     sweep = _sweep([PrefillPoint(64, 0, 2)])
-    monkeypatch.setattr(sweep.timer, "update_done", lambda at: None)
-    with pytest.raises(RuntimeError, match="a timed prefill shot's step came without its step window"):
+    monkeypatch.setattr(sweep.timer, "update_done", lambda output, at: None)
+    with pytest.raises(RuntimeError, match="a timed prefill shot's step came without its span"):
         _run(scheduler, sweep)
     assert sweep.rows == []
 

@@ -64,11 +64,12 @@ def test_every_timed_step_is_split_into_its_phases(tmp_path, cls):
 
 def test_the_timer_splits_a_window_between_two_update_ends():
     timer = StepTimer(clock=lambda: 0.0)
-    assert timer.update_done(10.0) is None  # no start yet
+    first, step = object(), object()  # SchedulerOutputs, as the adapter reports them
+    assert timer.update_done(first, 10.0) is None  # no start yet
     timer.sweep_work(0.5)  # our update hook, after the first update
-    timer.schedule_done(enter=11.0, stock_start=11.25, stock_end=12.0, leave=12.5)
+    timer.schedule_done(step, enter=11.0, stock_start=11.25, stock_end=12.0, leave=12.5)
     timer.update_started(14.0)
-    window = timer.update_done(14.5)
+    window = timer.update_done(step, 14.5)
     assert window.wall == 4.5
     assert window.phases == {"schedule": 0.75, "forward": 1.5, "update": 0.5, "sweep": 1.25, "other": 0.5}
 

@@ -122,7 +122,7 @@ class KvWarmSchedulerMixin:
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
         if timer is not None:
-            timer.schedule_done(enter, stock_start, stock_end, clock())
+            timer.schedule_done(output, enter, stock_start, stock_end, clock())
         return output
 
     def _schedule_only(self, allowed: set[str] | None, clock, *args, **kwargs):
@@ -172,7 +172,7 @@ class KvWarmSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         end = timer.clock()
         timer.update_started(start)
-        window = timer.update_done(end)
+        window = timer.update_done(scheduler_output, end)
         if sweep is not None:
             self._drive(sweep.after_update, self, scheduler_output, window)
             timer.sweep_work(timer.clock() - end)
