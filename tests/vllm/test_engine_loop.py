@@ -1,14 +1,16 @@
 """The adapter that runs matches the engine's loop: the sweep command picks the class for the
-async scheduling vLLM resolves (its own config code, each release's), and an adapter built
-for the other loop refuses to start, naming both ways out. On the real classes; the CPU
-platform's override of async scheduling is lifted where a test needs CUDA's default."""
+async scheduling vLLM resolves (its own config code, each release's), an adapter built for
+the other loop refuses to start, naming both ways out, and the artifact records the loop. On
+the real classes; the CPU platform's override of async scheduling is lifted where a test
+needs CUDA's default."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-from kvwarm_testing.real_kv import make_scheduler
+from kvwarm_testing.real_kv import EngineLoop, in_use, make_scheduler
+from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import AdapterMismatch, KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep.command import engine_args_from, engine_config
 
@@ -96,3 +98,36 @@ def test_an_adapter_built_for_the_other_loop_refuses_to_start_naming_both_ways_o
 def test_an_adapter_built_for_its_loop_starts(tmp_path, cls):
     scheduler = make_scheduler(tmp_path, scheduler_cls=cls)
     assert bool(scheduler.vllm_config.scheduler_config.async_scheduling) is (cls is KvWarmAsyncScheduler)
+
+
+@pytest.mark.parametrize(
+    "cls, loop",
+    [
+        (KvWarmScheduler, {"loop": "sync", "async_scheduling": False, "batch_queue_size": 1}),
+        (KvWarmAsyncScheduler, {"loop": "batch_queue", "async_scheduling": True, "batch_queue_size": 2}),
+    ],
+    ids=["sync", "async-batch-queue"],
+)
+def test_the_artifact_records_the_loop_the_sweep_ran_under_and_the_adapter(tmp_path, monkeypatch, cls, loop):
+    """A sweep configured through additional_config (as under `vllm serve`), stepped in its
+    loop's order; fake KV (warm-up off), so no dataset is needed."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": 90, "batch_size": 3}]}))
+    out = tmp_path / "out"
+    spec = {"kvwarm_sweep": {"points": str(points), "out": str(out)}}
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=cls, additional_config=spec)
+    steps = EngineLoop(scheduler, batch_queue=loop["loop"] == "batch_queue")
+    for _ in range(200):
+        if not steps.busy():
+            break
+        steps.step()
+    artifact = json.loads((out / "sweep.json").read_text())
+    validate(artifact)
+    assert artifact["status"] == "complete" and [r["kv_seed_regime"] for r in artifact["results"]] == ["legacy"]
+    assert artifact["kvwarm"]["engine_loop"] == {**loop, "scheduler_cls": f"vllm.kvwarm.scheduler.{cls.__name__}"}
+    assert in_use(scheduler.kv_cache_manager.block_pool) == {}
