@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvwarm_testing.engine import keep_async_scheduling
 from kvwarm_testing.real_kv import EngineLoop, in_use, make_scheduler
 from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import AdapterMismatch, KvWarmAsyncScheduler, KvWarmScheduler
@@ -39,19 +40,7 @@ def _tiny_model(tmp_path):
 
 @pytest.fixture
 def as_on_cuda(monkeypatch):
-    """The CPU platform turns async scheduling off after vLLM has resolved it; here it keeps
-    vLLM's value, as CUDA's platform does."""
-    from vllm.platforms import current_platform
-
-    platform = type(current_platform)
-    platform_update = platform.check_and_update_config
-
-    def keep_resolved(cls, vllm_config):
-        resolved = vllm_config.scheduler_config.async_scheduling
-        platform_update(vllm_config)
-        vllm_config.scheduler_config.async_scheduling = resolved
-
-    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_resolved))
+    keep_async_scheduling(monkeypatch)
 
 
 def _resolved(tmp_path, *args: str):
