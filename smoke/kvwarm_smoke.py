@@ -14,11 +14,13 @@
               nemotronh  Mamba2 + attention (dense: DYN_BENCH_KV_WARMUP=force), copy; only
                          where this build's engine runs Mamba2 (--cases picks)
             Each artifact must validate, say complete, hold every point on the expected KV
-            regime with nothing skipped, stamp the state mode on hybrid rows, and record
-            reset_prefix_cache() succeeding.
+            regime with nothing skipped, stamp the state mode on hybrid rows, record
+            reset_prefix_cache() succeeding, and record the engine loop the device runs by
+            default with its adapter (CUDA: vLLM's batch queue under async scheduling,
+            KvWarmAsyncScheduler; CPU: one step at a time, KvWarmScheduler).
   generate  greedy tokens for fixed prompts on a tiny MoE model, written as JSON; run once
             on the official release and once on the patched build (warm-up off, through the
-            scheduler adapter), then
+            scheduler adapter that matches the engine's loop: the async one on CUDA), then
   compare   checks the two are token-identical.
 
 Runs inside a venv that has vLLM and the test-support package (tests/support: the tiny models
@@ -37,7 +39,6 @@ from pathlib import Path
 
 from kvwarm_testing.engine import engine_env, fp32_conv_refusal
 
-ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 # Points per case: two rungs, deepest first; K/B stays within max_model_len less the steps.
 POINTS = [(1600, 2), (900, 2), (2400, 4), (1200, 4)]
 HYBRID_POINTS = [(1800, 2), (1500, 2), (3200, 4)]  # contexts past the 256/640-token state blocks
@@ -177,7 +178,14 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
     return [{"points": POINTS, **case} for name in selected for case in table[name]]
 
 
-def _check(artifact: dict, case: dict) -> list[str]:
+# The loop each device's engine runs by default, and the adapter the command picks for it.
+LOOPS = {
+    "cuda": ("batch_queue", "vllm.kvwarm.scheduler.KvWarmAsyncScheduler"),
+    "cpu": ("sync", "vllm.kvwarm.scheduler.KvWarmScheduler"),
+}
+
+
+def _check(artifact: dict, case: dict, device: str) -> list[str]:
     """What is wrong with a case's artifact (empty when it is what the smoke expects)."""
     from vllm.kvwarm.record.schema import validate
 
@@ -229,6 +237,9 @@ def _check(artifact: dict, case: dict) -> list[str]:
                 problems.append(f"exact rows whose kvwarm_state_depth is not their context: {off}")
     if meta["reset_prefix_cache"] is not True:
         problems.append(f"reset_prefix_cache() gave {meta['reset_prefix_cache']!r}")
+    loop = meta.get("engine_loop") or {}
+    if (loop.get("loop"), loop.get("scheduler_cls")) != LOOPS[device]:
+        problems.append(f"engine loop {loop}, expected {LOOPS[device]} on {device}")
     return problems
 
 
@@ -291,7 +302,7 @@ def sweeps(args) -> int:
         if not artifact_path.exists():
             problems = [f"no artifact (exit {rc})"]
         else:
-            problems = _check(json.loads(artifact_path.read_text()), case)
+            problems = _check(json.loads(artifact_path.read_text()), case, args.device)
         if rc != 0 and not problems:
             problems = [f"exit {rc}"]
         verdict = "ok" if not problems else "FAILED: " + "; ".join(problems)
@@ -349,17 +360,19 @@ def generate(args) -> int:
 
     work = Path(args.work).resolve()
     model = _model(work, "tiny_qwen3_moe", Path(args.model) if args.model else None)
-    extra = {"scheduler_cls": ADAPTER} if args.adapter else {}
-    llm = LLM(
-        model=str(model),
-        dtype=_dtype(args.device, "float32"),
-        max_model_len=MAX_MODEL_LEN,
-        seed=0,
-        enable_prefix_caching=True,
-        enforce_eager=args.device == "cpu",
-        max_num_seqs=8,
-        **extra,
-    )
+    engine = {
+        "model": str(model),
+        "dtype": _dtype(args.device, "float32"),
+        "max_model_len": MAX_MODEL_LEN,
+        "seed": 0,
+        "enable_prefix_caching": True,
+        "enforce_eager": args.device == "cpu",
+        "max_num_seqs": 8,
+    }
+    extra = {"scheduler_cls": _adapter(engine)} if args.adapter else {}
+    if extra:
+        _log(f"through {extra['scheduler_cls']}")
+    llm = LLM(**engine, **extra)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate(PROMPTS * 2, params)  # twice: the second round hits the prefix cache
     import vllm
@@ -368,6 +381,16 @@ def generate(args) -> int:
     Path(args.out).write_text(json.dumps({"vllm": vllm.__version__, "adapter": args.adapter, "tokens": tokens}))
     _log(f"vLLM {vllm.__version__}: {len(tokens)} greedy completions -> {args.out}")
     return 0
+
+
+def _adapter(engine: dict) -> str:
+    """The adapter that matches the loop vLLM resolves for these engine arguments (the
+    adapter refuses the other one)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.kvwarm.sweep.loop import adapter_for
+    from vllm.usage.usage_lib import UsageContext
+
+    return adapter_for(EngineArgs(**engine).create_engine_config(UsageContext.LLM_CLASS))
 
 
 def compare(args) -> int:
@@ -387,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     g = sub.add_parser("generate", help="greedy tokens for fixed prompts")
     g.add_argument("--out", required=True)
-    g.add_argument("--adapter", action="store_true", help=f"through --scheduler-cls {ADAPTER}")
+    g.add_argument("--adapter", action="store_true", help="through the scheduler adapter that matches the loop")
     for q in (s, g):
         q.add_argument("--device", choices=["cpu", "cuda"], required=True)
         q.add_argument("--work", required=True, help="folder for models, artifacts and logs")

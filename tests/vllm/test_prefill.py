@@ -1,6 +1,7 @@
-"""Prefill points stepped against a real Scheduler (sync and async), the model runner's part
-played by the test: shots of exactly B new requests on real or fake prefixes, their checks and
-skips, prefill and decode points in one sweep, and the limits checked before anything runs."""
+"""Prefill points stepped against a real Scheduler (sync, and async in the order of vLLM's
+batch-queue loop), the model runner's part played by the test: shots of exactly B new requests
+on real or fake prefixes, their time, their checks and skips, prefill and decode points in one
+sweep, and the limits checked before anything runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import itertools
 import re
 
 import pytest
-from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import EngineLoop, ManualClock, in_use, make_scheduler, step_scheduler
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep import prefill as prefill_module
 from vllm.kvwarm.sweep.controller import Sweep
@@ -17,6 +18,7 @@ from vllm.kvwarm.sweep.plan import SweepConfig
 from vllm.kvwarm.sweep.points import DecodePoint, PointsFileError, PrefillPoint
 
 STEPS = 3
+FORWARD_PER_TOKEN = 1e-3  # the played model runner's forward: this long per token scheduled
 
 
 @pytest.fixture(autouse=True)
@@ -31,29 +33,30 @@ def _tokens(i: int, depth: int) -> list[int]:
     return [(7 * i + 3 * t) % 200 + 2 for t in range(depth)]
 
 
-def _sweep(points, **config) -> Sweep:
+def _sweep(points, clock=None, **config) -> Sweep:
     config = SweepConfig(**{"steady_steps": STEPS, "max_model_len": 1024, **config})
     return Sweep(
         points,
         _tokens if config.real else None,
         config,
-        clock=itertools.count().__next__,
+        clock=clock or itertools.count().__next__,
         progress=lambda _: None,
         tail_tokens=[(11 * t) % 190 + 5 for t in range(500)],
         vocab_size=256,
     )
 
 
-def _run(scheduler, sweep, limit: int = 600) -> list:
-    """Step to the end; returns every step's SchedulerOutput."""
+def _run(scheduler, sweep, limit: int = 600, loop: EngineLoop | None = None) -> list:
+    """Step to the end (one step at a time, or through `loop`); returns every step's
+    SchedulerOutput."""
     scheduler.kvwarm_sweep = sweep
-    outputs = []
+    loop = loop or EngineLoop(scheduler, batch_queue=False)
     for _ in range(limit):
-        if not scheduler.has_requests():
+        if not loop.busy():
             break
-        outputs.append(step_scheduler(scheduler))
+        loop.step()
     assert sweep.done
-    return outputs
+    return loop.outputs
 
 
 def _shots(outputs) -> list[list]:
@@ -65,12 +68,18 @@ def _shots(outputs) -> list[list]:
     ]
 
 
-@pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
-def test_prefill_points_run_as_shots_of_b_new_requests_on_real_prefixes(tmp_path, cls):
+@pytest.mark.parametrize(
+    "cls, batch_queue", [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)], ids=["sync", "async-batch-queue"]
+)
+def test_prefill_points_run_as_shots_of_b_new_requests_on_real_prefixes(tmp_path, cls, batch_queue):
     scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=cls)
     points = [PrefillPoint(96, 128, 2), PrefillPoint(40, 0, 2), PrefillPoint(30, 48, 1)]
-    sweep = _sweep(points)
-    outputs = _run(scheduler, sweep)
+    clock = ManualClock()  # moved only by the played model runner: FORWARD_PER_TOKEN per token
+    loop = EngineLoop(
+        scheduler, batch_queue, clock, lambda output: FORWARD_PER_TOKEN * output.total_num_scheduled_tokens
+    )
+    sweep = _sweep(points, clock)
+    outputs = _run(scheduler, sweep, loop=loop)
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
     rows = [
         (
@@ -100,8 +109,12 @@ def test_prefill_points_run_as_shots_of_b_new_requests_on_real_prefixes(tmp_path
     # every shot's tails are its own: no two shots' requests share a prompt
     prompts = [tuple(r.prompt_token_ids) for s in shots for r in s]
     assert len(set(prompts)) == len(prompts)
-    for row in sweep.rows:  # a shot's time is its forward phase (the tick clock: one tick)
-        assert row.samples == [1, 1, 1] and row.phases["forward"] == 1
+    # A shot's time runs from the end of the schedule() that scheduled it to its output: its own
+    # step's forward, N tokens' worth, whichever loop (the batch queue's next step is empty).
+    for row in sweep.rows:
+        forward = FORWARD_PER_TOKEN * row.total_prefill_tokens
+        assert row.samples == pytest.approx([forward] * STEPS)
+        assert row.median_seconds == row.phases["forward"] == pytest.approx(forward)
 
 
 def test_prefill_points_run_before_decode_points_in_one_sweep(tmp_path):
@@ -186,13 +199,13 @@ def test_each_row_names_what_its_samples_are(tmp_path):
     ]
 
 
-def test_a_timed_shot_without_its_step_window_is_a_bug_not_a_skipped_point(tmp_path, monkeypatch):
-    """The adapter's StepTimer closes a window for every step after the first; a timed shot
-    whose step has none means the sweep is driven wrong: it raises, naming that."""
+def test_a_timed_shot_without_its_span_is_a_bug_not_a_skipped_point(tmp_path, monkeypatch):
+    """The adapter's StepTimer times every step it saw scheduled; a timed shot whose step has
+    no span means the sweep is driven wrong: it raises, naming that."""
     scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
     sweep = _sweep([PrefillPoint(64, 0, 2)])
-    monkeypatch.setattr(sweep.timer, "update_done", lambda at: None)
-    with pytest.raises(RuntimeError, match="a timed prefill shot's step came without its step window"):
+    monkeypatch.setattr(sweep.timer, "update_done", lambda output, at: None)
+    with pytest.raises(RuntimeError, match="a timed prefill shot's step came without its span"):
         _run(scheduler, sweep)
     assert sweep.rows == []
 

@@ -1,7 +1,9 @@
-"""What the sweep times and how it splits a step: the phases of every timed step, the
-sweep's own work kept apart from vLLM's, the point's request filter costing nothing when
-no other request is there, and Python's collector held out of the timed steps. All on a real
-Scheduler (sync and async) with the model runner's part played by the test."""
+"""What the sweep times and how it splits a step: the phases of every timed step, a decode
+window being one served step in either engine loop (one step at a time, or vLLM's batch queue
+under async scheduling), the sweep's own work kept apart from vLLM's, the point's request
+filter costing nothing when no other request is there, and Python's collector held out of the
+timed steps. All on a real Scheduler (sync and async) with the model runner's part played by
+the test."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ import gc
 import itertools
 
 import pytest
-from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import EngineLoop, ManualClock, in_use, make_request, make_scheduler
 from vllm.kvwarm import scheduler as adapter
+from vllm.kvwarm.kv.injector import SHADOW_PREFIX
 from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep.controller import Phase, Sweep
+from vllm.kvwarm.sweep.loop import trailing_steps
 from vllm.kvwarm.sweep.plan import SweepConfig
 from vllm.kvwarm.sweep.points import DecodePoint
 from vllm.kvwarm.sweep.timing import StepTimer
@@ -37,40 +41,114 @@ def _sweep(points, clock, **config) -> Sweep:
     )
 
 
-def _run(scheduler, sweep, limit: int = 400, each_step=lambda: None) -> None:
+def _run(scheduler, sweep, limit: int = 400, each_step=lambda: None, loop: EngineLoop | None = None) -> None:
+    """Step to the end, one step at a time or through `loop`."""
     scheduler.kvwarm_sweep = sweep
+    loop = loop or EngineLoop(scheduler, batch_queue=False)
     for _ in range(limit):
-        if not scheduler.has_requests():
+        if not loop.busy():
             break
         each_step()
-        step_scheduler(scheduler)
+        loop.step()
     assert sweep.done and sweep.reset_prefix_cache_ok
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
-@pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
-def test_every_timed_step_is_split_into_its_phases(tmp_path, cls):
+LOOPS = [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)]
+LOOP_IDS = ["sync", "async-batch-queue"]
+
+
+@pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
+def test_every_timed_step_is_split_into_its_phases(tmp_path, cls, batch_queue):
     """A clock that ticks once per reading: in a timed step the adapter reads it at schedule()'s
     entry, around vLLM's own schedule(), at its exit, around update_from_output and after the
     sweep's update hook; the sweep reads it once in that hook. So each step is 8 ticks: 1 of
-    vLLM's schedule(), 1 of forward, 1 of update, 4 of ours and 1 of the loop between steps."""
+    vLLM's schedule(), 1 of forward, 1 of update, 4 of ours and 1 of the loop between steps
+    (the same count in either loop: under the batch queue the schedule() is the next step's)."""
     scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=cls)
-    sweep = _sweep([DecodePoint(200, 2), DecodePoint(90, 1)], clock=itertools.count().__next__)
-    _run(scheduler, sweep)
+    config = {"trailing_steps": trailing_steps(scheduler.vllm_config)}
+    sweep = _sweep([DecodePoint(200, 2), DecodePoint(90, 1)], clock=itertools.count().__next__, **config)
+    _run(scheduler, sweep, loop=EngineLoop(scheduler, batch_queue))
     for row in sweep.rows:
         assert row.samples == [8, 8, 8]
         assert row.phases == {"schedule": 1, "forward": 1, "update": 1, "sweep": 4, "other": 1}
 
 
+FORWARD_PER_REQUEST = 1e-3  # the played model runner's forward: this long per request scheduled
+
+
+@pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
+def test_a_timed_decode_window_is_one_served_step_of_the_points_requests_in_either_loop(tmp_path, cls, batch_queue):
+    """Only the played runner's forward takes time (1 ms per request scheduled, when the step
+    is submitted), so a served step of B decode requests is B ms in either loop: one step at a
+    time the window holds its own step's forward, under the batch queue the next step's. Every
+    timed window must be that, the last one included; no step may run a user's request (one
+    arrives while each point is measured) or another point's beside the point's, and the
+    point's requests run their admission step, the timed steps and, under the batch queue,
+    one untimed step after them (so that the last timed window holds a step of the point's
+    B too), never more."""
+    scheduler = make_scheduler(tmp_path, num_blocks=160, scheduler_cls=cls)
+    clock = ManualClock()
+    loop = EngineLoop(
+        scheduler, batch_queue, clock, lambda output: FORWARD_PER_REQUEST * len(output.num_scheduled_tokens)
+    )
+    trailing = trailing_steps(scheduler.vllm_config)
+    assert trailing == int(batch_queue)
+    sweep = _sweep([DecodePoint(200, 2), DecodePoint(120, 2), DecodePoint(90, 3)], clock=clock, trailing_steps=trailing)
+    users = []
+
+    def a_user_arrives_while_measuring():
+        if sweep.phase is Phase.MEASURING and len(users) < len(sweep.rows) + 1:
+            users.append(f"user{len(users)}")
+            scheduler.add_request(make_request(users[-1], 20))
+
+    _run(scheduler, sweep, each_step=a_user_arrives_while_measuring, loop=loop)
+    assert [r.kv_seed_regime for r in sweep.rows] == [v.REAL_KV] * 3 and len(users) == 3
+    for row in sweep.rows:
+        step = FORWARD_PER_REQUEST * row.batch_size
+        assert row.samples == pytest.approx([step] * 3), row
+        assert row.phases["forward"] == pytest.approx(step) and row.median_seconds == pytest.approx(step)
+    shadow_steps: dict[str, int] = {}
+    for output in loop.outputs:
+        scheduled = set(output.num_scheduled_tokens)
+        shadows = {r for r in scheduled if r.startswith(SHADOW_PREFIX)}
+        assert not shadows or shadows == scheduled, f"a step ran {sorted(scheduled)}"
+        for r in shadows:
+            shadow_steps[r] = shadow_steps.get(r, 0) + 1
+    assert len(shadow_steps) == 7 and set(shadow_steps.values()) == {1 + 3 + trailing}
+    assert all(u not in scheduler.requests for u in users)  # served between the points
+
+
 def test_the_timer_splits_a_window_between_two_update_ends():
     timer = StepTimer(clock=lambda: 0.0)
-    assert timer.update_done(10.0) is None  # no start yet
+    first, step = object(), object()  # SchedulerOutputs, as the adapter reports them
+    assert timer.update_done(first, 10.0) is None  # no start yet
     timer.sweep_work(0.5)  # our update hook, after the first update
-    timer.schedule_done(enter=11.0, stock_start=11.25, stock_end=12.0, leave=12.5)
+    timer.schedule_done(step, enter=11.0, stock_start=11.25, stock_end=12.0, leave=12.5)
     timer.update_started(14.0)
-    window = timer.update_done(14.5)
+    window = timer.update_done(step, 14.5)
     assert window.wall == 4.5
     assert window.phases == {"schedule": 0.75, "forward": 1.5, "update": 0.5, "sweep": 1.25, "other": 0.5}
+    # one step at a time, the step's own span is the window less the loop before its schedule()
+    assert window.span.wall == 3.5
+    assert window.span.phases == {"schedule": 0.75, "forward": 1.5, "update": 0.5, "sweep": 0.75, "other": 0.0}
+
+
+def test_under_the_batch_queue_a_steps_span_starts_at_its_own_schedule_not_the_next():
+    """vLLM's batch queue: schedule n+1 runs before update n. The window update n closes holds
+    schedule n+1; step n's span runs from its own schedule() (in the window before) to its update."""
+    timer = StepTimer(clock=lambda: 0.0)
+    n, n1 = object(), object()
+    timer.schedule_done(n, enter=0.0, stock_start=0.5, stock_end=1.5, leave=2.0)
+    timer.update_started(3.0)
+    timer.update_done(object(), 3.5)  # the step before n: the open window starts here
+    timer.schedule_done(n1, enter=4.0, stock_start=4.0, stock_end=4.25, leave=4.5)
+    timer.update_started(9.0)
+    window = timer.update_done(n, 10.0)
+    assert window.wall == 6.5
+    assert window.phases == {"schedule": 0.25, "forward": 4.5, "update": 1.0, "sweep": 0.25, "other": 0.5}
+    assert window.span.wall == 10.0
+    assert window.span.phases == {"schedule": 1.0, "forward": 7.0, "update": 1.0, "sweep": 1.0, "other": 0.0}
 
 
 def test_a_point_with_nothing_else_to_hold_schedules_without_moving_a_queue(tmp_path, monkeypatch):

@@ -45,7 +45,7 @@ def make_sweep(points, chain_tokens=_tokens, *, clock=None, exchange=None, **con
 
 def test_rungs_are_one_per_batch_size_deepest_first():
     points = [DecodePoint(200, 2), DecodePoint(90, 3), DecodePoint(500, 2), DecodePoint(30, 3)]
-    rungs = plan_rungs(points, steady_steps=3, max_model_len=1024)
+    rungs = plan_rungs(points, decode_steps=3, max_model_len=1024)
     assert [(r.batch_size, r.depth, [p.total_kv_read_tokens for p in r.points]) for r in rungs] == [
         (3, 29 + 1 + 3, [90, 30]),
         (2, 249 + 1 + 3, [500, 200]),

@@ -140,7 +140,7 @@ def matching_trace(folder, model_dir, **resolved) -> None:
     the layout); fields the header leaves out are not compared (the loop among them: vLLM
     resolves it per platform, and a scheduler stepped by hand runs none)."""
     head = header()
-    for field in ("build", "hardware", "torch", "loop"):
+    for field in ("build", "hardware", "torch", "engine_loop"):
         del head[field]
     head.update(model=str(model_dir), engine={"given": ["--model", str(model_dir)], "resolved": resolved})
     steps = [step(0, None, (2, 60))]

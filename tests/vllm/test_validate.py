@@ -277,12 +277,12 @@ def test_fields_that_do_not_change_a_step_are_noted_not_refused(tmp_path):
 def test_an_async_trace_against_a_sync_table_is_refused_unless_allowed(tmp_path):
     table = write_table(tmp_path / "table", DECODE_ROWS)
     trace = tmp_path / "trace"
-    write_trace(trace, [step(0, None, (2, 100)), step(1, 10, (2, 100))], head=header(loop="async"))
-    with pytest.raises(ValidateError, match="the trace ran the async engine loop, the table the sync one") as err:
+    write_trace(trace, [step(0, None, (2, 100)), step(1, 10, (2, 100))], head=header(loop="batch_queue"))
+    with pytest.raises(ValidateError, match="the trace ran the batch_queue engine loop, the table the sync one") as err:
         validate(str(table), str(trace))
     assert "--allow-loop-mismatch" in str(err.value)
     result = validate(str(table), str(trace), allow_loop_mismatch=True)
-    assert result.match.loop == ("async", "sync") and result.summary()["decode_mape"] == pytest.approx(0.0)
+    assert result.match.loop == ("batch_queue", "sync") and result.summary()["decode_mape"] == pytest.approx(0.0)
 
 
 def test_each_rank_is_predicted_from_its_own_rows_of_a_data_parallel_table(tmp_path):

@@ -1,7 +1,17 @@
-"""The scheduler adapter (`--scheduler-cls vllm.kvwarm.scheduler.KvWarmScheduler`, or
-`KvWarmAsyncScheduler` with async scheduling): stock scheduling, plus the admission of
-queued shadows at the end of each `schedule()`. Everything else lives in plain objects
-(kv.injector.ShadowInjector, sweep.controller.Sweep) that tests drive against a real scheduler without an engine.
+"""The scheduler adapter (`--scheduler-cls vllm.kvwarm.scheduler.KvWarmAsyncScheduler` where
+vLLM resolves async scheduling on, its default on CUDA; `KvWarmScheduler` where it is off, as
+on CPU): stock scheduling, plus the admission of queued shadows at the end of each
+`schedule()`. Everything else lives in plain objects (kv.injector.ShadowInjector,
+sweep.controller.Sweep) that tests drive against a real scheduler without an engine.
+
+The class must match the engine's loop: with async scheduling on, vLLM's engine core runs a
+batch queue (the next step's schedule() before this step's update_from_output), which only
+the async class serves (its output placeholders let a request be scheduled while its last
+step is in flight); the sync class there gets every other step empty, and the sweep would
+time the wrong windows. vLLM says nothing about that for a class under `vllm.`, so the
+adapter refuses a mismatch when it is built (AdapterMismatch), naming both ways out;
+sweep.loop.adapter_for names the class that matches a resolved config (the sweep command
+uses it).
 
 With nothing queued it schedules exactly as the class it extends. With
 additional_config {"kvwarm_sweep": {"points": FILE, "out": DIR}} it runs a decode sweep
@@ -23,14 +33,43 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from .kv.catchup import lone_prefill_budget
 from .kv.injector import ShadowInjector
+from .sweep.loop import ASYNC_ADAPTER, SYNC_ADAPTER
 from .sweep.run import CONFIG_KEY, SweepRun
 
 logger = init_logger(__name__)
 
 
+class AdapterMismatch(ValueError):
+    """The adapter class does not match the engine's resolved async scheduling."""
+
+
+def check_matches_loop(scheduler) -> None:
+    """Raise AdapterMismatch where the adapter's class is not the one for its engine's loop."""
+    is_async = isinstance(scheduler, AsyncScheduler)
+    wants_async = bool(scheduler.vllm_config.scheduler_config.async_scheduling)
+    if is_async == wants_async:
+        return
+    name = ASYNC_ADAPTER if is_async else SYNC_ADAPTER
+    if wants_async:
+        raise AdapterMismatch(
+            f"--scheduler-cls {name} is the synchronous adapter, and this engine resolved async scheduling on "
+            "(vLLM's default where nothing rules it out): its engine loop schedules each step before the last "
+            "one's output is in, which the synchronous adapter cannot serve (every other step would run empty, "
+            f"and a sweep would time the wrong windows). Pass --scheduler-cls {ASYNC_ADAPTER}, or keep this "
+            "class and pass --no-async-scheduling"
+        )
+    raise AdapterMismatch(
+        f"--scheduler-cls {name} is the async adapter, and this engine resolved async scheduling off (the CPU "
+        "platform turns it off whatever is asked, and vLLM does where an option rules it out): its engine loop "
+        f"runs one step at a time. Pass --scheduler-cls {SYNC_ADAPTER}, or keep this class and pass "
+        "--async-scheduling where the engine allows it"
+    )
+
+
 class KvWarmSchedulerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        check_matches_loop(self)
         self.kvwarm_injector = ShadowInjector()
         self.kvwarm_prefill_cap = None  # while a catchup.PrefillChunkCap is applied: its size
         self.kvwarm_sweep = None  # a sweep.controller.Sweep while one runs
@@ -83,7 +122,7 @@ class KvWarmSchedulerMixin:
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
         if timer is not None:
-            timer.schedule_done(enter, stock_start, stock_end, clock())
+            timer.schedule_done(output, enter, stock_start, stock_end, clock())
         return output
 
     def _schedule_only(self, allowed: set[str] | None, clock, *args, **kwargs):
@@ -133,7 +172,7 @@ class KvWarmSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         end = timer.clock()
         timer.update_started(start)
-        window = timer.update_done(end)
+        window = timer.update_done(scheduler_output, end)
         if sweep is not None:
             self._drive(sweep.after_update, self, scheduler_output, window)
             timer.sweep_work(timer.clock() - end)

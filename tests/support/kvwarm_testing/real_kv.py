@@ -46,32 +46,11 @@ def mamba_align_manager(pool: BlockPool, group: int = 1) -> MambaManager:
     )
 
 
-def make_scheduler(
-    tmp_path,
-    num_blocks: int = 64,
-    defer_block_free: bool = False,
-    max_num_seqs: int = 8,
-    *,
-    block_size: int = BLOCK_SIZE,
-    hash_block_size: int | None = None,
-    state_block_size: int | None = None,
-    scheduler_cls: type | None = None,
-    additional_config: dict | None = None,
-):
-    """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
-
-    state_block_size adds an align-mode Mamba group (the hybrid layout); hash_block_size
-    sets the prefix-match unit (default: the block size); scheduler_cls may be
-    AsyncScheduler."""
-    import dataclasses
+def tiny_llama_config(model_dir):
+    """A local model folder holding only a tiny Llama's config.json (enough for vLLM's
+    ModelConfig without a tokenizer; nothing downloaded). Returns the folder."""
     import json
 
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    model_dir = tmp_path / "tiny-llama"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(
         json.dumps(
@@ -89,6 +68,37 @@ def make_scheduler(
             }
         )
     )
+    return model_dir
+
+
+def make_scheduler(
+    tmp_path,
+    num_blocks: int = 64,
+    defer_block_free: bool = False,
+    max_num_seqs: int = 8,
+    *,
+    block_size: int = BLOCK_SIZE,
+    hash_block_size: int | None = None,
+    state_block_size: int | None = None,
+    scheduler_cls: type | None = None,
+    additional_config: dict | None = None,
+    async_scheduling: bool | None = None,
+):
+    """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
+
+    state_block_size adds an align-mode Mamba group (the hybrid layout); hash_block_size
+    sets the prefix-match unit (default: the block size); scheduler_cls may be
+    AsyncScheduler (or an async adapter), and async scheduling is then on (`async_scheduling`
+    sets it otherwise)."""
+    import dataclasses
+
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    model_dir = tiny_llama_config(tmp_path / "tiny-llama")
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
     cache_extra = {}
     if state_block_size:
@@ -110,6 +120,12 @@ def make_scheduler(
         additional_config=additional_config or {},
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
+    # Async scheduling as the class needs it (the adapter refuses a class that does not match
+    # the loop): on for AsyncScheduler and its subclasses, as on CUDA. Set after the config is
+    # made, where the CPU platform has turned it off.
+    if async_scheduling is None:
+        async_scheduling = issubclass(scheduler_cls or Scheduler, AsyncScheduler)
+    vllm_config.scheduler_config.async_scheduling = async_scheduling
     groups = [
         KVCacheGroupSpec(
             ["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32)
@@ -220,22 +236,86 @@ def make_request(
     )
 
 
-def step_scheduler(scheduler, token: int = 7):
-    """One scheduler step with the model runner's part played here: every scheduled
-    request that has finished its prompt samples `token`. Returns the SchedulerOutput."""
+def model_output(scheduler, output, token: int = 7):
+    """The model runner's part of a step, played here: every scheduled request that has
+    finished its prompt (as of the schedule() that made `output`) samples `token`."""
     from vllm.v1.outputs import ModelRunnerOutput
 
-    output = scheduler.schedule()
     ids = list(output.num_scheduled_tokens)
     sampled = [
         [token] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens else []
         for r in ids
     ]
-    scheduler.update_from_output(
-        output,
-        ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled),
-    )
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+
+
+def step_scheduler(scheduler, token: int = 7):
+    """One scheduler step with the model runner's part played here (model_output). Returns
+    the SchedulerOutput."""
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, model_output(scheduler, output, token))
     return output
+
+
+class ManualClock:
+    """A clock that moves only when told: a test that advances it by known amounts knows how
+    long every window is."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class EngineLoop:
+    """Steps a scheduler in the order of vLLM's engine core, with the model runner's part
+    played here (model_output). The runner does its work when a step is submitted, right
+    after its schedule() (as the CPU runner does), and `forward(output)` seconds pass on
+    `clock` there (none without a clock).
+
+      batch_queue False  EngineCore.step: schedule, submit, update_from_output, per step;
+      batch_queue True   EngineCore.step_with_batch_queue with a queue of two (vLLM's loop
+                         under async scheduling): each step() schedules and submits the
+                         next step, and takes the oldest in-flight step's output in once
+                         two are in flight or nothing more can be scheduled; so step n+1's
+                         schedule() runs before step n's update_from_output.
+
+    `outputs`: every SchedulerOutput, in the order the steps were scheduled."""
+
+    def __init__(self, scheduler, batch_queue: bool, clock: ManualClock | None = None, forward=None, token: int = 7):
+        from collections import deque
+
+        self.scheduler, self.batch_queue, self.token = scheduler, batch_queue, token
+        self.clock, self.forward = clock, forward or (lambda output: 0.0)
+        self.in_flight = deque()
+        self.outputs = []
+
+    def busy(self) -> bool:
+        return self.scheduler.has_requests() or bool(self.in_flight)
+
+    def step(self) -> None:
+        scheduler = self.scheduler
+        if scheduler.has_requests():
+            output = scheduler.schedule()
+            self.outputs.append(output)
+            self.in_flight.appendleft((output, self._submit(output)))
+            more = output.total_num_scheduled_tokens > 0 or scheduler.has_requests()
+            if self.batch_queue and len(self.in_flight) < 2 and more:
+                return
+        elif not self.in_flight:
+            return
+        output, runner_output = self.in_flight.pop()
+        scheduler.update_from_output(output, runner_output)
+
+    def _submit(self, output):
+        runner_output = model_output(self.scheduler, output, self.token)
+        if self.clock is not None:
+            self.clock.advance(self.forward(output))
+        return runner_output
 
 
 def park(scheduler, chains, token: int = 7) -> None:

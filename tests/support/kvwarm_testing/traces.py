@@ -53,7 +53,7 @@ GIVEN = ["--model", MODEL, "--dtype", "float32", "--max-num-batched-tokens", "25
 def header(rank: int = 0, dp_size: int = 1, loop: str = "sync", **changes) -> dict:
     """A trace file's first line; `changes` replace top-level fields, `resolved` entries update
     the resolved engine arguments."""
-    resolved = {**RESOLVED, **changes.pop("resolved", {}), "async_scheduling": loop == "async"}
+    resolved = {**RESOLVED, **changes.pop("resolved", {}), "async_scheduling": loop == "batch_queue"}
     h = {
         "type": "kvwarm_trace",
         "schema_version": 1,
@@ -66,7 +66,7 @@ def header(rank: int = 0, dp_size: int = 1, loop: str = "sync", **changes) -> di
         "layout": {**LAYOUT, "data_parallel_size": dp_size, "data_parallel_rank": rank},
         "hardware": dict(HARDWARE),
         "torch": "2.13.0+cpu",
-        "loop": loop,
+        "engine_loop": {"loop": loop, "async_scheduling": loop == "batch_queue"},
         "timing": {"basis": "update_to_update", "clock": "perf_counter"},
     }
     h.update(changes)

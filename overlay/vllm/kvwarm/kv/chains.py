@@ -33,9 +33,14 @@ def chain_request(scheduler, name: str, token_ids: list[int], salt: str | None =
     )
 
 
+def prompt_scheduled(chain) -> bool:
+    """Its whole prompt is scheduled: computed, or in a step still in flight (async scheduling)."""
+    return chain.num_computed_tokens >= chain.num_prompt_tokens
+
+
 def is_prefilled(chain) -> bool:
     """Its whole prompt is computed and no sampled token is still in flight."""
-    return chain.num_computed_tokens >= chain.num_prompt_tokens and not chain.num_output_placeholders
+    return prompt_scheduled(chain) and not chain.num_output_placeholders
 
 
 def all_parked(scheduler, chains) -> bool:

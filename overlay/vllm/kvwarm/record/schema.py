@@ -72,6 +72,16 @@ KVWARM = _object(
             "required": ["policy"],
             "properties": {"policy": {"enum": ["held", "engine"]}, "collections_between_points": COUNT},
         },
+        "engine_loop": {
+            "type": ["object", "null"],
+            "required": ["loop", "scheduler_cls"],
+            "properties": {
+                "loop": {"enum": list(v.LOOPS)},
+                "scheduler_cls": {"type": "string"},
+                "async_scheduling": {"type": "boolean"},
+                "batch_queue_size": POSITIVE,
+            },
+        },
     },
 )
 RESULT = _object(

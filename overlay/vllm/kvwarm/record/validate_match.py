@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-SYNC, ASYNC = "sync", "async"  # the engine loop (the trace's `loop`, the artifact's)
+from . import vocabulary as v
+
+SYNC, ASYNC = v.LOOP_SYNC, v.LOOP_BATCH_QUEUE  # the engine loop (each record's engine_loop.loop)
 
 # Fields that change a step's time; a difference refuses the pair.
 STEP_TIME_FIELDS = (
@@ -74,10 +76,11 @@ def given_model(given) -> str | None:
     return None
 
 
-def loop_of(explicit, resolved: dict) -> str | None:
-    """The loop a record says ran: its own field where it has one, else the resolved
-    async_scheduling (the adapter runs the loop vLLM resolved)."""
-    if explicit in (SYNC, ASYNC):
+def loop_of(record, resolved: dict) -> str | None:
+    """The loop a record says ran: its engine_loop record (sweep.loop.loop_record) where it
+    has one, else the resolved async_scheduling (the adapter runs the loop vLLM resolved)."""
+    explicit = record.get("loop") if isinstance(record, dict) else None
+    if explicit in v.LOOPS:
         return explicit
     flag = resolved.get("async_scheduling")
     return None if flag is None else ASYNC if flag else SYNC
@@ -105,7 +108,7 @@ class Provenance:
             header.get("layout") or {},
             header.get("hardware") or {},
             header.get("torch"),
-            loop_of(header.get("loop"), resolved),
+            loop_of(header.get("engine_loop"), resolved),
         )
 
     @classmethod
@@ -120,7 +123,7 @@ class Provenance:
             artifact.get("layout") or {},
             artifact.get("hardware") or {},
             artifact.get("torch"),
-            loop_of(artifact.get("loop"), resolved),
+            loop_of((artifact.get("kvwarm") or {}).get("engine_loop"), resolved),
         )
 
     def get(self, name: str):
@@ -194,5 +197,5 @@ def loop_refusal(what: str, m: Match, fix: str, other: str = "table") -> str | N
     trace, table = m.loop
     return (
         f"{what}: the trace ran the {trace} engine loop, the {other} the {table} one; a step window is timed "
-        f"differently under each (async: the next schedule() overlaps the forward). {fix}"
+        f"differently under each (batch_queue: the next schedule() overlaps the forward). {fix}"
     )

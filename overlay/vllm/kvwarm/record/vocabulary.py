@@ -28,9 +28,14 @@ POINT_TYPES = (DECODE, PREFILL)
 # the step; other: the rest of the step's wall time (the engine loop, output processing).
 PHASES = ("schedule", "forward", "update", "sweep", "other")
 
+# --- the engine loop a sweep ran under (kvwarm.engine_loop.loop) -----------------------------
+LOOP_SYNC = "sync"  # EngineCore.step: schedule, forward, update, one step at a time
+LOOP_BATCH_QUEUE = "batch_queue"  # EngineCore.step_with_batch_queue (async scheduling)
+LOOPS = (LOOP_SYNC, LOOP_BATCH_QUEUE)
+
 # --- sample_kind: what one of a row's timed samples (its steady_seconds) is ------------------
 STEP = "step"  # a whole step window, from one update's end to the next (decode)
-SHOT_FORWARD = "shot_forward"  # a prefill shot's forward phase, from schedule() to its output
+SHOT_FORWARD = "shot_forward"  # a prefill shot's forward: from the end of its schedule() to its output
 SAMPLE_KINDS = (STEP, SHOT_FORWARD)
 SAMPLE_KIND_OF = {DECODE: STEP, PREFILL: SHOT_FORWARD}
 

@@ -9,6 +9,12 @@ default the engine core runs in this process and this command steps it; with
 VLLM_ENABLE_V1_MULTIPROCESSING=1 it runs in vLLM's engine-core process, the way it runs
 under `vllm serve`, and this command waits for the artifact to be complete.
 
+The adapter (the scheduler class) is the one that matches the engine's loop: the command
+resolves the engine's config with vLLM's own code first, then names KvWarmAsyncScheduler
+where vLLM turned async scheduling on (its default on CUDA) and KvWarmScheduler where it is
+off (the CPU platform turns it off); a --scheduler-cls given is kept, and the adapter
+refuses one that does not match (sweep.loop, vllm.kvwarm.scheduler.check_matches_loop).
+
 With --data-parallel-size N > 1 the engine cores always run in vLLM's own processes (one
 per rank; an in-process engine core cannot be data parallel), each rank writes OUT/dp<R>/,
 and the command waits for the combined OUT/sweep.json to be final: its exit code is 0
@@ -30,7 +36,6 @@ from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
 from .settings import SettingsError
 from .trace_grid import caps_of, check_given
 
-ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 POLL_SECONDS = 1.0
 
 
@@ -98,9 +103,21 @@ def engine_args_from(argv: list[str], spec: dict):
     p = FlexibleArgumentParser(prog="python -m vllm.kvwarm sweep")
     EngineArgs.add_cli_args(p)
     engine_args = EngineArgs.from_cli_args(p.parse_args(argv))
-    engine_args.scheduler_cls = engine_args.scheduler_cls or ADAPTER
     engine_args.additional_config = {**(engine_args.additional_config or {}), CONFIG_KEY: spec}
     return engine_args
+
+
+def engine_config(engine_args):
+    """The engine's config as vLLM resolves it (as LLMEngine.from_engine_args would), with the
+    adapter that matches its loop where no --scheduler-cls was given."""
+    from vllm.usage.usage_lib import UsageContext
+
+    from .loop import adapter_for
+
+    vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    scheduler_config = vllm_config.scheduler_config
+    scheduler_config.scheduler_cls = scheduler_config.scheduler_cls or adapter_for(vllm_config)
+    return vllm_config
 
 
 def run(argv: list[str]) -> int:
@@ -148,7 +165,7 @@ def run(argv: list[str]) -> int:
 
     artifact = Path(spec["out"]) / v.ARTIFACT
     try:
-        engine = LLMEngine.from_engine_args(engine_args)
+        engine = LLMEngine.from_vllm_config(engine_config(engine_args), disable_log_stats=engine_args.disable_log_stats)
     except Exception:
         # Input found wrong once the engine knew max_model_len and the layout: the sweep
         # (in this process or the engine core's) recorded why in the artifact.
@@ -189,7 +206,10 @@ def _step(core) -> str:
     scheduler = core.scheduler
     run = getattr(scheduler, "kvwarm_run", None)
     if run is None:
-        raise SystemExit(f"kvwarm sweep: --scheduler-cls must be {ADAPTER} (or a subclass of its mixin)")
+        raise SystemExit(
+            "kvwarm sweep: --scheduler-cls must be one of vllm.kvwarm.scheduler's adapters (or a subclass of "
+            "their mixin); leave it out and the command picks the one that matches the engine's loop"
+        )
     try:
         while scheduler.has_requests():
             core.step_fn()

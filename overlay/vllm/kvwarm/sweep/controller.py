@@ -8,8 +8,9 @@ Per rung (one batch size, deepest rung first; sweep.plan):
           queued one token short of each context (exact state mode: borrowing from
           catch-up chains prefilled to their own contexts first, sweep.catchups); the
           admission step runs untimed; the steady steps are timed (the gap between
-          consecutive update_from_output calls), every time kept (sweep.rows); the
-          requests then finish by length;
+          consecutive update_from_output calls), every time kept (sweep.rows); under
+          vLLM's batch queue one more step runs untimed after them (sweep.decode_steps);
+          the requests then finish by length;
   shed    the rung's chains are finished, then the rung's fake-KV points are measured.
 At the end the prefix cache is reset (the leak check: it only succeeds when nothing but the
 null block is in use).
@@ -40,7 +41,7 @@ import time
 from collections.abc import Callable
 
 from ..kv.catchup import PrefillChunkCap, state_block_size
-from ..kv.chains import all_parked, chain_request, is_prefilled, park
+from ..kv.chains import all_parked, chain_request, park, prompt_scheduled
 from ..kv.injector import Admission
 from ..kv.layout import STATE_ALIGN, group_layouts
 from ..kv.prefix import prefix_unit
@@ -110,7 +111,7 @@ class Sweep:
         the synthetic tokens (the model's vocabulary); `graphs`: the engine's CUDA graphs, whose
         expected one each measured row records."""
         self.config = config
-        self.rungs = plan_rungs(points, config.steady_steps, config.max_model_len, config.real)
+        self.rungs = plan_rungs(points, config.decode_steps, config.max_model_len, config.real)
         self.rows: list[PointRow] = []
         self.stages: list[dict] = []  # one per rung built: batch, depth, build_seconds
         self.phase = Phase.NEXT_RUNG
@@ -279,11 +280,12 @@ class Sweep:
         self.phase = Phase.BUILDING
 
     def _build_step(self, scheduler) -> None:
-        """Park each chain once prefilled (before a step could decode it further); once all
-        are parked the rung is built and its first point starts in this same call."""
+        """Park each chain once its prompt is scheduled, before a step could decode it (under
+        vLLM's batch queue its last chunk may still be in flight then); once all are parked
+        and prefilled the rung is built and its first point starts in this same call."""
         rung = self._rung
         for chain in rung.chains:
-            if is_prefilled(chain):
+            if prompt_scheduled(chain):
                 park(scheduler, chain)
         if not all_parked(scheduler, rung.chains):
             return
@@ -332,7 +334,8 @@ class Sweep:
         point, config = plan.point, self.config
         contexts = injected_contexts(point)
         # Fake points below the giant-KV threshold keep the single step of the legacy path.
-        steps = config.steady_steps if plan.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
+        timed = config.steady_steps if plan.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
+        steps = timed + config.trailing_steps  # what the requests run after their admission step
         chains = self._rung.chains[: point.batch_size]
         if plan.real and config.state_mode == v.EXACT:
             self._catchups = start_catchups(
@@ -364,7 +367,8 @@ class Sweep:
 
     def _measure(self, scheduler, plan: PointPlan, admission: Admission) -> None:
         """Queue the point's requests; its admission and timed steps follow (after_update)."""
-        self._point = DecodeSteps(plan, scheduler.kvwarm_injector.queue(admission), self.clock)
+        timed = admission.steady_steps - self.config.trailing_steps
+        self._point = DecodeSteps(plan, scheduler.kvwarm_injector.queue(admission), self.clock, timed)
         self._gc.hold()
         self.phase = Phase.MEASURING
 

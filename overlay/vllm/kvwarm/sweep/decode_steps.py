@@ -4,6 +4,14 @@ then each steady step's time (the window the adapter's StepTimer closed, else th
 consecutive update_from_output calls) until the point's steady steps are timed, and its row.
 A step that ran other than the point's B requests, one token each, skips the row
 (measured_batch_size_mismatch).
+
+Under vLLM's batch queue the window a step's update closes holds the next step's schedule()
+and submission (sweep.timing), so a timed window is a served step's only where the step after
+it runs the point's B requests too: the requests run one more step after the timed ones
+(SweepConfig.trailing_steps), untimed but checked, and the point ends at that step's update,
+when none of its requests is in flight. The first timed window starts at the admission
+step's update: the admission step runs the same B requests, one token each, so the executor
+is already on the first steady step.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ from .timing import Window, phase_medians
 
 
 class DecodeSteps:
-    def __init__(self, plan: PointPlan, admission: Admission, clock: Callable[[], float]):
-        self.plan, self.admission, self._clock = plan, admission, clock
+    def __init__(self, plan: PointPlan, admission: Admission, clock: Callable[[], float], timed: int):
+        """`timed`: the steady steps timed, of the admission's (the rest run untimed after them)."""
+        self.plan, self.admission, self._clock, self._timed = plan, admission, clock, timed
+        self._steps = 0  # steady steps run
         self._times: list[float] = []
         self._windows: list[Window] = []  # the timed steps' phases
         self._ids: set[str] | None = None  # the point's request ids
@@ -35,8 +45,8 @@ class DecodeSteps:
         return self._ids
 
     def step(self, output, window: Window | None) -> bool:
-        """After a step: its time kept if it was a steady step of the point; True once every
-        steady step is timed."""
+        """After a step: its time kept if it was a timed steady step of the point; True once
+        every steady step has run."""
         ids = self.ids()
         scheduled = output.num_scheduled_tokens
         now = self._clock()
@@ -51,11 +61,13 @@ class DecodeSteps:
                 f"step scheduled {len(scheduled)} request(s) for a point of {len(ids)}"
                 + (f", {foreign} of them not the sweep's" if foreign else "")
             )
-        self._times.append(window.wall if window is not None else now - self._last_update)
+        self._steps += 1
+        if self._steps <= self._timed:
+            self._times.append(window.wall if window is not None else now - self._last_update)
+            if window is not None:
+                self._windows.append(window)
         self._last_update = now
-        if window is not None:
-            self._windows.append(window)
-        return len(self._times) == self.admission.steady_steps
+        return self._steps == self.admission.steady_steps
 
     def row(self, config: SweepConfig, chains: list, drifted: set[str]) -> PointRow:
         """`chains`: the requests whose state the shadows read; `drifted`: see rows.measured_row."""

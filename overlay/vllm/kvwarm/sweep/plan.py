@@ -5,7 +5,8 @@ with how it will be measured (on real, borrowed KV or on fake KV); the injector'
 *admission* is the point's requests (kv.injector.Admission); a *row* is what was measured
 (record.artifact.PointRow).
 
-A rung's chains cover its deepest point plus the admission token and the steady steps, within
+A rung's chains cover its deepest point plus the admission token and the decode steps (the
+timed steady steps, and under vLLM's batch queue one untimed step after them), within
 max_model_len less a margin; the depth is trimmed until B chains and their shadows'
 worst-case tails fit the free pool, and the points the trimmed chains cannot cover fall back
 to fake KV. Pure functions of the points, the config and the layout, so every data-parallel
@@ -40,6 +41,14 @@ class SweepConfig:
     fake_regime: str = FAKE_FALLBACK  # the regime of fake-KV rows: fake_fallback | legacy
     giant_kv_threshold: int = 1_000_000  # fake points below it keep the single legacy step
     gc_hold: bool = True  # keep Python's collector out of the timed steps (sweep.gc_hold)
+    # Untimed decode steps after the timed ones: 1 under vLLM's batch queue, where the window
+    # of a point's last timed step holds the schedule() of the step after it (sweep.loop)
+    trailing_steps: int = 0
+
+    @property
+    def decode_steps(self) -> int:
+        """The steps a decode point's requests run after their admission step."""
+        return self.steady_steps + self.trailing_steps
 
     @property
     def hand_off(self) -> str | None:
@@ -80,10 +89,10 @@ def injected_contexts(point: DecodePoint) -> list[int]:
 
 
 def plan_rungs(
-    points: list[DecodePoint | PrefillPoint], steady_steps: int, max_model_len: int, real: bool = True
+    points: list[DecodePoint | PrefillPoint], decode_steps: int, max_model_len: int, real: bool = True
 ) -> list[Rung]:
     """The prefill rungs, then the decode rungs: one rung per batch size, largest first, its
-    points deepest first."""
+    points deepest first; `decode_steps`: SweepConfig.decode_steps."""
     prefill = [p for p in points if isinstance(p, PrefillPoint)]
     decode = [p for p in points if isinstance(p, DecodePoint)]
     rungs = []
@@ -98,7 +107,7 @@ def plan_rungs(
             rungs.append(Rung(batch, 0, [], fake_points=rung_points))
             continue
         # admitted one token short: the chain holds that much, the admission token and the steps
-        depth = max(max(injected_contexts(p)) for p in rung_points) + 1 + steady_steps
+        depth = max(max(injected_contexts(p)) for p in rung_points) + 1 + decode_steps
         rungs.append(Rung(batch, min(depth, max_model_len - CHAIN_DEPTH_MARGIN), rung_points))
     return rungs
 
@@ -108,7 +117,7 @@ def trim_rung(rung: Rung, layouts: list[GroupLayout], config: SweepConfig, usabl
     to fake KV, and a rung covering nothing gets no chains."""
     catchup = planned_catchup_blocks(layouts) if config.state_mode == EXACT else 0
     rung.depth = trim_depth(
-        layouts, rung.depth, rung.batch_size, config.steady_steps, config.hand_off == COPY, usable, per_shadow=catchup
+        layouts, rung.depth, rung.batch_size, config.decode_steps, config.hand_off == COPY, usable, per_shadow=catchup
     )
     # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
     covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]

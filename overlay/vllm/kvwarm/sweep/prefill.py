@@ -10,10 +10,14 @@ kv_i tokens, then its row.
 
 One untimed warm shot of the same shape (other tails) runs first, then `steady_steps`
 measured shots, each with fresh tails; every shot's time is kept and the upper median is the
-row's. A shot's time is its step's forward phase (sweep.timing): from the end of the
-schedule() that scheduled it to the model output's arrival. The hit is probed before a shot
-is queued; after its step the shot is checked: exactly its B requests, N new tokens, a hit of
-P tokens, else the point is skipped with the measured_* reason.
+row's. A shot's time is the forward phase of its step's own span (sweep.timing): from the end
+of the schedule() that scheduled that shot to the model output's arrival (the start of its
+update_from_output), under either engine loop; under vLLM's batch queue the loop's next
+schedule() (empty: the shot's requests are done, others are held) runs inside it, while the
+executor works. The row's phases are those spans' (schedule + sweep + forward + update = the
+span; its forward median is the row's median with an odd count). The hit is probed before a
+shot is queued; after its step the shot is checked: exactly its B requests, N new tokens, a
+hit of P tokens, else the point is skipped with the measured_* reason.
 """
 
 from __future__ import annotations

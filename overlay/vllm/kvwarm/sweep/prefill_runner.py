@@ -94,7 +94,9 @@ class PrefillRunner:
         return Next.SHOT
 
     def step(self, output, window: Window | None) -> None:
-        """After a step: the current shot's, if it ran in it, is checked and its time kept."""
+        """After a step: the current shot's, if it ran in it, is checked and its time kept:
+        the forward of the step's own span (from the end of the schedule() that scheduled
+        the shot, whichever loop runs; sweep.timing)."""
         shots = self.shots
         shot = shots.current
         ids = self.current_ids()
@@ -102,16 +104,17 @@ class PrefillRunner:
             return
         shot.done = True
         problem = verify_step(shots, shot, output)
-        if problem is None and shot.timed and window is None:
+        span = window.span if window is not None else None
+        if problem is None and shot.timed and span is None:
             raise RuntimeError(
-                "a bug: a timed prefill shot's step came without its step window; the sweep must be driven "
-                "through the scheduler adapter (vllm.kvwarm.scheduler), whose StepTimer closes every step's window"
+                "a bug: a timed prefill shot's step came without its span; the sweep must be driven through the "
+                "scheduler adapter (vllm.kvwarm.scheduler), whose StepTimer times every step it scheduled"
             )
         if problem is not None:
             shots.failure = problem
         elif shot.timed:
-            shots.times.append(window.phases["forward"])
-            shots.windows.append(window)
+            shots.times.append(span.phases["forward"])
+            shots.windows.append(span)
 
     def release(self, scheduler) -> None:
         """Give back the point's fake prefixes (at its end, or when it starts over)."""

@@ -38,6 +38,7 @@ from .gate import content_reason, model_gate_reason
 from .graphs import graph_config
 from .grid import CAPS, GridLimits, decode_grid, points_file, prefill_grid
 from .limits import SweepRefused, check_engine, check_points
+from .loop import loop_record, trailing_steps
 from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
 from .ranks import rank_layout
@@ -65,17 +66,19 @@ class SweepInputs:
     held_out: list[str] | None = None  # the dataset's other half (prefill points' new tokens)
 
 
-def read_inputs(points_path: str | None, environ=None, max_model_len: int = sys.maxsize) -> SweepInputs:
+def read_inputs(
+    points_path: str | None, environ=None, max_model_len: int = sys.maxsize, trailing_steps: int = 0
+) -> SweepInputs:
     """Every input a sweep reads before it touches the engine; raises one of INPUT_ERRORS.
     A dataset problem is an error, not a reason to measure on fake KV: a mistyped path
     must not silently turn a real-KV table into a fake one. Without a points file (a
-    generated grid) the points come once the engine is known."""
+    generated grid) the points come once the engine is known. `trailing_steps`: the
+    engine loop's untimed decode steps (sweep.loop)."""
     environ = os.environ if environ is None else environ
     settings = read_settings(environ)
+    steps = settings.steady_steps + trailing_steps
     points = (
-        load_points(points_path, max_model_len=max_model_len, steady_steps=settings.steady_steps)
-        if points_path is not None
-        else []
+        load_points(points_path, max_model_len=max_model_len, steady_steps=steps) if points_path is not None else []
     )
     if settings.warmup == "off":
         return SweepInputs(settings, points, None, None)
@@ -94,14 +97,14 @@ def read_inputs(points_path: str | None, environ=None, max_model_len: int = sys.
     return SweepInputs(settings, points, conversations, dataset, held_out)
 
 
-def chain_depth_needed(point, steady_steps: int, kv_cache_manager) -> int:
-    """Tokens of chain text a point needs: a decode point's longest request, a prefill
-    point's deepest prefix."""
+def chain_depth_needed(point, decode_steps: int, kv_cache_manager) -> int:
+    """Tokens of chain text a point needs: a decode point's longest request (over its
+    `decode_steps`, SweepConfig.decode_steps), a prefill point's deepest prefix."""
     if isinstance(point, PrefillPoint):
         return max(
             point.prefixes(prefix_unit(group_layouts(kv_cache_manager), kv_cache_manager.block_pool.hash_block_size))
         )
-    return point.tokens_spanned(steady_steps)
+    return point.tokens_spanned(decode_steps)
 
 
 def tail_tokens(texts: list[str], encode) -> list[int] | None:
@@ -203,13 +206,16 @@ class SweepRun:
 
     def _build(self, scheduler, vllm_config, spec: dict, environ, exchange) -> Sweep:
         max_model_len = vllm_config.model_config.max_model_len
-        inputs = read_inputs(spec.get("points"), environ, max_model_len)
+        trailing = trailing_steps(vllm_config)
+        inputs = read_inputs(spec.get("points"), environ, max_model_len, trailing)
         settings, writer, meta = inputs.settings, self.writer, self.writer.meta
+        decode_steps = settings.steady_steps + trailing  # what a decode point's requests run
         kvm = scheduler.kv_cache_manager
         graphs = graph_config(vllm_config)
         meta.cudagraph = graphs.record()
+        meta.engine_loop = loop_record(scheduler)
         if spec.get("grid") or spec.get("grid_from"):
-            inputs.points = self._grid(scheduler, graphs, settings.steady_steps, spec)
+            inputs.points = self._grid(scheduler, graphs, decode_steps, spec)
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
         writer.total = len(inputs.points)
@@ -222,7 +228,7 @@ class SweepRun:
         chain_text, tails = None, None
         if reason is None:
             encode = _tokenizer_encode(vllm_config.model_config)
-            need = max(chain_depth_needed(p, settings.steady_steps, kvm) for p in inputs.points)
+            need = max(chain_depth_needed(p, decode_steps, kvm) for p in inputs.points)
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
             tails = tail_tokens(inputs.held_out or [], encode)
@@ -242,6 +248,7 @@ class SweepRun:
             fake_regime=v.LEGACY if settings.warmup == "off" else v.FAKE_FALLBACK,
             giant_kv_threshold=settings.giant_kv_threshold,
             gc_hold=settings.gc_hold,
+            trailing_steps=trailing,
         )
         return Sweep(
             inputs.points,
@@ -255,7 +262,7 @@ class SweepRun:
             graphs=graphs,
         )
 
-    def _grid(self, scheduler, graphs, steady_steps: int, spec: dict) -> list:
+    def _grid(self, scheduler, graphs, decode_steps: int, spec: dict) -> list:
         """The generated grid (around the capture sizes, or over a trace's shapes), less any
         point this engine cannot run as one step; written to OUT/grid.json (a points file to
         edit and pass back) and recorded."""
@@ -264,7 +271,7 @@ class SweepRun:
         attention = [g.block_size for g in layouts if g.kind == ATTENTION] or [kvm.block_pool.hash_block_size]
         limits = GridLimits(
             max_model_len=vllm_config.model_config.max_model_len,
-            steady_steps=steady_steps,
+            steady_steps=decode_steps,
             kv_cache_tokens=kv_cache_tokens(scheduler) or 0,
             num_blocks=scheduler.kv_cache_config.num_blocks,
             block_size=max(attention),

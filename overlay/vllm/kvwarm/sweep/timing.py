@@ -1,6 +1,9 @@
-"""What a step's time was spent on: the adapter reports its clock readings around vLLM's own
-schedule() and update_from_output(), and every window between two consecutive update ends
-(a decode step as the sweep times it) is split into the vocabulary's phases:
+"""What a step's time was spent on. The adapter reports its clock readings around vLLM's own
+schedule() and update_from_output(), each with the SchedulerOutput it made or took in (the
+same object reaches both calls, whichever engine loop runs).
+
+A window is the time between two consecutive update ends (a decode step as the sweep times
+it), split into the vocabulary's phases:
 
   schedule  vLLM's own schedule() (the stock call only, not the adapter around it)
   forward   from the end of the last schedule() of the window to the start of
@@ -10,10 +13,19 @@ schedule() and update_from_output(), and every window between two consecutive up
             request filter, the admission): the part of the step that is ours
   other     the rest of the window: the engine loop between steps, output processing
 
-Under async scheduling the next step's schedule() runs while the executor works, so it falls
-inside the window it overlaps; `forward` is then what the host still waits after it.
-A prefill shot's time is its forward phase: from the end of the schedule() that scheduled it
-to the model output's arrival.
+so that schedule + forward + update + sweep + other = the window's wall, under either loop.
+One step at a time (EngineCore.step) the window holds its own step's schedule(). Under vLLM's
+batch queue (EngineCore.step_with_batch_queue, async scheduling) the loop schedules and submits
+step n+1 before it takes step n's output in, so the window that step n's update closes holds
+step n+1's schedule() (which runs while the executor works on step n), and `forward` is what
+the host still waits after it.
+
+A step's own span runs from the entry of the schedule() that scheduled it to the end of its
+update_from_output (Window.span): its schedule and sweep phases are that schedule() call's,
+its forward runs from that call's end to the model output's arrival (the update's start),
+and its update is its own; other is 0. Under one step at a time it lies inside the window
+its update closes; under the batch queue it begins before that window does. A prefill shot's
+time is its span's forward.
 """
 
 from __future__ import annotations
@@ -24,13 +36,28 @@ from dataclasses import dataclass, field
 
 from ..record.vocabulary import PHASES
 
+# Steps scheduled and not yet taken in: at most the batch queue's depth (the pipeline
+# stages, plus one under async scheduling). Kept bounded for an output that never
+# reaches update_from_output (the engine stopped, or the timer was swapped between calls).
+MAX_IN_FLIGHT = 16
+
 
 @dataclass
 class Window:
-    """One closed window: its wall time and its phases, in seconds."""
+    """One closed window: its wall time and its phases, in seconds; `span`: the step whose
+    update closed it, over its own span (None where its schedule() was not reported)."""
 
     wall: float
     phases: dict[str, float]
+    span: Window | None = None
+
+
+@dataclass
+class _Scheduled:
+    output: object  # the SchedulerOutput (held, so that its id is not reused while in flight)
+    enter: float
+    stock: float  # vLLM's own schedule()
+    leave: float
 
 
 @dataclass
@@ -41,23 +68,30 @@ class StepTimer:
     _acc: dict[str, float] = field(default_factory=lambda: {"schedule": 0.0, "sweep": 0.0})
     _schedule_exit: float | None = None
     _update_start: float | None = None
+    _in_flight: dict[int, _Scheduled] = field(default_factory=dict)  # by id(SchedulerOutput)
 
-    def schedule_done(self, enter: float, stock_start: float, stock_end: float, leave: float) -> None:
-        """schedule() ran from `enter` to `leave`, vLLM's own part from stock_start to stock_end."""
-        self._acc["schedule"] += stock_end - stock_start
-        self._acc["sweep"] += (leave - enter) - (stock_end - stock_start)
+    def schedule_done(self, output, enter: float, stock_start: float, stock_end: float, leave: float) -> None:
+        """schedule() made `output`, from `enter` to `leave`, vLLM's own part from stock_start
+        to stock_end."""
+        stock = stock_end - stock_start
+        self._acc["schedule"] += stock
+        self._acc["sweep"] += (leave - enter) - stock
         self._schedule_exit = leave
+        if len(self._in_flight) >= MAX_IN_FLIGHT:
+            del self._in_flight[next(iter(self._in_flight))]
+        self._in_flight[id(output)] = _Scheduled(output, enter, stock, leave)
 
     def update_started(self, at: float) -> None:
         self._update_start = at
 
-    def update_done(self, at: float) -> Window | None:
-        """update_from_output ended at `at`: the window since the last update's end closes
-        (None for the first, which has no start)."""
+    def update_done(self, output, at: float) -> Window | None:
+        """update_from_output took `output` in and ended at `at`: the window since the last
+        update's end closes (None for the first, which has no start)."""
         start, self._end = self._end, at
         acc, exit_, update_start = self._acc, self._schedule_exit, self._update_start
         self._acc = dict.fromkeys(acc, 0.0)
         self._schedule_exit = None
+        scheduled = self._in_flight.pop(id(output), None)
         if start is None or update_start is None:
             return None
         update = at - update_start
@@ -65,7 +99,7 @@ class StepTimer:
         wall = at - start
         phases = {"schedule": acc["schedule"], "forward": forward, "update": update, "sweep": acc["sweep"]}
         phases["other"] = max(0.0, wall - sum(phases.values()))
-        window = Window(wall, phases)
+        window = Window(wall, phases, _span(scheduled, update_start, at) if scheduled is not None else None)
         if self.closed is not None:
             self.closed.append(window)
         return window
@@ -73,6 +107,18 @@ class StepTimer:
     def sweep_work(self, seconds: float) -> None:
         """Time the sweep spent in the open window outside schedule() (its after_update)."""
         self._acc["sweep"] += seconds
+
+
+def _span(scheduled: _Scheduled, update_start: float, update_end: float) -> Window:
+    ours = (scheduled.leave - scheduled.enter) - scheduled.stock
+    phases = {
+        "schedule": scheduled.stock,
+        "forward": max(0.0, update_start - scheduled.leave),
+        "update": update_end - update_start,
+        "sweep": ours,
+        "other": 0.0,
+    }
+    return Window(update_end - scheduled.enter, phases)
 
 
 def phase_medians(windows: list[Window]) -> dict[str, float] | None:
