@@ -9,6 +9,7 @@ import json
 from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
 from vllm.kvwarm.record.shape import GraphConfig, expected_graph
 from vllm.kvwarm.scheduler import KvWarmScheduler
+from vllm.kvwarm.sweep import grid
 from vllm.kvwarm.sweep.graphs import graph_config
 from vllm.kvwarm.sweep.grid import GridLimits, axis, decode_grid, prefill_grid, thin
 from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint, parse_points
@@ -29,20 +30,37 @@ LIMITS = GridLimits(
 )
 
 
-def test_the_batch_axis_holds_every_capture_size_its_successor_an_eager_tail_and_the_limit():
-    values, pairs = axis((1, 2, 4, 8, 16), limit=100)
-    assert values == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 100]
-    assert pairs == {(1, 2), (2, 3), (4, 5), (8, 9), (16, 17)}
-    assert axis((), limit=100)[0] == [1, 2, 4, 8, 16, 32, 64, 100]  # no graphs: powers of two
+def test_the_batch_axis_holds_every_capture_size_its_successor_a_doubling_tail_and_the_limit():
+    batches = axis((1, 2, 4, 8, 16), limit=100)
+    assert batches.values == [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 64, 100]
+    assert batches.pairs == {(1, 2), (2, 3), (4, 5), (8, 9), (16, 17)}
+    assert batches.fixed == {32, 64, 100}  # the tail and the limit: never thinned away
+    assert axis((), limit=100).values == [1, 2, 4, 8, 16, 32, 64, 100]  # no graphs: powers of two
 
 
-def test_thinning_keeps_the_ends_and_never_breaks_a_pair():
-    values, pairs = axis(SIZES, limit=1000)
-    for cap in (4, 6, 9, 12):
-        kept = thin(values, pairs, cap)
-        assert kept[0] == values[0] and kept[-1] == values[-1] and len(kept) <= cap + 2
-        for c, c1 in pairs:
+def test_thinning_keeps_the_ends_and_the_fixed_values_never_breaks_a_pair_and_fills_its_cap():
+    batches = axis(SIZES, limit=1000)
+    for cap in (9, 10, 12):
+        kept = thin(batches.values, batches.pairs, cap, batches.fixed)
+        assert kept[0] == 1 and batches.fixed <= set(kept) and len(kept) in (cap - 1, cap)
+        for c, c1 in batches.pairs:
             assert (c in kept) == (c1 in kept), (cap, c)
+    # a cap below what must stay keeps just that: the first unit, the tail and the limit
+    assert thin(batches.values, batches.pairs, 4, batches.fixed) == [1, 2, 3, 1000]
+
+
+def test_a_ladder_without_pairs_gets_its_cap_in_values_spread_on_a_log_scale():
+    """The KV ladder's cap of 6 gives 6 values (it gave 3: the cap was halved for pairs the
+    ladder does not have). Written from the rule: B = 8, deepest 8 x (4096 - 3 - 1 - 4) =
+    32704; rungs 16, 32, ..., 16384, 32704; keep 16 and 32704; then the middle of the widest
+    log gap each time: sqrt(16 x 32704) = 723 -> 512; sqrt(512 x 32704) = 4092 -> 4096;
+    sqrt(16 x 512) = 90.5, as near 64 as 128 -> the smaller, 64; 64..512 and 512..4096 are
+    as wide -> the smaller: sqrt(64 x 512) = 181, as near 128 as 256 -> 128."""
+    b8 = sorted(p.total_kv_read_tokens for p in decode_grid(GRAPHS, LIMITS) if p.batch_size == 8)
+    assert b8 == [16, 64, 128, 512, 4096, 32704]
+    for cap in range(2, 12):  # B = 8 has 12 rungs to thin: every cap below gives exactly that many
+        caps = {**grid.CAPS, "kv_ladder": cap}
+        assert len([p for p in decode_grid(GRAPHS, LIMITS, caps) if p.batch_size == 8]) == cap
 
 
 def test_the_decode_grid_ladders_kv_per_batch_within_max_model_len_and_the_pool():
@@ -65,8 +83,47 @@ def test_the_prefill_grid_spans_the_prefill_capture_sizes_at_small_batches_and_a
     depths = {p.total_kv_read_tokens // p.batch_size for p in points}
     assert depths == {0, 1024, 2048}
     tokens = sorted({p.total_prefill_tokens for p in points if p.batch_size == 1})
-    assert tokens[-1] == 2048 and all(p.tokens_spanned(16) <= 4096 - 4 for p in points)
+    assert tokens[-1] == 2048 and all(p.tokens_spanned(16) <= 4096 for p in points)
+    # at half of max_model_len a request's prompt holds what is left: 4096 - 2048 - 1 new tokens
+    assert max(p.total_prefill_tokens for p in points if p.batch_size == 1 and p.total_kv_read_tokens == 2048) == 2047
     assert (512 in tokens) == (513 in tokens)
+
+
+# vLLM's default capture sizes (its compilation config fills these when none are given)
+DEFAULT_SIZES = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
+
+
+def test_a_grid_reaches_the_prompts_the_engine_takes_with_its_doubling_tail(tmp_path, monkeypatch):
+    """max_num_batched_tokens = max_model_len = 8192 and vLLM's default sizes: B = 1 runs to
+    the longest prompt one step takes (8191 tokens and the one it samples), with the doubling
+    tail past the largest size, at every prefix depth clamped to what is left of max_model_len.
+
+    Written from the rule (docs/sweep.md, the generated grid), not by the grid's code: the
+    axis is 1, 2, 3 (the pairs 1/2 and 2/3), every size with its C + 1, the tail 1024, 2048,
+    4096 and the limit 8191; cap 16 keeps the first unit, the tail and the limit (7 values)
+    and fills 9 more (four pairs) in the widest log gap each time: 3..1024 -> sqrt(3 x 1024)
+    = 55 -> 56/57; 3..56 -> 13 -> 16/17; 57..1024 -> 242 -> 240/241; 3..16 -> 6.9 -> 8/9."""
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    make_scheduler(
+        tmp_path,
+        num_blocks=4096,
+        scheduler_cls=KvWarmScheduler,
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        additional_config={"kvwarm_sweep": {"grid": {"capture_sizes": DEFAULT_SIZES}, "out": str(out)}},
+    )
+    grid_file = json.loads((out / "grid.json").read_text())
+    b1 = {}
+    for p in grid_file["prefill"]:
+        if p["batch_size"] == 1:
+            b1.setdefault(p["total_kv_read_tokens"], []).append(p["total_prefill_tokens"])
+    head = [1, 2, 3, 8, 9, 16, 17, 56, 57, 240, 241, 1024, 2048]
+    assert {depth: sorted(n) for depth, n in b1.items()} == {
+        0: [*head, 4096, 8191],
+        2048: [*head, 4096, 8192 - 2048 - 1],
+        4096: [*head, 8192 - 4096 - 1],
+    }
 
 
 def test_each_row_expects_the_graph_of_its_shape():

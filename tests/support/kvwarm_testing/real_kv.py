@@ -57,6 +57,9 @@ def make_scheduler(
     state_block_size: int | None = None,
     scheduler_cls: type | None = None,
     additional_config: dict | None = None,
+    max_model_len: int = 1024,
+    max_num_batched_tokens: int = 256,
+    enable_prefix_caching: bool = True,
 ):
     """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
 
@@ -84,7 +87,7 @@ def make_scheduler(
                 "num_key_value_heads": 1,
                 "num_hidden_layers": 2,
                 "vocab_size": 256,
-                "max_position_embeddings": 1024,
+                "max_position_embeddings": max_model_len,
                 "torch_dtype": "float32",
             }
         )
@@ -100,12 +103,12 @@ def make_scheduler(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=256,
-            max_model_len=1024,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
             is_encoder_decoder=False,
             enable_chunked_prefill=True,
         ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **cache_extra),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, **cache_extra),
         device_config=DeviceConfig(device="cpu"),
         additional_config=additional_config or {},
     )
