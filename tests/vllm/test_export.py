@@ -409,3 +409,26 @@ def test_the_sweeps_hook_writes_once_every_rank_has_finished(tmp_path):
     assert export.write_if_asked(tmp_path / "s", 2, environ) == [out, out.with_name("benchmark_dp1.json")]
     export.remove_stale(environ, 1)  # a new run's rank 1, as Dynamo does at its start
     assert out.is_file() and not out.with_name("benchmark_dp1.json").exists()
+
+
+def test_prefill_rows_with_a_prefix_can_be_left_out_for_a_fit_on_new_tokens_alone(tmp_path):
+    """The planner fits prefill time on sum_prefill_tokens alone; a grid's P > 0 rows would
+    read as slow prompts to it. --no-prefix-rows leaves them out (measured or skipped), and the
+    file's coverage and validity count only what it holds."""
+    root = tmp_path / "s"
+    regime = v.skip_regime(v.PREFILL_INJECTION_FAILED)
+    skipped = PointRow(512, 1, regime, detail="no room", point_type=v.PREFILL, total_prefill_tokens=64)
+    write_rank(root, [prefill_row(256, 0, 1), prefill_row(256, 512, 1), prefill_row(64, 0, 4), skipped])
+    out = tmp_path / "p.json"
+    args = ["export", str(root), "--to", "dynamo", "--kind", "prefill", "--out", str(out)]
+    assert main([*args, "--no-prefix-rows"]) == 0
+    exported = json.loads(out.read_text())
+    points = [(r["point"]["total_prefill_tokens"], r["point"]["total_kv_read_tokens"]) for r in exported["results"]]
+    assert points == [(256, 0), (64, 0)] and exported["skipped_points"] == []
+    assert exported["coverage"] == {"expected_points": 2, "completed_points": 2, "skipped_points": 0}
+    assert exported["valid"] is True
+    assert exported["kvwarm_sweep"]["left_out"] == "prefill points with a prefix (P > 0)"
+    assert main(args) == 0
+    everything = json.loads(out.read_text())
+    assert len(everything["results"]) == 3 and everything["valid"] is False  # the skipped point counts
+    assert everything["kvwarm_sweep"]["left_out"] is None

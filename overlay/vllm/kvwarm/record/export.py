@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import vocabulary as v
 from .export_dynamo import rank_artifacts
-from .export_input import ExportError, SweepRecord, load_sweep, read_finished_ranks
+from .export_input import ExportError, SweepRecord, load_sweep, read_finished_ranks, without_prefix
 from .export_profiler import write_tables
 from .files import locked, write_atomically
 
@@ -100,6 +100,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kind", choices=list(v.POINT_TYPES), help="dynamo: export only this kind, at --out exactly")
     p.add_argument(
+        "--no-prefix-rows",
+        action="store_true",
+        help="dynamo: leave out prefill points with a prefix (P > 0), for a planner whose prefill fit "
+        "reads only sum_prefill_tokens (the profiler's tables hold B = 1, P = 0 rows only anyway)",
+    )
+    p.add_argument(
         "--max-kv-tokens",
         type=int,
         help="profiler: the KV pool in tokens, for a sweep whose artifact does not record it "
@@ -112,6 +118,8 @@ def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     try:
         sweep = load_sweep(args.dir)
+        if args.no_prefix_rows:
+            sweep = without_prefix(sweep)
         if args.to == DYNAMO:
             written = write_dynamo(sweep, args.out or sweep.root / DYNAMO / "benchmark.json", args.kind)
         else:
