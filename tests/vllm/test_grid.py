@@ -4,14 +4,18 @@ configured through additional_config on a real Scheduler."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
+import pytest
 from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
 from vllm.kvwarm.record.shape import GraphConfig, expected_graph
 from vllm.kvwarm.scheduler import KvWarmScheduler
 from vllm.kvwarm.sweep import grid
+from vllm.kvwarm.sweep.controller import Sweep
 from vllm.kvwarm.sweep.graphs import graph_config
 from vllm.kvwarm.sweep.grid import GridLimits, axis, decode_grid, prefill_grid, thin
+from vllm.kvwarm.sweep.plan import SweepConfig
 from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint, parse_points
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
@@ -127,7 +131,7 @@ def test_a_grid_reaches_the_prompts_the_engine_takes_with_its_doubling_tail(tmp_
 
 
 def test_each_row_expects_the_graph_of_its_shape():
-    assert expected_graph(GRAPHS, "decode", 8) == {
+    assert expected_graph(GRAPHS, 8, 8) == {
         "expected_cudagraph_mode": "FULL",
         "expected_capture_size": 8,
         "padding_tokens": 0,
@@ -135,11 +139,11 @@ def test_each_row_expects_the_graph_of_its_shape():
         "observed_cudagraph_mode": None,
         "observed_size": None,
     }
-    assert expected_graph(GRAPHS, "decode", 9)["expected_capture_size"] == 16
-    assert expected_graph(GRAPHS, "decode", 9)["padding_tokens"] == 7
-    assert expected_graph(GRAPHS, "decode", 9)["reasons"] == ["post_capture"]
-    assert expected_graph(GRAPHS, "decode", 128)["reasons"] == ["capture", "engine_limit"]
-    assert expected_graph(GRAPHS, "prefill", 1000) == {
+    assert expected_graph(GRAPHS, 9, 9)["expected_capture_size"] == 16
+    assert expected_graph(GRAPHS, 9, 9)["padding_tokens"] == 7
+    assert expected_graph(GRAPHS, 9, 9)["reasons"] == ["post_capture"]
+    assert expected_graph(GRAPHS, 128, 128)["reasons"] == ["capture", "engine_limit"]
+    assert expected_graph(GRAPHS, 1000, 1) == {
         "expected_cudagraph_mode": "NONE",
         "expected_capture_size": None,
         "padding_tokens": 0,
@@ -147,9 +151,9 @@ def test_each_row_expects_the_graph_of_its_shape():
         "observed_cudagraph_mode": None,
         "observed_size": None,
     }
-    assert expected_graph(GRAPHS, "prefill", 300)["expected_cudagraph_mode"] == "PIECEWISE"
+    assert expected_graph(GRAPHS, 300, 2)["expected_cudagraph_mode"] == "PIECEWISE"
     eager = GraphConfig(capture_sizes=SIZES, max_num_seqs=128, max_num_batched_tokens=2048)
-    assert expected_graph(eager, "decode", 8)["reasons"] == ["cudagraph_disabled"]
+    assert expected_graph(eager, 8, 8)["reasons"] == ["cudagraph_disabled"]
 
 
 # caps that keep the sweep short: two decode batches (a pair), two KV rungs, two prefill sizes
@@ -195,9 +199,14 @@ def test_a_grid_sweep_writes_its_points_file_and_every_row_records_its_graph(tmp
     )
     assert any(isinstance(p, DecodePoint) for p in grid) and any(isinstance(p, PrefillPoint) for p in grid)
     assert artifact["kvwarm"]["grid"]["points"] == len(grid) and artifact["kvwarm"]["cudagraph"] == graphs.record()
-    for row in artifact["results"]:
-        kind, n = row["point"]["point_type"], row["point"]["total_prefill_tokens"] or row["point"]["batch_size"]
-        assert row["graph"] == expected_graph(graphs, kind, n)
+    for row in artifact["results"]:  # the CPU platform captures nothing: every row eager, and says why
+        graph = row["graph"]
+        assert (graph["expected_cudagraph_mode"], graph["expected_capture_size"], graph["padding_tokens"]) == (
+            "NONE",
+            None,
+            0,
+        )
+        assert graph["reasons"][0] == "cudagraph_disabled"
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
@@ -221,3 +230,72 @@ def test_a_grid_sweeps_record_names_its_points_file_by_its_path(tmp_path, monkey
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     assert SweepRecord(out, [artifact], [out / "sweep.json"]).kinds() == ["decode", "prefill"]
+
+
+def _captured(scheduler, mode: str, sizes: list[int]):
+    """The scheduler's real compilation config with CUDA graphs on (the CPU platform turns
+    them off): `mode` and `sizes` as a GPU engine would have them."""
+    from vllm.config import CUDAGraphMode
+
+    config = scheduler.vllm_config
+    config.model_config.enforce_eager = False
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    config.compilation_config.cudagraph_capture_sizes = sizes
+    return graph_config(config)
+
+
+# (point, mode): the graph, capture size, padding and reasons a row must record; written from
+# vLLM's runner (gpu_model_runner._is_uniform_decode and the CUDA-graph dispatcher, the same on
+# every supported release): one token per request is a uniform decode batch by shape, and runs
+# the decode graph by request count; any other batch the mixed graph by token count.
+GRAPH_TABLE = [
+    (DecodePoint(40, 2), "FULL_AND_PIECEWISE", ("FULL", 2, 0, ["capture"])),
+    (DecodePoint(60, 3), "FULL_AND_PIECEWISE", ("FULL", 4, 1, ["post_capture"])),
+    (PrefillPoint(1, 0, 1), "FULL_AND_PIECEWISE", ("FULL", 1, 0, ["capture"])),
+    (PrefillPoint(4, 64, 4), "FULL_AND_PIECEWISE", ("FULL", 4, 0, ["capture"])),
+    (PrefillPoint(3, 0, 3), "FULL_AND_PIECEWISE", ("FULL", 4, 1, ["post_capture"])),
+    (PrefillPoint(5, 0, 1), "FULL_AND_PIECEWISE", ("PIECEWISE", 8, 3, ["post_capture"])),
+    (PrefillPoint(6, 32, 2), "FULL_AND_PIECEWISE", ("PIECEWISE", 8, 2, [])),
+    (PrefillPoint(20, 0, 1), "FULL_AND_PIECEWISE", ("NONE", None, 0, ["eager_tail"])),
+    (PrefillPoint(2, 0, 2), "FULL_DECODE_ONLY", ("FULL", 2, 0, ["capture"])),
+    (PrefillPoint(8, 0, 2), "FULL_DECODE_ONLY", ("NONE", None, 0, ["cudagraph_disabled"])),
+    (PrefillPoint(2, 0, 2), "PIECEWISE", ("PIECEWISE", 2, 0, ["capture"])),
+]
+
+
+@pytest.mark.parametrize("mode", sorted({mode for _, mode, _ in GRAPH_TABLE}))
+def test_every_row_records_the_graph_vllms_runner_dispatches_for_its_shape(tmp_path, monkeypatch, mode):
+    """A sweep on a real Scheduler whose compilation config captures graphs of 1, 2, 4 and 8
+    tokens: each row's graph against the table above (not against the code that labels it)."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler)
+    graphs = _captured(scheduler, mode, [1, 2, 4, 8])
+    table = [(point, expected) for point, m, expected in GRAPH_TABLE if m == mode]
+    sweep = Sweep(
+        [point for point, _ in table],
+        None,
+        SweepConfig(steady_steps=2, max_model_len=1024, real=False),
+        clock=itertools.count().__next__,
+        progress=lambda _: None,
+        vocab_size=256,
+        graphs=graphs,
+    )
+    scheduler.kvwarm_sweep = sweep
+    for _ in range(500):
+        if sweep.done:
+            break
+        step_scheduler(scheduler)
+    rows = {(r.point_type, r.total_prefill_tokens, r.total_kv_read_tokens, r.batch_size): r.graph for r in sweep.rows}
+    for point, (graph_mode, capture, padding, reasons) in table:
+        n = point.total_prefill_tokens if isinstance(point, PrefillPoint) else 0
+        kind = "prefill" if isinstance(point, PrefillPoint) else "decode"
+        graph = rows[(kind, n, point.total_kv_read_tokens, point.batch_size)]
+        assert (graph["expected_cudagraph_mode"], graph["expected_capture_size"], graph["padding_tokens"]) == (
+            graph_mode,
+            capture,
+            padding,
+        ), point
+        assert graph["reasons"] == reasons, point

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 
 from . import vocabulary as v
-from .shape import balanced, expected_graph, point_key
+from .shape import balanced, expected_graph, point_key, step_tokens
 
 NAMESPACE = "kvwarm_sweep"  # our blocks in Dynamo's artifact: at the top, per result, per skipped point
 FPM_VERSION = 1
@@ -127,9 +127,7 @@ def _row_graph(row: dict, kind: str, graphs) -> dict:
     if not (isinstance(graph, dict) and "expected_cudagraph_mode" in graph):
         if graphs is None:
             return {"mode": None, "capture": None, "padding": None, "reasons": []}
-        point = row["point"]
-        n = point["batch_size"] if kind == v.DECODE else point.get("total_prefill_tokens", 0)
-        graph = expected_graph(graphs, kind, n)
+        graph = expected_graph(graphs, *step_tokens({"point_type": kind, **row["point"]}))
     return {
         "mode": graph.get("expected_cudagraph_mode"),
         "capture": graph.get("expected_capture_size"),
