@@ -125,6 +125,23 @@ def test_warm_up_off_measures_prefill_on_fake_prefixes_registered_and_never_comp
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
+def test_without_held_out_text_a_shots_new_tokens_are_a_salted_sequence_not_one_token(tmp_path):
+    """Fake KV (warm-up off) has no dataset: each request's new tokens are a salted sequence
+    of its own, as fake KV's prompts are, so MoE routing sees varied tokens (they were one
+    token repeated)."""
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    config = SweepConfig(steady_steps=STEPS, max_model_len=1024, real=False, fake_regime="legacy")
+    sweep = Sweep(
+        [PrefillPoint(96, 0, 2)], None, config, clock=itertools.count().__next__, progress=print, vocab_size=256
+    )
+    tails = [r.prompt_token_ids for shot in _shots(_run(scheduler, sweep)) for r in shot]
+    assert len(tails) == 2 * (1 + STEPS) and all(len(t) == 48 for t in tails)
+    for tail in tails:  # past its two lead tokens, no token repeats within a vocabulary's length
+        assert len(set(tail[2:])) == len(tail) - 2, tail
+    assert len({tuple(t[2:]) for t in tails}) == len(tails)  # every request's tokens its own
+    assert [r.kv_seed_regime for r in sweep.rows] == ["not_applicable"]
+
+
 def test_a_prefix_that_stays_uncached_rebuilds_the_chains_once_then_skips(tmp_path, monkeypatch):
     probes = []
     monkeypatch.setattr(prefill_module, "cached_tokens", lambda kvm, request: probes.append(request) or 0)

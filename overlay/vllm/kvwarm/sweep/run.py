@@ -51,6 +51,10 @@ INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused)
 # Prefill points' new tokens come from the dataset's held-out half, as much of it as this
 # (tails cycle through it, each led by tokens of its own).
 TAIL_TOKENS = 8192
+_EMPTY_HELD_OUT = (
+    "dataset {path}: its held-out half (conversation_sha256_odd) holds no text, and prefill points take their "
+    "new tokens from it; use a larger ShareGPT-format file (or DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
+)
 
 
 @dataclass
@@ -82,6 +86,8 @@ def read_inputs(points_path: str | None, environ=None, max_model_len: int = sys.
             "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
         )
     conversations, held_out, digest = load_halves(settings.dataset)
+    if not held_out and (points_path is None or any(isinstance(p, PrefillPoint) for p in points)):
+        raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
     dataset = {
         "path": str(settings.dataset),
         "sha256": digest,
@@ -222,6 +228,8 @@ class SweepRun:
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
             tails = tail_tokens(inputs.held_out or [], encode)
+            if tails is None and any(isinstance(p, PrefillPoint) for p in inputs.points):
+                raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
         meta.state_mode_requested = decision.requested
         meta.state_mode = decision.mode if reason is None else None
         meta.warm_eligible, meta.skip_reason = reason is None, reason
