@@ -299,3 +299,31 @@ def test_every_row_records_the_graph_vllms_runner_dispatches_for_its_shape(tmp_p
             padding,
         ), point
         assert graph["reasons"] == reasons, point
+
+
+def test_a_grids_points_fit_the_pool_together_with_their_rung_mates(tmp_path, monkeypatch):
+    """47 free blocks of 16: B = 1's chains at half of max_model_len (512 tokens) hold 32, so a
+    256-token shot without a prefix (16 blocks) fits alone but not beside them. The grid
+    keeps only points that fit together: each beside its rung's deepest chains."""
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    make_scheduler(
+        tmp_path,
+        num_blocks=48,
+        scheduler_cls=KvWarmScheduler,
+        additional_config={"kvwarm_sweep": {"grid": {"capture_sizes": [1, 2, 4, 8, 16, 32]}, "out": str(out)}},
+    )
+    points = parse_points(json.loads((out / "grid.json").read_text()), "grid.json", 1024, 3)
+    prefill = [p for p in points if isinstance(p, PrefillPoint)]
+    assert any(p.total_kv_read_tokens for p in prefill)
+
+    def blocks(tokens: int) -> int:
+        return -(-tokens // 16)
+
+    for batch in {p.batch_size for p in prefill}:
+        rung = [p for p in prefill if p.batch_size == batch]
+        depth = max(p.total_kv_read_tokens // batch for p in rung)  # the grid's prefixes split evenly
+        for p in rung:
+            prefix, new = p.total_kv_read_tokens // batch, -(-p.total_prefill_tokens // batch)
+            need = batch * blocks(depth) + batch * (blocks(prefix + new) - prefix // 16)
+            assert need <= 47, (p, need)

@@ -273,3 +273,43 @@ def test_a_threshold_below_a_request_is_refused(tmp_path):
     scheduler.scheduler_config.long_prefill_token_threshold = 16
     with pytest.raises(PointsFileError, match="exceeds long_prefill_token_threshold 16"):
         check_points([PrefillPoint(64, 0, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_a_point_is_checked_beside_its_rungs_deepest_chains_whatever_the_files_order(tmp_path):
+    """B = 1 on 63 free blocks of 16 tokens: the deep point alone needs 50 chain blocks and
+    1 for its shot, the shallow one 1 and 16; beside the rung's chains (as deep as its deepest
+    prefix, 800 tokens) the shallow shot needs 50 + 16 = 66. Listed first it passed, checked
+    against chains of its own depth, and failed at its shot."""
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
+    shallow, deep = PrefillPoint(256, 16, 1), PrefillPoint(16, 800, 1)
+    for alone in (shallow, deep):
+        check_points([alone], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    for order in ([shallow, deep], [deep, shallow]):
+        with pytest.raises(PointsFileError, match=r"N=256 P=16 B=1: its rung's chains \(1 of 800 tokens.* need 66"):
+            check_points(order, scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_a_hybrid_hit_counts_the_boundary_state_block_it_takes(tmp_path):
+    """A P > 0 hit on a hybrid layout takes the state block cached at its boundary (free
+    where the chain has moved on) besides its running block, as a catch-up's does. Blocks of
+    64: the chain holds 2 attention blocks and 1 state block, the shot 1 attention block and
+    2 state blocks: 6, one more than the 5 free."""
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=6, scheduler_cls=KvWarmScheduler, block_size=64, state_block_size=64, hash_block_size=16
+    )
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 5
+    with pytest.raises(PointsFileError, match="need 6 KV blocks, the pool has 5 free"):
+        check_points([PrefillPoint(32, 128, 1)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    check_points([PrefillPoint(32, 0, 1)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_a_prefix_without_the_prefix_cache_is_refused_by_name(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler, enable_prefix_caching=False)
+    with pytest.raises(PointsFileError, match=r"P > 0, e.g. N=64 P=64 B=2.*--enable-prefix-caching"):
+        check_points(
+            [PrefillPoint(64, 0, 2), PrefillPoint(64, 64, 2)],
+            scheduler.vllm_config,
+            scheduler.kv_cache_manager,
+            "points.json",
+        )
+    check_points([PrefillPoint(64, 0, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")

@@ -276,8 +276,8 @@ class SweepRun:
         points = []
         caps, axes = grid_settings(spec_grid, graphs)
         for point in prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps):
-            try:
-                check_points([point], vllm_config, kvm, GRID_FILE)
+            try:  # with the points kept so far: a deeper prefix deepens its rung-mates' chains
+                check_points([*points, point], vllm_config, kvm, GRID_FILE)
             except PointsFileError:
                 continue  # beyond what this engine runs as one step
             points.append(point)
