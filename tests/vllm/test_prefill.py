@@ -313,3 +313,25 @@ def test_a_prefix_without_the_prefix_cache_is_refused_by_name(tmp_path):
             "points.json",
         )
     check_points([PrefillPoint(64, 0, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_the_export_gives_the_variance_of_the_prompts_the_shots_ran(tmp_path):
+    """P = 80 over 3 requests in 16-token blocks runs as prefixes 32, 32, 16 (not P split
+    evenly): the exported var_prefill_length is that of the prompt lengths vLLM scheduled."""
+    import json
+    import statistics
+
+    from vllm.kvwarm.record import export
+    from vllm.kvwarm.record.artifact import KvwarmMeta, build_artifact, write_artifact
+
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([PrefillPoint(100, 80, 3)])
+    shots = _shots(_run(scheduler, sweep))
+    (row,) = sweep.rows
+    assert row.kv_seed_regime == "real_prefix", row.detail
+    ran = {statistics.pvariance([len(r.prompt_token_ids) for r in shot]) for shot in shots}
+    assert len(ran) == 1  # every shot the same shape
+    write_artifact(tmp_path / "s", build_artifact(sweep.rows, KvwarmMeta(), {"points": "p.json"}, "complete"))
+    (path,) = export.write_dynamo(export.load_sweep(tmp_path / "s"), tmp_path / "b.json")
+    scheduled = json.loads(path.read_text())["results"][0]["fpms"][0]["scheduled_requests"]
+    assert scheduled["var_prefill_length"] == pytest.approx(ran.pop())

@@ -53,7 +53,9 @@ def _fpm(point: dict, rank: int, benchmark_id: int, row: dict) -> dict:
     b, k = point["batch_size"], point["total_kv_read_tokens"]
     if point["point_type"] == v.PREFILL:
         n = point["total_prefill_tokens"]
-        lengths = [a + c for a, c in zip(balanced(n, b), balanced(k, b))]
+        split = row.get("split") or {}  # as the shots ran (rows before it: N and P split evenly)
+        new, prefixes = split.get("new_tokens") or balanced(n, b), split.get("prefix_tokens") or balanced(k, b)
+        lengths = [a + c for a, c in zip(new, prefixes)]
         scheduled = {
             "num_prefill_requests": b,
             "sum_prefill_tokens": n,

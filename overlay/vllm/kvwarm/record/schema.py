@@ -91,6 +91,12 @@ RESULT = _object(
         "phases": PHASES,
         "graph": GRAPH,
         "sample_kind": {"enum": list(v.SAMPLE_KINDS)},
+        "split": _object(
+            {
+                "prefix_tokens": {"type": "array", "items": COUNT, "minItems": 1},
+                "new_tokens": {"type": "array", "items": POSITIVE, "minItems": 1},
+            }
+        ),
     },
 )
 SKIPPED = _object(

@@ -191,4 +191,5 @@ def prefill_row(shots: PrefillShots) -> PointRow:
         total_prefill_tokens=point.total_prefill_tokens,
         phases=phase_medians(shots.windows),
         sample_kind=v.SHOT_FORWARD,
+        split={"prefix_tokens": list(shots.prefixes), "new_tokens": list(shots.new)},
     )
