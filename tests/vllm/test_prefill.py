@@ -335,3 +335,37 @@ def test_the_export_gives_the_variance_of_the_prompts_the_shots_ran(tmp_path):
     (path,) = export.write_dynamo(export.load_sweep(tmp_path / "s"), tmp_path / "b.json")
     scheduled = json.loads(path.read_text())["results"][0]["fpms"][0]["scheduled_requests"]
     assert scheduled["var_prefill_length"] == pytest.approx(ran.pop())
+
+
+def test_a_prefill_row_whose_shots_spread_is_stamped_noisy_as_a_decode_row_is(tmp_path):
+    """The engine's forward is played here with a clock: every shot's forward reads 1 tick but
+    one measured shot's, which reads 11, so the row spreads 10 times its median."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ticks = itertools.count()
+    slow = {"at": 0}
+    clock = lambda: next(ticks) + slow["at"]
+    config = SweepConfig(steady_steps=STEPS, max_model_len=1024)
+    sweep = Sweep(
+        [PrefillPoint(40, 0, 2), PrefillPoint(30, 0, 1)], _tokens, config, clock=clock, progress=lambda _: None
+    )
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    scheduler.kvwarm_sweep = sweep
+    shot_steps = 0
+    for _ in range(200):
+        if not scheduler.has_requests():
+            break
+        output = scheduler.schedule()
+        if any(r.req_id.startswith(prefill_module.PREFILL_PREFIX) for r in output.scheduled_new_reqs):
+            shot_steps += 1
+            if shot_steps == 3:  # the second measured shot of the first point: a slow forward
+                slow["at"] += 10
+        ids = list(output.num_scheduled_tokens)  # P = 0 points only: every request samples
+        sampled = [[7] for _ in ids]
+        runner = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        )
+        scheduler.update_from_output(output, runner)
+    noisy, quiet = sweep.rows
+    assert noisy.samples == [1, 11, 1] and "kvwarm_noisy" in noisy.sample_reasons
+    assert quiet.samples == [1, 1, 1] and "kvwarm_noisy" not in quiet.sample_reasons

@@ -33,6 +33,7 @@ from ..kv.request import greedy_request
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .points import PrefillPoint
+from .rows import stamp_noise
 from .timing import Window, phase_medians
 
 PREFILL_PREFIX = "__kvwarm_prefill_"  # frontend ids never start like this
@@ -180,7 +181,7 @@ def prefill_row(shots: PrefillShots) -> PointRow:
             total_prefill_tokens=point.total_prefill_tokens,
         )
     stamps = {v.REAL_PREFIX: [v.STAMP_PREFILL_REAL_SEED], v.FAKE_PREFIX: [v.STAMP_PREFILL_FAKE_PREFIX]}
-    return PointRow(
+    row = PointRow(
         point.total_kv_read_tokens,
         point.batch_size,
         shots.regime,
@@ -193,3 +194,4 @@ def prefill_row(shots: PrefillShots) -> PointRow:
         sample_kind=v.SHOT_FORWARD,
         split={"prefix_tokens": list(shots.prefixes), "new_tokens": list(shots.new)},
     )
+    return stamp_noise(row)
