@@ -375,13 +375,15 @@ def test_the_profiler_export_refuses_what_it_cannot_table(tmp_path, capsys):
         ),
         (lambda d: write_rank(d, [decode_row(100, 1)], status=v.RUNNING), "status 'running'"),
         (lambda d: write_rank(d, [decode_row(100, 1)], rank=1, size=2), "pass the sweep's --out folder"),
+        # a decode-only sweep has no prefill file to write (it wrote an empty "complete" one)
+        (lambda d: write_rank(d, [decode_row(100, 1)]), "the sweep has no prefill points (it has decode points)"),
     ],
 )
 def test_bad_input_is_named_with_the_fix(tmp_path, capsys, make, says):
     folder = tmp_path / "sweep"
     folder.mkdir()
     make(folder)
-    assert main(["export", str(folder), "--to", "dynamo"]) == 2
+    assert main(["export", str(folder), "--to", "dynamo", "--kind", "prefill"]) == 2
     err = capsys.readouterr().err
     assert says in err and str(folder) in err
 

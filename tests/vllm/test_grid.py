@@ -327,3 +327,34 @@ def test_a_grids_points_fit_the_pool_together_with_their_rung_mates(tmp_path, mo
             prefix, new = p.total_kv_read_tokens // batch, -(-p.total_prefill_tokens // batch)
             need = batch * blocks(depth) + batch * (blocks(prefix + new) - prefix // 16)
             assert need <= 47, (p, need)
+
+
+def test_an_empty_config_is_a_grid_of_the_default_caps(tmp_path, monkeypatch):
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    scheduler = make_scheduler(
+        tmp_path,
+        num_blocks=256,
+        scheduler_cls=KvWarmScheduler,
+        additional_config={"kvwarm_sweep": {"grid": {}, "out": str(out)}},
+    )
+    assert (out / "grid.json").is_file() and scheduler.kvwarm_sweep is not None
+
+
+def test_a_grid_with_no_point_the_engine_can_run_is_refused_with_the_limits(tmp_path, monkeypatch):
+    """One block (the null block): no shot and no chain fits. It measured nothing and said
+    complete with the warm-up off, and failed on an empty max() with it on."""
+    from vllm.kvwarm.sweep.points import PointsFileError
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    with pytest.raises(PointsFileError, match="the generated grid holds no point this engine can run") as err:
+        make_scheduler(
+            tmp_path,
+            num_blocks=1,
+            scheduler_cls=KvWarmScheduler,
+            additional_config={"kvwarm_sweep": {"grid": True, "out": str(out)}},
+        )
+    assert "--max-model-len" in str(err.value)
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "failed" and "holds no point" in artifact["error"]

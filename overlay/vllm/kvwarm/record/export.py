@@ -43,6 +43,11 @@ def dynamo_paths(out: str | Path, kinds: list[str], size: int) -> dict[tuple[str
 
 
 def write_dynamo(sweep: SweepRecord, out: str | Path, kind: str | None = None) -> list[Path]:
+    if kind and kind not in sweep.kinds():
+        raise ExportError(
+            f"{sweep.root}: the sweep has no {kind} points (it has {', '.join(sweep.kinds())} points): export "
+            f"without --kind, or with --kind {sweep.kinds()[0]}"
+        )
     kinds = [kind] if kind else sweep.kinds()
     paths = dynamo_paths(out, kinds, sweep.size)
     written = []

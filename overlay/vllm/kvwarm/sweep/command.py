@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..record import vocabulary as v
 from ..record.combined import rank_path
-from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
+from .run import CONFIG_KEY, INPUT_ERRORS, check_grid, grid_path, new_writer, read_inputs
 
 ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 POLL_SECONDS = 1.0
@@ -83,7 +83,7 @@ def engine_args_from(argv: list[str], spec: dict):
 def run(argv: list[str]) -> int:
     args, engine_argv = parser().parse_known_args(argv)
     spec = {"out": str(Path(args.out).resolve()), "engine_args": engine_argv}  # recorded as given
-    spec.update({"grid": args.grid} if args.grid else {"points": str(Path(args.points).resolve())})
+    spec.update({"grid": args.grid} if args.grid is not None else {"points": str(Path(args.points).resolve())})
     writer = new_writer(
         spec["out"],
         {"points": spec.get("points") or str(grid_path(spec["out"])), "engine_args": {"given": engine_argv}},
@@ -91,6 +91,8 @@ def run(argv: list[str]) -> int:
     )
     try:
         read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it
+        if args.grid is not None:
+            check_grid(args.grid)  # the caps, before the engine loads the model
     except INPUT_ERRORS as err:
         print(f"kvwarm sweep: {err}", file=sys.stderr)
         writer.write(v.FAILED, str(err))

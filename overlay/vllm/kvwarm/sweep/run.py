@@ -132,18 +132,31 @@ def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
-    """The caps of a generated grid and the capture sizes its axes are laid around: the
-    engine's, or "capture_sizes" given (a target deployment's, e.g. planned on a CPU host,
-    whose platform clears them); the rows' graph record stays this engine's."""
+def wants_grid(spec: dict) -> bool:
+    """Whether a sweep's config asks for a generated grid: "grid": true, or caps ({} too)."""
+    return spec.get("grid") not in (None, False)
+
+
+def check_grid(spec_grid) -> tuple[dict, list[int] | None]:
+    """A generated grid's caps (every cap, the defaults filled in) and the capture sizes
+    given, or SettingsError naming what is wrong: checked before the engine loads."""
     asked = dict(spec_grid) if isinstance(spec_grid, dict) else {}
     sizes = asked.pop("capture_sizes", None)
-    problem = set(asked) - set(CAPS) or not all(_positive(n) for n in asked.values())
+    problem = spec_grid is not True and not isinstance(spec_grid, dict)
+    problem = problem or set(asked) - set(CAPS) or not all(_positive(n) for n in asked.values())
     if problem or (sizes is not None and not (isinstance(sizes, list) and all(_positive(n) for n in sizes))):
         raise SettingsError(
             f'"grid": {spec_grid!r}: the grid takes true, or caps among {", ".join(CAPS)} (positive integers) '
             'and "capture_sizes" (a list of positive integers)'
         )
+    return {**CAPS, **asked}, sizes
+
+
+def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
+    """The caps of a generated grid and the capture sizes its axes are laid around: the
+    engine's, or "capture_sizes" given (a target deployment's, e.g. planned on a CPU host,
+    whose platform clears them); the rows' graph record stays this engine's."""
+    caps, sizes = check_grid(spec_grid)
     if sizes is not None:
         sizes = tuple(sorted(set(sizes)))
         graphs = replace(
@@ -151,7 +164,7 @@ def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
             decode_capture_sizes=tuple(s for s in sizes if s <= graphs.max_num_seqs),
             prefill_capture_sizes=sizes,
         )
-    return {**CAPS, **asked}, graphs
+    return caps, graphs
 
 
 def grid_path(out: str) -> Path:
@@ -171,7 +184,7 @@ class SweepRun:
 
     def __init__(self, scheduler, spec: dict, environ=None):
         environ = os.environ if environ is None else environ
-        if not isinstance(spec, dict) or "out" not in spec or ("points" in spec) == bool(spec.get("grid")):
+        if not isinstance(spec, dict) or "out" not in spec or ("points" in spec) == wants_grid(spec):
             raise SettingsError(
                 f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}} or '
                 f'{{"grid": true, "out": DIR}} (and optionally "engine_args": [ARG, ...]), got {spec!r}'
@@ -210,7 +223,7 @@ class SweepRun:
         kvm = scheduler.kv_cache_manager
         graphs = graph_config(vllm_config)
         meta.cudagraph = graphs.record()
-        if spec.get("grid"):
+        if wants_grid(spec):
             inputs.points = self._grid(scheduler, graphs, settings.steady_steps, spec["grid"])
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
@@ -281,6 +294,13 @@ class SweepRun:
             except PointsFileError:
                 continue  # beyond what this engine runs as one step
             points.append(point)
+        if not points:
+            raise PointsFileError(
+                f"{GRID_FILE}: the generated grid holds no point this engine can run as one step (max_model_len "
+                f"{limits.max_model_len}, {limits.num_blocks} KV blocks of {limits.block_size} tokens, max_num_seqs "
+                f"{vllm_config.scheduler_config.max_num_seqs}); give the engine a larger --max-model-len or more KV "
+                "cache memory, or pass --points"
+            )
         path = grid_path(self.writer.root)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(points_file(points), indent=2).encode())
