@@ -71,6 +71,12 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     assert meta["points_real_kv"] == 3 and meta["reset_prefix_cache"] is True
     assert (meta["warm_eligible"], meta["skip_reason"]) == (True, None)
     assert 0 < meta["dataset"]["conversations"] < 64  # the collection half of the file
+    # the collector: vLLM's EngineCore froze its heap at start, so the sweep's freezes were
+    # undone and the heap frozen again; one rank's worker runs in this process, held with it
+    gc_record = meta["gc"]
+    assert gc_record["policy"] == "held" and gc_record["collections_between_points"] == 3
+    assert (gc_record["engine_froze_heap"], gc_record["heap_at_end"]) == (True, "refrozen")
+    assert gc_record["workers"] == {"policy": "in_scheduler_process", "processes": 0}
     assert [(s["batch"], s["depth"]) for s in meta["stages"]] == [(3, 29 + 1 + 3), (2, 149 + 1 + 3)]
     assert sorted((r["point"]["batch_size"], r["point"]["total_kv_read_tokens"]) for r in artifact["results"]) == [
         (2, 120),

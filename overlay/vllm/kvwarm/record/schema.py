@@ -70,7 +70,12 @@ KVWARM = _object(
         "gc": {
             "type": ["object", "null"],
             "required": ["policy"],
-            "properties": {"policy": {"enum": ["held", "engine"]}, "collections_between_points": COUNT},
+            "properties": {
+                "policy": {"enum": ["held", "engine"]},
+                "collections_between_points": COUNT,
+                "heap_at_end": {"enum": ["unfrozen", "refrozen", None]},
+                "workers": {"type": "object", "required": ["policy"]},
+            },
         },
     },
 )

@@ -51,6 +51,7 @@ from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchup
 from .decode_steps import DecodeSteps
 from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
+from .gc_workers import worker_hold
 from .meetings import Meetings, check_same_point
 from .plan import (
     PointPlan,
@@ -159,6 +160,8 @@ class Sweep:
     # --- driven by the adapter -------------------------------------------------------------
 
     def before_schedule(self, scheduler) -> None:
+        if self._gc.enabled and self._gc.workers is None:  # the engine's executor is known once it steps
+            self._gc.workers = worker_hold(scheduler)
         phase = self.phase
         if phase is Phase.MEETING:
             self._meetings.poll()
