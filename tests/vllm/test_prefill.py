@@ -369,3 +369,34 @@ def test_a_prefill_row_whose_shots_spread_is_stamped_noisy_as_a_decode_row_is(tm
     noisy, quiet = sweep.rows
     assert noisy.samples == [1, 11, 1] and "kvwarm_noisy" in noisy.sample_reasons
     assert quiet.samples == [1, 1, 1] and "kvwarm_noisy" not in quiet.sample_reasons
+
+
+def test_a_boundary_state_really_evicted_rebuilds_the_chains_then_the_point_is_measured(tmp_path):
+    """A real eviction, not a probe made to miss: on a hybrid layout the state cached at a
+    shallow boundary is free once the chain has moved past it, so anything that takes free
+    blocks evicts it. Here a server's allocation takes every free block between the two
+    points of a rung and gives them back; the shallow point's lookup then misses its state,
+    the rung's chains are built again (once), and the point is measured on them."""
+    scheduler = _hybrid_scheduler(tmp_path)
+    sweep = _sweep([PrefillPoint(16, 256, 1), PrefillPoint(16, 128, 1)], state_mode="copy")  # 16: no stop inside
+    pool = scheduler.kv_cache_manager.block_pool
+    scheduler.kvwarm_sweep = sweep
+    evicted = False
+    outputs = []
+    for _ in range(600):
+        if not scheduler.has_requests():
+            break
+        if len(sweep.rows) == 1 and not evicted:
+            taken = pool.get_new_blocks(pool.get_num_free_blocks())  # evicts what is cached but free
+            pool.free_blocks(taken)
+            evicted = True
+        outputs.append(step_scheduler(scheduler))
+    assert evicted and sweep.done
+    assert [(r.total_kv_read_tokens, r.kv_seed_regime) for r in sweep.rows] == [
+        (256, "real_prefix"),
+        (128, "real_prefix"),
+    ], [r.detail for r in sweep.rows]
+    assert [s["depth"] for s in sweep.stages] == [256, 256]  # built, then built again for the shallow point
+    shallow = [s for s in _shots(outputs) if sum(r.num_computed_tokens for r in s) == 128]
+    assert len(shallow) == 1 + STEPS  # its warm shot and measured shots, all on the rebuilt chains
+    assert sweep.reset_prefix_cache_ok and in_use(pool) == {}
