@@ -97,6 +97,19 @@ def test_the_prefill_grid_spans_the_prefill_capture_sizes_at_small_batches_and_a
 DEFAULT_SIZES = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
 
 
+def _grid_sweep(tmp_path, monkeypatch, grid, **scheduler_args):
+    """A real Scheduler whose adapter builds a grid sweep (warm-up off) into tmp_path/out."""
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    out = tmp_path / "out"
+    scheduler = make_scheduler(
+        tmp_path,
+        scheduler_cls=KvWarmScheduler,
+        additional_config={"kvwarm_sweep": {"grid": grid, "out": str(out)}},
+        **scheduler_args,
+    )
+    return scheduler, out
+
+
 def test_a_grid_reaches_the_prompts_the_engine_takes_with_its_doubling_tail(tmp_path, monkeypatch):
     """max_num_batched_tokens = max_model_len = 8192 and vLLM's default sizes: B = 1 runs to
     the longest prompt one step takes (8191 tokens and the one it samples), with the doubling
@@ -107,15 +120,13 @@ def test_a_grid_reaches_the_prompts_the_engine_takes_with_its_doubling_tail(tmp_
     4096 and the limit 8191; cap 16 keeps the first unit, the tail and the limit (7 values)
     and fills 9 more (four pairs) in the widest log gap each time: 3..1024 -> sqrt(3 x 1024)
     = 55 -> 56/57; 3..56 -> 13 -> 16/17; 57..1024 -> 242 -> 240/241; 3..16 -> 6.9 -> 8/9."""
-    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
-    out = tmp_path / "out"
-    make_scheduler(
+    _, out = _grid_sweep(
         tmp_path,
+        monkeypatch,
+        {"capture_sizes": DEFAULT_SIZES},
         num_blocks=4096,
-        scheduler_cls=KvWarmScheduler,
         max_model_len=8192,
         max_num_batched_tokens=8192,
-        additional_config={"kvwarm_sweep": {"grid": {"capture_sizes": DEFAULT_SIZES}, "out": str(out)}},
     )
     grid_file = json.loads((out / "grid.json").read_text())
     b1 = {}
@@ -305,14 +316,7 @@ def test_a_grids_points_fit_the_pool_together_with_their_rung_mates(tmp_path, mo
     """47 free blocks of 16: B = 1's chains at half of max_model_len (512 tokens) hold 32, so a
     256-token shot without a prefix (16 blocks) fits alone but not beside them. The grid
     keeps only points that fit together: each beside its rung's deepest chains."""
-    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
-    out = tmp_path / "out"
-    make_scheduler(
-        tmp_path,
-        num_blocks=48,
-        scheduler_cls=KvWarmScheduler,
-        additional_config={"kvwarm_sweep": {"grid": {"capture_sizes": [1, 2, 4, 8, 16, 32]}, "out": str(out)}},
-    )
+    _, out = _grid_sweep(tmp_path, monkeypatch, {"capture_sizes": [1, 2, 4, 8, 16, 32]}, num_blocks=48)
     points = parse_points(json.loads((out / "grid.json").read_text()), "grid.json", 1024, 3)
     prefill = [p for p in points if isinstance(p, PrefillPoint)]
     assert any(p.total_kv_read_tokens for p in prefill)
@@ -330,14 +334,7 @@ def test_a_grids_points_fit_the_pool_together_with_their_rung_mates(tmp_path, mo
 
 
 def test_an_empty_config_is_a_grid_of_the_default_caps(tmp_path, monkeypatch):
-    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
-    out = tmp_path / "out"
-    scheduler = make_scheduler(
-        tmp_path,
-        num_blocks=256,
-        scheduler_cls=KvWarmScheduler,
-        additional_config={"kvwarm_sweep": {"grid": {}, "out": str(out)}},
-    )
+    scheduler, out = _grid_sweep(tmp_path, monkeypatch, {}, num_blocks=256)
     assert (out / "grid.json").is_file() and scheduler.kvwarm_sweep is not None
 
 
@@ -346,15 +343,8 @@ def test_a_grid_with_no_point_the_engine_can_run_is_refused_with_the_limits(tmp_
     complete with the warm-up off, and failed on an empty max() with it on."""
     from vllm.kvwarm.sweep.points import PointsFileError
 
-    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
-    out = tmp_path / "out"
     with pytest.raises(PointsFileError, match="the generated grid holds no point this engine can run") as err:
-        make_scheduler(
-            tmp_path,
-            num_blocks=1,
-            scheduler_cls=KvWarmScheduler,
-            additional_config={"kvwarm_sweep": {"grid": True, "out": str(out)}},
-        )
+        _grid_sweep(tmp_path, monkeypatch, True, num_blocks=1)
     assert "--max-model-len" in str(err.value)
-    artifact = json.loads((out / "sweep.json").read_text())
+    artifact = json.loads((tmp_path / "out" / "sweep.json").read_text())
     assert artifact["status"] == "failed" and "holds no point" in artifact["error"]
