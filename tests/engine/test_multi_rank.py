@@ -245,3 +245,11 @@ def test_a_tensor_parallel_sweep_measures_every_point_on_real_kv(inputs, tmp_pat
     assert artifact["layout"]["tensor_parallel_size"] == 2 and artifact["layout"]["data_parallel_size"] == 1
     assert artifact["status"] == "complete" and len(artifact["results"]) == len(points)
     assert {r["kv_seed_regime"] for r in artifact["results"]} == {"real_kv"}
+    # the two workers' collectors were held too (each point held, then collected between)
+    gc_record = artifact["kvwarm"]["gc"]
+    workers = gc_record["workers"]
+    assert workers["policy"] == "held" and workers["processes"] == 2, workers
+    assert len(set(workers["pids"])) == 2 and os.getpid() not in workers["pids"]
+    assert workers["collections_between_points"] == [len(points)] * 2
+    assert set(workers["heap_at_end"]) <= {"unfrozen", "refrozen"}
+    assert (gc_record["engine_froze_heap"], gc_record["heap_at_end"]) == (True, "refrozen")

@@ -71,6 +71,12 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     assert meta["points_real_kv"] == 3 and meta["reset_prefix_cache"] is True
     assert (meta["warm_eligible"], meta["skip_reason"]) == (True, None)
     assert 0 < meta["dataset"]["conversations"] < 64  # the collection half of the file
+    # the collector: vLLM's EngineCore froze its heap at start, so the sweep's freezes were
+    # undone and the heap frozen again; one rank's worker runs in this process, held with it
+    gc_record = meta["gc"]
+    assert gc_record["policy"] == "held" and gc_record["collections_between_points"] == 3
+    assert (gc_record["engine_froze_heap"], gc_record["heap_at_end"]) == (True, "refrozen")
+    assert gc_record["workers"] == {"policy": "in_scheduler_process", "processes": 0}
     assert [(s["batch"], s["depth"]) for s in meta["stages"]] == [(3, 29 + 1 + 3), (2, 149 + 1 + 3)]
     assert sorted((r["point"]["batch_size"], r["point"]["total_kv_read_tokens"]) for r in artifact["results"]) == [
         (2, 120),
@@ -205,11 +211,14 @@ def test_a_points_file_with_prefill_and_decode_points_runs_them_all_on_real_kv(t
 
 def test_a_grid_sweep_lays_its_axes_around_the_capture_sizes_it_is_given(tmp_path, monkeypatch):
     """The CPU platform clears the engine's capture sizes, so the grid is given a target's:
-    1, 2, 4. Its decode batches keep every C / C + 1 pair up to the limit (max_num_seqs 8)."""
-    caps = {"decode_batches": 20, "kv_ladder": 2, "prefill_tokens": 2, "capture_sizes": [1, 2, 4]}
+    1, 2, 4 and 128. Its decode batches keep every C / C + 1 pair up to the limit
+    (max_num_seqs 8); the prefill axis's doubling tail would start at 256, the limit
+    (max_num_batched_tokens), so a cap of 2 keeps its first unit and the limit."""
+    caps = {"decode_batches": 20, "kv_ladder": 2, "prefill_tokens": 2, "capture_sizes": [1, 2, 4, 128]}
     artifact = _moe_sweep(tmp_path, monkeypatch, "--grid", json.dumps(caps))
     grid = artifact["kvwarm"]["grid"]
     assert grid["decode_batches"] == [1, 2, 3, 4, 5, 8]
+    assert grid["prefill_tokens"] == [1, 2, 3, 4, 5, 256]  # B = 1: 1, 2, 3 and 256; B = 4: 4, 5 and 256
     assert grid["points"] == len(artifact["results"]) and (tmp_path / "out" / "grid.json").exists()
     assert {r["point"]["point_type"] for r in artifact["results"]} == {"prefill", "decode"}
     assert artifact["kvwarm"]["cudagraph"]["mode"] == "NONE"

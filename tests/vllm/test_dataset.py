@@ -20,6 +20,12 @@ def _conversation(n: int) -> dict:
     }
 
 
+def _half(conversation: dict) -> int:
+    """Which half the file's loader puts a conversation in (0: the chains')."""
+    text = "\n".join(t["value"] for t in conversation["conversations"] if len(t["value"]) >= 64)
+    return hashlib.sha256(text.encode()).digest()[0] % 2
+
+
 def _write(tmp_path, data) -> str:
     path = tmp_path / "sharegpt.json"
     path.write_text(data if isinstance(data, str) else json.dumps(data))
@@ -63,3 +69,23 @@ def test_bad_datasets_say_what_is_wrong(tmp_path, content, message):
 def test_a_missing_dataset_names_the_variable(tmp_path):
     with pytest.raises(DatasetError, match="DYN_BENCH_KV_WARMUP_DATASET"):
         load_dataset(tmp_path / "missing.json")
+
+
+def test_a_real_sweep_with_prefill_points_and_no_held_out_text_is_refused_before_the_engine(tmp_path):
+    """Prefill points take their new tokens from the held-out half; a dataset whose
+    conversations all fall in the chains' half is refused up front (it fell back to one
+    repeated token), naming the file and the fix. Decode points never read that half."""
+    from vllm.kvwarm.sweep.run import read_inputs
+
+    even = [c for c in (_conversation(n) for n in range(60)) if _half(c) == 0]
+    dataset = _write(tmp_path, even)
+    points = tmp_path / "points.json"
+    environ = {"DYN_BENCH_KV_WARMUP_DATASET": dataset}
+    points.write_text(json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": 64, "batch_size": 1}]}))
+    assert read_inputs(str(points), environ).held_out == []
+    for spec in ({"prefill": [{"total_prefill_tokens": 64, "batch_size": 1}]}, None):
+        if spec is not None:
+            points.write_text(json.dumps({"schema_version": 1, **spec}))
+        with pytest.raises(DatasetError, match=r"held-out half \(conversation_sha256_odd\) holds no text") as err:
+            read_inputs(str(points) if spec else None, environ)  # None: a generated grid, which has prefill points
+        assert dataset in str(err.value) and "DYN_BENCH_KV_WARMUP=off" in str(err.value)

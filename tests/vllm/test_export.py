@@ -1,21 +1,27 @@
-"""`python -m vllm.kvwarm export`: a sweep's artifacts (made with the record's own builder,
-as the sweep writes them) as Dynamo's self-benchmark artifact and as the profiler's tables:
-naming, values, data-parallel ranks that disagree, old artifacts, bad input, and the sweep's
-own hook at DYN_FPM_BENCHMARK_OUTPUT_PATH. Dynamo's own readers run on these files in
+"""`python -m vllm.kvwarm export`: a sweep's artifacts, written as the sweep writes them (its
+ArtifactWriter and the meta it fills; rows with their graph record, phases, sample kind and
+split), as Dynamo's self-benchmark artifact and as the profiler's tables: naming, values,
+data-parallel ranks that disagree, old artifacts, bad input, and the sweep's own hook at
+DYN_FPM_BENCHMARK_OUTPUT_PATH. Dynamo's own readers run on these files in
 tests/engine/test_export_consumers.py (the consumers venv)."""
 
 from __future__ import annotations
 
 import json
 import statistics
+from unittest import mock
 
 import numpy as np
 import pytest
 from vllm.kvwarm.__main__ import main
 from vllm.kvwarm.record import export
 from vllm.kvwarm.record import vocabulary as v
-from vllm.kvwarm.record.artifact import KvwarmMeta, PointRow, build_artifact, write_artifact
+from vllm.kvwarm.record.artifact import PointRow, write_artifact
 from vllm.kvwarm.record.combined import write_combined
+from vllm.kvwarm.record.shape import GraphConfig, balanced
+from vllm.kvwarm.sweep.gc_hold import GcHold
+from vllm.kvwarm.sweep.ranks import RankLayout
+from vllm.kvwarm.sweep.writer import ArtifactWriter
 
 RESOLVED = {
     "block_sizes": {"0:FullAttentionSpec": 16},
@@ -33,15 +39,60 @@ RESOLVED = {
 }
 
 
-def decode_row(k: int, b: int, times=(0.010, 0.012, 0.011), stamps=None) -> PointRow:
+# What a sweep on an eager engine records per row: the graph its shape expects (none) and the
+# median of each phase over its samples (decode: whole windows; prefill: its shots' windows).
+EAGER = {
+    "expected_cudagraph_mode": "NONE",
+    "expected_capture_size": None,
+    "padding_tokens": 0,
+    "reasons": [v.CUDAGRAPH_DISABLED],
+    "observed_cudagraph_mode": None,
+    "observed_size": None,
+}
+
+
+EAGER_ENGINE = GraphConfig.of("NONE", "NONE", "NONE", [], 8, 512)  # sweep.graphs' record of an eager engine
+
+
+def _phases(median: float, forward: float) -> dict:
+    return {"schedule": 0.0005, "forward": forward, "update": 0.0003, "sweep": 0.0001, "other": median * 0.01}
+
+
+def decode_row(k: int, b: int, times=(0.010, 0.012, 0.011), stamps=None, graph=EAGER) -> PointRow:
     stamps = [v.STAMP_REAL_KV] if stamps is None else stamps
-    return PointRow(k, b, v.REAL_KV, list(stamps), list(times), statistics.median_high(times))
-
-
-def prefill_row(n: int, p: int, b: int, times=(0.02, 0.03, 0.025)) -> PointRow:
-    regime = v.REAL_PREFIX if p else v.NOT_APPLICABLE
+    median = statistics.median_high(times)
     return PointRow(
-        p, b, regime, [], list(times), statistics.median_high(times), point_type=v.PREFILL, total_prefill_tokens=n
+        k,
+        b,
+        v.REAL_KV,
+        list(stamps),
+        list(times),
+        median,
+        phases=_phases(median, median * 0.9),
+        graph=None if graph is None else dict(graph),
+        sample_kind=v.STEP,
+    )
+
+
+def prefill_row(n: int, p: int, b: int, times=(0.02, 0.03, 0.025), graph=EAGER) -> PointRow:
+    """A prefill row as the sweep writes it: its samples are its shots' forward phases, and
+    its split the requests' prefixes (whole 16-token blocks) and new tokens."""
+    regime = v.REAL_PREFIX if p else v.NOT_APPLICABLE
+    median = statistics.median_high(times)
+    blocks = [p // 16 // b + (i < p // 16 % b) for i in range(b)]
+    return PointRow(
+        p,
+        b,
+        regime,
+        [v.STAMP_PREFILL_REAL_SEED] if p else [],
+        list(times),
+        median,
+        point_type=v.PREFILL,
+        total_prefill_tokens=n,
+        phases=_phases(median * 1.2, median),
+        graph=None if graph is None else dict(graph),
+        sample_kind=v.SHOT_FORWARD,
+        split={"prefix_tokens": [16 * x for x in blocks], "new_tokens": balanced(n, b)},
     )
 
 
@@ -55,19 +106,29 @@ def write_rank(
     resolved=RESOLVED,
     times=("2026-12-02T09:00:00Z", "2026-12-02T09:00:04Z"),
     error=None,
+    graphs=EAGER_ENGINE,
 ):
-    layout = {
-        "data_parallel_size": size,
-        "data_parallel_rank": rank,
-        "tensor_parallel_size": 1,
-        "pipeline_parallel_size": 1,
-        "expert_parallel": False,
-    }
-    run = {"started_at": times[0], "finished_at": times[1], "engine_args": {"given": [], "resolved": resolved}}
-    meta = KvwarmMeta(enabled=True, warm_eligible=True, giant_kv_repeats=3, giant_kv_threshold=1_000_000)
-    artifact = build_artifact(rows, meta, {"points": "p.json", "model": "/m"}, status, error, run=run, layout=layout)
-    write_artifact(folder, artifact)
-    return artifact
+    """One rank's artifact as the sweep writes it: through its ArtifactWriter, whose meta
+    the sweep fills (noisy_spread, the collector's record, the engine's graphs; graphs=None:
+    an artifact from before the sweep recorded them). The plot is not drawn (the export
+    never reads it)."""
+    layout = RankLayout(size, rank, 1, 1, False)
+    out = folder.parent if size > 1 else folder
+    writer = ArtifactWriter(str(out), {"points": "p.json", "model": "/m"}, str(folder) if size > 1 else None, layout)
+    writer.meta.enabled, writer.meta.warm_eligible = True, True
+    writer.meta.giant_kv_repeats, writer.meta.giant_kv_threshold = 3, 1_000_000
+    writer.meta.batch_semantics, writer.meta.global_batch_factor = "per_rank", size
+    writer.meta.cudagraph = graphs.record() if graphs is not None else None
+    writer.meta.gc = GcHold().record()
+    writer.meta.reset_prefix_cache = status == v.COMPLETE
+    writer.run = {"started_at": times[0], "finished_at": None, "engine_args": {"given": [], "resolved": resolved}}
+    writer.rows = list(rows)
+    with (
+        mock.patch("vllm.kvwarm.sweep.writer.utc_now", return_value=times[1]),
+        mock.patch("vllm.kvwarm.record.plot.write_plot"),
+    ):
+        writer.write(status, error)
+    return json.loads(writer.artifact_path.read_text())
 
 
 def dp_sweep(root, rows_per_rank, **kwargs):
@@ -137,6 +198,12 @@ def test_a_row_becomes_a_point_an_fpm_and_its_own_block(tmp_path):
     assert fpm["scheduled_requests"]["var_decode_kv_tokens"] == 1 / 4
     assert result["kvwarm_sweep"]["steady_seconds"] == [0.004, 0.006, 0.005, 0.007]
     assert result["kvwarm_sweep"]["median_of"] == 4
+    # what the sweep records beside the samples travels with them: the phases, the graph
+    # record (the row's own), and the writer's meta in the top block
+    assert result["kvwarm_sweep"]["phases"]["forward"] == pytest.approx(0.006 * 0.9)
+    assert result["kvwarm_sweep"]["graph"]["reasons"] == [v.CUDAGRAPH_DISABLED]
+    top = decode["kvwarm_sweep"]["kvwarm"]
+    assert top["noisy_spread"] == 0.5 and top["gc"]["policy"] == "held" and top["cudagraph"]["mode"] == "NONE"
     (prefill,) = dynamo_files(root, tmp_path / "p.json", "prefill")
     scheduled = prefill["results"][0]["fpms"][0]["scheduled_requests"]
     assert (scheduled["num_prefill_requests"], scheduled["sum_prefill_tokens"], scheduled["sum_prefill_kv_tokens"]) == (
@@ -228,10 +295,11 @@ def test_the_graph_a_point_runs_in_follows_the_engines_capture_sizes(tmp_path):
         "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE",
         "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
     }
-    root = tmp_path / "s"
-    write_rank(
-        root, [decode_row(300, 3), decode_row(800, 8), decode_row(40, 4), prefill_row(600, 0, 1)], resolved=graphs
-    )
+    root = tmp_path / "s"  # an artifact from before rows and the sweep recorded graphs
+    rows = [decode_row(300, 3), decode_row(800, 8), decode_row(40, 4), prefill_row(600, 0, 1)]
+    for row in rows:
+        row.graph = None
+    write_rank(root, rows, resolved=graphs, graphs=None)
     files = {f["config"]["mode"]: f for f in dynamo_files(root, tmp_path / "b.json")}
     points = [r["point"] for r in files["decode"]["results"]]
     assert [(p["expected_cudagraph_mode"], p["expected_capture_size"], p["padding_tokens"]) for p in points] == [
@@ -375,13 +443,15 @@ def test_the_profiler_export_refuses_what_it_cannot_table(tmp_path, capsys):
         ),
         (lambda d: write_rank(d, [decode_row(100, 1)], status=v.RUNNING), "status 'running'"),
         (lambda d: write_rank(d, [decode_row(100, 1)], rank=1, size=2), "pass the sweep's --out folder"),
+        # a decode-only sweep has no prefill file to write (it wrote an empty "complete" one)
+        (lambda d: write_rank(d, [decode_row(100, 1)]), "the sweep has no prefill points (it has decode points)"),
     ],
 )
 def test_bad_input_is_named_with_the_fix(tmp_path, capsys, make, says):
     folder = tmp_path / "sweep"
     folder.mkdir()
     make(folder)
-    assert main(["export", str(folder), "--to", "dynamo"]) == 2
+    assert main(["export", str(folder), "--to", "dynamo", "--kind", "prefill"]) == 2
     err = capsys.readouterr().err
     assert says in err and str(folder) in err
 
@@ -409,3 +479,26 @@ def test_the_sweeps_hook_writes_once_every_rank_has_finished(tmp_path):
     assert export.write_if_asked(tmp_path / "s", 2, environ) == [out, out.with_name("benchmark_dp1.json")]
     export.remove_stale(environ, 1)  # a new run's rank 1, as Dynamo does at its start
     assert out.is_file() and not out.with_name("benchmark_dp1.json").exists()
+
+
+def test_prefill_rows_with_a_prefix_can_be_left_out_for_a_fit_on_new_tokens_alone(tmp_path):
+    """The planner fits prefill time on sum_prefill_tokens alone; a grid's P > 0 rows would
+    read as slow prompts to it. --no-prefix-rows leaves them out (measured or skipped), and the
+    file's coverage and validity count only what it holds."""
+    root = tmp_path / "s"
+    regime = v.skip_regime(v.PREFILL_INJECTION_FAILED)
+    skipped = PointRow(512, 1, regime, detail="no room", point_type=v.PREFILL, total_prefill_tokens=64)
+    write_rank(root, [prefill_row(256, 0, 1), prefill_row(256, 512, 1), prefill_row(64, 0, 4), skipped])
+    out = tmp_path / "p.json"
+    args = ["export", str(root), "--to", "dynamo", "--kind", "prefill", "--out", str(out)]
+    assert main([*args, "--no-prefix-rows"]) == 0
+    exported = json.loads(out.read_text())
+    points = [(r["point"]["total_prefill_tokens"], r["point"]["total_kv_read_tokens"]) for r in exported["results"]]
+    assert points == [(256, 0), (64, 0)] and exported["skipped_points"] == []
+    assert exported["coverage"] == {"expected_points": 2, "completed_points": 2, "skipped_points": 0}
+    assert exported["valid"] is True
+    assert exported["kvwarm_sweep"]["left_out"] == "prefill points with a prefix (P > 0)"
+    assert main(args) == 0
+    everything = json.loads(out.read_text())
+    assert len(everything["results"]) == 3 and everything["valid"] is False  # the skipped point counts
+    assert everything["kvwarm_sweep"]["left_out"] is None

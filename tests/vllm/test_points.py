@@ -62,6 +62,23 @@ def test_prefill_points_split_n_evenly_and_p_in_whole_blocks(tmp_path):
             r"prefill\[0\]: batch_size must be a positive integer",
         ),
         ({"schema_version": 1, "decode": []}, "both empty"),
+        ({"schema_version": True, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}, "is True; this sweep"),
+        ({"schema_version": 1.0, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}, "is 1.0; this sweep"),
+        (
+            {"schema_version": 1, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}] * 2},
+            r"decode\[1\] repeats decode\[0\]; give each point once",
+        ),
+        (
+            {
+                "schema_version": 1,
+                "prefill": [
+                    {"total_prefill_tokens": 8, "batch_size": 1},
+                    {"total_prefill_tokens": 16, "batch_size": 1},
+                    {"total_prefill_tokens": 8, "total_kv_read_tokens": 0, "batch_size": 1},
+                ],
+            },
+            r"prefill\[2\] repeats prefill\[0\]",
+        ),
         ({"schema_version": 1, "decode": {"total_kv_read_tokens": 8}}, "'decode' must be a list"),
         (
             {"schema_version": 1, "prefill": [{"total_prefill_tokens": 2, "total_kv_read_tokens": 0, "batch_size": 4}]},
@@ -133,3 +150,24 @@ def test_an_unknown_key_is_named_with_the_allowed_ones(tmp_path, content, key, a
 def test_a_missing_points_file_says_which(tmp_path):
     with pytest.raises(PointsFileError, match=r"points file .*nope\.json not found"):
         load_points(tmp_path / "nope.json", max_model_len=1024, steady_steps=3)
+
+
+def test_a_mistyped_batch_size_is_refused_by_the_engines_limit_before_anything_is_allocated(tmp_path):
+    """A batch of 10^20 requests: the file is read by arithmetic (it built a list of B
+    contexts, an OverflowError or a stall), then refused against max_num_seqs."""
+    from kvwarm_testing.real_kv import make_scheduler
+    from vllm.kvwarm.sweep.limits import check_points
+
+    huge = 10**20
+    path = _write(
+        tmp_path,
+        {
+            "schema_version": 1,
+            "decode": [{"total_kv_read_tokens": 10 * huge, "batch_size": huge}],
+            "prefill": [{"total_prefill_tokens": 10 * huge, "total_kv_read_tokens": 0, "batch_size": huge}],
+        },
+    )
+    points = load_points(path, max_model_len=1024, steady_steps=3)
+    scheduler = make_scheduler(tmp_path)
+    with pytest.raises(PointsFileError, match=rf"batch size\(s\) \[{huge}\] exceed max_num_seqs 8"):
+        check_points(points, scheduler.vllm_config, scheduler.kv_cache_manager, path)

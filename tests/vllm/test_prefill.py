@@ -138,6 +138,23 @@ def test_warm_up_off_measures_prefill_on_fake_prefixes_registered_and_never_comp
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
+def test_without_held_out_text_a_shots_new_tokens_are_a_salted_sequence_not_one_token(tmp_path):
+    """Fake KV (warm-up off) has no dataset: each request's new tokens are a salted sequence
+    of its own, as fake KV's prompts are, so MoE routing sees varied tokens (they were one
+    token repeated)."""
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    config = SweepConfig(steady_steps=STEPS, max_model_len=1024, real=False, fake_regime="legacy")
+    sweep = Sweep(
+        [PrefillPoint(96, 0, 2)], None, config, clock=itertools.count().__next__, progress=print, vocab_size=256
+    )
+    tails = [r.prompt_token_ids for shot in _shots(_run(scheduler, sweep)) for r in shot]
+    assert len(tails) == 2 * (1 + STEPS) and all(len(t) == 48 for t in tails)
+    for tail in tails:  # past its two lead tokens, no token repeats within a vocabulary's length
+        assert len(set(tail[2:])) == len(tail) - 2, tail
+    assert len({tuple(t[2:]) for t in tails}) == len(tails)  # every request's tokens its own
+    assert [r.kv_seed_regime for r in sweep.rows] == ["not_applicable"]
+
+
 def test_a_prefix_that_stays_uncached_rebuilds_the_chains_once_then_skips(tmp_path, monkeypatch):
     probes = []
     monkeypatch.setattr(prefill_module, "cached_tokens", lambda kvm, request: probes.append(request) or 0)
@@ -269,3 +286,130 @@ def test_a_threshold_below_a_request_is_refused(tmp_path):
     scheduler.scheduler_config.long_prefill_token_threshold = 16
     with pytest.raises(PointsFileError, match="exceeds long_prefill_token_threshold 16"):
         check_points([PrefillPoint(64, 0, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_a_point_is_checked_beside_its_rungs_deepest_chains_whatever_the_files_order(tmp_path):
+    """B = 1 on 63 free blocks of 16 tokens: the deep point alone needs 50 chain blocks and
+    1 for its shot, the shallow one 1 and 16; beside the rung's chains (as deep as its deepest
+    prefix, 800 tokens) the shallow shot needs 50 + 16 = 66. Listed first it passed, checked
+    against chains of its own depth, and failed at its shot."""
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler)
+    shallow, deep = PrefillPoint(256, 16, 1), PrefillPoint(16, 800, 1)
+    for alone in (shallow, deep):
+        check_points([alone], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    for order in ([shallow, deep], [deep, shallow]):
+        with pytest.raises(PointsFileError, match=r"N=256 P=16 B=1: its rung's chains \(1 of 800 tokens.* need 66"):
+            check_points(order, scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_a_hybrid_hit_counts_the_boundary_state_block_it_takes(tmp_path):
+    """A P > 0 hit on a hybrid layout takes the state block cached at its boundary (free
+    where the chain has moved on) besides its running block, as a catch-up's does. Blocks of
+    64: the chain holds 2 attention blocks and 1 state block, the shot 1 attention block and
+    2 state blocks: 6, one more than the 5 free."""
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=6, scheduler_cls=KvWarmScheduler, block_size=64, state_block_size=64, hash_block_size=16
+    )
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == 5
+    with pytest.raises(PointsFileError, match="need 6 KV blocks, the pool has 5 free"):
+        check_points([PrefillPoint(32, 128, 1)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    check_points([PrefillPoint(32, 0, 1)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_a_prefix_without_the_prefix_cache_is_refused_by_name(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=64, scheduler_cls=KvWarmScheduler, enable_prefix_caching=False)
+    with pytest.raises(PointsFileError, match=r"P > 0, e.g. N=64 P=64 B=2.*--enable-prefix-caching"):
+        check_points(
+            [PrefillPoint(64, 0, 2), PrefillPoint(64, 64, 2)],
+            scheduler.vllm_config,
+            scheduler.kv_cache_manager,
+            "points.json",
+        )
+    check_points([PrefillPoint(64, 0, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+
+
+def test_the_export_gives_the_variance_of_the_prompts_the_shots_ran(tmp_path):
+    """P = 80 over 3 requests in 16-token blocks runs as prefixes 32, 32, 16 (not P split
+    evenly): the exported var_prefill_length is that of the prompt lengths vLLM scheduled."""
+    import json
+    import statistics
+
+    from vllm.kvwarm.record import export
+    from vllm.kvwarm.record.artifact import KvwarmMeta, build_artifact, write_artifact
+
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([PrefillPoint(100, 80, 3)])
+    shots = _shots(_run(scheduler, sweep))
+    (row,) = sweep.rows
+    assert row.kv_seed_regime == "real_prefix", row.detail
+    ran = {statistics.pvariance([len(r.prompt_token_ids) for r in shot]) for shot in shots}
+    assert len(ran) == 1  # every shot the same shape
+    write_artifact(tmp_path / "s", build_artifact(sweep.rows, KvwarmMeta(), {"points": "p.json"}, "complete"))
+    (path,) = export.write_dynamo(export.load_sweep(tmp_path / "s"), tmp_path / "b.json")
+    scheduled = json.loads(path.read_text())["results"][0]["fpms"][0]["scheduled_requests"]
+    assert scheduled["var_prefill_length"] == pytest.approx(ran.pop())
+
+
+def test_a_prefill_row_whose_shots_spread_is_stamped_noisy_as_a_decode_row_is(tmp_path):
+    """The engine's forward is played here with a clock: every shot's forward reads 1 tick but
+    one measured shot's, which reads 11, so the row spreads 10 times its median."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ticks = itertools.count()
+    slow = {"at": 0}
+    clock = lambda: next(ticks) + slow["at"]
+    config = SweepConfig(steady_steps=STEPS, max_model_len=1024)
+    sweep = Sweep(
+        [PrefillPoint(40, 0, 2), PrefillPoint(30, 0, 1)], _tokens, config, clock=clock, progress=lambda _: None
+    )
+    scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
+    scheduler.kvwarm_sweep = sweep
+    shot_steps = 0
+    for _ in range(200):
+        if not scheduler.has_requests():
+            break
+        output = scheduler.schedule()
+        if any(r.req_id.startswith(prefill_module.PREFILL_PREFIX) for r in output.scheduled_new_reqs):
+            shot_steps += 1
+            if shot_steps == 3:  # the second measured shot of the first point: a slow forward
+                slow["at"] += 10
+        ids = list(output.num_scheduled_tokens)  # P = 0 points only: every request samples
+        sampled = [[7] for _ in ids]
+        runner = ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+        )
+        scheduler.update_from_output(output, runner)
+    noisy, quiet = sweep.rows
+    assert noisy.samples == [1, 11, 1] and "kvwarm_noisy" in noisy.sample_reasons
+    assert quiet.samples == [1, 1, 1] and "kvwarm_noisy" not in quiet.sample_reasons
+
+
+def test_a_boundary_state_really_evicted_rebuilds_the_chains_then_the_point_is_measured(tmp_path):
+    """A real eviction, not a probe made to miss: on a hybrid layout the state cached at a
+    shallow boundary is free once the chain has moved past it, so anything that takes free
+    blocks evicts it. Here a server's allocation takes every free block between the two
+    points of a rung and gives them back; the shallow point's lookup then misses its state,
+    the rung's chains are built again (once), and the point is measured on them."""
+    scheduler = _hybrid_scheduler(tmp_path)
+    sweep = _sweep([PrefillPoint(16, 256, 1), PrefillPoint(16, 128, 1)], state_mode="copy")  # 16: no stop inside
+    pool = scheduler.kv_cache_manager.block_pool
+    scheduler.kvwarm_sweep = sweep
+    evicted = False
+    outputs = []
+    for _ in range(600):
+        if not scheduler.has_requests():
+            break
+        if len(sweep.rows) == 1 and not evicted:
+            taken = pool.get_new_blocks(pool.get_num_free_blocks())  # evicts what is cached but free
+            pool.free_blocks(taken)
+            evicted = True
+        outputs.append(step_scheduler(scheduler))
+    assert evicted and sweep.done
+    assert [(r.total_kv_read_tokens, r.kv_seed_regime) for r in sweep.rows] == [
+        (256, "real_prefix"),
+        (128, "real_prefix"),
+    ], [r.detail for r in sweep.rows]
+    assert [s["depth"] for s in sweep.stages] == [256, 256]  # built, then built again for the shallow point
+    shallow = [s for s in _shots(outputs) if sum(r.num_computed_tokens for r in s) == 128]
+    assert len(shallow) == 1 + STEPS  # its warm shot and measured shots, all on the rebuilt chains
+    assert sweep.reset_prefix_cache_ok and in_use(pool) == {}

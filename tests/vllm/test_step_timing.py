@@ -198,8 +198,12 @@ def _collections_while_timed(tmp_path, gc_hold: bool) -> tuple[int, int, Sweep]:
 def test_no_collection_runs_inside_a_timed_step(tmp_path):
     timed, total, sweep = _collections_while_timed(tmp_path, gc_hold=True)
     assert timed == 0 and total > 0  # the collector did run: between points
-    assert sweep.gc_record()["policy"] == "held" and sweep.gc_record()["collections_between_points"] == 2
+    record = sweep.gc_record()
+    assert record["policy"] == "held" and record["collections_between_points"] == 2
     assert gc.isenabled() and gc.get_freeze_count() == 0  # the process's policy is back
+    assert (record["engine_froze_heap"], record["heap_at_end"]) == (False, "unfrozen")
+    # no engine here, so no executor: the workers are recorded as not reached, and why
+    assert record["workers"]["policy"] == "unreached" and "no executor" in record["workers"]["detail"]
 
 
 def test_with_the_hold_off_collections_do_land_in_timed_steps(tmp_path):
@@ -209,6 +213,8 @@ def test_with_the_hold_off_collections_do_land_in_timed_steps(tmp_path):
         "policy": "engine",
         "collections_between_points": 0,
         "collection_seconds": 0.0,
+        "engine_froze_heap": None,
+        "heap_at_end": None,
     }
 
 
@@ -228,3 +234,65 @@ def test_what_exists_before_the_timed_points_is_frozen_while_they_run(tmp_path, 
     assert frozen_while_timed and min(frozen_while_timed) > 0
     assert [r.kv_seed_regime for r in sweep.rows] == [v.REAL_KV if real else v.FAKE_FALLBACK] * 2
     assert gc.get_freeze_count() == 0  # unfrozen at the end: the engine had frozen nothing
+
+
+class _Cycle:
+    """A reference cycle (only the collector frees it), with a weak reference to tell."""
+
+    def __init__(self):
+        self.me = self
+
+
+def _garbage_while(tmp_path, make_when, drop_when, engine_enabled: bool = True):
+    """A sweep on an engine that froze its heap at start, as vLLM's EngineCore does
+    (freeze_gc_heap: collect, then gc.freeze). A cycle is made in the first step of phase
+    `make_when` and its last reference dropped in the first step of `drop_when`; returns a
+    weak reference to it, whether it was alive as each phase began, and the sweep."""
+    import weakref
+
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler)
+    sweep = _sweep([DecodePoint(200, 2), DecodePoint(120, 2)], clock=itertools.count().__next__)
+    held, seen = {}, {}
+
+    def each_step():
+        if sweep.phase is make_when and "ref" not in held:
+            cycle = _Cycle()
+            held["cycle"], held["ref"] = cycle, weakref.ref(cycle)
+        if sweep.phase is drop_when and "ref" in held:
+            held.pop("cycle", None)
+        seen.setdefault(sweep.phase, "ref" in held and held["ref"]() is not None)
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    if not engine_enabled:
+        gc.disable()
+    try:
+        _run(scheduler, sweep, each_step=each_step)
+        return held["ref"], seen, sweep, gc.get_freeze_count(), gc.isenabled()
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+
+
+def test_on_an_engine_that_froze_its_heap_the_sweeps_freezes_are_undone_and_its_heap_frozen_again(tmp_path):
+    """A cycle alive when the chains were built (so frozen with them) and dropped while the
+    points run is freed at the end: the sweep's freezes are undone, then the engine's frozen
+    heap is put back (it stayed frozen for good: the engine had frozen objects of its own)."""
+    ref, _, sweep, frozen_after, enabled_after = _garbage_while(tmp_path, Phase.BUILDING, Phase.MEASURING)
+    gc.collect()
+    assert ref() is None
+    assert frozen_after > 0 and enabled_after  # the engine's policy: a frozen heap, collection on
+    record = sweep.gc_record()
+    assert (record["engine_froze_heap"], record["heap_at_end"]) == (True, "refrozen")
+
+
+def test_garbage_alive_when_the_chains_are_built_is_collected_before_the_freeze(tmp_path):
+    """As vLLM's freeze_gc_heap: collect, then freeze. A cycle dropped while the chains
+    prefill (garbage, uncollected: this engine runs with collection off) is freed by the
+    freeze after the build, not frozen with the chains."""
+    ref, seen, _, _, enabled_after = _garbage_while(tmp_path, Phase.NEXT_RUNG, Phase.BUILDING, engine_enabled=False)
+    assert seen[Phase.BUILDING]  # still there while the chains prefill
+    assert not seen[Phase.MEASURING] and ref() is None  # freed at the freeze
+    assert not enabled_after  # collection left off, as the engine had it

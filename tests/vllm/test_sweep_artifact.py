@@ -172,6 +172,29 @@ def test_bad_input_stops_before_the_engine_with_a_message_and_an_artifact(
     assert artifact["status"] == "failed" and message in artifact["error"] and artifact["results"] == []
 
 
+@pytest.mark.parametrize(
+    "grid, env, message",
+    [
+        # {} is a grid of the default caps (it was taken as "no grid", and Path(None) raised)
+        ("{}", {"DYN_BENCH_KV_WARMUP": "sometimes"}, "DYN_BENCH_KV_WARMUP='sometimes' is not one of"),
+        # caps are checked before the engine loads the model (they were, after)
+        ('{"decode_batches": 0}', {"DYN_BENCH_KV_WARMUP": "off"}, "\"grid\": {'decode_batches': 0}: the grid takes"),
+        ('{"capture_sizes": [1, "2"]}', {"DYN_BENCH_KV_WARMUP": "off"}, "capture_sizes"),
+    ],
+)
+def test_a_grid_sweeps_input_is_checked_before_the_engine(tmp_path, monkeypatch, capsys, grid, env, message):
+    from vllm.kvwarm.sweep.command import run
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    rc = run(["--grid", grid, "--out", str(out), "--model", str(tmp_path / "no-model")])
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert rc == 2 and message in capsys.readouterr().err
+    assert artifact["status"] == "failed" and message in artifact["error"]
+    assert artifact["config"]["points"] == str(out / "grid.json")
+
+
 def test_the_command_stops_waiting_when_the_engine_core_dies_without_a_final_artifact(tmp_path, capsys, monkeypatch):
     """Engine cores in vLLM's own processes: the command polls the artifact; when vLLM marks
     the engine dead (`resources.engine_dead`) before the artifact is final, it stops and

@@ -46,7 +46,7 @@ def mamba_align_manager(pool: BlockPool, group: int = 1) -> MambaManager:
     )
 
 
-def tiny_llama_config(model_dir):
+def tiny_llama_config(model_dir, max_position_embeddings: int = 1024):
     """A local model folder holding only a tiny Llama's config.json (enough for vLLM's
     ModelConfig without a tokenizer; nothing downloaded). Returns the folder."""
     import json
@@ -63,7 +63,7 @@ def tiny_llama_config(model_dir):
                 "num_key_value_heads": 1,
                 "num_hidden_layers": 2,
                 "vocab_size": 256,
-                "max_position_embeddings": 1024,
+                "max_position_embeddings": max_position_embeddings,
                 "torch_dtype": "float32",
             }
         )
@@ -83,6 +83,9 @@ def make_scheduler(
     scheduler_cls: type | None = None,
     additional_config: dict | None = None,
     async_scheduling: bool | None = None,
+    max_model_len: int = 1024,
+    max_num_batched_tokens: int = 256,
+    enable_prefix_caching: bool = True,
 ):
     """A real v1 Scheduler on CPU over a tiny local model config (nothing downloaded).
 
@@ -98,7 +101,7 @@ def make_scheduler(
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    model_dir = tiny_llama_config(tmp_path / "tiny-llama")
+    model_dir = tiny_llama_config(tmp_path / "tiny-llama", max_model_len)
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
     cache_extra = {}
     if state_block_size:
@@ -110,12 +113,12 @@ def make_scheduler(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=256,
-            max_model_len=1024,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
             is_encoder_decoder=False,
             enable_chunked_prefill=True,
         ),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True, **cache_extra),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching, **cache_extra),
         device_config=DeviceConfig(device="cpu"),
         additional_config=additional_config or {},
     )

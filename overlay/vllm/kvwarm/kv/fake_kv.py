@@ -16,9 +16,16 @@ from .borrowing import ShadowRegistrationError
 from .request import greedy_request
 
 
+def salted_sequence(salt: int, count: int, vocab_size: int) -> list[int]:
+    """`count` synthetic tokens: an arithmetic sequence over the vocabulary (step 31: no token
+    repeats within a vocabulary's length where its size is prime to 31), offset by `salt`, so
+    content-dependent paths (MoE routing) see varied tokens, never one repeated."""
+    return [(salt * 7919 + 31 * t) % vocab_size for t in range(count)]
+
+
 def fake_request(request_id: str, ctx: int, max_tokens: int, vocab_size: int, salt: int):
     """A greedy request over ctx + 1 synthetic tokens that decodes `max_tokens` tokens."""
-    tokens = [(salt * 7919 + 31 * t) % vocab_size for t in range(ctx + 1)]
+    tokens = salted_sequence(salt, ctx + 1, vocab_size)
     request = greedy_request(request_id, tokens, max_tokens, cache_salt=request_id)
     request.borrowed_kv = True  # KV it did not compute: never hashed
     return request

@@ -23,11 +23,13 @@ def prefix_unit(layouts: list[GroupLayout], hash_block_size: int) -> int:
 
 def new_request_blocks(layouts: list[GroupLayout], prefix: int, new: int) -> int:
     """Free blocks a new request over `prefix` cached tokens and `new` more takes: the
-    attention blocks past the hit, and per state group its running block and scratch."""
+    attention blocks past the hit; per state group its running block and scratch and, after
+    a hit, the boundary block it starts from (cached but free where the chain has moved on,
+    so taking it lowers the free count too; kv.catchup counts a catch-up's the same way)."""
     return sum(
         cdiv(prefix + new, g.block_size) - prefix // g.block_size
         if g.kind == ATTENTION
-        else 1 + g.num_speculative_blocks
+        else 1 + g.num_speculative_blocks + int(prefix > 0)
         for g in layouts
         if g.kind in (ATTENTION, STATE_ALIGN)
     )

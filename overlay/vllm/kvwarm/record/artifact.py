@@ -44,6 +44,8 @@ class PointRow:
     graph: dict | None = None  # the CUDA graph the steps should run in, and what they ran
     # what one sample times (vocabulary SAMPLE_KINDS); None: the usual kind of the point type
     sample_kind: str | None = None
+    # prefill: each request's prefix and new tokens as the shots ran them (None: decode)
+    split: dict[str, list[int]] | None = None
 
     def __post_init__(self):
         if self.sample_kind is None:
@@ -130,6 +132,7 @@ def _result(r: PointRow, dp_size: int) -> dict:
         "spread": r.spread or 0.0,
         "phases": r.phases,
         "graph": r.graph,
+        **({"split": r.split} if r.split is not None else {}),
     }
 
 

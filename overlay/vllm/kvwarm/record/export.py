@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import vocabulary as v
 from .export_dynamo import rank_artifacts
-from .export_input import ExportError, SweepRecord, load_sweep, read_finished_ranks
+from .export_input import ExportError, SweepRecord, load_sweep, read_finished_ranks, without_prefix
 from .export_profiler import write_tables
 from .files import locked, write_atomically
 
@@ -43,6 +43,11 @@ def dynamo_paths(out: str | Path, kinds: list[str], size: int) -> dict[tuple[str
 
 
 def write_dynamo(sweep: SweepRecord, out: str | Path, kind: str | None = None) -> list[Path]:
+    if kind and kind not in sweep.kinds():
+        raise ExportError(
+            f"{sweep.root}: the sweep has no {kind} points (it has {', '.join(sweep.kinds())} points): export "
+            f"without --kind, or with --kind {sweep.kinds()[0]}"
+        )
     kinds = [kind] if kind else sweep.kinds()
     paths = dynamo_paths(out, kinds, sweep.size)
     written = []
@@ -100,6 +105,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kind", choices=list(v.POINT_TYPES), help="dynamo: export only this kind, at --out exactly")
     p.add_argument(
+        "--no-prefix-rows",
+        action="store_true",
+        help="dynamo: leave out prefill points with a prefix (P > 0), for a planner whose prefill fit "
+        "reads only sum_prefill_tokens (the profiler's tables hold B = 1, P = 0 rows only anyway)",
+    )
+    p.add_argument(
         "--max-kv-tokens",
         type=int,
         help="profiler: the KV pool in tokens, for a sweep whose artifact does not record it "
@@ -112,6 +123,8 @@ def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     try:
         sweep = load_sweep(args.dir)
+        if args.no_prefix_rows:
+            sweep = without_prefix(sweep)
         if args.to == DYNAMO:
             written = write_dynamo(sweep, args.out or sweep.root / DYNAMO / "benchmark.json", args.kind)
         else:

@@ -244,6 +244,7 @@ def _rank_artifact(sweep, rank: int, kind: str, path: Path, rows: KindRows) -> d
         mark_nulls(out[block], block, unfilled)
     out[NAMESPACE] = {
         "exported_from": str(sweep.paths[rank]),
+        "left_out": sweep.left_out,  # rows the export was asked to leave out (None: none)
         "schema_version": artifact.get("schema_version"),
         "artifact_type": artifact.get("artifact_type", v.RANK),
         "status": artifact.get("status"),

@@ -11,7 +11,7 @@ import statistics
 from dataclasses import dataclass
 
 from . import vocabulary as v
-from .shape import balanced, expected_graph, point_key
+from .shape import balanced, expected_graph, point_key, step_tokens
 
 NAMESPACE = "kvwarm_sweep"  # our blocks in Dynamo's artifact: at the top, per result, per skipped point
 FPM_VERSION = 1
@@ -53,7 +53,9 @@ def _fpm(point: dict, rank: int, benchmark_id: int, row: dict) -> dict:
     b, k = point["batch_size"], point["total_kv_read_tokens"]
     if point["point_type"] == v.PREFILL:
         n = point["total_prefill_tokens"]
-        lengths = [a + c for a, c in zip(balanced(n, b), balanced(k, b))]
+        split = row.get("split") or {}  # as the shots ran (rows before it: N and P split evenly)
+        new, prefixes = split.get("new_tokens") or balanced(n, b), split.get("prefix_tokens") or balanced(k, b)
+        lengths = [a + c for a, c in zip(new, prefixes)]
         scheduled = {
             "num_prefill_requests": b,
             "sum_prefill_tokens": n,
@@ -127,9 +129,7 @@ def _row_graph(row: dict, kind: str, graphs) -> dict:
     if not (isinstance(graph, dict) and "expected_cudagraph_mode" in graph):
         if graphs is None:
             return {"mode": None, "capture": None, "padding": None, "reasons": []}
-        point = row["point"]
-        n = point["batch_size"] if kind == v.DECODE else point.get("total_prefill_tokens", 0)
-        graph = expected_graph(graphs, kind, n)
+        graph = expected_graph(graphs, *step_tokens({"point_type": kind, **row["point"]}))
     return {
         "mode": graph.get("expected_cudagraph_mode"),
         "capture": graph.get("expected_capture_size"),

@@ -4,7 +4,7 @@ folder (record.export); plain data."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import vocabulary as v
@@ -26,6 +26,7 @@ class SweepRecord:
     root: Path  # the sweep's --out folder
     ranks: list[dict]
     paths: list[Path]  # where each rank's artifact was read
+    left_out: str | None = None  # rows the export was asked to leave out, in words
 
     @property
     def size(self) -> int:
@@ -123,3 +124,25 @@ def read_finished_ranks(root: Path, size: int) -> SweepRecord | None:
             return None
         ranks.append(artifact)
     return SweepRecord(root, ranks, paths)
+
+
+PREFIXED = "prefill points with a prefix (P > 0)"
+
+
+def without_prefix(sweep: SweepRecord) -> SweepRecord:
+    """The sweep less its prefill points with a prefix (measured or skipped), for a planner
+    that fits prefill time on new tokens alone (P is not one of its features)."""
+
+    def keep(entry: dict) -> bool:
+        point = entry.get("point") or {}
+        return point.get("point_type") != v.PREFILL or not point.get("total_kv_read_tokens")
+
+    ranks = [
+        {
+            **artifact,
+            "results": [r for r in artifact.get("results", []) if keep(r)],
+            "skipped_points": [s for s in artifact.get("skipped_points", []) if keep(s)],
+        }
+        for artifact in sweep.ranks
+    ]
+    return replace(sweep, ranks=ranks, left_out=PREFIXED)

@@ -70,7 +70,12 @@ KVWARM = _object(
         "gc": {
             "type": ["object", "null"],
             "required": ["policy"],
-            "properties": {"policy": {"enum": ["held", "engine"]}, "collections_between_points": COUNT},
+            "properties": {
+                "policy": {"enum": ["held", "engine"]},
+                "collections_between_points": COUNT,
+                "heap_at_end": {"enum": ["unfrozen", "refrozen", None]},
+                "workers": {"type": "object", "required": ["policy"]},
+            },
         },
         "engine_loop": {
             "type": ["object", "null"],
@@ -101,6 +106,12 @@ RESULT = _object(
         "phases": PHASES,
         "graph": GRAPH,
         "sample_kind": {"enum": list(v.SAMPLE_KINDS)},
+        "split": _object(
+            {
+                "prefix_tokens": {"type": "array", "items": COUNT, "minItems": 1},
+                "new_tokens": {"type": "array", "items": POSITIVE, "minItems": 1},
+            }
+        ),
     },
 )
 SKIPPED = _object(

@@ -4,9 +4,11 @@ identity across ranks and runs (`point_key`), the balanced split of a total over
 
 A decode step of B requests runs the graph captured for the smallest decode capture size
 >= B, padded to it; a prefill step of N new tokens the smallest prefill capture size >= N
-(vLLM's mixed mode: piecewise graphs, by token count). Past the largest size, or with graphs
-off, the step runs eager. Decode capture sizes are the capture sizes up to max_num_seqs, and
-only when the decode mode captures; prefill ones all capture sizes, when the mixed mode does.
+(vLLM's mixed mode: piecewise graphs, by token count), except a prefill of one token per
+request (N == B), which vLLM's runner classifies as a uniform decode batch by its shape and
+runs as a decode step. Past the largest size, or with graphs off, the step runs eager.
+Decode capture sizes are the capture sizes up to max_num_seqs, and only when the decode mode
+captures; prefill ones all capture sizes, when the mixed mode does.
 The sweep reads the modes from the engine (sweep.graphs); the exports from the record.
 
 Plain data: nothing here imports vLLM.
@@ -85,12 +87,15 @@ class GraphConfig:
         }
 
 
-def expected_graph(config: GraphConfig, kind: str, n: int) -> dict:
-    """The graph a step of `n` (decode: B requests; prefill: N new tokens) should run in."""
-    decode = kind == v.DECODE
-    mode = config.decode_mode if decode else config.prefill_mode
-    sizes = config.decode_capture_sizes if decode else config.prefill_capture_sizes
-    limit = config.max_num_seqs if decode else config.max_num_batched_tokens
+def expected_graph(config: GraphConfig, tokens: int, requests: int) -> dict:
+    """The graph a step of `requests` requests computing `tokens` tokens in all should run in.
+    vLLM's runner tells a uniform decode batch by its shape alone (one token per request), so
+    a prefill of B one-token prompts (N == B) runs as a decode step does."""
+    uniform = tokens == requests
+    mode = config.decode_mode if uniform else config.prefill_mode
+    sizes = config.decode_capture_sizes if uniform else config.prefill_capture_sizes
+    limit = config.max_num_seqs if uniform else config.max_num_batched_tokens
+    n = tokens
     reasons = []
     capture = next((s for s in sizes if s >= n), None) if mode != NONE else None
     if mode == NONE or not sizes:
@@ -111,3 +116,12 @@ def expected_graph(config: GraphConfig, kind: str, n: int) -> dict:
         "observed_cudagraph_mode": None,
         "observed_size": None,
     }
+
+
+def step_tokens(point: dict) -> tuple[int, int]:
+    """(tokens, requests) of one step of a point: decode, one token per request; prefill, N
+    new tokens over B requests."""
+    batch = point["batch_size"]
+    return (
+        (point.get("total_prefill_tokens") or batch, batch) if point.get("point_type") == v.PREFILL else (batch, batch)
+    )

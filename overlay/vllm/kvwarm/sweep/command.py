@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..record import vocabulary as v
 from ..record.combined import rank_path
-from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
+from .run import CONFIG_KEY, INPUT_ERRORS, check_grid, grid_path, new_writer, read_inputs
 from .settings import SettingsError
 from .trace_grid import caps_of, check_given
 
@@ -129,7 +129,7 @@ def run(argv: list[str]) -> int:
     if args.grid_from:
         spec.update(grid_from=str(Path(args.grid_from).resolve()), grid_caps=args.grid_caps)
     else:
-        spec.update({"grid": args.grid} if args.grid else {"points": str(Path(args.points).resolve())})
+        spec.update({"grid": args.grid} if args.grid is not None else {"points": str(Path(args.points).resolve())})
     writer = new_writer(
         spec["out"],
         {"points": spec.get("points") or str(grid_path(spec["out"])), "engine_args": {"given": engine_argv}},
@@ -139,6 +139,8 @@ def run(argv: list[str]) -> int:
         read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it
         if args.grid_from:  # a trace of another model or layout: refused before the engine loads
             check_given(spec["grid_from"], engine_args_from(engine_argv, spec))
+        elif args.grid is not None:
+            check_grid(args.grid)  # the caps, before the engine loads the model
     except INPUT_ERRORS as err:
         print(f"kvwarm sweep: {err}", file=sys.stderr)
         writer.write(v.FAILED, str(err))

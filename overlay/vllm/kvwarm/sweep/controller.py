@@ -47,11 +47,12 @@ from ..kv.layout import STATE_ALIGN, group_layouts
 from ..kv.prefix import prefix_unit
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
-from ..record.shape import GraphConfig, expected_graph
+from ..record.shape import GraphConfig, expected_graph, step_tokens
 from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
 from .decode_steps import DecodeSteps
 from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
+from .gc_workers import worker_hold
 from .meetings import Meetings, check_same_point
 from .plan import (
     PointPlan,
@@ -160,6 +161,8 @@ class Sweep:
     # --- driven by the adapter -------------------------------------------------------------
 
     def before_schedule(self, scheduler) -> None:
+        if self._gc.enabled and self._gc.workers is None:  # the engine's executor is known once it steps
+            self._gc.workers = worker_hold(scheduler)
         phase = self.phase
         if phase is Phase.MEETING:
             self._meetings.poll()
@@ -374,8 +377,7 @@ class Sweep:
 
     def _finish_point(self, row: PointRow, scheduler) -> None:
         if self._graphs is not None and not row.skipped:
-            n = row.total_prefill_tokens if row.point_type == v.PREFILL else row.batch_size
-            row.graph = expected_graph(self._graphs, row.point_type, n)
+            row.graph = expected_graph(self._graphs, *step_tokens(row.point))
         self.rows.append(row)
         self._point = None
         if self._catchups is not None:

@@ -2,11 +2,19 @@
 
 A generation-2 collection inside a timed step is a wrong row (long sweeps saw them grow from
 0.4 s to 9 s). So, unless DYN_BENCH_KV_WARMUP_GC=off: after a rung's chains are built (or,
-with no chains, before the first point) the objects that exist are frozen (gc.freeze: later
-collections skip them, so the one between points is short), collection is off
-while a point's requests are admitted and timed, and a collection runs between points,
-untimed. At the end the engine's policy is put back: collection on or off as it was, and the
-frozen objects unfrozen unless the engine had frozen some itself (which it may rely on).
+with no chains, before the first point) what is alive is frozen, after a collection as vLLM's
+own freeze_gc_heap does (gc.freeze: later collections skip it, so the one between points is
+short; garbage alive at that moment is freed first, never frozen), collection is off while a
+point's requests are admitted and timed, and a collection runs between points, untimed.
+
+At the end the engine's policy is put back: collection on or off as it was, and the sweep's
+freezes undone. Python thaws only everything at once, so the heap is unfrozen and, where the
+engine had frozen its own at start (vLLM's EngineCore always does), collected and frozen again
+as freeze_gc_heap leaves it: the garbage of the sweep is freed and the engine keeps a frozen
+heap.
+
+Each action also runs in the executor's worker processes (`workers`, sweep.gc_workers), where
+tensor-parallel forwards run; the record gives each kind of process's policy.
 """
 
 from __future__ import annotations
@@ -14,17 +22,27 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 HOLD, ENGINE = "held", "engine"  # the record's policy: the sweep's, or left as the engine had it
+UNFROZEN, REFROZEN = "unfrozen", "refrozen"  # the heap at the end: thawed, or thawed, collected and frozen again
+
+
+class Workers(Protocol):
+    def run(self, action: str) -> None: ...
+
+    def record(self) -> dict: ...
 
 
 @dataclass
 class GcHold:
     enabled: bool = True  # False: the sweep never touches the collector
+    workers: Workers | None = None  # the executor's worker processes, where they are reached
     _was_enabled: bool | None = None
     _engine_frozen: int = 0
     _froze: bool = False
     _held: bool = False
+    _heap_at_end: str | None = None
     collections: int = 0  # run between points
     collection_seconds: float = 0.0
 
@@ -33,11 +51,13 @@ class GcHold:
             self._was_enabled, self._engine_frozen = gc.isenabled(), gc.get_freeze_count()
 
     def freeze(self) -> None:
-        """After a rung's chains are built: what exists now is never collected again here."""
+        """After a rung's chains are built: what is alive now is never collected again here."""
         if self.enabled:
             self.start()
+            gc.collect()
             gc.freeze()
             self._froze = True
+            self._tell("freeze")
 
     def hold(self) -> None:
         """Before a point's requests are queued: no collection until release()."""
@@ -46,6 +66,7 @@ class GcHold:
                 self.freeze()
             gc.disable()
             self._held = True
+            self._tell("hold")
 
     def release(self) -> None:
         """After a point: collect now, untimed, then collection as the engine had it."""
@@ -58,22 +79,41 @@ class GcHold:
         self._held = False
         if self._was_enabled:
             gc.enable()
+        self._tell("release")
 
     def end(self) -> None:
         """The engine's policy back (also after a failure)."""
         if not self.enabled or self._was_enabled is None:
             return
         self._held = False
-        if self._froze and not self._engine_frozen:
+        if self._froze:
             gc.unfreeze()
+            self._heap_at_end = UNFROZEN
+            if self._engine_frozen:
+                gc.collect()
+                gc.freeze()
+                self._heap_at_end = REFROZEN
+            self._froze = False
         if self._was_enabled:
             gc.enable()
         else:
             gc.disable()
+        self._tell("end")
+
+    def _tell(self, action: str) -> None:
+        if self.workers is not None:
+            self.workers.run(action)
 
     def record(self) -> dict:
-        return {
+        """This process's policy (the scheduler's, or a worker's), and the workers' where
+        they were reached."""
+        record = {
             "policy": HOLD if self.enabled else ENGINE,
             "collections_between_points": self.collections,
             "collection_seconds": round(self.collection_seconds, 6),
+            "engine_froze_heap": bool(self._engine_frozen) if self._was_enabled is not None else None,
+            "heap_at_end": self._heap_at_end,
         }
+        if self.enabled and self.workers is not None:
+            record["workers"] = self.workers.record()
+        return record

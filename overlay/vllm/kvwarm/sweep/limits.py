@@ -8,7 +8,9 @@ the point, the limit and the fix.
 - A prefill point is one unchunked step: its N new tokens fit max_num_batched_tokens, each
   request's fit long_prefill_token_threshold where one is set, its prefix is whole blocks of
   the prefix-cache unit (on a hybrid layout the state block: a state is cached only at its
-  boundaries), each request fits max_model_len, and its chains and shot fit the KV pool.
+  boundaries), each request fits max_model_len, and its shot fits the KV pool beside its
+  rung's chains (as deep as the rung's deepest prefix, whatever the file's order).
+- A prefill point with a prefix (P > 0) needs the prefix cache: without it nothing is found.
 """
 
 from __future__ import annotations
@@ -59,12 +61,16 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str) -> No
     max_model_len = vllm_config.model_config.max_model_len
     free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
     prefill = [p for p in points if isinstance(p, PrefillPoint)]
-    deepest = {}  # per batch size: the deepest prefix its chains hold
-    for point in prefill:
-        where = (
-            f"{source}: prefill point N={point.total_prefill_tokens} P={point.total_kv_read_tokens} "
-            f"B={point.batch_size}"
+    prefixed = [p for p in prefill if p.total_kv_read_tokens]
+    if prefixed and not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        raise PointsFileError(
+            f"{source}: {len(prefixed)} prefill point(s) read a prefix (P > 0, e.g. "
+            f"{_name(prefixed[0])}), which only the prefix cache holds; start the engine with "
+            "--enable-prefix-caching, or give those points P = 0"
         )
+    splits = {}  # per point: its requests' prefixes and new tokens
+    for point in prefill:
+        where = f"{source}: prefill point {_name(point)}"
         try:
             prefixes = point.prefixes(unit)
         except PointsFileError as err:
@@ -87,11 +93,23 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str) -> No
                 f"token do not fit max_model_len {max_model_len}; lower N or P, raise batch_size or start the "
                 "engine with a larger --max-model-len"
             )
+        splits[point] = prefixes, new
+    # A rung's chains are as deep as its deepest prefix, whatever the file's order: every
+    # point's shot runs beside them.
+    deepest: dict[int, int] = {}
+    for point, (prefixes, _) in splits.items():
         deepest[point.batch_size] = max(deepest.get(point.batch_size, 0), max(prefixes))
-        chains = point.batch_size * chain_blocks(layouts, deepest[point.batch_size]) if deepest[point.batch_size] else 0
+    for point, (prefixes, new) in splits.items():
+        depth = deepest[point.batch_size]
+        chains = point.batch_size * chain_blocks(layouts, depth) if depth else 0
         need = chains + sum(new_request_blocks(layouts, p, n) for p, n in zip(prefixes, new))
         if need > free:
             raise PointsFileError(
-                f"{where}: its chains and one shot need {need} KV blocks, the pool has {free} free; lower N or P "
-                "or give the engine more KV cache memory"
+                f"{source}: prefill point {_name(point)}: its rung's chains ({point.batch_size} of {depth} tokens, "
+                f"the rung's deepest prefix) and one shot need {need} KV blocks, the pool has {free} free; lower N "
+                "or P (of this point or of its rung's deepest) or give the engine more KV cache memory"
             )
+
+
+def _name(point: PrefillPoint) -> str:
+    return f"N={point.total_prefill_tokens} P={point.total_kv_read_tokens} B={point.batch_size}"

@@ -43,7 +43,7 @@ class DecodePoint:
     def tokens_spanned(self, steady_steps: int) -> int:
         """Tokens the point's longest request spans: its context, the admission token and
         the steady steps (what max_model_len and the chains' text must hold)."""
-        return self.contexts()[0] + 1 + steady_steps
+        return largest_part(self.total_kv_read_tokens, self.batch_size) + 1 + steady_steps
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,9 @@ class PrefillPoint:
         not a whole number of blocks, or gives a request none."""
         if self.total_kv_read_tokens == 0:
             return [0] * self.batch_size
+        return [n * unit for n in balanced(self._prefix_blocks(unit), self.batch_size)]
+
+    def _prefix_blocks(self, unit: int) -> int:
         blocks, rest = divmod(self.total_kv_read_tokens, unit)
         if rest or blocks < self.batch_size:
             low = max(self.batch_size, blocks) * unit
@@ -70,13 +73,19 @@ class PrefillPoint:
                 f"prefill point N={self.total_prefill_tokens} P={self.total_kv_read_tokens} B={self.batch_size}: "
                 f"P must be a whole number of {unit}-token blocks, at least one per request ({fix})"
             )
-        return [n * unit for n in balanced(blocks, self.batch_size)]
+        return blocks
 
     def tokens_spanned(self, unit: int = 1) -> int:
         """Tokens the point's longest request spans: its prefix and new tokens and the one
-        token it samples."""
-        prefixes = self.prefixes(unit) if self.total_kv_read_tokens else [0] * self.batch_size
-        return max(p + n for p, n in zip(prefixes, self.new_tokens())) + 1
+        token it samples (the first request: both splits put their larger parts first)."""
+        prefix = largest_part(self._prefix_blocks(unit), self.batch_size) * unit if self.total_kv_read_tokens else 0
+        return prefix + largest_part(self.total_prefill_tokens, self.batch_size) + 1
+
+
+def largest_part(total: int, parts: int) -> int:
+    """The largest of `balanced(total, parts)`, without building it (a mistyped batch size
+    must not allocate a list of that length before any check)."""
+    return -(-total // parts)
 
 
 def _int(value, what: str, where: str, minimum: int) -> int:
@@ -107,7 +116,7 @@ def _decode_point(entry, where: str, max_model_len: int, steady_steps: int) -> D
     longest = point.tokens_spanned(steady_steps)
     if longest > max_model_len:
         raise PointsFileError(
-            f"{where}: a request at context {point.contexts()[0]} plus {1 + steady_steps} decode "
+            f"{where}: a request at context {largest_part(k, b)} plus {1 + steady_steps} decode "
             f"steps needs {longest} tokens, beyond max_model_len {max_model_len}; lower K, "
             "raise batch_size or start the engine with a larger --max-model-len"
         )
@@ -131,7 +140,7 @@ def _prefill_point(entry, where: str, max_model_len: int) -> PrefillPoint:
     if 0 < p < b:
         raise PointsFileError(f"{where}: total_kv_read_tokens {p} gives a request no prefix; use 0 or at least {b}")
     point = PrefillPoint(n, p, b)
-    longest = max(balanced(p, b)) + max(point.new_tokens()) + 1  # whole blocks may move a few tokens: rechecked
+    longest = largest_part(p, b) + largest_part(n, b) + 1  # whole blocks may move a few tokens: rechecked
     if longest > max_model_len:
         raise PointsFileError(
             f"{where}: a request of about {longest - 1} prompt tokens plus the one it samples is beyond "
@@ -146,10 +155,10 @@ def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> li
     steps each decode request decodes after its context, which must still fit in max_model_len."""
     if not isinstance(data, dict):
         raise PointsFileError(f"{source}: expected a JSON object with schema_version and decode and/or prefill")
-    if data.get("schema_version") != SCHEMA_VERSION:
+    version = data.get("schema_version")
+    if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1, and are not it
         raise PointsFileError(
-            f"{source}: schema_version is {data.get('schema_version')!r}; this sweep reads "
-            f"schema_version {SCHEMA_VERSION}"
+            f"{source}: schema_version is {version!r}; this sweep reads schema_version {SCHEMA_VERSION} (the integer)"
         )
     _known_keys(data, TOP_LEVEL_KEYS, source)
     lists = {kind: data.get(kind, []) for kind in ("prefill", "decode")}
@@ -162,6 +171,15 @@ def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> li
     decode = [
         _decode_point(e, f"{source}: decode[{i}]", max_model_len, steady_steps) for i, e in enumerate(lists["decode"])
     ]
+    for kind, points in (("prefill", prefill), ("decode", decode)):
+        first: dict = {}
+        for i, point in enumerate(points):
+            if point in first:
+                raise PointsFileError(
+                    f"{source}: {kind}[{i}] repeats {kind}[{first[point]}]; give each point once (rows are "
+                    "keyed by their point, so a repeat would be lost)"
+                )
+            first[point] = i
     return [*prefill, *decode]
 
 

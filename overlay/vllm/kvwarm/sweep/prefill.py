@@ -30,12 +30,14 @@ from ..kv.arithmetic import pool_shortfall
 from ..kv.borrowing import ShadowRegistrationError
 from ..kv.catchup import cached_tokens
 from ..kv.chains import prefix_hasher
+from ..kv.fake_kv import salted_sequence
 from ..kv.layout import group_layouts
 from ..kv.prefix import fake_prefix, new_request_blocks
 from ..kv.request import greedy_request
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .points import PrefillPoint
+from .rows import stamp_noise
 from .timing import Window, phase_medians
 
 PREFILL_PREFIX = "__kvwarm_prefill_"  # frontend ids never start like this
@@ -46,20 +48,23 @@ _TAKE_NUMBERS = itertools.count(1)
 
 class TailText:
     """take(n): the next n tokens of text the chains never use (the held-out half of the
-    dataset, or synthetic tokens), led by tokens unique to this take."""
+    dataset; without it, a salted sequence of the take's own, as fake KV's prompts are),
+    led by tokens unique to this take."""
 
     def __init__(self, tokens: list[int], vocab_size: int):
-        self._tokens = tokens or [2]
+        self._tokens = tokens
         self._vocab = max(vocab_size, 3)
         self._at = 0
 
     def take(self, n: int) -> list[int]:
         taken = next(_TAKE_NUMBERS)
         lead = [2 + taken % (self._vocab - 2), 2 + (taken // (self._vocab - 2)) % (self._vocab - 2)]
-        body = []
-        while len(lead) + len(body) < n:
-            body.append(self._tokens[self._at % len(self._tokens)])
-            self._at += 1
+        count = max(0, n - len(lead))
+        if self._tokens:
+            body = [self._tokens[(self._at + i) % len(self._tokens)] for i in range(count)]
+            self._at += count
+        else:
+            body = salted_sequence(taken, count, self._vocab)
         return (lead + body)[:n]
 
 
@@ -180,7 +185,7 @@ def prefill_row(shots: PrefillShots) -> PointRow:
             total_prefill_tokens=point.total_prefill_tokens,
         )
     stamps = {v.REAL_PREFIX: [v.STAMP_PREFILL_REAL_SEED], v.FAKE_PREFIX: [v.STAMP_PREFILL_FAKE_PREFIX]}
-    return PointRow(
+    row = PointRow(
         point.total_kv_read_tokens,
         point.batch_size,
         shots.regime,
@@ -191,4 +196,6 @@ def prefill_row(shots: PrefillShots) -> PointRow:
         total_prefill_tokens=point.total_prefill_tokens,
         phases=phase_medians(shots.windows),
         sample_kind=v.SHOT_FORWARD,
+        split={"prefix_tokens": list(shots.prefixes), "new_tokens": list(shots.new)},
     )
+    return stamp_noise(row)

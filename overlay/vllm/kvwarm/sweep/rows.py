@@ -1,8 +1,8 @@
 """A point's row: its regime, its stamps and its timed steps, from what the sweep measured.
 
-The median is upstream's upper median (sorted[n // 2]); a row whose timed steps spread more
-than NOISY_SPREAD of it is stamped noisy (its median may be polluted, e.g. by the first steps
-after a rung build).
+The median is upstream's upper median (sorted[n // 2]); a row whose timed samples (decode
+steps, prefill shots) spread more than NOISY_SPREAD of it is stamped noisy (its median may be
+polluted, e.g. by the first steps after a rung build).
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def measured_row(
     row = PointRow(
         measured, point.batch_size, regime, reasons, list(times), statistics.median_high(times), sample_kind=v.STEP
     )
-    if len(times) > 1 and row.spread > NOISY_SPREAD:
+    return stamp_noise(row)
+
+
+def stamp_noise(row: PointRow) -> PointRow:
+    """A measured row (decode or prefill) whose samples spread more than NOISY_SPREAD of
+    their median is stamped noisy; a row of one sample never is."""
+    if len(row.samples) > 1 and row.spread > NOISY_SPREAD:
         row.sample_reasons.append(v.NOISY)
     return row

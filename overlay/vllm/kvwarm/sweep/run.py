@@ -55,6 +55,10 @@ INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused, Trac
 # Prefill points' new tokens come from the dataset's held-out half, as much of it as this
 # (tails cycle through it, each led by tokens of its own).
 TAIL_TOKENS = 8192
+_EMPTY_HELD_OUT = (
+    "dataset {path}: its held-out half (conversation_sha256_odd) holds no text, and prefill points take their "
+    "new tokens from it; use a larger ShareGPT-format file (or DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
+)
 
 
 @dataclass
@@ -88,6 +92,8 @@ def read_inputs(
             "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
         )
     conversations, held_out, digest = load_halves(settings.dataset)
+    if not held_out and (points_path is None or any(isinstance(p, PrefillPoint) for p in points)):
+        raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
     dataset = {
         "path": str(settings.dataset),
         "sha256": digest,
@@ -132,18 +138,31 @@ def _positive(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
-    """The caps of a generated grid and the capture sizes its axes are laid around: the
-    engine's, or "capture_sizes" given (a target deployment's, e.g. planned on a CPU host,
-    whose platform clears them); the rows' graph record stays this engine's."""
+def wants_grid(spec: dict) -> bool:
+    """Whether a sweep's config asks for a generated grid: "grid": true, or caps ({} too)."""
+    return spec.get("grid") not in (None, False)
+
+
+def check_grid(spec_grid) -> tuple[dict, list[int] | None]:
+    """A generated grid's caps (every cap, the defaults filled in) and the capture sizes
+    given, or SettingsError naming what is wrong: checked before the engine loads."""
     asked = dict(spec_grid) if isinstance(spec_grid, dict) else {}
     sizes = asked.pop("capture_sizes", None)
-    problem = set(asked) - set(CAPS) or not all(_positive(n) for n in asked.values())
+    problem = spec_grid is not True and not isinstance(spec_grid, dict)
+    problem = problem or set(asked) - set(CAPS) or not all(_positive(n) for n in asked.values())
     if problem or (sizes is not None and not (isinstance(sizes, list) and all(_positive(n) for n in sizes))):
         raise SettingsError(
             f'"grid": {spec_grid!r}: the grid takes true, or caps among {", ".join(CAPS)} (positive integers) '
             'and "capture_sizes" (a list of positive integers)'
         )
+    return {**CAPS, **asked}, sizes
+
+
+def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
+    """The caps of a generated grid and the capture sizes its axes are laid around: the
+    engine's, or "capture_sizes" given (a target deployment's, e.g. planned on a CPU host,
+    whose platform clears them); the rows' graph record stays this engine's."""
+    caps, sizes = check_grid(spec_grid)
     if sizes is not None:
         sizes = tuple(sorted(set(sizes)))
         graphs = replace(
@@ -151,7 +170,7 @@ def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
             decode_capture_sizes=tuple(s for s in sizes if s <= graphs.max_num_seqs),
             prefill_capture_sizes=sizes,
         )
-    return {**CAPS, **asked}, graphs
+    return caps, graphs
 
 
 def grid_path(out: str) -> Path:
@@ -214,7 +233,7 @@ class SweepRun:
         graphs = graph_config(vllm_config)
         meta.cudagraph = graphs.record()
         meta.engine_loop = loop_record(scheduler)
-        if spec.get("grid") or spec.get("grid_from"):
+        if wants_grid(spec) or spec.get("grid_from"):
             inputs.points = self._grid(scheduler, graphs, decode_steps, spec)
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
@@ -232,6 +251,8 @@ class SweepRun:
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
             tails = tail_tokens(inputs.held_out or [], encode)
+            if tails is None and any(isinstance(p, PrefillPoint) for p in inputs.points):
+                raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
         meta.state_mode_requested = decision.requested
         meta.state_mode = decision.mode if reason is None else None
         meta.warm_eligible, meta.skip_reason = reason is None, reason
@@ -278,7 +299,7 @@ class SweepRun:
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
         )
         points = []
-        caps, axes = grid_settings(spec.get("grid"), graphs)
+        caps, axes = grid_settings(spec.get("grid") or True, graphs)
         trace = None
         if spec.get("grid_from"):
             trace = read_trace(spec["grid_from"])
@@ -287,11 +308,18 @@ class SweepRun:
         else:
             laid = prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps)
         for point in laid:
-            try:
-                check_points([point], vllm_config, kvm, GRID_FILE)
+            try:  # with the points kept so far: a deeper prefix deepens its rung-mates' chains
+                check_points([*points, point], vllm_config, kvm, GRID_FILE)
             except PointsFileError:
                 continue  # beyond what this engine runs as one step
             points.append(point)
+        if not points:
+            raise PointsFileError(
+                f"{GRID_FILE}: the generated grid holds no point this engine can run as one step (max_model_len "
+                f"{limits.max_model_len}, {limits.num_blocks} KV blocks of {limits.block_size} tokens, max_num_seqs "
+                f"{vllm_config.scheduler_config.max_num_seqs}); give the engine a larger --max-model-len or more KV "
+                "cache memory, or pass --points"
+            )
         path = grid_path(self.writer.root)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(points_file(points), indent=2).encode())
@@ -347,7 +375,7 @@ class SweepRun:
 
 def _sources(spec: dict) -> tuple[bool, bool, bool]:
     """Which of the points' sources the config names: a points file, a grid, a trace."""
-    return "points" in spec, bool(spec.get("grid")), bool(spec.get("grid_from"))
+    return "points" in spec, wants_grid(spec), bool(spec.get("grid_from"))
 
 
 def _message(err: BaseException) -> str:

@@ -71,10 +71,10 @@ def spread(values: list[int], sizes: tuple[int, ...], lo: int, hi: int, cap: int
     first, last = values[0], values[-1]
     picked = {first, last}
     if sizes and last > first:
-        laid, pairs = axis(tuple(sizes), last, floor=first)
-        bounds = [x for x in laid if x in sizes or x - 1 in sizes]
+        laid = axis(tuple(sizes), last, floor=first)
+        bounds = [x for x in laid.values if x in sizes or x - 1 in sizes]
         if bounds:
-            picked |= set(thin(bounds, pairs, max(2, cap - 2)))
+            picked |= set(thin(bounds, laid.pairs, max(2, cap - 2)))
     if len(picked | set(values)) <= cap:
         return sorted(picked | set(values))
     room = cap - len(picked)
