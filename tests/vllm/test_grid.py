@@ -151,12 +151,15 @@ def test_a_grid_sweeps_record_names_its_points_file_by_its_path(tmp_path, monkey
 
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
-    make_scheduler(
+    scheduler = make_scheduler(
         tmp_path,
         num_blocks=256,
         scheduler_cls=KvWarmScheduler,
         additional_config={"kvwarm_sweep": {"grid": CAPS, "out": str(out)}},
     )
+    assert not (out / "grid.json").exists()  # the grid is laid once the ranks (here one) agree on the pool
+    while scheduler.kvwarm_sweep._lay_grid is not None:
+        step_scheduler(scheduler)
     artifact = json.loads((out / "sweep.json").read_text())
     assert artifact["status"] == "running" and not artifact["results"]
     assert artifact["config"]["points"] == str(out / "grid.json") and (out / "grid.json").is_file()

@@ -115,10 +115,11 @@ def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] 
     return combined
 
 
-def write_combined(root: str | Path, size: int) -> dict:
+def write_combined(root: str | Path, size: int) -> tuple[dict, list[dict | None]]:
     """Rebuild OUT/sweep.json from every rank's latest artifact in OUT/dp<R>/ (under a lock,
-    so the last writer has read every rank's last write)."""
+    so the last writer has read every rank's last write); the view and the artifacts read."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     with locked(root / LOCK):
-        return write_view(root, [_read_rank(root, r) for r in range(size)])
+        ranks = [_read_rank(root, r) for r in range(size)]
+        return write_view(root, ranks), ranks

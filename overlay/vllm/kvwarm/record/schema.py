@@ -72,6 +72,16 @@ KVWARM = _object(
             "required": ["policy"],
             "properties": {"policy": {"enum": ["held", "engine"]}, "collections_between_points": COUNT},
         },
+        "exchange": {
+            "type": ["object", "null"],
+            "required": ["exchange", "address", "port"],
+            "properties": {
+                "exchange": {"enum": ["store", "files"]},
+                "address": {"type": "string"},
+                "port": {"type": ["integer", "null"], "minimum": 1, "maximum": 65535},
+                "port_origin": NULLABLE_STRING,
+            },
+        },
     },
 )
 RESULT = _object(
