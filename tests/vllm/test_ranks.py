@@ -661,3 +661,24 @@ def test_a_prefix_lost_on_one_rank_rebuilds_the_chains_on_every_rank(tmp_path, m
     assert [r.kv_seed_regime for r in sweeps[1].rows] == ["skip:real_seed_cache_validation_failed", "not_applicable"]
     for scheduler in schedulers:
         assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_the_command_refuses_data_parallel_over_ray_where_the_platform_names_no_ray_device(
+    tmp_path, capsys, monkeypatch
+):
+    """vLLM's Ray launcher places each rank on the Ray resource its platform names; the CPU
+    platform names none (vLLM stops with an assertion before any engine core exists)."""
+    from vllm.kvwarm.sweep.command import run
+    from vllm.platforms import current_platform
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    assert not current_platform.ray_device_key  # what this host's vLLM says: no GPU here
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": 64, "batch_size": 1}]}))
+    out = tmp_path / "out"
+    argv = ["--points", str(points), "--out", str(out), "--model", str(tmp_path / "model")]
+    assert run([*argv, "--data-parallel-size", "2", "--data-parallel-backend", "ray"]) == 2
+    said = capsys.readouterr().err
+    assert "--data-parallel-backend ray: vLLM's" in said and "platform names no Ray device" in said
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "failed" and "use --data-parallel-backend mp" in artifact["error"]
