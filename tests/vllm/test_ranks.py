@@ -492,6 +492,11 @@ def test_the_store_listens_beside_vllms_dp_master_port_or_where_the_setting_says
             {"DYN_BENCH_KV_WARMUP_RANK_TIMEOUT": "0"},
             "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT='0' is out of range: it must be an integer >= 1 (default 300)",
         ),
+        (
+            {"DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT": "soon"},
+            "DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT='soon' is not an integer "
+            "(default DYN_BENCH_KV_WARMUP_RANK_TIMEOUT's value)",
+        ),
     ],
 )
 def test_the_rank_settings_refuse_what_they_do_not_know_naming_the_variable(env, message):
@@ -506,6 +511,8 @@ def test_the_rank_settings_refuse_what_they_do_not_know_naming_the_variable(env,
     )
     assert (settings.rank_sync, settings.rank_sync_port, settings.rank_timeout) == ("files", 4242, 20)
     assert (read_settings({}).rank_sync, read_settings({}).rank_timeout) == ("store", 300)
+    assert read_settings({"DYN_BENCH_KV_WARMUP_RANK_TIMEOUT": "20"}).start_timeout == 20  # the rank timeout's
+    assert read_settings({"DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT": "900"}).start_timeout == 900
 
 
 def test_requests_from_outside_wait_while_a_point_is_measured_and_run_between_points(tmp_path):
