@@ -1,9 +1,7 @@
 """The sweep as a plain controller that the scheduler adapter drives, one phase at a time.
 
-A generated grid (`lay_grid`) is laid first: the ranks agree on the smallest pool (blocks,
-tokens, free blocks), and every rank lays the same grid in it.
-
-Per rung (one batch size, deepest rung first; sweep.plan):
+First, a generated grid (`lay_grid`) is laid in the ranks' smallest pool. Then per rung (one
+batch size, deepest rung first; sweep.plan):
   plan    the ranks agree on the smallest usable pool, every rank trims to it, and they
           compare plan digests (a mismatch stops every rank);
   build   B chains of the rung's depth are added; vLLM prefills them; each is parked;
@@ -27,18 +25,14 @@ point is measured by its own runner (sweep.prefill_runner); whether its chains m
 again is settled at its meeting, so a restage is one every rank takes part in. What is here
 is the grid's pool, the rungs, the decode points and the exact state's catch-ups.
 
-While a point is measured, `measuring()` names the only requests the step may run; the
-adapter keeps every other request (a server's own) queued until the point ends.
-
-The adapter calls `before_schedule(scheduler)` at the start of each schedule() and
-`after_update(scheduler, output)` after each update_from_output(); `has_work()` keeps the
-engine stepping. Nothing here imports the engine; tests step it against a real Scheduler
-with the model runner's part played by the test.
+The adapter calls `before_schedule` at the start of each schedule() and `after_update`
+after each update_from_output(); `has_work()` keeps the engine stepping; `measuring()` names
+the only requests a step may run while a point is measured. Nothing here imports the engine;
+tests step it against a real Scheduler with the model runner's part played by the test.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
 from collections.abc import Callable
@@ -56,6 +50,7 @@ from .decode_steps import DecodeSteps
 from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
 from .meetings import BODIES, Meetings, check_same_point, has_others, pool_record, usable_blocks
+from .phase import Phase
 from .plan import (
     PointPlan,
     Rung,
@@ -69,22 +64,11 @@ from .plan import (
 )
 from .points import DecodePoint, PrefillPoint
 from .prefill import TailText, prefixes_missing
-from .prefill_runner import Next, PrefillRunner
+from .prefill_points import PrefillPoints
+from .prefill_runner import PrefillRunner
 from .ranks import RankFailed
 from .rows import skipped_row
 from .timing import StepTimer, Window
-
-
-class Phase(enum.Enum):
-    NEXT_RUNG = "next_rung"  # between rungs: the next one is planned, or the sweep ends
-    MEETING = "meeting"  # waiting for every rank at a boundary (then what waits on it runs)
-    BUILDING = "building"  # the rung's chains are prefilling
-    NEXT_POINT = "next_point"  # the rung is built: its next point starts, or it is shed
-    CATCHING_UP = "catching_up"  # exact state: the point's catch-up chains are prefilling
-    MEASURING = "measuring"  # the point's requests are queued, admitted and timed
-    ENDING = "ending"  # the sweep waits for requests from outside before its leak check
-    DONE = "done"
-
 
 # Each sweep in a process names its requests apart: vLLM's runner forgets a finished
 # request's align-mode state slot only in a step that runs a forward, so a later sweep's
@@ -95,7 +79,7 @@ _SWEEP_NUMBERS = itertools.count()
 END_WAIT_SECONDS = 60.0
 
 
-class Sweep:
+class Sweep(PrefillPoints):
     def __init__(
         self,
         points: list[DecodePoint | PrefillPoint],
@@ -415,41 +399,6 @@ class Sweep:
             f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
             f"B={row.batch_size} ({row.kv_seed_regime}): {median}"
         )
-
-    # --- prefill points ----------------------------------------------------------------------
-
-    def _start_prefill(self, scheduler, plan: PointPlan) -> None:
-        """The point's prefixes, then its warm shot; the measured shots follow one per step."""
-        ids = (len(self.rows), self._number)
-        trailing = 1 if self._meetings.exchange.size > 1 else 0  # ranks a step apart (sweep.prefill_runner)
-        self._prefill = PrefillRunner(
-            scheduler, plan, self._rung.chains, self._tails, self.config.steady_steps, ids, trailing
-        )
-        self._gc.hold()
-        self.phase = Phase.MEASURING
-        self._next_shot(scheduler)
-
-    def _next_shot(self, scheduler) -> None:
-        if self._prefill.next_shot(scheduler) is Next.DONE:
-            runner, self._prefill = self._prefill, None
-            self._finish_point(runner.finish(scheduler), scheduler)
-
-    def _restage(self, scheduler, plan: PointPlan, asked: list[int]) -> None:
-        """A rank (`asked`) found a prefix of the point no longer cached: every rank builds its
-        rung's chains again, once, and the point meets again (its prefixes are not asked
-        again: a prefix still missing then fails the point)."""
-        from vllm.v1.request import RequestStatus
-
-        plan.retried = True
-        self._progress(
-            f"prefill point N={plan.point.total_prefill_tokens} P={plan.point.total_kv_read_tokens}: "
-            f"a chain's prefix was not cached on rank(s) {asked}; building the chains again"
-        )
-        self._restaging = plan
-        scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
-        self._rung.chains = []
-        self._rung.started = self.clock()
-        self._add_chains(scheduler, self._rung)
 
     # --- the end -----------------------------------------------------------------------------
 
