@@ -55,6 +55,7 @@ def write_rank(
     resolved=RESOLVED,
     times=("2026-12-02T09:00:00Z", "2026-12-02T09:00:04Z"),
     error=None,
+    exchange=None,
 ):
     layout = {
         "data_parallel_size": size,
@@ -65,6 +66,7 @@ def write_rank(
     }
     run = {"started_at": times[0], "finished_at": times[1], "engine_args": {"given": [], "resolved": resolved}}
     meta = KvwarmMeta(enabled=True, warm_eligible=True, giant_kv_repeats=3, giant_kv_threshold=1_000_000)
+    meta.exchange = exchange
     artifact = build_artifact(rows, meta, {"points": "p.json", "model": "/m"}, status, error, run=run, layout=layout)
     write_artifact(folder, artifact)
     return artifact
@@ -185,7 +187,38 @@ def test_every_rank_shares_the_points_and_groups_and_a_group_takes_its_slowest_r
     assert v.NOISY in files[1]["results"][1]["point"]["sample_reasons"]
     assert files[1]["results"][1]["kvwarm_sweep"]["sample_reasons"] == [v.STAMP_REAL_KV]
     assert [f["results"][0]["fpms"][0]["dp_rank"] for f in files] == [0, 1]
+    # a record older than its record of the exchange: no port, and said so
     assert files[0]["synchronization"] == {"enabled": True, "coordinator_rank": 0, "port": None}
+    assert files[0]["kvwarm_sweep"]["unfilled"]["synchronization.port"].startswith("not in the sweep's record")
+
+
+@pytest.mark.parametrize(
+    "exchange, port",
+    [
+        (
+            {
+                "exchange": "store",
+                "address": "10.0.0.1",
+                "port": 29510,
+                "port_origin": "vLLM's DP master port 29500 + 10",
+            },
+            29510,
+        ),
+        ({"exchange": "files", "address": "/out/.kvwarm-sync/x", "port": None, "port_origin": None}, None),
+    ],
+)
+def test_the_export_says_which_exchange_and_port_the_ranks_met_through(tmp_path, exchange, port):
+    root = dp_sweep(tmp_path / "s", [[decode_row(100, 1)], [decode_row(100, 1)]], exchange=exchange)
+    for f in dynamo_files(root, tmp_path / "b.json"):
+        assert f["synchronization"] == {"enabled": True, "coordinator_rank": 0, "port": port}
+        assert f["kvwarm_sweep"]["synchronization"] == exchange
+        unfilled = f["kvwarm_sweep"]["unfilled"]
+        if port is None:
+            assert (
+                unfilled["synchronization.port"] == "the ranks met through files in the output folder, not a TCP port"
+            )
+        else:
+            assert "synchronization.port" not in unfilled
 
 
 def test_a_point_skipped_on_one_rank_is_skipped_on_every_rank_and_the_files_are_not_valid(tmp_path):
