@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -494,8 +495,10 @@ def test_the_store_listens_beside_vllms_dp_master_port_or_where_the_setting_says
         ),
         (
             {"DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT": "soon"},
-            "DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT='soon' is not an integer "
-            "(default DYN_BENCH_KV_WARMUP_RANK_TIMEOUT's value)",
+            (
+                "DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT='soon' is not an integer "
+                "(default DYN_BENCH_KV_WARMUP_RANK_TIMEOUT's value)"
+            ),
         ),
     ],
 )
@@ -570,6 +573,8 @@ def test_a_grid_sweep_lays_one_grid_in_the_smallest_pool_on_ranks_whose_pools_di
     from vllm.kvwarm.sweep.meetings import pool_record
 
     blocks = [160, 120]
+    hook = tmp_path / "hook" / "benchmark.json"  # Dynamo's own path: written by the rank holding every record
+    monkeypatch.setenv("DYN_FPM_BENCHMARK_OUTPUT_PATH", str(hook))
     schedulers, out = _rank_runs(tmp_path, monkeypatch, [], kind, grid=GRID_CAPS, blocks=blocks)
     pools = [pool_record(s) for s in schedulers]
     alone = []
@@ -598,6 +603,17 @@ def test_a_grid_sweep_lays_one_grid_in_the_smallest_pool_on_ranks_whose_pools_di
         (0, "complete", grids[0]["points"]),
         (1, "complete", grids[0]["points"]),
     ]
+    # both kinds at Dynamo's path as its agg mode writes them, and each kind beside it, every rank's
+    stems = ["benchmark", "benchmark_decode", "benchmark_prefill"]
+    names = sorted(f"{stem}{suffix}.json" for stem in stems for suffix in ("", "_dp1"))
+    assert sorted(p.name for p in hook.parent.iterdir()) == names
+    agg = [json.loads((hook.parent / name).read_text()) for name in ("benchmark.json", "benchmark_dp1.json")]
+    assert [(f["config"]["mode"], f["dp"]["rank"], len(f["results"])) for f in agg] == [
+        ("agg", 0, grids[0]["points"]),
+        ("agg", 1, grids[0]["points"]),
+    ]
+    port = agg[0]["synchronization"]["port"]
+    assert port == (None if kind == "files" else int(os.environ["DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT"]))
 
 
 # --- prefill points across ranks -----------------------------------------------------------------

@@ -184,6 +184,8 @@ class SweepRun:
         self.finished = False
         self.environ = environ
         exchange = None
+        if size == 1:
+            self.writer.before_final = lambda artifact: self._export_final([artifact])
         try:
             export.remove_stale(environ, rank)  # as Dynamo does: no earlier run's file stays there
             settings = read_settings(environ)
@@ -342,9 +344,6 @@ class SweepRun:
             self.writer.write(v.FAILED, message)
         except ArtifactWriteError as write_err:
             logger.error("[kvwarm sweep] %s", write_err)
-            return
-        if self.writer.exchange is None and self.layout.data_parallel_size == 1:
-            self._export_final([self.writer.last])  # refused before its exchange was made
 
     def _say_where_dynamo_goes(self, exchange) -> None:
         """With DYN_FPM_BENCHMARK_OUTPUT_PATH set: where Dynamo's artifact will be, and who writes it."""

@@ -42,12 +42,14 @@ class ArtifactWriter:
         self.config = config
         self.layout = layout
         self.exchange = None  # under data parallel: what each write is shared through (sweep.exchange)
+        # one rank: called with the final artifact before it is written, so whoever waits for
+        # it finds what this made (the Dynamo export)
+        self.before_final = None
         self.meta = KvwarmMeta(noisy_spread=NOISY_SPREAD)
         self.run: dict = {"started_at": utc_now(), "finished_at": None}
         self.rows: list[PointRow] = []
         self.total = 0  # points the sweep will measure (for the time left)
         self.started = time.monotonic()
-        self.last: dict | None = None  # the artifact last written
         self._cost, self._wrote_at = 0.0, 0.0  # the last write's seconds, and when it ended
 
     @property
@@ -65,6 +67,8 @@ class ArtifactWriter:
             self.run["finished_at"] = utc_now()
         layout = self.layout.as_dict() if self.layout is not None else None
         artifact = build_artifact(self.rows, self.meta, self.config, status, error, run=self.run, layout=layout)
+        if status != v.RUNNING and self.before_final is not None:
+            self.before_final(artifact)
         try:
             write_artifact(self.out, artifact)
             if status == v.RUNNING:  # no plot of an earlier run stays beside this record
@@ -75,7 +79,6 @@ class ArtifactWriter:
                 write_plot(self.out, artifact)
         except Exception as err:
             raise ArtifactWriteError(f"writing the artifact to {self.out} failed: {type(err).__name__}: {err}") from err
-        self.last = artifact
         self._wrote_at = time.monotonic()
         self._cost = self._wrote_at - began
         if self.exchange is not None:

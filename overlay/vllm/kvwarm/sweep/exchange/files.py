@@ -89,8 +89,6 @@ class FileExchange:
     def share(self, artifact: dict) -> None:
         """This rank's artifact is in OUT/dp<R>/ already: rebuild the combined view from every
         rank's; once it is final nobody polls the records, and they go."""
-        combined, ranks = write_combined(self.out, self.size)
+        combined = write_combined(self.out, self.size, self.on_final)
         if combined["status"] != v.RUNNING:
             shutil.rmtree(self.out / SYNC_DIR, ignore_errors=True)
-            if self.on_final is not None:
-                self.on_final(ranks)

@@ -5,7 +5,8 @@ the store every COLLECT_SECONDS (sooner after each of rank 0's own writes), take
 new chunks of rows once and deletes them, and rewrites the view when something changed, paced
 so that rewriting a long sweep's view takes a small share of the time. Once the view is final
 (every rank done, or given up on: silent for the timeout after rank 0's end, or missed a
-boundary) the store is closed and the exchange's `on_final` gets every rank's artifact.
+boundary) the exchange's `on_final` gets every rank's artifact, then the final view is
+written and the store closed.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ class CombinedView:
         now = time.monotonic()
         if not ending and now - self._wrote_at < self._write_cost / WRITE_SHARE:
             return  # a long sweep's view: written again once its last write is paid for
+        if ending:  # handed on first: whoever waits for the final view finds Dynamo's files there
+            self._hand_over(ranks)
         self.combined = write_view(self.exchange.root, ranks, lost)
         self._written = made_of
         self._wrote_at = time.monotonic()
@@ -178,14 +181,13 @@ class CombinedView:
                 return
             if self.final:
                 self.exchange.close()
-                self._hand_over()
                 return
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, ranks: list[dict | None]) -> None:
         callback = self.exchange.on_final
         if callback is None:
             return
         try:
-            callback([a for a in self._ranks()])
+            callback(ranks)
         except Exception:
             logger.exception("[kvwarm sweep dp0] handing the final records on failed")
