@@ -314,7 +314,7 @@ class SweepRun:
                 if self.layout.data_parallel_size > 1
                 else ""
             )
-            + (f": {path}" if self.layout.data_parallel_rank == 0 else f" (rank 0 writes it to {path})")
+            + (f": {path}" if self.layout.data_parallel_rank == 0 else f" (rank 0 writes it to its OUT/{GRID_FILE})")
         )
         return points
 
