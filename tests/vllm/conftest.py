@@ -12,6 +12,10 @@ from kvwarm_testing.real_kv import BLOCK_SIZE, BlockPool
 TORCH_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long_sweep: a 10,000-point data-parallel sweep (minutes); unit-S leaves it out")
+
+
 @pytest.fixture(params=TORCH_DEVICES)
 def torch_device(request) -> str:
     return request.param
