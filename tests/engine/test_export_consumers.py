@@ -671,6 +671,11 @@ def test_a_real_sweeps_export_is_read_by_the_planner_and_passes_the_collector(dy
     assert collector_problems(real.files, "decode", real.dp) == []
     for name, mine in zip(real.fixtures, real.files):
         assert structure_problems(fixture(name), mine) == [], name
+        # the engine's parallel settings as vLLM resolved them: no null where Dynamo's artifact
+        # of the same engine arguments has a value
+        theirs, ours = key_paths(fixture(name)["engine"]["parallel"]), key_paths(mine["engine"]["parallel"])
+        valued = {path for path, types_ in theirs.items() if path and "null" not in types_}
+        assert sorted(path for path in valued if ours.get(path, {"null"}) == {"null"}) == [], name
 
 
 def test_the_decode_model_fit_on_a_real_sweep_predicts_its_points_within_the_sweeps_spread(dynamo, real):
