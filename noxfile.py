@@ -162,7 +162,9 @@ def _release_sessions(release) -> None:
         # The cuda wheel on a CPU host: a release that reads its target device from here
         # needs it (pinned host memory); the tests pass a DeviceConfig where one ignores it.
         env = {**_env(session), "VLLM_TARGET_DEVICE": "cpu"}
-        session.run("pytest", "-q", *(session.posargs or [*UNIT_WORKERS, "tests/vllm"]), env=env)
+        # long_sweep: the 10,000-point data-parallel sweep, minutes; `-- -m long_sweep tests/vllm` runs it
+        default = [*UNIT_WORKERS, "-m", "not long_sweep", "tests/vllm"]
+        session.run("pytest", "-q", *(session.posargs or default), env=env)
         if not session.posargs:
             _kvwarm_build(session, "stock-check", "--release", short)
 

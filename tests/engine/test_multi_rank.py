@@ -169,6 +169,40 @@ def test_the_command_sweeps_an_moe_model_in_lockstep_on_two_data_parallel_ranks(
     _check_ranks(out, 2, points, own_folders=True)
 
 
+def test_a_grid_sweep_with_prefill_points_on_two_ranks_with_unequal_pools_lays_one_grid(inputs, tmp_path):
+    """`--grid` on two data-parallel ranks whose KV pools differ (the test plugin sizes each
+    rank's pool with vLLM's own num_gpu_blocks_override; on GPUs free memory does that), each
+    rank writing to a folder of its own: both complete the same grid, prefill and decode
+    points, laid in the smaller pool; rank 0 alone writes grid.json; the view is complete."""
+    out = tmp_path / "out"
+    caps = {"decode_batches": 2, "kv_ladder": 2, "prefill_tokens": 2}
+    rc = run_command(
+        ["--grid", json.dumps(caps), "--out", str(out), *engine_args(inputs["llama"], "--data-parallel-size", "2")],
+        _env(inputs, KVWARM_TEST_RANK_BLOCKS="0:300,1:240", **OWN_FOLDERS),
+        tmp_path / "cmd.log",
+    )
+    assert rc == 0, (tmp_path / "cmd.log").read_text()[-3000:]
+    ranks = [json.loads(rank_artifact(out, r, own_folders=True).read_text()) for r in range(2)]
+    pools = [a["config"]["engine_args"]["resolved"]["num_gpu_blocks"] for a in ranks]
+    assert pools == [300, 240]  # the pools really differ
+    grids = [dict(a["kvwarm"]["grid"]) for a in ranks]
+    for grid in grids:
+        grid.pop("points_file")
+    assert grids[0] == grids[1] and grids[0]["pool"]["num_blocks"] == min(pools)
+    points = [sorted(json.dumps(r["point"], sort_keys=True) for r in a["results"]) for a in ranks]
+    assert points[0] == points[1] and len(points[0]) == grids[0]["points"]
+    assert {r["point"]["point_type"] for r in ranks[0]["results"]} == {"prefill", "decode"}
+    assert {r["kv_seed_regime"] for r in ranks[0]["results"]} <= {"real_kv", "real_prefix", "not_applicable"}
+    assert all(a["status"] == "complete" and a["skipped_points"] == [] for a in ranks)
+    grid_file = json.loads((out / "grid.json").read_text())
+    assert len(grid_file["prefill"]) + len(grid_file["decode"]) == grids[0]["points"]
+    assert not (rank_out(out, 1) / "grid.json").exists()
+    combined = json.loads((out / "sweep.json").read_text())
+    assert combined["status"] == "complete"
+    assert [(r["rank"], r["rows"]) for r in combined["ranks"]] == [(0, len(points[0])), (1, len(points[0]))]
+    assert len(combined["results"]) == len(points[0])
+
+
 # Below vLLM's grace between the SIGTERM and the SIGKILL it sends the surviving engine cores
 # when one dies (5 s), so the survivor records why it stops before it is killed.
 KILL_TIMEOUT = 3
@@ -192,7 +226,9 @@ def test_a_rank_killed_mid_sweep_is_named_by_the_survivor_which_keeps_every_row(
     out = tmp_path / "out"
     log = tmp_path / "server.log"
     args = _dp2_server_args(inputs, tmp_path, out)
-    env = _env(inputs, DYN_BENCH_KV_WARMUP_RANK_TIMEOUT=str(KILL_TIMEOUT), **OWN_FOLDERS)
+    # the ranks' start (engine cores seconds apart on a busy host) is waited for as long as usual
+    timeouts = {"DYN_BENCH_KV_WARMUP_RANK_TIMEOUT": str(KILL_TIMEOUT), "DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT": "300"}
+    env = _env(inputs, **timeouts, **OWN_FOLDERS)
     with api_server(args, env, log) as server:
         deadline = time.monotonic() + 600
         while True:

@@ -12,6 +12,10 @@ from kvwarm_testing.real_kv import BLOCK_SIZE, BlockPool
 TORCH_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long_sweep: a 10,000-point data-parallel sweep (minutes); unit-S leaves it out")
+
+
 @pytest.fixture(params=TORCH_DEVICES)
 def torch_device(request) -> str:
     return request.param
@@ -31,3 +35,21 @@ def _collector_back_after_each_test():
     if not frozen and gc.get_freeze_count():
         gc.unfreeze()
     (gc.enable if enabled else gc.disable)()
+
+
+@pytest.fixture(autouse=True)
+def _rank_stores_closed(monkeypatch):
+    """Every rank store a test opens is closed when the test ends: a TCPStore left to the
+    interpreter's shutdown can abort the process (C++ terminate) after every test passed."""
+    from vllm.kvwarm.sweep.exchange.store import StoreExchange
+
+    opened, init = [], StoreExchange.__init__
+
+    def tracked(self, *args, **kwargs):
+        opened.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(StoreExchange, "__init__", tracked)
+    yield
+    for exchange in opened:
+        exchange.close()

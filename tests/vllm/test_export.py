@@ -107,6 +107,7 @@ def write_rank(
     times=("2026-12-02T09:00:00Z", "2026-12-02T09:00:04Z"),
     error=None,
     graphs=EAGER_ENGINE,
+    exchange=None,
 ):
     """One rank's artifact as the sweep writes it: through its ArtifactWriter, whose meta
     the sweep fills (noisy_spread, the collector's record, the engine's graphs; graphs=None:
@@ -120,6 +121,7 @@ def write_rank(
     writer.meta.batch_semantics, writer.meta.global_batch_factor = "per_rank", size
     writer.meta.cudagraph = graphs.record() if graphs is not None else None
     writer.meta.gc = GcHold().record()
+    writer.meta.exchange = exchange
     writer.meta.reset_prefix_cache = status == v.COMPLETE
     writer.run = {"started_at": times[0], "finished_at": None, "engine_args": {"given": [], "resolved": resolved}}
     writer.rows = list(rows)
@@ -149,12 +151,14 @@ def test_one_file_per_rank_and_kind_named_as_dynamo_names_them(tmp_path):
         ("decode", 2): tmp_path / "b_dp2.json",
     }
     both = export.dynamo_paths(tmp_path / "b.json", ["decode", "prefill"], 2)
-    assert sorted(p.name for p in both.values()) == [
-        "b_decode.json",
-        "b_decode_dp1.json",
-        "b_prefill.json",
-        "b_prefill_dp1.json",
-    ]
+    assert {(kind, rank): p.name for (kind, rank), p in both.items()} == {
+        ("agg", 0): "b.json",  # both kinds at the path, as Dynamo's agg mode
+        ("agg", 1): "b_dp1.json",
+        ("decode", 0): "b_decode.json",
+        ("decode", 1): "b_decode_dp1.json",
+        ("prefill", 0): "b_prefill.json",
+        ("prefill", 1): "b_prefill_dp1.json",
+    }
 
 
 def test_the_command_writes_each_kind_with_its_mode_and_the_profilers_tables(tmp_path, capsys):
@@ -162,9 +166,22 @@ def test_the_command_writes_each_kind_with_its_mode_and_the_profilers_tables(tmp
     write_rank(out, [decode_row(1000, 4), decode_row(300, 2), prefill_row(256, 0, 1), prefill_row(128, 512, 2)])
     assert main(["export", str(out), "--to", "dynamo"]) == 0
     folder = out / "dynamo"
-    assert sorted(p.name for p in folder.iterdir()) == ["benchmark_decode.json", "benchmark_prefill.json"]
-    decode, prefill = (json.loads((folder / f"benchmark_{k}.json").read_text()) for k in ("decode", "prefill"))
-    assert (decode["config"]["mode"], prefill["config"]["mode"]) == ("decode", "prefill")
+    names = ["benchmark.json", "benchmark_decode.json", "benchmark_prefill.json"]
+    assert sorted(p.name for p in folder.iterdir()) == names
+    agg, decode, prefill = (json.loads((folder / name).read_text()) for name in names)
+    assert (decode["config"]["mode"], prefill["config"]["mode"], agg["config"]["mode"]) == ("decode", "prefill", "agg")
+    # agg: the prefill points, then the decode points, numbered on, as Dynamo's agg mode runs them
+    assert [(r["point"]["point_type"], r["point"]["benchmark_id"]) for r in agg["results"]] == [
+        ("prefill", 1),
+        ("prefill", 2),
+        ("decode", 3),
+        ("decode", 4),
+    ]
+    assert [r["fpms"] for r in agg["results"][2:]] == [
+        [{**f, "counter_id": f["counter_id"] + 2} for f in r["fpms"]] for r in decode["results"]
+    ]
+    assert agg["coverage"] == {"expected_points": 4, "completed_points": 4, "skipped_points": 0}
+    assert (agg["valid"], agg["missing_phases"], "kvwarm" in agg) == (True, [], True)
     assert [r["point"]["total_kv_read_tokens"] for r in decode["results"]] == [1000, 300]
     assert "kvwarm" in decode and "kvwarm" not in prefill  # Dynamo's warm-up block: decode runs only
     assert decode["run_id"] == prefill["run_id"] and decode["grid_digest"] != prefill["grid_digest"]
@@ -237,7 +254,38 @@ def test_every_rank_shares_the_points_and_groups_and_a_group_takes_its_slowest_r
     assert v.NOISY in files[1]["results"][1]["point"]["sample_reasons"]
     assert files[1]["results"][1]["kvwarm_sweep"]["sample_reasons"] == [v.STAMP_REAL_KV]
     assert [f["results"][0]["fpms"][0]["dp_rank"] for f in files] == [0, 1]
+    # a record older than its record of the exchange: no port, and said so
     assert files[0]["synchronization"] == {"enabled": True, "coordinator_rank": 0, "port": None}
+    assert files[0]["kvwarm_sweep"]["unfilled"]["synchronization.port"].startswith("not in the sweep's record")
+
+
+@pytest.mark.parametrize(
+    "exchange, port",
+    [
+        (
+            {
+                "exchange": "store",
+                "address": "10.0.0.1",
+                "port": 29510,
+                "port_origin": "vLLM's DP master port 29500 + 10",
+            },
+            29510,
+        ),
+        ({"exchange": "files", "address": "/out/.kvwarm-sync/x", "port": None, "port_origin": None}, None),
+    ],
+)
+def test_the_export_says_which_exchange_and_port_the_ranks_met_through(tmp_path, exchange, port):
+    root = dp_sweep(tmp_path / "s", [[decode_row(100, 1)], [decode_row(100, 1)]], exchange=exchange)
+    for f in dynamo_files(root, tmp_path / "b.json"):
+        assert f["synchronization"] == {"enabled": True, "coordinator_rank": 0, "port": port}
+        assert f["kvwarm_sweep"]["synchronization"] == exchange
+        unfilled = f["kvwarm_sweep"]["unfilled"]
+        if port is None:
+            assert (
+                unfilled["synchronization.port"] == "the ranks met through files in the output folder, not a TCP port"
+            )
+        else:
+            assert "synchronization.port" not in unfilled
 
 
 def test_a_point_skipped_on_one_rank_is_skipped_on_every_rank_and_the_files_are_not_valid(tmp_path):
@@ -467,16 +515,20 @@ def test_a_schema_2_artifact_exports_as_decode_points(tmp_path):
     assert f["limits"]["num_gpu_blocks"] is None and "limits.num_gpu_blocks" in f["kvwarm_sweep"]["unfilled"]
 
 
-def test_the_sweeps_hook_writes_once_every_rank_has_finished(tmp_path):
+def test_the_sweeps_hook_writes_every_ranks_file_from_their_final_records(tmp_path):
     out = tmp_path / "dynamo" / "benchmark.json"
     environ = {export.OUTPUT_ENV: str(out)}
-    assert export.write_if_asked(tmp_path / "s", 2, {}) == []
     write_rank(tmp_path / "s" / "dp0", [decode_row(100, 1)], size=2)
-    assert export.write_if_asked(tmp_path / "s", 2, environ) == []  # rank 1 has not written
     write_rank(tmp_path / "s" / "dp1", [decode_row(100, 1)], rank=1, size=2, status=v.RUNNING)
-    assert export.write_if_asked(tmp_path / "s", 2, environ) == []  # nor finished
+    ranks = [json.loads((tmp_path / "s" / f"dp{r}" / "sweep.json").read_text()) for r in range(2)]
+    assert export.write_final(tmp_path / "s", ranks, {}) == []  # not asked
+    with pytest.raises(export.ExportError, match=r"rank\(s\) \[1\] never finished their record"):
+        export.write_final(tmp_path / "s", ranks, environ)  # rank 1 given up on while running
+    with pytest.raises(export.ExportError, match=r"rank\(s\) \[1\] never finished"):
+        export.write_final(tmp_path / "s", [ranks[0], None], environ)  # nor one that sent nothing
     write_rank(tmp_path / "s" / "dp1", [decode_row(100, 1)], rank=1, size=2)
-    assert export.write_if_asked(tmp_path / "s", 2, environ) == [out, out.with_name("benchmark_dp1.json")]
+    ranks[1] = json.loads((tmp_path / "s" / "dp1" / "sweep.json").read_text())
+    assert export.write_final(tmp_path / "s", ranks, environ) == [out, out.with_name("benchmark_dp1.json")]
     export.remove_stale(environ, 1)  # a new run's rank 1, as Dynamo does at its start
     assert out.is_file() and not out.with_name("benchmark_dp1.json").exists()
 

@@ -98,7 +98,9 @@ DEFAULT_SIZES = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
 
 
 def _grid_sweep(tmp_path, monkeypatch, grid, **scheduler_args):
-    """A real Scheduler whose adapter builds a grid sweep (warm-up off) into tmp_path/out."""
+    """A real Scheduler whose adapter builds a grid sweep (warm-up off) into tmp_path/out,
+    stepped until the grid is laid (once the ranks, here one, agree on the pool) or the
+    sweep has stopped."""
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
     scheduler = make_scheduler(
@@ -107,6 +109,10 @@ def _grid_sweep(tmp_path, monkeypatch, grid, **scheduler_args):
         additional_config={"kvwarm_sweep": {"grid": grid, "out": str(out)}},
         **scheduler_args,
     )
+    for _ in range(10):
+        if scheduler.kvwarm_sweep._lay_grid is None or scheduler.kvwarm_run.finished:
+            break
+        step_scheduler(scheduler)
     return scheduler, out
 
 
@@ -228,12 +234,15 @@ def test_a_grid_sweeps_record_names_its_points_file_by_its_path(tmp_path, monkey
 
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
-    make_scheduler(
+    scheduler = make_scheduler(
         tmp_path,
         num_blocks=256,
         scheduler_cls=KvWarmScheduler,
         additional_config={"kvwarm_sweep": {"grid": CAPS, "out": str(out)}},
     )
+    assert not (out / "grid.json").exists()  # the grid is laid once the ranks (here one) agree on the pool
+    while scheduler.kvwarm_sweep._lay_grid is not None:
+        step_scheduler(scheduler)
     artifact = json.loads((out / "sweep.json").read_text())
     assert artifact["status"] == "running" and not artifact["results"]
     assert artifact["config"]["points"] == str(out / "grid.json") and (out / "grid.json").is_file()
@@ -340,11 +349,12 @@ def test_an_empty_config_is_a_grid_of_the_default_caps(tmp_path, monkeypatch):
 
 def test_a_grid_with_no_point_the_engine_can_run_is_refused_with_the_limits(tmp_path, monkeypatch):
     """One block (the null block): no shot and no chain fits. It measured nothing and said
-    complete with the warm-up off, and failed on an empty max() with it on."""
-    from vllm.kvwarm.sweep.points import PointsFileError
-
-    with pytest.raises(PointsFileError, match="the generated grid holds no point this engine can run") as err:
-        _grid_sweep(tmp_path, monkeypatch, True, num_blocks=1)
-    assert "--max-model-len" in str(err.value)
-    artifact = json.loads((tmp_path / "out" / "sweep.json").read_text())
-    assert artifact["status"] == "failed" and "holds no point" in artifact["error"]
+    complete with the warm-up off, and failed on an empty max() with it on. The grid is laid
+    at the first step (once the ranks agree on the pool), so the sweep fails there and the
+    engine serves on."""
+    scheduler, out = _grid_sweep(tmp_path, monkeypatch, True, num_blocks=1)
+    assert scheduler.kvwarm_run.finished
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "failed"
+    assert "the generated grid holds no point this engine can run" in artifact["error"]
+    assert "--max-model-len" in artifact["error"]

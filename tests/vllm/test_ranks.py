@@ -5,7 +5,9 @@ and the combined view on rank 0's side; outside requests kept out of the timed s
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -17,11 +19,10 @@ from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import KvWarmScheduler
 from vllm.kvwarm.sweep import ranks
 from vllm.kvwarm.sweep.exchange import make_exchange
-from vllm.kvwarm.sweep.exchange import store as store_exchange
 from vllm.kvwarm.sweep.exchange.files import FileExchange
 from vllm.kvwarm.sweep.exchange.solo import SoloExchange
 from vllm.kvwarm.sweep.exchange.store import PORT_OFFSET, StoreExchange, store_address
-from vllm.kvwarm.sweep.points import DecodePoint
+from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint
 from vllm.kvwarm.sweep.ranks import RankFailed
 from vllm.kvwarm.sweep.run import SweepRun
 from vllm.kvwarm.sweep.settings import SettingsError, read_settings
@@ -185,10 +186,13 @@ def test_a_rank_that_never_comes_is_given_up_on_after_the_timeout(tmp_path, kind
         assert rank_0.lost == {1: "rank(s) [1] did not reach boundary 2 (plan) within 5 s"}
 
 
-def _rank_runs(tmp_path, monkeypatch, points, kind="store", size=2, timeout=None, start=None, port=None):
+def _rank_runs(
+    tmp_path, monkeypatch, points, kind="store", size=2, timeout=None, start=None, port=None, grid=None, blocks=None
+):
     """SweepRuns configured as the adapter builds them, one per rank of a launch of `size`
     (`start`: those ranks only). Through the store each rank has an OUT of its own (as on
-    nodes with their own disks: kvwarm_testing.plugin.rank_out); through files they share one."""
+    nodes with their own disks: kvwarm_testing.plugin.rank_out); through files they share one.
+    `grid`: a --grid sweep with these caps instead of `points`; `blocks`: each rank's pool."""
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")  # fake KV: no dataset or tokenizer needed
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_SYNC", kind)
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT", str(port or free_port()))
@@ -202,10 +206,12 @@ def _rank_runs(tmp_path, monkeypatch, points, kind="store", size=2, timeout=None
     out = tmp_path / "out"
     schedulers = []
     for rank in range(size) if start is None else start:
-        scheduler = make_scheduler(tmp_path / f"r{rank}", num_blocks=128, scheduler_cls=KvWarmScheduler)
+        pool = blocks[rank] if blocks else 128
+        scheduler = make_scheduler(tmp_path / f"r{rank}", num_blocks=pool, scheduler_cls=KvWarmScheduler)
         scheduler.vllm_config.parallel_config.data_parallel_index = rank
         rank_out = out if kind == "files" else _rank_out(out, rank)
-        scheduler.kvwarm_run = SweepRun(scheduler, {"points": str(path), "out": str(rank_out)})
+        spec = {"grid": grid} if grid else {"points": str(path)}
+        scheduler.kvwarm_run = SweepRun(scheduler, {**spec, "out": str(rank_out)})
         scheduler.kvwarm_sweep = scheduler.kvwarm_run.sweep
         schedulers.append(scheduler)
     for scheduler in schedulers:
@@ -345,7 +351,7 @@ def test_a_rank_that_stops_mid_sweep_fails_the_others_and_the_view_names_it(tmp_
 
 
 def test_a_rank_that_never_starts_leaves_a_final_view_naming_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_exchange, "START_TIMEOUT", 1.0)  # how long the ranks' start is waited for
+    # the ranks' start is waited for as long as the rank timeout says (no start timeout set)
     schedulers, _ = _rank_runs(tmp_path, monkeypatch, [(300, 2)], timeout=1, start=[0])
     _step_all(schedulers, limit=100000)
     combined = _view(schedulers[0])
@@ -362,10 +368,15 @@ def test_a_rank_that_never_starts_leaves_a_final_view_naming_it(tmp_path, monkey
 def test_rank_0_gives_up_on_a_rank_silent_after_its_own_end(tmp_path, monkeypatch):
     schedulers, _ = _rank_runs(tmp_path, monkeypatch, [(300, 2), (200, 2)], timeout=1)
     rank_0, rank_1 = (s.kvwarm_sweep for s in schedulers)
+    courier = schedulers[1].kvwarm_run.writer.exchange
     while not rank_0.done:
         step_scheduler(schedulers[0])
         if len(rank_1.rows) < 2:
             step_scheduler(schedulers[1])
+            if len(rank_1.rows) == 2:  # its courier publishes off the step: let it hand over its last row
+                deadline = time.monotonic() + 30
+                while courier._outbox and time.monotonic() < deadline:
+                    time.sleep(0.01)
     assert not rank_1.done  # and never will be: it is not stepped again after its last point
     combined = _view(schedulers[0])
     assert combined["status"] == "failed" and combined["ranks"][0]["status"] == "complete"
@@ -374,8 +385,7 @@ def test_rank_0_gives_up_on_a_rank_silent_after_its_own_end(tmp_path, monkeypatc
     )
 
 
-def test_a_rank_that_cannot_reach_the_store_fails_naming_the_address_the_port_and_the_settings(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_exchange, "START_TIMEOUT", 1.0)
+def test_a_rank_that_cannot_reach_the_store_fails_naming_the_address_the_port_and_the_settings(tmp_path):
     port = free_port()  # nothing listens there
     exchange = StoreExchange(
         "127.0.0.1", port, 2, 1, timeout=1.0, start_timeout=1.0, root=tmp_path, origin="set by test"
@@ -388,8 +398,8 @@ def test_a_rank_that_cannot_reach_the_store_fails_naming_the_address_the_port_an
     message = str(failed.value)
     assert message.startswith(
         f"rank 1 could not reach the rank exchange (torch TCPStore) that rank 0 hosts at "
-        f"127.0.0.1:{port} (port set by test) within 1 s (while the ranks start: the longer of "
-        "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT and 1 s)"
+        f"127.0.0.1:{port} (port set by test) within 1 s (while the ranks start: "
+        "DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT, default DYN_BENCH_KV_WARMUP_RANK_TIMEOUT)"
     )
     assert "DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT" in message and "DYN_BENCH_KV_WARMUP_RANK_SYNC=files" in message
     exchange.post_failure("RankFailed: ...")  # never raises
@@ -488,6 +498,13 @@ def test_the_store_listens_beside_vllms_dp_master_port_or_where_the_setting_says
             {"DYN_BENCH_KV_WARMUP_RANK_TIMEOUT": "0"},
             "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT='0' is out of range: it must be an integer >= 1 (default 300)",
         ),
+        (
+            {"DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT": "soon"},
+            (
+                "DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT='soon' is not an integer "
+                "(default DYN_BENCH_KV_WARMUP_RANK_TIMEOUT's value)"
+            ),
+        ),
     ],
 )
 def test_the_rank_settings_refuse_what_they_do_not_know_naming_the_variable(env, message):
@@ -502,6 +519,8 @@ def test_the_rank_settings_refuse_what_they_do_not_know_naming_the_variable(env,
     )
     assert (settings.rank_sync, settings.rank_sync_port, settings.rank_timeout) == ("files", 4242, 20)
     assert (read_settings({}).rank_sync, read_settings({}).rank_timeout) == ("store", 300)
+    assert read_settings({"DYN_BENCH_KV_WARMUP_RANK_TIMEOUT": "20"}).start_timeout == 20  # the rank timeout's
+    assert read_settings({"DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT": "900"}).start_timeout == 900
 
 
 def test_requests_from_outside_wait_while_a_point_is_measured_and_run_between_points(tmp_path):
@@ -545,3 +564,149 @@ def test_a_sweep_ends_without_its_leak_check_when_outside_requests_outlast_the_w
         step_scheduler(scheduler)
     assert sweep.done and sweep.reset_prefix_cache_ok is None and "user-endless" in scheduler.requests
     assert [r.kv_seed_regime for r in sweep.rows] == ["real_kv"]
+
+
+# --- one grid on every rank (a --grid sweep under data parallel) -------------------------------
+GRID_CAPS = {"decode_batches": 3, "kv_ladder": 2, "prefill_tokens": 2}
+
+
+@pytest.mark.parametrize("kind", EXCHANGES)
+def test_a_grid_sweep_lays_one_grid_in_the_smallest_pool_on_ranks_whose_pools_differ(tmp_path, monkeypatch, kind):
+    """Rank 1's pool is smaller: alone, each rank would lay another grid (its deepest decode
+    points follow the pool); together they lay one, in rank 1's pool, and rank 0 writes it."""
+    from vllm.kvwarm.sweep.grid import CAPS, GridLimits, decode_grid
+    from vllm.kvwarm.sweep.meetings import pool_record
+
+    blocks = [160, 120]
+    hook = tmp_path / "hook" / "benchmark.json"  # Dynamo's own path: written by the rank holding every record
+    monkeypatch.setenv("DYN_FPM_BENCHMARK_OUTPUT_PATH", str(hook))
+    schedulers, out = _rank_runs(tmp_path, monkeypatch, [], kind, grid=GRID_CAPS, blocks=blocks)
+    pools = [pool_record(s) for s in schedulers]
+    alone = []
+    for scheduler, pool in zip(schedulers, pools):  # what each rank would lay in its own pool
+        graphs = scheduler.kvwarm_sweep._graphs
+        limits = GridLimits(1024, 3, pool["kv_cache_tokens"], pool["num_blocks"], 16, 16)
+        alone.append(decode_grid(graphs, limits, {**CAPS, **GRID_CAPS}))
+    assert alone[0] != alone[1]
+    _step_all(schedulers, limit=20000)
+    _view(schedulers[0])
+    per_rank, combined = _artifacts(out, kind)
+    grids = [dict(a["kvwarm"]["grid"]) for a in per_rank]
+    for rank, grid in enumerate(grids):  # each names OUT/grid.json as its OUT is named (rank 0 writes it)
+        assert grid.pop("points_file") == str((out if kind == "files" else _rank_out(out, rank)) / "grid.json")
+    assert grids[0] == grids[1] and grids[0]["pool"] == {k: min(p[k] for p in pools) for k in pools[0]}
+    assert grids[0]["pool"]["num_blocks"] == 120 and grids[0]["prefill_tokens"] and grids[0]["decode_batches"]
+    rows = [sorted(json.dumps(r["point"], sort_keys=True) for r in a["results"]) for a in per_rank]
+    assert rows[0] == rows[1] and len(rows[0]) == grids[0]["points"]  # every point measured on both ranks
+    assert {r["point"]["point_type"] for r in per_rank[0]["results"]} == {"decode", "prefill"}
+    written = json.loads((out / "grid.json").read_text())  # rank 0's, the one grid
+    assert len(written["decode"]) + len(written["prefill"]) == grids[0]["points"]
+    if kind == "store":  # rank 1's own OUT holds its artifact alone
+        assert sorted(p.name for p in _rank_out(out, 1).iterdir()) == ["dp1"]
+    assert combined["status"] == "complete"
+    assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [
+        (0, "complete", grids[0]["points"]),
+        (1, "complete", grids[0]["points"]),
+    ]
+    # both kinds at Dynamo's path as its agg mode writes them, and each kind beside it, every rank's
+    stems = ["benchmark", "benchmark_decode", "benchmark_prefill"]
+    names = sorted(f"{stem}{suffix}.json" for stem in stems for suffix in ("", "_dp1"))
+    assert sorted(p.name for p in hook.parent.iterdir()) == names
+    agg = [json.loads((hook.parent / name).read_text()) for name in ("benchmark.json", "benchmark_dp1.json")]
+    assert [(f["config"]["mode"], f["dp"]["rank"], len(f["results"])) for f in agg] == [
+        ("agg", 0, grids[0]["points"]),
+        ("agg", 1, grids[0]["points"]),
+    ]
+    port = agg[0]["synchronization"]["port"]
+    assert port == (None if kind == "files" else int(os.environ["DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT"]))
+
+
+# --- prefill points across ranks -----------------------------------------------------------------
+def _prefill_sweep(points, exchange):
+    from vllm.kvwarm.sweep.controller import Sweep
+    from vllm.kvwarm.sweep.plan import SweepConfig
+
+    return Sweep(
+        points,
+        lambda i, n: [(i * 37 + 13 * t) % 200 + 3 for t in range(n)],
+        SweepConfig(steady_steps=3, max_model_len=1024),
+        clock=itertools.count().__next__,
+        progress=lambda _: None,
+        exchange=exchange,
+        tail_tokens=[(11 * t) % 190 + 5 for t in range(500)],
+        vocab_size=256,
+    )
+
+
+def _prefill_shots(outputs) -> int:
+    from vllm.kvwarm.sweep.prefill import PREFILL_PREFIX
+
+    return sum(any(r.req_id.startswith(PREFILL_PREFIX) for r in o.scheduled_new_reqs) for o in outputs)
+
+
+def test_prefill_points_on_two_ranks_run_a_warm_and_a_trailing_shot_around_the_timed_ones(tmp_path):
+    """Ranks that start a point a step apart: each rank's timed shots run beside the other's
+    shots of the same shape; the warm shot before and one untimed shot after take the edges."""
+    points = [PrefillPoint(64, 64, 2), PrefillPoint(32, 0, 2)]
+    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=192, scheduler_cls=KvWarmScheduler) for r in range(2)]
+    sweeps = [_prefill_sweep(points, e) for e in _exchanges(tmp_path)]
+    outputs = [[], []]
+    for scheduler, sweep in zip(schedulers, sweeps):
+        scheduler.kvwarm_sweep = sweep
+    for _ in range(2000):
+        busy = [r for r in range(2) if schedulers[r].has_requests()]
+        if not busy:
+            break
+        for r in busy:
+            outputs[r].append(step_scheduler(schedulers[r]))
+    for sweep, steps in zip(sweeps, outputs):
+        assert [(r.kv_seed_regime, len(r.samples)) for r in sweep.rows] == [("real_prefix", 3), ("not_applicable", 3)]
+        assert _prefill_shots(steps) == 2 * (1 + 3 + 1)  # per point: warm, three timed, trailing
+    alone = _prefill_sweep(points, None)
+    scheduler = make_scheduler(tmp_path / "alone", num_blocks=192, scheduler_cls=KvWarmScheduler)
+    scheduler.kvwarm_sweep = alone
+    steps = [step_scheduler(scheduler) for _ in range(2000) if scheduler.has_requests()]
+    assert _prefill_shots(steps) == 2 * (1 + 3)  # one rank: nothing to trail
+
+
+def test_a_prefix_lost_on_one_rank_rebuilds_the_chains_on_every_rank(tmp_path, monkeypatch):
+    """Rank 1 finds the point's prefix uncached: both ranks build their chains again (a
+    restage every rank takes part in), then meet again; rank 1's prefix stays lost, so it
+    skips the point, rank 0 measures it, and both go on together."""
+    from vllm.kvwarm.sweep import prefill as prefill_module
+
+    schedulers = [make_scheduler(tmp_path / f"r{r}", num_blocks=192, scheduler_cls=KvWarmScheduler) for r in range(2)]
+    lookup = prefill_module.cached_tokens
+    lost = schedulers[1].kv_cache_manager
+    monkeypatch.setattr(prefill_module, "cached_tokens", lambda kvm, r: 0 if kvm is lost else lookup(kvm, r))
+    points = [PrefillPoint(64, 64, 2), PrefillPoint(32, 0, 2)]
+    sweeps = [_prefill_sweep(points, e) for e in _exchanges(tmp_path)]
+    for scheduler, sweep in zip(schedulers, sweeps):
+        scheduler.kvwarm_sweep = sweep
+    _step_all(schedulers)
+    assert [len(s.stages) for s in sweeps] == [2, 2]  # built, then built again, on both ranks
+    assert [r.kv_seed_regime for r in sweeps[0].rows] == ["real_prefix", "not_applicable"]
+    assert [r.kv_seed_regime for r in sweeps[1].rows] == ["skip:real_seed_cache_validation_failed", "not_applicable"]
+    for scheduler in schedulers:
+        assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_the_command_refuses_data_parallel_over_ray_where_the_platform_names_no_ray_device(
+    tmp_path, capsys, monkeypatch
+):
+    """vLLM's Ray launcher places each rank on the Ray resource its platform names; the CPU
+    platform names none (vLLM stops with an assertion before any engine core exists)."""
+    from vllm.kvwarm.sweep.command import run
+    from vllm.platforms import current_platform
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    assert not current_platform.ray_device_key  # what this host's vLLM says: no GPU here
+    points = tmp_path / "points.json"
+    points.write_text(json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": 64, "batch_size": 1}]}))
+    out = tmp_path / "out"
+    argv = ["--points", str(points), "--out", str(out), "--model", str(tmp_path / "model")]
+    assert run([*argv, "--data-parallel-size", "2", "--data-parallel-backend", "ray"]) == 2
+    said = capsys.readouterr().err
+    assert "--data-parallel-backend ray: vLLM's" in said and "platform names no Ray device" in said
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "failed" and "use --data-parallel-backend mp" in artifact["error"]

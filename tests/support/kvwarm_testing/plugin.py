@@ -7,6 +7,9 @@ that the multi-rank engine tests switch on through the environment.
   own `all_gather` / `all_reduce`; they are correct, not fast.
 - KVWARM_TEST_PLAN_SKEW=1: every rank salts its sweep's plan digest with its process id,
   so the ranks disagree on their plan (the mismatch path, forced).
+- KVWARM_TEST_RANK_BLOCKS=R:N[,R:N...]: data-parallel rank R's KV pool is N blocks (vLLM's own
+  `num_gpu_blocks_override`, set for that rank alone as its engine core sizes its pool), as
+  on GPUs whose free memory differs: vLLM sizes each rank's pool on its own.
 - KVWARM_TEST_RANK_OUT=1: rank R > 0 of a data-parallel sweep writes to `<out>.rank<R>`
   instead of the sweep's `out` (rank_out below), as if each rank's node had a disk of its
   own: the ranks of one launch on this host then share no folder, so only the rank
@@ -55,6 +58,24 @@ def _skewed_plan_digest(original):
 
 
 RANK_OUT_ENV = "KVWARM_TEST_RANK_OUT"
+RANK_BLOCKS_ENV = "KVWARM_TEST_RANK_BLOCKS"
+
+
+def rank_blocks(text: str) -> dict[int, int]:
+    """KVWARM_TEST_RANK_BLOCKS's value: rank -> blocks."""
+    return {int(rank): int(blocks) for rank, blocks in (item.split(":") for item in text.split(",") if item)}
+
+
+def _pool_per_rank(original, blocks: dict[int, int]):
+    def _initialize_kv_caches(self, vllm_config):
+        parallel = vllm_config.parallel_config
+        rank = getattr(parallel, "data_parallel_index", None)
+        rank = parallel.data_parallel_rank if rank is None else rank
+        if rank in blocks:
+            vllm_config.cache_config.num_gpu_blocks_override = blocks[rank]
+        return original(self, vllm_config)
+
+    return _initialize_kv_caches
 
 
 def rank_out(out: str | Path, rank: int) -> Path:
@@ -84,6 +105,11 @@ def register() -> None:
         from vllm.kvwarm.sweep.controller import Sweep
 
         Sweep.plan_digest = _skewed_plan_digest(Sweep.plan_digest)
+    if os.environ.get(RANK_BLOCKS_ENV):
+        from vllm.v1.engine.core import EngineCore
+
+        blocks = rank_blocks(os.environ[RANK_BLOCKS_ENV])
+        EngineCore._initialize_kv_caches = _pool_per_rank(EngineCore._initialize_kv_caches, blocks)
     if os.environ.get(RANK_OUT_ENV) == "1":
         from vllm.kvwarm.sweep.run import SweepRun
 

@@ -93,6 +93,7 @@ class KvwarmMeta:
     cudagraph: dict | None = None  # the engine's CUDA-graph mode and capture sizes (sweep.graphs)
     grid: dict | None = None  # a generated grid: its points file and axes (sweep.grid)
     engine_loop: dict | None = None  # the engine's loop and the adapter class that served it (sweep.loop)
+    exchange: dict | None = None  # how the data-parallel ranks met: exchange, address, port, port_origin
 
     @classmethod
     def read(cls, block: dict | None) -> KvwarmMeta:

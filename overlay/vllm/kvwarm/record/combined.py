@@ -115,10 +115,15 @@ def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] 
     return combined
 
 
-def write_combined(root: str | Path, size: int) -> dict:
+def write_combined(root: str | Path, size: int, before_final=None) -> dict:
     """Rebuild OUT/sweep.json from every rank's latest artifact in OUT/dp<R>/ (under a lock,
-    so the last writer has read every rank's last write)."""
+    so the last writer has read every rank's last write). `before_final`: called with every
+    rank's artifact when the view is final, before it is written (so whoever waits for the
+    final view finds what it made)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     with locked(root / LOCK):
-        return write_view(root, [_read_rank(root, r) for r in range(size)])
+        ranks = [_read_rank(root, r) for r in range(size)]
+        if before_final is not None and combine(ranks)["status"] != v.RUNNING:
+            before_final(ranks)
+        return write_view(root, ranks)

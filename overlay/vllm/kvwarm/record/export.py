@@ -3,9 +3,11 @@ files the planners read. `--to dynamo`: the per-rank artifact of Dynamo's self-b
 (record.export_dynamo; docs/export.md); `--to profiler`: the pre-deployment profiler's two
 interpolation tables (record.export_profiler).
 
-Also the sweep's own hook: with DYN_FPM_BENCHMARK_OUTPUT_PATH set, the last rank to finish
-writes Dynamo's artifact there (`write_if_asked`), so a campaign configured for Dynamo's
-worker reads this image's output unchanged.
+Also the sweep's own hook: with DYN_FPM_BENCHMARK_OUTPUT_PATH set, the rank that holds every
+rank's final artifact writes Dynamo's artifact there (`write_final`), so a campaign configured
+for Dynamo's worker reads this image's output unchanged. A sweep with both kinds writes both
+in the file at that path (Dynamo's agg mode, which its worker and its planner read) and each
+kind on its own beside it (AIConfigurator's collector takes one kind per cell).
 
 Plain data: nothing here imports vLLM (numpy only for the profiler's npz files).
 """
@@ -19,27 +21,27 @@ import sys
 from pathlib import Path
 
 from . import vocabulary as v
-from .export_dynamo import rank_artifacts
-from .export_input import ExportError, SweepRecord, load_sweep, read_finished_ranks, without_prefix
+from .combined import rank_path
+from .export_dynamo import AGG, rank_artifacts
+from .export_input import ExportError, SweepRecord, load_sweep, without_prefix
 from .export_profiler import write_tables
-from .files import locked, write_atomically
+from .files import write_atomically
 
 OUTPUT_ENV = "DYN_FPM_BENCHMARK_OUTPUT_PATH"  # Dynamo's own variable for its artifact's path
 DYNAMO, PROFILER = "dynamo", "profiler"
-LOCK = ".kvwarm-export.lock"
 
 
 def dynamo_paths(out: str | Path, kinds: list[str], size: int) -> dict[tuple[str, int], Path]:
     """Where each (kind, rank) file goes: Dynamo's own naming, `<stem>_dp<R><ext>` for rank
-    R > 0; with both kinds, `_<kind>` after the stem (one file per kind: the collector takes
-    one kind per cell)."""
+    R > 0; with both kinds, both (AGG) at `out` and each kind on its own with `_<kind>` after
+    the stem (the collector takes one kind per cell)."""
     base, ext = os.path.splitext(str(out))
-    paths = {}
-    for kind in kinds:
-        stem = f"{base}_{kind}" if len(kinds) > 1 else base
-        for rank in range(size):
-            paths[(kind, rank)] = Path(f"{stem}_dp{rank}{ext}" if rank else f"{stem}{ext}")
-    return paths
+    stems = {kinds[0]: base} if len(kinds) == 1 else {AGG: base, **{kind: f"{base}_{kind}" for kind in kinds}}
+    return {
+        (kind, rank): Path(f"{stem}_dp{rank}{ext}" if rank else f"{stem}{ext}")
+        for kind, stem in stems.items()
+        for rank in range(size)
+    }
 
 
 def write_dynamo(sweep: SweepRecord, out: str | Path, kind: str | None = None) -> list[Path]:
@@ -51,7 +53,7 @@ def write_dynamo(sweep: SweepRecord, out: str | Path, kind: str | None = None) -
     kinds = [kind] if kind else sweep.kinds()
     paths = dynamo_paths(out, kinds, sweep.size)
     written = []
-    for k in kinds:
+    for k in dict.fromkeys(k for k, _ in paths):
         files = [paths[(k, r)] for r in range(sweep.size)]
         for path, artifact in zip(files, rank_artifacts(sweep, k, files)):
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,18 +78,23 @@ def remove_stale(environ, rank: int) -> None:
                 path.unlink(missing_ok=True)
 
 
-def write_if_asked(root: str | Path, size: int, environ) -> list[Path]:
-    """The sweep's hook after a rank's final write: with DYN_FPM_BENCHMARK_OUTPUT_PATH set
-    and every rank finished, Dynamo's artifact at that path (every rank's file). Under a
-    lock, so the last rank to finish sees every rank's final record."""
+def write_final(root: str | Path, ranks: list[dict | None], environ) -> list[Path]:
+    """The sweep's hook once every rank's record is final (`ranks`: each rank's artifact, as
+    the rank that holds them all has them): with DYN_FPM_BENCHMARK_OUTPUT_PATH set, Dynamo's
+    artifact at that path, every rank's file. ExportError where a rank's record is missing or
+    was never finished (a rank given up on): Dynamo's files hold every rank's steps."""
     out = environ.get(OUTPUT_ENV)
     if not out:
         return []
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    with locked(root / LOCK):
-        sweep = read_finished_ranks(root, size)
-        return write_dynamo(sweep, out) if sweep is not None else []
+    unfinished = [r for r, a in enumerate(ranks) if a is None or a.get("status") not in (v.COMPLETE, v.FAILED)]
+    if unfinished:
+        raise ExportError(
+            f"rank(s) {unfinished} never finished their record (given up on): Dynamo's artifact holds every "
+            "rank's steps, so none is written; each rank's own record is in its OUT/dp<R>/"
+        )
+    size = len(ranks)
+    paths = [Path(root) / (rank_path(r) if size > 1 else v.ARTIFACT) for r in range(size)]
+    return write_dynamo(SweepRecord(Path(root), list(ranks), paths), out)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -100,10 +107,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--to", required=True, choices=[DYNAMO, PROFILER])
     p.add_argument(
         "--out",
-        help="dynamo: the rank-0 file's path (default DIR/dynamo/benchmark.json; rank R adds _dp<R>, and a "
-        "sweep with both kinds adds _decode / _prefill); profiler: a folder (default DIR/profiler)",
+        help="dynamo: the rank-0 file's path (default DIR/dynamo/benchmark.json; rank R adds _dp<R>; a sweep "
+        "with both kinds has both there, as Dynamo's agg mode, and each kind on its own at _decode / _prefill); "
+        "profiler: a folder (default DIR/profiler)",
     )
-    p.add_argument("--kind", choices=list(v.POINT_TYPES), help="dynamo: export only this kind, at --out exactly")
+    p.add_argument(
+        "--kind",
+        choices=[*v.POINT_TYPES, AGG],
+        help=f"dynamo: export only this kind ({AGG}: both in one file), at --out exactly",
+    )
     p.add_argument(
         "--no-prefix-rows",
         action="store_true",

@@ -1,6 +1,7 @@
 """A sweep as Dynamo's self-benchmark artifact: one file per data-parallel rank and kind of
-point, every envelope field Dynamo 1.6.1's self-benchmark writes (schema_version 2,
-artifact_type "rank"), each holding what it holds there (docs/export.md, field by field).
+point (or both kinds in one, as Dynamo's agg mode: AGG), every envelope field Dynamo 1.6.1's
+self-benchmark writes (schema_version 2, artifact_type "rank"), each holding what it holds
+there (docs/export.md, field by field).
 This module is the envelope and its validity (Dynamo's formulas); the rows are
 record.export_dynamo_rows', the engine's provenance record.export_dynamo_engine's.
 
@@ -30,10 +31,12 @@ from .export_dynamo_engine import (
     recorded_graphs,
     resolved_args,
 )
-from .export_dynamo_rows import NAMESPACE, KindRows, kind_rows
+from .export_dynamo_rows import NAMESPACE, KindRows, agg_rows, kind_rows
 from .shape import point_key
 
 SCHEMA_VERSION = 2  # Dynamo's artifact, not ours
+AGG = "agg"  # Dynamo's mode of a run of both kinds: the prefill points, then the decode points
+WARMED = (v.DECODE, AGG)  # the modes whose artifact has Dynamo's warm-up block and decode limits
 ARTIFACT_TYPE = "rank"
 # How a result's wall_time was measured (Dynamo's: "steady_state_second_step" / "single_step").
 MEASUREMENT_POLICY = {
@@ -85,15 +88,16 @@ def _capacity(sweep, kind: str) -> dict:
         "usable_blocks_without_watermark": usable,
         "usable_blocks_with_watermark": usable,  # vLLM v1 keeps no watermark
         "grid_invariants_digest": _sha256(resolved[0]),
-        "kvwarm_eligible": kind == v.DECODE
+        "kvwarm_eligible": kind in WARMED
         and all((a.get("kvwarm") or {}).get("warm_eligible") is True for a in sweep.ranks),
     }
 
 
 def rank_artifacts(sweep, kind: str, paths: list[Path]) -> list[dict]:
-    """Dynamo's rank artifact of every rank for one kind of point (config.mode = kind);
-    `paths`: where each rank's file goes (its config.output_path)."""
-    rows = kind_rows(sweep, kind, recorded_graphs(sweep.ranks[0]))
+    """Dynamo's rank artifact of every rank for one kind of point, or both (AGG) (config.mode
+    = kind); `paths`: where each rank's file goes (its config.output_path)."""
+    graphs = recorded_graphs(sweep.ranks[0])
+    rows = agg_rows(sweep, graphs) if kind == AGG else kind_rows(sweep, kind, graphs)
     measured_seconds = sum(g["wall_time"] for g in rows.groups)
     # every timed sample of the sweep (all kinds), the slowest rank's at each point: a floor
     # for every rank's elapsed time, since the ranks meet at each point's start
@@ -104,13 +108,12 @@ def rank_artifacts(sweep, kind: str, paths: list[Path]) -> list[dict]:
             per_point[key] = max(per_point.get(key, 0.0), sum(row.get("steady_seconds") or []))
     floor = max(sum(per_point.values()), measured_seconds)
     return [
-        _rank_artifact(sweep, r, kind, paths[r], rows)
-        | _timing_fields(sweep.ranks[r], kind, measured_seconds, floor, rows)
+        _rank_artifact(sweep, r, kind, paths[r], rows) | _timing_fields(sweep.ranks[r], measured_seconds, floor, rows)
         for r in range(sweep.size)
     ]
 
 
-def _timing_fields(artifact: dict, kind: str, measured_seconds: float, floor: float, rows: KindRows) -> dict:
+def _timing_fields(artifact: dict, measured_seconds: float, floor: float, rows: KindRows) -> dict:
     """What Dynamo derives from its timing and coverage, by its formulas: `valid` needs every
     point of the grid measured on every rank, none skipped, no error and sound timing;
     `usable` the same but for the coverage."""
@@ -125,7 +128,7 @@ def _timing_fields(artifact: dict, kind: str, measured_seconds: float, floor: fl
     if error is None and artifact.get("status") == v.FAILED:
         error = "the sweep failed"
     expected, completed, groups, skipped = rows.expected, len(rows.everywhere), rows.groups, rows.skipped
-    missing = [] if expected else [kind]
+    missing = rows.missing
     sound = len(groups) == completed and all(g["complete"] for g in groups) and not skipped and not missing
     sound = sound and timing_valid and error is None
     return {
@@ -151,17 +154,18 @@ def _rank_artifact(sweep, rank: int, kind: str, path: Path, rows: KindRows) -> d
     resolved = resolved_args(artifact)
     layout = engine_layout(artifact, rank, size)
     meta = artifact.get("kvwarm") or {}
+    exchange = meta.get("exchange") or {}  # how the ranks met (absent: one rank, or an older sweep)
     cudagraph = cudagraph_block(artifact)
     unfilled: dict[str, str] = {}
     results = rows.results(rank, size)
     seqs, tokens = resolved.get("max_num_seqs"), resolved.get("max_num_batched_tokens")
     blocks = resolved.get("num_gpu_blocks")
     feasible = 0
-    if kind == v.DECODE:
+    if kind in WARMED:
         known = [x for x in (seqs, tokens, None if blocks is None else blocks - 1) if isinstance(x, int)]
         feasible = max(0, min(known)) if len(known) == 3 else None
     out = {"schema_version": SCHEMA_VERSION}
-    if kind == v.DECODE:  # Dynamo writes its warm-up's block in decode (and agg) runs only
+    if kind in WARMED:  # Dynamo writes its warm-up's block in decode (and agg) runs only
         out["kvwarm"] = {
             "enabled": bool(meta.get("enabled")),
             "warm_eligible": bool(meta.get("warm_eligible")),
@@ -184,7 +188,7 @@ def _rank_artifact(sweep, rank: int, kind: str, path: Path, rows: KindRows) -> d
         "grid_digest": _sha256([rows.points[k] for k in rows.everywhere] + [s["point"] for s in rows.skipped]),
         "timing": None,
         "dp": {"rank": rank, "size": size},
-        "synchronization": {"enabled": size > 1, "coordinator_rank": 0, "port": None},
+        "synchronization": {"enabled": size > 1, "coordinator_rank": 0, "port": exchange.get("port")},
         "coverage": None,
         "config": {
             "mode": kind,
@@ -235,9 +239,14 @@ def _rank_artifact(sweep, rank: int, kind: str, path: Path, rows: KindRows) -> d
             )
         },
         "synthetic_prompts.vocab_size": NOT_RECORDED,
-        "synchronization.port": "the ranks meet through files in the output folder, not a TCP port",
     }
-    unfilled |= {path: why for path, why in gaps.items() if path != "synchronization.port" or size > 1}
+    if size > 1 and exchange.get("port") is None:
+        gaps["synchronization.port"] = (
+            "the ranks met through files in the output folder, not a TCP port"
+            if exchange.get("exchange") == "files"
+            else f"{NOT_RECORDED} (a sweep older than its record of the ranks' exchange)"
+        )
+    unfilled |= gaps
     for block in ("kvwarm", "limits", "capacity", "cudagraph"):
         if block not in out:
             continue
@@ -258,7 +267,7 @@ def _rank_artifact(sweep, rank: int, kind: str, path: Path, rows: KindRows) -> d
         "engine_args": (artifact.get("config") or {}).get("engine_args"),
         "kvwarm": meta,
         "batch_semantics": "per_rank",
-        "synchronization": "files" if size > 1 else None,
+        "synchronization": exchange or None,
         "unfilled": dict(sorted(unfilled.items())),
     }
     return out

@@ -120,6 +120,7 @@ def engine_provenance(artifact: dict, layout: dict, resolved: dict, cudagraph: d
             unfilled[f"engine.kv_cache.groups[{i}].{key}"] = NOT_RECORDED
         unfilled[f"engine.kv_cache.groups[{i}].non_causal"] = NOT_RECORDED
     build = artifact.get("build") or {}
+    parallel = resolved.get("parallel") if isinstance(resolved.get("parallel"), dict) else {}
     engine = {
         "attention": {
             "backend_requested": None,
@@ -159,12 +160,12 @@ def engine_provenance(artifact: dict, layout: dict, resolved: dict, cudagraph: d
             "data_parallel_rank": layout["data_parallel_rank"],
             "tensor_parallel_size": layout["tensor_parallel_size"],
             "pipeline_parallel_size": layout["pipeline_parallel_size"],
-            "prefill_context_parallel_size": None,
-            "decode_context_parallel_size": None,
+            "prefill_context_parallel_size": parallel.get("prefill_context_parallel_size"),
+            "decode_context_parallel_size": parallel.get("decode_context_parallel_size"),
             "enable_expert_parallel": layout["expert_parallel"],
-            "enable_eplb": None,
-            "all2all_backend": None,
-            "eplb_config": None,
+            "enable_eplb": parallel.get("enable_eplb"),
+            "all2all_backend": parallel.get("all2all_backend"),
+            "eplb_config": parallel.get("eplb_config"),
         },
         "speculative": None,
         "graph": {
@@ -187,11 +188,6 @@ def engine_provenance(artifact: dict, layout: dict, resolved: dict, cudagraph: d
         "quantization.method",
         "quantization.checkpoint_config",
         "quantization.quant_config_class",
-        "parallel.prefill_context_parallel_size",
-        "parallel.decode_context_parallel_size",
-        "parallel.enable_eplb",
-        "parallel.all2all_backend",
-        "parallel.eplb_config",
         "speculative",
         "versions.vllm_build_commit",
     ):
@@ -223,6 +219,7 @@ NULL_IN_DYNAMO = {
     "engine.attention.backend_resolved",
     "engine.attention.mla_prefill_backend_resolved",
     "engine.resolved",
+    "engine.parallel.eplb_config.communicator",  # vLLM's own default
     "kvwarm.skip_reason",  # null: the gate admitted the model
     "kvwarm.dataset",  # null: no dataset read (warm-up off)
 }

@@ -1,6 +1,8 @@
 """A sweep's rows in Dynamo's self-benchmark artifact, for one kind of point: the points
 measured on every rank (`points_over_ranks`), each as Dynamo's point with the graph it should
-run in, one ForwardPassMetrics per rank, the iteration groups, and the skipped points.
+run in, one ForwardPassMetrics per rank, the iteration groups, and the skipped points; or for
+both kinds in one artifact, as Dynamo's agg mode runs them (`agg_rows`: the prefill points,
+then the decode points, numbered on).
 
 Plain data: nothing here imports vLLM.
 """
@@ -175,6 +177,7 @@ class KindRows:
     fpms: dict[tuple, list[dict]]  # per point: each rank's ForwardPassMetrics
     groups: list[dict]  # Dynamo's iteration groups
     skipped: list[dict]  # Dynamo's skipped points
+    missing: list[str]  # the kinds the sweep has no point of (Dynamo's missing phases)
 
     def results(self, rank: int, size: int) -> list[dict]:
         """The rank's `results`: Dynamo's point, its FPM, and ours (NAMESPACE) per point."""
@@ -189,17 +192,19 @@ class KindRows:
         ]
 
 
-def kind_rows(sweep, kind: str, graphs) -> KindRows:
+def kind_rows(sweep, kind: str, graphs, first: int = 1, first_skipped: int | None = None) -> KindRows:
     """The sweep's rows of one kind; `graphs`: rank 0's recorded CUDA graphs (for rows that
-    carry no graph record of their own)."""
+    carry no graph record of their own); `first`, `first_skipped`: the benchmark id of the
+    first measured and of the first skipped point (default: right after the measured)."""
     everywhere, measured, skipped, expected = points_over_ranks(sweep, kind)
     points = {}
-    for i, key in enumerate(everywhere, start=1):
+    for i, key in enumerate(everywhere, start=first):
         rows = [m[key] for m in measured]
         graph = _row_graph(rows[0], kind, graphs)
         points[key] = _point(key, i, [EXPLICIT, *graph["reasons"], *_stamps(rows)], graph)
     skipped_points = []
-    for i, (key, entry) in enumerate(skipped.items(), start=len(everywhere) + 1):
+    first_skipped = first + len(everywhere) if first_skipped is None else first_skipped
+    for i, (key, entry) in enumerate(skipped.items(), start=first_skipped):
         graph = _row_graph(entry, kind, graphs)
         skipped_points.append(
             {
@@ -224,4 +229,24 @@ def kind_rows(sweep, kind: str, graphs) -> KindRows:
         }
         for key in everywhere
     ]
-    return KindRows(everywhere, measured, expected, points, fpms, groups, skipped_points)
+    return KindRows(everywhere, measured, expected, points, fpms, groups, skipped_points, [] if expected else [kind])
+
+
+def agg_rows(sweep, graphs) -> KindRows:
+    """Both kinds in one artifact, as Dynamo's agg mode: the prefill points measured on every
+    rank, then the decode points, numbered 1..N in that order; the skipped points after them."""
+    measured = {kind: len(points_over_ranks(sweep, kind)[0]) for kind in (v.PREFILL, v.DECODE)}
+    skipped_prefill = len(points_over_ranks(sweep, v.PREFILL)[2])
+    after = measured[v.PREFILL] + measured[v.DECODE] + 1
+    prefill = kind_rows(sweep, v.PREFILL, graphs, 1, after)
+    decode = kind_rows(sweep, v.DECODE, graphs, measured[v.PREFILL] + 1, after + skipped_prefill)
+    return KindRows(
+        prefill.everywhere + decode.everywhere,
+        [{**p, **d} for p, d in zip(prefill.measured, decode.measured)],
+        prefill.expected + decode.expected,
+        prefill.points | decode.points,
+        prefill.fpms | decode.fpms,
+        prefill.groups + decode.groups,
+        prefill.skipped + decode.skipped,
+        prefill.missing + decode.missing,
+    )

@@ -110,22 +110,6 @@ def load_sweep(arg: str | Path) -> SweepRecord:
     return SweepRecord(root, ranks, paths)
 
 
-def read_finished_ranks(root: Path, size: int) -> SweepRecord | None:
-    """Every rank's artifact once every rank has finished (None while one is missing or
-    running): what the last rank to finish exports."""
-    paths = [root / (rank_path(r) if size > 1 else v.ARTIFACT) for r in range(size)]
-    ranks = []
-    for path in paths:
-        try:
-            artifact = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-        if artifact.get("status") not in (v.COMPLETE, v.FAILED):
-            return None
-        ranks.append(artifact)
-    return SweepRecord(root, ranks, paths)
-
-
 PREFIXED = "prefill points with a prefix (P > 0)"
 
 

@@ -87,6 +87,16 @@ KVWARM = _object(
                 "batch_queue_size": POSITIVE,
             },
         },
+        "exchange": {
+            "type": ["object", "null"],
+            "required": ["exchange", "address", "port"],
+            "properties": {
+                "exchange": {"enum": ["store", "files"]},
+                "address": {"type": "string"},
+                "port": {"type": ["integer", "null"], "minimum": 1, "maximum": 65535},
+                "port_origin": NULLABLE_STRING,
+            },
+        },
     },
 )
 RESULT = _object(

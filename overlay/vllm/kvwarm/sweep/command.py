@@ -18,7 +18,8 @@ refuses one that does not match (sweep.loop, vllm.kvwarm.scheduler.check_matches
 With --data-parallel-size N > 1 the engine cores always run in vLLM's own processes (one
 per rank; an in-process engine core cannot be data parallel), each rank writes OUT/dp<R>/,
 and the command waits for the combined OUT/sweep.json to be final: its exit code is 0
-only when every rank completed.
+only when every rank completed. `--data-parallel-backend ray` is refused where vLLM's platform
+names no Ray device (the CPU platform): vLLM's Ray launcher could not place the ranks there.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from pathlib import Path
 
 from ..record import vocabulary as v
 from ..record.combined import rank_path
-from .run import CONFIG_KEY, INPUT_ERRORS, check_grid, grid_path, new_writer, read_inputs
+from .grid_settings import check_grid
+from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
 from .settings import SettingsError
 from .trace_grid import caps_of, check_given
 
@@ -147,6 +149,11 @@ def run(argv: list[str]) -> int:
         return 2
     writer.write(v.RUNNING)  # replaces any earlier run's artifact in --out
     engine_args = engine_args_from(engine_argv, spec)
+    refused = ray_refusal(engine_args)
+    if refused is not None:
+        print(f"kvwarm sweep: {refused}", file=sys.stderr)
+        writer.write(v.FAILED, refused)
+        return 2
     if engine_args.data_parallel_size > 1:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             print(
@@ -183,6 +190,24 @@ def run(argv: list[str]) -> int:
         print(f"kvwarm sweep: {status}: {recorded.get('error') or 'see the log above'}", file=sys.stderr)
     engine.engine_core.shutdown()
     return 0 if status == v.COMPLETE else 1
+
+
+def ray_refusal(engine_args) -> str | None:
+    """Why data parallel over Ray cannot start on this platform (None: nothing against it).
+    vLLM's Ray launcher places each rank on the Ray resource its platform names
+    (`ray_device_key`); a platform that names none (the CPU one) stops it with an assertion
+    ("No  found in Ray cluster") before any engine core exists."""
+    if engine_args.data_parallel_size <= 1 or getattr(engine_args, "data_parallel_backend", "mp") != "ray":
+        return None
+    from vllm.platforms import current_platform
+
+    if getattr(current_platform, "ray_device_key", ""):
+        return None
+    name = getattr(current_platform, "device_name", "this")
+    return (
+        f"--data-parallel-backend ray: vLLM's {name!r} platform names no Ray device (its ray_device_key is empty), "
+        "so vLLM's Ray launcher cannot place the data-parallel ranks; use --data-parallel-backend mp (the default)"
+    )
 
 
 def _recorded(out: str, dp_size: int) -> dict | None:

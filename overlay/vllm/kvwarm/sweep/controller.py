@@ -1,6 +1,7 @@
 """The sweep as a plain controller that the scheduler adapter drives, one phase at a time.
 
-Per rung (one batch size, deepest rung first; sweep.plan):
+First, a generated grid (`lay_grid`) is laid in the ranks' smallest pool. Then per rung (one
+batch size, deepest rung first; sweep.plan):
   plan    the ranks agree on the smallest usable pool, every rank trims to it, and they
           compare plan digests (a mismatch stops every rank);
   build   B chains of the rung's depth are added; vLLM prefills them; each is parked;
@@ -21,21 +22,18 @@ every point runs on fake KV, stamped with `fake_regime`.
 Across data-parallel ranks every rank runs this same controller and they meet at its
 boundaries (MEETING, sweep.meetings), so every rank enters its admission and timed steps
 together and no rank's timed step overlaps another's chain prefill. B is per rank. A prefill
-point is measured by its own runner (sweep.prefill_runner); what is here is the rungs, the
-decode points and the exact state's catch-ups.
+point is measured by its own runner (sweep.prefill_runner); whether its chains must be built
+again is settled at its meeting, so a restage is one every rank takes part in. What is here
+is the grid's pool, the rungs, the decode points and the exact state's catch-ups.
 
-While a point is measured, `measuring()` names the only requests the step may run; the
-adapter keeps every other request (a server's own) queued until the point ends.
-
-The adapter calls `before_schedule(scheduler)` at the start of each schedule() and
-`after_update(scheduler, output)` after each update_from_output(); `has_work()` keeps the
-engine stepping. Nothing here imports the engine; tests step it against a real Scheduler
-with the model runner's part played by the test.
+The adapter calls `before_schedule` at the start of each schedule() and `after_update`
+after each update_from_output(); `has_work()` keeps the engine stepping; `measuring()` names
+the only requests a step may run while a point is measured. Nothing here imports the engine;
+tests step it against a real Scheduler with the model runner's part played by the test.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
 from collections.abc import Callable
@@ -53,11 +51,13 @@ from .decode_steps import DecodeSteps
 from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
 from .gc_workers import worker_hold
-from .meetings import Meetings, check_same_point
+from .meetings import BODIES, Meetings, check_same_point, has_others, pool_record, usable_blocks
+from .phase import Phase
 from .plan import (
     PointPlan,
     Rung,
     SweepConfig,
+    SweepSetup,
     injected_contexts,
     plan_digest,
     plan_prefill_rung,
@@ -65,23 +65,12 @@ from .plan import (
     trim_rung,
 )
 from .points import DecodePoint, PrefillPoint
-from .prefill import TailText
-from .prefill_runner import Next, PrefillRunner
+from .prefill import TailText, prefixes_missing
+from .prefill_points import PrefillPoints
+from .prefill_runner import PrefillRunner
 from .ranks import RankFailed
 from .rows import skipped_row
 from .timing import StepTimer, Window
-
-
-class Phase(enum.Enum):
-    NEXT_RUNG = "next_rung"  # between rungs: the next one is planned, or the sweep ends
-    MEETING = "meeting"  # waiting for every rank at a boundary (then what waits on it runs)
-    BUILDING = "building"  # the rung's chains are prefilling
-    NEXT_POINT = "next_point"  # the rung is built: its next point starts, or it is shed
-    CATCHING_UP = "catching_up"  # exact state: the point's catch-up chains are prefilling
-    MEASURING = "measuring"  # the point's requests are queued, admitted and timed
-    ENDING = "ending"  # the sweep waits for requests from outside before its leak check
-    DONE = "done"
-
 
 # Each sweep in a process names its requests apart: vLLM's runner forgets a finished
 # request's align-mode state slot only in a step that runs a forward, so a later sweep's
@@ -92,7 +81,7 @@ _SWEEP_NUMBERS = itertools.count()
 END_WAIT_SECONDS = 60.0
 
 
-class Sweep:
+class Sweep(PrefillPoints):
     def __init__(
         self,
         points: list[DecodePoint | PrefillPoint],
@@ -106,20 +95,22 @@ class Sweep:
         tail_tokens: list[int] | None = None,
         vocab_size: int = 0,
         graphs: GraphConfig | None = None,
+        lay_grid: Callable[[dict], SweepSetup] | None = None,
     ):
         """`tail_tokens`: text the chains never use, for the new tokens of prefill points
         (the held-out half of the dataset; synthetic tokens where None); `vocab_size` bounds
         the synthetic tokens (the model's vocabulary); `graphs`: the engine's CUDA graphs, whose
-        expected one each measured row records."""
-        self.config = config
-        self.rungs = plan_rungs(points, config.decode_steps, config.max_model_len, config.real)
+        expected one each measured row records. `lay_grid`: the sweep's points are a grid,
+        laid once the ranks agree on the pool (given the smallest of each BODIES["grid"]
+        value), which gives what the first arguments give otherwise."""
         self.rows: list[PointRow] = []
         self.stages: list[dict] = []  # one per rung built: batch, depth, build_seconds
         self.phase = Phase.NEXT_RUNG
         self.reset_prefix_cache_ok: bool | None = None
-        self._points = points
         self._number = next(_SWEEP_NUMBERS)  # in its requests' ids
-        self._chain_tokens = chain_tokens
+        self._vocab_size = vocab_size
+        self._lay_grid = lay_grid
+        self._adopt(SweepSetup(points, chain_tokens, config, tail_tokens))
         self.clock = clock
         self.timer = StepTimer(clock)  # the adapter reports its clock readings to it
         self._gc = GcHold(config.gc_hold)
@@ -131,11 +122,16 @@ class Sweep:
         self._catchups: CatchUps | None = None
         self._prefill: PrefillRunner | None = None  # the prefill point being measured
         self._restaging: PointPlan | None = None  # a prefill point waiting for its chains again
-        self._tails = TailText(tail_tokens or [], vocab_size)
         self._graphs = graphs
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
         self._drifted: set[str] = set()  # chains an in-place shadow has advanced
         self._ending: float | None = None  # when the sweep began waiting for outside requests to end
+
+    def _adopt(self, setup: SweepSetup) -> None:
+        self.config = setup.config
+        self.rungs = plan_rungs(setup.points, setup.config.decode_steps, setup.config.max_model_len, setup.config.real)
+        self._points, self._chain_tokens = setup.points, setup.chain_tokens
+        self._tails = TailText(setup.tail_tokens or [], self._vocab_size)
 
     @property
     def done(self) -> bool:
@@ -165,7 +161,7 @@ class Sweep:
             self._gc.workers = worker_hold(scheduler)
         phase = self.phase
         if phase is Phase.MEETING:
-            self._meetings.poll()
+            self._meetings.poll(busy=has_others(scheduler))
         elif phase is Phase.NEXT_RUNG:
             self._start_next_rung(scheduler)
         elif phase is Phase.BUILDING:
@@ -225,16 +221,23 @@ class Sweep:
     # --- rungs -------------------------------------------------------------------------------
 
     def _start_next_rung(self, scheduler) -> None:
+        if self._lay_grid is not None:
+            self._meet("grid", pool_record(scheduler), self._grid_laid)
+            return
         if not self.rungs:
             self.phase = Phase.ENDING
             self._end(scheduler)
             return
         rung = self._rung = self.rungs.pop(0)
-        kvm = scheduler.kv_cache_manager
-        # Where the manager keeps a watermark free when it admits waiting requests (the
-        # chains are such requests), the chains cannot use those blocks.
-        usable = kvm.block_pool.get_num_free_blocks() - getattr(kvm, "watermark_blocks", 0)
+        usable = usable_blocks(scheduler.kv_cache_manager)
         self._meet("pool", {"usable_blocks": usable}, lambda records: self._plan_rung(scheduler, rung, records))
+
+    def _grid_laid(self, records: list[dict]) -> None:
+        """Every rank lays the grid in the smallest pool; the first rung starts next."""
+        pool = {field: min(r[field] for r in records) for field in BODIES["grid"]}
+        lay, self._lay_grid = self._lay_grid, None
+        self._adopt(lay(pool))
+        self.phase = Phase.NEXT_RUNG
 
     def _plan_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
         """Every rank trims to the smallest usable pool, then the ranks compare plans."""
@@ -297,10 +300,9 @@ class Sweep:
         self.stages.append({"batch": rung.batch_size, "depth": rung.depth, "build_seconds": round(seconds, 3)})
         self._gc.freeze()  # the chains and everything before: never collected while they serve
         self._progress(f"rung batch={rung.batch_size}: {rung.batch_size} chain(s) built in {seconds:.1f} s")
-        if self._restaging is not None:  # the point whose prefix was lost starts over, without a meeting
-            plan, self._restaging = self._restaging, None
-            self._start_prefill(scheduler, plan)
-            return
+        if self._restaging is not None:  # the point whose prefix was lost meets again, first
+            self._queue.insert(0, self._restaging)
+            self._restaging = None
         self.phase = Phase.NEXT_POINT
         self._next_point(scheduler)
 
@@ -327,10 +329,20 @@ class Sweep:
             self.phase = Phase.NEXT_RUNG
             return
         plan = self._queue.pop(0)
-        self._meet("point", {"index": len(self.rows)}, lambda records: self._start_point(scheduler, plan, records))
+        restage = (
+            plan.prefill
+            and plan.real
+            and not plan.retried
+            and prefixes_missing(scheduler, plan.point, self._rung.chains)
+        )
+        record = {"index": len(self.rows), "restage": bool(restage)}
+        self._meet("point", record, lambda records: self._start_point(scheduler, plan, records))
 
     def _start_point(self, scheduler, plan: PointPlan, records: list[dict]) -> None:
         check_same_point(records)
+        if any(r["restage"] for r in records):
+            self._restage(scheduler, plan, [r["rank"] for r in records if r["restage"]])
+            return
         if plan.prefill:
             self._start_prefill(scheduler, plan)
             return
@@ -393,43 +405,6 @@ class Sweep:
             f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
             f"B={row.batch_size} ({row.kv_seed_regime}): {median}"
         )
-
-    # --- prefill points ----------------------------------------------------------------------
-
-    def _start_prefill(self, scheduler, plan: PointPlan) -> None:
-        """The point's prefixes, then its warm shot; the measured shots follow one per step."""
-        ids = (len(self.rows), self._number)
-        self._prefill = PrefillRunner(scheduler, plan, self._rung.chains, self._tails, self.config.steady_steps, ids)
-        self._gc.hold()
-        self.phase = Phase.MEASURING
-        self._next_shot(scheduler)
-
-    def _next_shot(self, scheduler) -> None:
-        step = self._prefill.next_shot(scheduler)
-        if step is Next.RESTAGE:
-            self._restage(scheduler)
-        elif step is Next.DONE:
-            runner, self._prefill = self._prefill, None
-            self._finish_point(runner.finish(scheduler), scheduler)
-
-    def _restage(self, scheduler) -> None:
-        """A chain's prefix is no longer cached: build the rung's chains again, once, and
-        start the point over (this rank alone: the ranks met before the point)."""
-        from vllm.v1.request import RequestStatus
-
-        plan = self._prefill.plan
-        plan.retried = True
-        self._progress(
-            f"prefill point N={plan.point.total_prefill_tokens} P={plan.point.total_kv_read_tokens}: "
-            "a chain's prefix was not cached; building the chains again"
-        )
-        self._prefill.release(scheduler)
-        self._prefill, self._restaging = None, plan
-        self._gc.release()
-        scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
-        self._rung.chains = []
-        self._rung.started = self.clock()
-        self._add_chains(scheduler, self._rung)
 
     # --- the end -----------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ in the engine-core process: GPUs are listed through NVML)."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
 import platform
 import sys
@@ -41,7 +43,39 @@ def resolved_engine_args(scheduler) -> dict:
         "async_scheduling": bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)),
         "enable_chunked_prefill": bool(getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False)),
         "long_prefill_token_threshold": getattr(vllm_config.scheduler_config, "long_prefill_token_threshold", None),
+        "parallel": parallel_record(vllm_config.parallel_config),
     }
+
+
+# The parallel settings, as vLLM resolved them, that Dynamo's engine block carries besides the
+# layout (a release without one of them: null).
+PARALLEL_SETTINGS = (
+    "prefill_context_parallel_size",
+    "decode_context_parallel_size",
+    "enable_eplb",
+    "all2all_backend",
+    "eplb_config",
+    "data_parallel_backend",
+)
+
+
+def parallel_record(parallel_config) -> dict:
+    return {name: _plain(getattr(parallel_config, name, None)) for name in PARALLEL_SETTINGS}
+
+
+def _plain(value):
+    """A resolved setting as JSON: a config dataclass as its fields, an enum as its value."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return _plain(value.value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(x) for x in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(x) for k, x in value.items()}
+    return str(value)
 
 
 def kv_cache_tokens(scheduler) -> int | None:

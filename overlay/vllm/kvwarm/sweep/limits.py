@@ -45,7 +45,9 @@ def check_engine(vllm_config) -> None:
         )
 
 
-def check_points(points: list, vllm_config, kv_cache_manager, source: str) -> None:
+def check_points(points: list, vllm_config, kv_cache_manager, source: str, free: int | None = None) -> None:
+    """`free`: the blocks the pool check allows (default: this pool's free ones, less any
+    watermark; a grid under data parallel passes the ranks' smallest)."""
     scheduler_config = vllm_config.scheduler_config
     max_seqs = scheduler_config.max_num_seqs
     too_wide = sorted({p.batch_size for p in points if p.batch_size > max_seqs})
@@ -59,7 +61,8 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str) -> No
     budget = scheduler_config.max_num_batched_tokens
     threshold = getattr(scheduler_config, "long_prefill_token_threshold", 0) or 0
     max_model_len = vllm_config.model_config.max_model_len
-    free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
+    if free is None:
+        free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
     prefill = [p for p in points if isinstance(p, PrefillPoint)]
     prefixed = [p for p in prefill if p.total_kv_read_tokens]
     if prefixed and not getattr(vllm_config.cache_config, "enable_prefix_caching", False):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from ..kv.arithmetic import trim_depth
@@ -54,6 +55,17 @@ class SweepConfig:
     def hand_off(self) -> str | None:
         """How shadows take state over (exact: from their catch-ups)."""
         return self.state_lending if self.state_mode == EXACT else self.state_mode
+
+
+@dataclass
+class SweepSetup:
+    """What a sweep measures and how: the points, the chains' text, the config, the prefill
+    tails' text (the sweep's own arguments of those names)."""
+
+    points: list
+    chain_tokens: Callable[[int, int], list[int]] | None
+    config: SweepConfig
+    tail_tokens: list[int] | None = None
 
 
 @dataclass

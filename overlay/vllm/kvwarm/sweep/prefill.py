@@ -32,7 +32,7 @@ from ..kv.catchup import cached_tokens
 from ..kv.chains import prefix_hasher
 from ..kv.fake_kv import salted_sequence
 from ..kv.layout import group_layouts
-from ..kv.prefix import fake_prefix, new_request_blocks
+from ..kv.prefix import fake_prefix, new_request_blocks, prefix_unit
 from ..kv.request import greedy_request
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
@@ -84,6 +84,7 @@ class PrefillShots:
     prompts: list[list[int]]  # request i's prefix tokens
     salts: list[str | None]  # request i's cache salt (None: a salt of its own)
     steady_steps: int
+    trailing: int = 0  # untimed shots after the timed ones (data parallel: sweep.prefill_runner)
     seeds: list = field(default_factory=list)  # fake prefixes, freed with the point
     shots: list[Shot] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
@@ -96,7 +97,8 @@ class PrefillShots:
 
     @property
     def finished(self) -> bool:
-        return self.failure is not None or len(self.times) >= self.steady_steps
+        """Failed, or every shot run: the warm one, the timed ones, the trailing ones."""
+        return self.failure is not None or len(self.shots) >= 1 + self.steady_steps + self.trailing
 
 
 def shot_requests(scheduler, shots: PrefillShots, tails: TailText, name: str) -> list:
@@ -125,6 +127,25 @@ def check_shot(scheduler, shots: PrefillShots, requests: list) -> tuple[str, str
         reason = v.REAL_SEED_VALIDATION_FAILED if shots.regime == v.REAL_PREFIX else v.FAKE_PREFIX_VALIDATION_FAILED
         return reason, f"the prefix cache holds {hits} of the prefixes {shots.prefixes}"
     return None
+
+
+def prefixes_missing(scheduler, point: PrefillPoint, chains: list) -> bool:
+    """Whether a real-prefix point finds any of its prefixes (chain i's first kv_i tokens)
+    no longer cached: then its rung's chains are built again before it starts."""
+    kvm = scheduler.kv_cache_manager
+    hasher = prefix_hasher(scheduler)
+    prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
+    for i, (chain, p) in enumerate(zip(chains, prefixes)):
+        if not p:
+            continue
+        # a token past the prefix, as a shot's tail: the lookup may find the whole prefix, no more
+        tokens = [*chain.prompt_token_ids[:p], chain.prompt_token_ids[0]]
+        probe = greedy_request(
+            f"{PREFILL_PREFIX}probe_{i}", tokens, 1, cache_salt=chain.cache_salt, block_hasher=hasher
+        )
+        if cached_tokens(kvm, probe) != p:
+            return True
+    return False
 
 
 def seed_fake_prefixes(scheduler, shots: PrefillShots, name: str) -> None:

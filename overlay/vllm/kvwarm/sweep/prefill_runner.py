@@ -3,9 +3,15 @@ its warm shot and its measured shots one step each, and its row. What a shot is,
 and its checks: sweep.prefill.
 
 The runner holds the shots' state; the controller calls `next_shot` at each schedule() and
-`step` after each update_from_output(), and acts on what `next_shot` says: a point whose
-chain prefix is no longer cached asks for its rung's chains again (RESTAGE, once), a point
-whose shots are done or failed is finished (DONE).
+`step` after each update_from_output(), and finishes the point once `next_shot` says DONE
+(every shot run, or the point failed). Whether a real prefix is still cached is asked before
+the point starts, at the ranks' meeting (sweep.prefill.prefixes_missing): a restage is one
+every rank takes part in. A prefix found missing later fails the point.
+
+Under data parallel the ranks start the point's shots one engine step apart at most, and a
+shot is one step: so a timed shot of one rank could run beside another rank's idle step.
+`trailing` untimed shots after the timed ones (one per step of lag, as the warm shot before
+them) keep every timed shot beside a shot of the same shape on every other rank.
 """
 
 from __future__ import annotations
@@ -33,14 +39,23 @@ from .timing import Window
 
 class Next(enum.Enum):
     SHOT = "shot"  # a shot is queued or still running: carry on
-    RESTAGE = "restage"  # a chain's prefix is gone: build the rung's chains again, then start over
-    DONE = "done"  # every shot measured, or the point failed: finish it
+    DONE = "done"  # every shot run, or the point failed: finish it
 
 
 class PrefillRunner:
-    def __init__(self, scheduler, plan: PointPlan, chains: list, tails: TailText, steady_steps: int, ids: tuple):
+    def __init__(
+        self,
+        scheduler,
+        plan: PointPlan,
+        chains: list,
+        tails: TailText,
+        steady_steps: int,
+        ids: tuple,
+        trailing: int = 0,
+    ):
         """The point's requests' prefixes (chain i's first kv_i tokens, fake prefixes, or
-        none); `ids`: (the point's index, the sweep's number), which its requests' ids carry."""
+        none); `ids`: (the point's index, the sweep's number), which its requests' ids carry;
+        `trailing`: untimed shots after the timed ones."""
         point = plan.point
         kvm = scheduler.kv_cache_manager
         prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
@@ -56,7 +71,7 @@ class PrefillRunner:
             prompts = [[(i * 7919 + 31 * t + 2) % vocab for t in range(p)] for i, p in enumerate(prefixes)]
             salts = [None] * len(prefixes)
         self.plan = plan
-        self.shots = PrefillShots(point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps)
+        self.shots = PrefillShots(point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps, trailing)
         self._tails, self._ids = tails, ids
         if regime == v.FAKE_PREFIX:
             seed_fake_prefixes(scheduler, self.shots, f"{ids[0]}_s{ids[1]}")
@@ -72,19 +87,17 @@ class PrefillRunner:
 
     def next_shot(self, scheduler) -> Next:
         """Queue the next shot once the last one's requests are gone (they finish after their
-        one token); the first shot warms up, untimed."""
+        one token); the first shot warms up, untimed, and the trailing ones are untimed too."""
         shots = self.shots
         shot = shots.current
         if shot is not None and (not shot.done or any(r.request_id in scheduler.requests for r in shot.requests)):
             return Next.SHOT
         if shots.finished:
             return Next.DONE
-        timed = bool(shots.shots)
+        timed = 1 <= len(shots.shots) <= shots.steady_steps
         index, number = self._ids
         requests = shot_requests(scheduler, shots, self._tails, f"{index}_{len(shots.shots)}_s{number}")
         problem = check_shot(scheduler, shots, requests)
-        if problem is not None and problem[0] == v.REAL_SEED_VALIDATION_FAILED and not self.plan.retried:
-            return Next.RESTAGE
         if problem is not None:
             shots.failure = problem
             return Next.DONE

@@ -7,17 +7,20 @@ sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten 
 every point, and on any failure with status "failed", the error and every row measured.
 Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an exchange
 (sweep.exchange.make_exchange), which also carries each write to the combined view
-OUT/sweep.json (record.combined) on rank 0's side. With DYN_FPM_BENCHMARK_OUTPUT_PATH set,
-the last rank to finish also writes Dynamo's self-benchmark artifact there (record.export),
-where OUT is one folder every rank sees.
+OUT/sweep.json (record.combined) on rank 0's side. A generated grid (--grid) is laid once
+the ranks agree on the pool (sweep.controller), the same on every rank; rank 0 writes it.
+With DYN_FPM_BENCHMARK_OUTPUT_PATH set, whichever rank ends up holding every rank's final
+artifact (rank 0 through the store, the last rank to finish through files, the only rank
+alone) writes Dynamo's self-benchmark artifact there (record.export.write_final).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from vllm.logger import init_logger
@@ -28,18 +31,18 @@ from ..kv.state_mode import STATE_ENV, decide_state_mode, refusal_hint
 from ..record import export
 from ..record import vocabulary as v
 from ..record.files import write_atomically
-from ..record.shape import GraphConfig
 from ..record.trace_reader import TraceError, read_trace
 from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
-from .engine_record import kv_cache_tokens, run_record
+from .engine_record import run_record
 from .exchange import make_exchange
 from .gate import content_reason, model_gate_reason
 from .graphs import graph_config
-from .grid import CAPS, GridLimits, decode_grid, points_file, prefill_grid
+from .grid import GridLimits, decode_grid, points_file, prefill_grid
+from .grid_settings import GridLaying, grid_settings, wants_grid
 from .limits import SweepRefused, check_engine, check_points
 from .loop import loop_record, trailing_steps
-from .plan import SweepConfig
+from .plan import SweepConfig, SweepSetup
 from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
 from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
@@ -134,45 +137,6 @@ def _tokenizer_encode(model_config):
     return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
-def _positive(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def wants_grid(spec: dict) -> bool:
-    """Whether a sweep's config asks for a generated grid: "grid": true, or caps ({} too)."""
-    return spec.get("grid") not in (None, False)
-
-
-def check_grid(spec_grid) -> tuple[dict, list[int] | None]:
-    """A generated grid's caps (every cap, the defaults filled in) and the capture sizes
-    given, or SettingsError naming what is wrong: checked before the engine loads."""
-    asked = dict(spec_grid) if isinstance(spec_grid, dict) else {}
-    sizes = asked.pop("capture_sizes", None)
-    problem = spec_grid is not True and not isinstance(spec_grid, dict)
-    problem = problem or set(asked) - set(CAPS) or not all(_positive(n) for n in asked.values())
-    if problem or (sizes is not None and not (isinstance(sizes, list) and all(_positive(n) for n in sizes))):
-        raise SettingsError(
-            f'"grid": {spec_grid!r}: the grid takes true, or caps among {", ".join(CAPS)} (positive integers) '
-            'and "capture_sizes" (a list of positive integers)'
-        )
-    return {**CAPS, **asked}, sizes
-
-
-def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:
-    """The caps of a generated grid and the capture sizes its axes are laid around: the
-    engine's, or "capture_sizes" given (a target deployment's, e.g. planned on a CPU host,
-    whose platform clears them); the rows' graph record stays this engine's."""
-    caps, sizes = check_grid(spec_grid)
-    if sizes is not None:
-        sizes = tuple(sorted(set(sizes)))
-        graphs = replace(
-            graphs,
-            decode_capture_sizes=tuple(s for s in sizes if s <= graphs.max_num_seqs),
-            prefill_capture_sizes=sizes,
-        )
-    return caps, graphs
-
-
 def grid_path(out: str) -> Path:
     """Where a --grid sweep writes its generated grid: in its output folder."""
     return Path(out) / GRID_FILE
@@ -207,10 +171,15 @@ class SweepRun:
         self.finished = False
         self.environ = environ
         exchange = None
+        if size == 1:
+            self.writer.before_final = lambda artifact: self._export_final([artifact])
         try:
             export.remove_stale(environ, rank)  # as Dynamo does: no earlier run's file stays there
-            exchange = make_exchange(self.layout, spec["out"], parallel, read_settings(environ))
-            self.writer.exchange = exchange
+            settings = read_settings(environ)
+            exchange = make_exchange(self.layout, spec["out"], parallel, settings, plan_inputs(spec, settings, environ))
+            exchange.on_final = self._export_final
+            self.writer.exchange, self.writer.meta.exchange = exchange, exchange.record()
+            self._say_where_dynamo_goes(exchange)
             self.writer.run.update(run_record(scheduler, spec.get("engine_args")))
             self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder
             self.sweep = self._build(scheduler, vllm_config, spec, environ, exchange)
@@ -227,39 +196,71 @@ class SweepRun:
         max_model_len = vllm_config.model_config.max_model_len
         trailing = trailing_steps(vllm_config)
         inputs = read_inputs(spec.get("points"), environ, max_model_len, trailing)
-        settings, writer, meta = inputs.settings, self.writer, self.writer.meta
-        decode_steps = settings.steady_steps + trailing  # what a decode point's requests run
+        settings, meta = inputs.settings, self.writer.meta
         kvm = scheduler.kv_cache_manager
         graphs = graph_config(vllm_config)
         meta.cudagraph = graphs.record()
         meta.engine_loop = loop_record(scheduler)
-        if wants_grid(spec) or spec.get("grid_from"):
-            inputs.points = self._grid(scheduler, graphs, decode_steps, spec)
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
-        writer.total = len(inputs.points)
         check_engine(vllm_config)
-        check_points(inputs.points, vllm_config, kvm, f"points file {spec.get('points') or GRID_FILE}")
         decision = decide_state_mode(kvm, group_layouts(kvm), environ)
         if decision.reason == v.STATE_MODE_INVALID:
             raise SettingsError(f"{STATE_ENV}={decision.requested!r} is not one of {', '.join(v.STATE_MODES)}")
+        meta.state_mode_requested = decision.requested
         reason = model_gate_reason(vllm_config, settings.warmup) or decision.reason
+        encode = _tokenizer_encode(vllm_config.model_config) if reason is None else None
+        common = {
+            "progress": self.writer.progress,
+            "on_row": self._on_row,
+            "exchange": exchange,
+            "vocab_size": vllm_config.model_config.get_vocab_size(),
+            "graphs": graphs,
+        }
+        if wants_grid(spec) or spec.get("grid_from"):
+            caps, axes = grid_settings(spec.get("grid") or True, graphs)  # bad caps: refused before it serves
+            trace = None
+            if spec.get("grid_from"):  # read and held to this engine before it serves
+                trace = read_trace(spec["grid_from"])
+                check_trace_engine(trace, self.writer.run, self.layout.as_dict(), vllm_config.model_config.model)
+
+            def lay_grid(pool: dict) -> SweepSetup:
+                laying = GridLaying(settings.steady_steps + trailing, caps, axes, pool, trace, spec.get("grid_caps"))
+                points = self._grid(scheduler, laying)
+                return self._setup(scheduler, inputs, points, reason, decision, encode, trailing)
+
+            provisional = SweepConfig(
+                settings.steady_steps, max_model_len, real=False, gc_hold=settings.gc_hold, trailing_steps=trailing
+            )
+            return Sweep([], None, provisional, lay_grid=lay_grid, **common)
+        check_points(inputs.points, vllm_config, kvm, f"points file {spec['points']}")
+        setup = self._setup(scheduler, inputs, inputs.points, reason, decision, encode, trailing)
+        return Sweep(setup.points, setup.chain_tokens, setup.config, tail_tokens=setup.tail_tokens, **common)
+
+    def _setup(self, scheduler, inputs: SweepInputs, points, reason, decision, encode, trailing: int) -> SweepSetup:
+        """What the sweep measures once its points are known: the content gate (enough text
+        for the deepest chain), the chains' and tails' text, the config. `trailing`: the
+        engine loop's untimed decode steps (sweep.loop)."""
+        vllm_config, settings, meta = scheduler.vllm_config, inputs.settings, self.writer.meta
+        max_model_len = vllm_config.model_config.max_model_len
+        self.writer.total = len(points)
         chain_text, tails = None, None
         if reason is None:
-            encode = _tokenizer_encode(vllm_config.model_config)
-            need = max(chain_depth_needed(p, decode_steps, kvm) for p in inputs.points)
+            need = max(
+                (chain_depth_needed(p, settings.steady_steps + trailing, scheduler.kv_cache_manager) for p in points),
+                default=0,
+            )
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
             tails = tail_tokens(inputs.held_out or [], encode)
-            if tails is None and any(isinstance(p, PrefillPoint) for p in inputs.points):
+            if tails is None and any(isinstance(p, PrefillPoint) for p in points):
                 raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
-        meta.state_mode_requested = decision.requested
         meta.state_mode = decision.mode if reason is None else None
         meta.warm_eligible, meta.skip_reason = reason is None, reason
         meta.batch_semantics, meta.global_batch_factor = "per_rank", self.layout.data_parallel_size
         if reason is not None:
             hint = refusal_hint(reason)
-            writer.progress(f"warm-up skipped ({reason}): every point on fake KV" + (f"; {hint}" if hint else ""))
+            self.writer.progress(f"warm-up skipped ({reason}): every point on fake KV" + (f"; {hint}" if hint else ""))
         config = SweepConfig(
             steady_steps=settings.steady_steps,
             max_model_len=max_model_len,
@@ -271,45 +272,33 @@ class SweepRun:
             gc_hold=settings.gc_hold,
             trailing_steps=trailing,
         )
-        return Sweep(
-            inputs.points,
-            chain_text,
-            config,
-            progress=writer.progress,
-            on_row=self._on_row,
-            exchange=exchange,
-            tail_tokens=tails,
-            vocab_size=vllm_config.model_config.get_vocab_size(),
-            graphs=graphs,
-        )
+        return SweepSetup(points, chain_text, config, tails)
 
-    def _grid(self, scheduler, graphs, decode_steps: int, spec: dict) -> list:
-        """The generated grid (around the capture sizes, or over a trace's shapes), less any
-        point this engine cannot run as one step; written to OUT/grid.json (a points file to
-        edit and pass back) and recorded."""
+    def _grid(self, scheduler, laying: GridLaying) -> list:
+        """The generated grid (around the capture sizes, or over a trace's shapes) in the
+        laying's pool (the ranks' smallest: sweep.meetings.pool_record), less any point such
+        an engine cannot run as one step; rank 0 writes it to OUT/grid.json (a points file to
+        edit and pass back), every rank records it."""
+        pool, trace = laying.pool, laying.trace
         kvm, vllm_config = scheduler.kv_cache_manager, scheduler.vllm_config
         layouts = group_layouts(kvm)
         attention = [g.block_size for g in layouts if g.kind == ATTENTION] or [kvm.block_pool.hash_block_size]
         limits = GridLimits(
             max_model_len=vllm_config.model_config.max_model_len,
-            steady_steps=decode_steps,
-            kv_cache_tokens=kv_cache_tokens(scheduler) or 0,
-            num_blocks=scheduler.kv_cache_config.num_blocks,
+            steady_steps=laying.decode_steps,
+            kv_cache_tokens=pool["kv_cache_tokens"],
+            num_blocks=pool["num_blocks"],
             block_size=max(attention),
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
         )
         points = []
-        caps, axes = grid_settings(spec.get("grid") or True, graphs)
-        trace = None
-        if spec.get("grid_from"):
-            trace = read_trace(spec["grid_from"])
-            check_trace_engine(trace, self.writer.run, self.layout.as_dict(), vllm_config.model_config.model)
-            laid = trace_grid(trace, axes, limits, spec.get("grid_caps"))
+        if trace is not None:
+            laid = trace_grid(trace, laying.axes, limits, laying.trace_caps)
         else:
-            laid = prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps)
+            laid = prefill_grid(laying.axes, limits, laying.caps) + decode_grid(laying.axes, limits, laying.caps)
         for point in laid:
             try:  # with the points kept so far: a deeper prefix deepens its rung-mates' chains
-                check_points([*points, point], vllm_config, kvm, GRID_FILE)
+                check_points([*points, point], vllm_config, kvm, GRID_FILE, free=pool["usable_blocks"])
             except PointsFileError:
                 continue  # beyond what this engine runs as one step
             points.append(point)
@@ -321,17 +310,27 @@ class SweepRun:
                 "cache memory, or pass --points"
             )
         path = grid_path(self.writer.root)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, json.dumps(points_file(points), indent=2).encode())
+        if self.layout.data_parallel_rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, json.dumps(points_file(points), indent=2).encode())
         self.writer.meta.grid = {
             "points_file": str(path),
             "decode_batches": sorted({p.batch_size for p in points if isinstance(p, DecodePoint)}),
             "prefill_tokens": sorted({p.total_prefill_tokens for p in points if isinstance(p, PrefillPoint)}),
             "points": len(points),
+            "pool": dict(pool),
             **({"trace": str(trace.root)} if trace else {}),
         }
         where = f"over the shapes of the trace {trace.root}" if trace else "around the capture sizes"
-        self.writer.progress(f"generated a grid of {len(points)} point(s) {where}: {path}")
+        self.writer.progress(
+            f"generated a grid of {len(points)} point(s) {where} in a pool of {pool['num_blocks']} block(s)"
+            + (
+                f" (the smallest of the {self.layout.data_parallel_size} ranks')"
+                if self.layout.data_parallel_size > 1
+                else ""
+            )
+            + (f": {path}" if self.layout.data_parallel_rank == 0 else f" (rank 0 writes it to its OUT/{GRID_FILE})")
+        )
         return points
 
     def _on_row(self, row) -> None:
@@ -347,7 +346,6 @@ class SweepRun:
         self.writer.write(v.COMPLETE)
         self.finished = True
         self.writer.progress(f"wrote {self.writer.artifact_path}")
-        self._export_for_dynamo()
 
     def fail(self, err: BaseException) -> None:
         """Record why the sweep stopped, keeping every row measured before. Never raises:
@@ -361,16 +359,51 @@ class SweepRun:
             self.writer.write(v.FAILED, message)
         except ArtifactWriteError as write_err:
             logger.error("[kvwarm sweep] %s", write_err)
-        self._export_for_dynamo()
 
-    def _export_for_dynamo(self) -> None:
-        """Dynamo's artifact at DYN_FPM_BENCHMARK_OUTPUT_PATH, once every rank is done; a
-        failure to write it is logged, never raised (the sweep's own record is written)."""
+    def _say_where_dynamo_goes(self, exchange) -> None:
+        """With DYN_FPM_BENCHMARK_OUTPUT_PATH set: where Dynamo's artifact will be, and who writes it."""
+        out = self.environ.get(export.OUTPUT_ENV)
+        if not out or self.layout.data_parallel_size == 1:
+            return
+        who = {"store": "rank 0, on its node, from what the ranks' store carried", "files": "the last rank to finish"}
+        self.writer.progress(
+            f"{export.OUTPUT_ENV}={out}: once every rank is done, {who[exchange.kind]} writes Dynamo's artifact "
+            "there for every rank (<stem>_dp<R> for rank R; with both kinds, both at the path and each "
+            "kind at <stem>_prefill / <stem>_decode)"
+        )
+
+    def _export_final(self, ranks: list[dict | None]) -> None:
+        """Dynamo's artifact at DYN_FPM_BENCHMARK_OUTPUT_PATH, from every rank's final artifact
+        (the exchange calls this on the rank that holds them all, once they are final); what
+        it writes, or why it writes nothing, is logged, never raised."""
         try:
-            for path in export.write_if_asked(self.writer.root, self.layout.data_parallel_size, self.environ):
+            for path in export.write_final(self.writer.root, ranks, self.environ):
                 self.writer.progress(f"wrote {path} (Dynamo's self-benchmark artifact)")
         except Exception as err:  # noqa: BLE001  (any failure here must not reach the engine)
-            logger.error("[kvwarm sweep] writing %s failed: %s: %s", export.OUTPUT_ENV, type(err).__name__, err)
+            logger.error("[kvwarm sweep] nothing written at %s: %s: %s", export.OUTPUT_ENV, type(err).__name__, err)
+
+
+def plan_inputs(spec: dict, settings: Settings, environ) -> dict:
+    """What every rank's plan is made from, which the ranks' store checks when a rank joins:
+    the points file's content (each node may hold its own copy), the grid asked for, and the
+    settings that shape the plan and the rows."""
+    digest = None
+    if spec.get("points"):
+        try:
+            digest = hashlib.sha256(Path(spec["points"]).read_bytes()).hexdigest()
+        except OSError:
+            digest = None  # the file's own error comes when it is read
+    return {
+        "points_sha256": digest,
+        "grid": spec.get("grid"),
+        "grid_from": bool(spec.get("grid_from")),  # each node may hold its own copy of the trace
+        "grid_caps": spec.get("grid_caps"),
+        "warmup": settings.warmup,
+        "steady_steps": settings.steady_steps,
+        "giant_kv_threshold": settings.giant_kv_threshold,
+        "gc_hold": settings.gc_hold,
+        "state_mode": environ.get(STATE_ENV),
+    }
 
 
 def _sources(spec: dict) -> tuple[bool, bool, bool]:

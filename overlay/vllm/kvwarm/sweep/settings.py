@@ -36,9 +36,12 @@ RANK_SYNC_ENV = "DYN_BENCH_KV_WARMUP_RANK_SYNC"
 RANK_SYNC_VALUES = ("store", "files")
 # The store's port, the same on every rank (default: derived from vLLM's DP master port).
 RANK_SYNC_PORT_ENV = "DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT"
-# Seconds a rank waits for the others at one boundary (and to reach the store) before it gives up.
+# Seconds a rank waits for the others at one boundary before it gives up.
 RANK_TIMEOUT_ENV = "DYN_BENCH_KV_WARMUP_RANK_TIMEOUT"
 DEFAULT_RANK_TIMEOUT = 300
+# Seconds a rank waits for the others to start: to reach the store, and at the first boundary
+# (engines of one launch start seconds or minutes apart); default: the rank timeout.
+RANK_START_TIMEOUT_ENV = "DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT"
 
 # on: real KV where the gate admits the model; off: every point on fake KV (A/B runs);
 # force: real KV even where the gate's cost-saving heuristics would skip (dense models).
@@ -69,18 +72,27 @@ class Settings:
     rank_sync: str = "store"  # store | files
     rank_sync_port: int | None = None  # None: derived from the DP master port
     rank_timeout: int = DEFAULT_RANK_TIMEOUT
+    rank_start_timeout: int | None = None  # None: the rank timeout
+
+    @property
+    def start_timeout(self) -> int:
+        return self.rank_timeout if self.rank_start_timeout is None else self.rank_start_timeout
 
 
-def _int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+def _int(
+    environ: Mapping[str, str], name: str, default: int | None, minimum: int, says: str | None = None
+) -> int | None:
+    """`says`: the default in words, where it is not a number."""
     raw = environ.get(name)
     if raw is None or raw.strip() == "":
         return default
+    says = says or str(default)
     try:
         value = int(raw.strip())
     except ValueError:
-        raise SettingsError(f"{name}={raw!r} is not an integer (default {default})") from None
+        raise SettingsError(f"{name}={raw!r} is not an integer (default {says})") from None
     if value < minimum:
-        raise SettingsError(f"{name}={raw!r} is out of range: it must be an integer >= {minimum} (default {default})")
+        raise SettingsError(f"{name}={raw!r} is out of range: it must be an integer >= {minimum} (default {says})")
     return value
 
 
@@ -118,6 +130,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
         rank_sync=rank_sync,
         rank_sync_port=_port(environ),
         rank_timeout=_int(environ, RANK_TIMEOUT_ENV, default=DEFAULT_RANK_TIMEOUT, minimum=1),
+        rank_start_timeout=_int(environ, RANK_START_TIMEOUT_ENV, None, 1, f"{RANK_TIMEOUT_ENV}'s value"),
     )
 
 

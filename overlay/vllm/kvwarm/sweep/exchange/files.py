@@ -12,6 +12,7 @@ from ...record import vocabulary as v
 from ...record.combined import write_combined
 from ...record.files import write_atomically
 from ..ranks import DEFAULT_TIMEOUT, RankFailed
+from .records import FAILURE, meeting_record
 
 SYNC_DIR = ".kvwarm-sync"
 
@@ -20,7 +21,10 @@ class FileExchange:
     """The file fallback: records at OUT/.kvwarm-sync/<run>/<seq>.<rank>.json, written
     atomically, and the combined view rebuilt from every rank's OUT/dp<R>/ under a file lock
     after each write of any rank. OUT must be one folder every rank sees. `run` must be the
-    same on every rank of one launch and new for each launch (the DP master port)."""
+    same on every rank of one launch and new for each launch (the DP master port). The last
+    rank to write sees the view final and hands every rank's artifact to `on_final`."""
+
+    kind = "files"
 
     def __init__(
         self,
@@ -40,6 +44,11 @@ class FileExchange:
         self._seq = 0
         self._posted_at: float | None = None
         self._kind: str | None = None
+        self.on_final = None
+
+    def record(self) -> dict:
+        """How the ranks met, for the artifact."""
+        return {"exchange": self.kind, "address": str(self.folder), "port": None, "port_origin": None}
 
     def _path(self, seq: int, rank: int) -> Path:
         return self.folder / f"{seq:06d}.{rank}.json"
@@ -60,7 +69,7 @@ class FileExchange:
         self.folder.mkdir(parents=True, exist_ok=True)
         write_atomically(
             self._path(self._seq + 1, self.rank),
-            json.dumps({"kind": "failure", "rank": self.rank, "failed": error}).encode(),
+            json.dumps({"kind": FAILURE, "rank": self.rank, "failed": error}).encode(),
         )
 
     def poll(self) -> list[dict] | None:
@@ -75,11 +84,11 @@ class FileExchange:
                 )
             return None
         self._posted_at = None
-        return [json.loads(p.read_text()) for p in paths]
+        return [meeting_record(p.read_bytes(), str(p), r, self._kind, None) for r, p in enumerate(paths)]
 
     def share(self, artifact: dict) -> None:
         """This rank's artifact is in OUT/dp<R>/ already: rebuild the combined view from every
         rank's; once it is final nobody polls the records, and they go."""
-        combined = write_combined(self.out, self.size)
+        combined = write_combined(self.out, self.size, self.on_final)
         if combined["status"] != v.RUNNING:
             shutil.rmtree(self.out / SYNC_DIR, ignore_errors=True)

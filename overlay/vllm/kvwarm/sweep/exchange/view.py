@@ -1,12 +1,16 @@
-"""Rank 0's combined view under the store exchange (sweep.exchange.store): its own artifact
-and every other rank's latest from the store, written to OUT/sweep.json (record.combined)
-after each of its own writes and, once its own sweep has ended, by a thread of its own until
-the view is final (every rank done, or given up on: silent for the timeout after rank 0's
-end, or missed a boundary); then the store is closed."""
+"""Rank 0's combined view under the store exchange (sweep.exchange.store): its own artifact and
+every other rank's, rebuilt from their summaries and the rows they published, written to
+OUT/sweep.json (record.combined) by a thread of its own, never inside `schedule()`. It reads
+the store every COLLECT_SECONDS (sooner after each of rank 0's own writes), takes each rank's
+new chunks of rows once and deletes them, and rewrites the view when something changed, paced
+so that rewriting a long sweep's view takes a small share of the time. Once the view is final
+(every rank done, or given up on: silent for the timeout after rank 0's end, or missed a
+boundary) the exchange's `on_final` gets every rank's artifact, then the final view is
+written and the store closed.
+"""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 
@@ -14,50 +18,99 @@ from vllm.logger import init_logger
 
 from ...record import vocabulary as v
 from ...record.combined import write_view
+from ..ranks import RankFailed
+from .records import rows_record, summary_record
 
 logger = init_logger(__name__)
 
-COLLECT_SECONDS = 0.5  # how often rank 0 gathers the others' records after its own end
+COLLECT_SECONDS = 0.5  # how often rank 0 reads the others' summaries
+FETCH_BATCH = 16  # chunks read in one multi_get (each about records.CHUNK_BYTES)
+WRITE_SHARE = 0.1  # at most this share of the time goes to rewriting the view (but the final write)
 
 
 class CombinedView:
-    """Rank 0's combined view, over its StoreExchange (`fetch_artifacts`, `lost`, `unheard`,
-    `close`)."""
+    """Rank 0's combined view, over its StoreExchange (`store_call`, `nonce`, `lost`,
+    `unheard`, `close`, `on_final`)."""
 
     def __init__(self, exchange):
         self.exchange = exchange
         self.own: dict | None = None
-        self.seen: dict[int, tuple[bytes, dict, float]] = {}  # rank: (record, parsed, when it last changed)
+        self.heads: dict[int, dict] = {}  # rank: its latest summary's artifact (less its rows)
+        self.rows: dict[int, tuple[list, list]] = {}  # rank: its results and skipped points so far
+        self.fetched: dict[int, int] = {}  # rank: chunks read
+        self.changed_at: dict[int, float] = {}  # rank: when its summary last changed
+        self.refused: dict[str, str] = {}  # key: why its record was refused
         self.ended_at: float | None = None
         self.combined: dict | None = None
-        self.collector: threading.Thread | None = None
+        self._raw: dict[int, bytes] = {}  # rank: its latest summary as read
         self._written = None  # what the last write was made of
-        self._lock = threading.Lock()
+        self._write_cost = 0.0
+        self._wrote_at = 0.0
+        self._dirty = False
+        self._cond = threading.Condition()
+        self.collector = threading.Thread(target=self._collect, name="kvwarm-ranks-view", daemon=True)
+        self.collector.start()
 
     def update(self, artifact: dict) -> None:
-        with self._lock:
+        """Rank 0's own artifact after each of its writes (from `schedule()`: no network)."""
+        with self._cond:
             self.own = artifact
             if artifact["status"] != v.RUNNING and self.ended_at is None:
                 self.ended_at = self.exchange.clock()
-            self._write(force=True)
-            if self.ended_at is None or self.collector is not None:
-                return
-            if self.final:
-                self.exchange.close()
-                return
-            self.collector = threading.Thread(target=self._collect, name="kvwarm-ranks-view", daemon=True)
-            self.collector.start()
+            self._dirty = True
+            self._cond.notify_all()
 
     @property
     def final(self) -> bool:
         return self.combined is not None and self.combined["status"] != v.RUNNING
 
-    def _gather(self) -> list[dict | None]:
-        now = self.exchange.clock()
-        for rank, value in self.exchange.fetch_artifacts().items():
-            if rank not in self.seen or self.seen[rank][0] != value:
-                self.seen[rank] = (value, json.loads(value), now)
-        return [self.own] + [self.seen[r][1] if r in self.seen else None for r in range(1, self.exchange.size)]
+    # --- reading the store ---------------------------------------------------------------------
+
+    def _refuse(self, key: str, err: RankFailed) -> None:
+        if self.refused.get(key) != str(err):
+            self.refused[key] = str(err)
+            logger.warning("[kvwarm sweep dp0] the combined view %s", err)
+
+    def _gather(self) -> None:
+        """Every other rank's latest summary, and the chunks of rows it names that are new."""
+        exchange, now = self.exchange, self.exchange.clock()
+        for rank in range(1, exchange.size):
+            key = f"kvwarm/summary/{rank}"
+            if not exchange.store_call("check", [key]):
+                continue
+            raw = exchange.store_call("get", key)
+            if raw is None or raw == self._raw.get(rank):
+                continue
+            try:
+                summary = summary_record(raw, key, rank, exchange.nonce)
+            except RankFailed as err:
+                self._refuse(key, err)
+                continue
+            results, skipped = self.rows.setdefault(rank, ([], []))
+            first = self.fetched.get(rank, 0)
+            names = [f"kvwarm/rows/{rank}/{i}" for i in range(first, summary["chunks"])]
+            for start in range(0, len(names), FETCH_BATCH):
+                batch = names[start : start + FETCH_BATCH]
+                for name, value in zip(batch, exchange.store_call("multi_get", batch) or []):
+                    try:
+                        chunk = rows_record(value, name, rank, exchange.nonce)
+                    except RankFailed as err:
+                        self._refuse(name, err)
+                        continue
+                    results += chunk["results"]
+                    skipped += chunk["skipped_points"]
+                for name in batch:
+                    exchange.store_call("delete_key", name)
+            self.fetched[rank] = summary["chunks"]
+            self.heads[rank], self._raw[rank], self.changed_at[rank] = summary["artifact"], raw, now
+
+    def _ranks(self) -> list[dict | None]:
+        ranks: list[dict | None] = [self.own]
+        for rank in range(1, self.exchange.size):
+            head = self.heads.get(rank)
+            results, skipped = self.rows.get(rank, ([], []))
+            ranks.append(None if head is None else {**head, "results": results, "skipped_points": skipped})
+        return ranks
 
     def _lost(self, ranks: list[dict | None]) -> dict[int, str]:
         """The ranks given up on: those that missed one of rank 0's boundaries, and, after
@@ -80,7 +133,7 @@ class CombinedView:
             if unheard:
                 lost[rank] = f"rank 0 cannot hear from it ({last}): {unheard}"
                 continue
-            since = max(self.seen[rank][2] if rank in self.seen else exchange.created, self.ended_at)
+            since = max(self.changed_at.get(rank, exchange.created), self.ended_at)
             if now - since > exchange.timeout:
                 lost[rank] = (
                     f"rank 0 gave up on it: nothing new from it for {exchange.timeout:.0f} s "
@@ -88,31 +141,53 @@ class CombinedView:
                 )
         return lost
 
-    def _write(self, force: bool = False) -> None:
-        ranks = self._gather()
+    # --- writing the view ----------------------------------------------------------------------
+
+    def _write(self) -> None:
+        if self.exchange.unheard() is None:
+            self._gather()
+        ranks = self._ranks()
         lost = self._lost(ranks)
-        made_of = (
-            [self.seen[r][0] if r in self.seen else None for r in range(1, self.exchange.size)],
-            sorted(lost.items()),
-        )
-        if not force and made_of == self._written:
+        made_of = (id(self.own), self.own["status"], dict(self._raw), sorted(lost.items()))
+        if made_of == self._written:
             return
+        statuses = [a["status"] if a else v.RUNNING for a in ranks]
+        ending = all(s != v.RUNNING or r in lost for r, s in enumerate(statuses))
+        now = time.monotonic()
+        if not ending and now - self._wrote_at < self._write_cost / WRITE_SHARE:
+            return  # a long sweep's view: written again once its last write is paid for
+        if ending:  # handed on first: whoever waits for the final view finds Dynamo's files there
+            self._hand_over(ranks)
         self.combined = write_view(self.exchange.root, ranks, lost)
         self._written = made_of
+        self._wrote_at = time.monotonic()
+        self._write_cost = self._wrote_at - now
 
     def _collect(self) -> None:
         while True:
-            time.sleep(COLLECT_SECONDS)
-            with self._lock:
-                try:
-                    self._write()
-                except Exception:
-                    logger.exception(
-                        "[kvwarm sweep dp0] writing the combined view to %s failed; it stays as it was",
-                        self.exchange.root,
-                    )
-                    self.exchange.close()
-                    return
-                if self.final:
-                    self.exchange.close()
-                    return
+            with self._cond:
+                self._cond.wait_for(lambda: self._dirty, timeout=COLLECT_SECONDS)
+                self._dirty = False
+                if self.own is None:
+                    continue
+            try:
+                self._write()
+            except Exception:
+                logger.exception(
+                    "[kvwarm sweep dp0] writing the combined view to %s failed; it stays as it was",
+                    self.exchange.root,
+                )
+                self.exchange.close()
+                return
+            if self.final:
+                self.exchange.close()
+                return
+
+    def _hand_over(self, ranks: list[dict | None]) -> None:
+        callback = self.exchange.on_final
+        if callback is None:
+            return
+        try:
+            callback(ranks)
+        except Exception:
+            logger.exception("[kvwarm sweep dp0] handing the final records on failed")
