@@ -49,6 +49,17 @@ def _step_all(schedulers, limit: int = 2000) -> int:
     raise AssertionError("the ranks did not finish (a hang)")
 
 
+def _handed_over(scheduler, seconds: float = 30) -> None:
+    """Wait for a rank's courier (which publishes off the step) to take what the rank handed
+    it, and a moment more for the store to hold it: a test that then stops stepping the rank
+    must not race its last publication."""
+    courier = scheduler.kvwarm_run.writer.exchange
+    deadline = time.monotonic() + seconds
+    while courier._outbox and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
+
+
 def _stop_on_rank_failure(sweep, errors: list) -> None:
     """What the adapter does under a configured run, for a bare sweep: a RankFailed ends the
     sweep (its requests given back, the others told) and is collected instead of raised."""
@@ -337,6 +348,8 @@ def test_a_rank_that_stops_mid_sweep_fails_the_others_and_the_view_names_it(tmp_
         step_scheduler(schedulers[0])
         if len(rank_1.rows) < 2:
             step_scheduler(schedulers[1])
+            if len(rank_1.rows) == 2:
+                _handed_over(schedulers[1])
         elif started is None:
             started = time.monotonic()
     seconds = time.monotonic() - started
@@ -368,15 +381,12 @@ def test_a_rank_that_never_starts_leaves_a_final_view_naming_it(tmp_path, monkey
 def test_rank_0_gives_up_on_a_rank_silent_after_its_own_end(tmp_path, monkeypatch):
     schedulers, _ = _rank_runs(tmp_path, monkeypatch, [(300, 2), (200, 2)], timeout=1)
     rank_0, rank_1 = (s.kvwarm_sweep for s in schedulers)
-    courier = schedulers[1].kvwarm_run.writer.exchange
     while not rank_0.done:
         step_scheduler(schedulers[0])
         if len(rank_1.rows) < 2:
             step_scheduler(schedulers[1])
-            if len(rank_1.rows) == 2:  # its courier publishes off the step: let it hand over its last row
-                deadline = time.monotonic() + 30
-                while courier._outbox and time.monotonic() < deadline:
-                    time.sleep(0.01)
+            if len(rank_1.rows) == 2:
+                _handed_over(schedulers[1])
     assert not rank_1.done  # and never will be: it is not stepped again after its last point
     combined = _view(schedulers[0])
     assert combined["status"] == "failed" and combined["ranks"][0]["status"] == "complete"
