@@ -15,19 +15,14 @@ import logging
 import statistics
 
 import pytest
-from kvwarm_testing.real_kv import EngineLoop, ManualClock, make_request, make_scheduler
+from kvwarm_testing.real_kv import EngineLoop, make_scheduler
+from kvwarm_testing.traces import MIXED_ARRIVALS, add, forward_seconds, read, run, serve, traced_scheduler
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.served.settings import TraceSettingsError, trace_settings
 from vllm.kvwarm.served.writer import TraceFiles
-from vllm.kvwarm.sweep.timing import StepTimer
 
 LOOPS = [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)]
 LOOP_IDS = ["sync", "batch-queue"]
-
-
-def forward_seconds(output) -> float:
-    """The played runner's time for a step: grows with its tokens, so that every window differs."""
-    return 0.002 + 0.0001 * output.total_num_scheduled_tokens
 
 
 def _pvar(values: list[int]) -> float:
@@ -69,49 +64,14 @@ class Observed:
         scheduler.schedule = observed_schedule
 
 
-def _trace(out) -> tuple[dict, list[dict]]:
-    lines = (out / "trace-dp0.jsonl").read_text().splitlines()
-    return json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
-
-
-def _traced_scheduler(tmp_path, cls, **settings):
-    out = tmp_path / "trace"
-    spec = {"kvwarm_trace": {"out": str(out), **settings}}
-    scheduler = make_scheduler(tmp_path, num_blocks=1024, scheduler_cls=cls, additional_config=spec)
-    clock = ManualClock()
-    scheduler.kvwarm_timer = StepTimer(clock, closed=[])  # the played clock (the adapter's: perf_counter)
-    return scheduler, clock, out
-
-
-def _add(scheduler, name: str, prompt: int, max_tokens: int, token: int) -> None:
-    request = make_request(name, prompt, token=token)
-    request.sampling_params.max_tokens = request.max_tokens = max_tokens
-    scheduler.add_request(request)
-
-
-def _run(loop: EngineLoop, limit: int = 500) -> None:
-    for _ in range(limit):
-        if not loop.busy():
-            return
-        loop.step()
-    raise AssertionError("the requests did not finish")
-
-
 @pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
 def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_path, cls, batch_queue):
-    """Prompts longer than the step's token budget (256) chunk, so decode, prefill and mixed
-    steps all occur; two prompts share their first blocks, so a prefix hit shows too."""
-    scheduler, clock, out = _traced_scheduler(tmp_path, cls)
+    """MIXED_ARRIVALS: prompts longer than the step's token budget (256) chunk, so decode,
+    prefill and mixed steps all occur; two prompts share their first blocks (a prefix hit)."""
+    scheduler, clock, out = traced_scheduler(tmp_path, cls)
     seen = Observed(scheduler)
-    loop = EngineLoop(scheduler, batch_queue, clock, forward_seconds)
-    arrivals = {0: [("a", 40, 7), ("b", 600, 9)], 3: [("c", 300, 7)], 6: [("d", 90, 11), ("e", 333, 7)]}
-    for i in range(12):
-        for name, prompt, token in arrivals.get(i, []):
-            _add(scheduler, name, prompt, max_tokens=8, token=token)
-        loop.step()
-    _run(loop)
-    scheduler.kvwarm_trace.close()
-    header, steps = _trace(out)
+    serve(scheduler, EngineLoop(scheduler, batch_queue, clock, forward_seconds), MIXED_ARRIVALS)
+    header, steps = read(out)
     assert header["type"] == "kvwarm_trace" and header["schema_version"] == 1
     assert header["loop"] == ("async" if batch_queue else "sync")
     traced = [o for o in seen.order if o.total_num_scheduled_tokens]
@@ -155,15 +115,15 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
 
 @pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
 def test_a_step_after_an_idle_wait_has_no_wall(tmp_path, cls, batch_queue):
-    scheduler, clock, out = _traced_scheduler(tmp_path, cls)
+    scheduler, clock, out = traced_scheduler(tmp_path, cls)
     loop = EngineLoop(scheduler, batch_queue, clock, forward_seconds)
-    _add(scheduler, "first", 50, max_tokens=4, token=3)
-    _run(loop)
+    add(scheduler, "first", 50, max_tokens=4, token=3)
+    run(loop)
     clock.advance(5.0)  # the engine waits for work
-    _add(scheduler, "later", 50, max_tokens=4, token=5)
-    _run(loop)
+    add(scheduler, "later", 50, max_tokens=4, token=5)
+    run(loop)
     scheduler.kvwarm_trace.close()
-    _, steps = _trace(out)
+    _, steps = read(out)
     first_of_later = next(i for i, s in enumerate(steps) if s["prefill"]["requests"] and i > 0)
     assert steps[first_of_later]["wall"] is None and steps[first_of_later]["at"] - steps[first_of_later - 1]["at"] > 5
     walls = [s["wall"] for i, s in enumerate(steps) if i not in (0, first_of_later)]
@@ -192,13 +152,13 @@ def test_the_sweeps_own_steps_are_left_out_and_the_served_ones_between_points_ar
     loop = EngineLoop(scheduler, batch_queue)
     for i in range(400):
         if i < 6:
-            _add(scheduler, f"u{i}", 30 + 20 * i, max_tokens=5, token=20 + i)
+            add(scheduler, f"u{i}", 30 + 20 * i, max_tokens=5, token=20 + i)
         if not loop.busy():
             break
         loop.step()
     scheduler.kvwarm_trace.close()
     assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["status"] == "complete"
-    _, steps = _trace(out)
+    _, steps = read(out)
     served = [o for o in seen.order if o.total_num_scheduled_tokens and set(o.num_scheduled_tokens) <= users]
     swept = [o for o in seen.order if set(o.num_scheduled_tokens) - users]
     assert swept and len(steps) == len(served) > 0  # every step of users' requests alone, none of the sweep's
@@ -210,17 +170,17 @@ def test_the_trace_off_keeps_no_timer_and_records_nothing(tmp_path):
     scheduler = make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler)
     assert scheduler.kvwarm_trace is None and scheduler.kvwarm_timer is None
     loop = EngineLoop(scheduler, False)
-    _add(scheduler, "a", 40, max_tokens=3, token=3)
-    _run(loop)
+    add(scheduler, "a", 40, max_tokens=3, token=3)
+    run(loop)
     assert not list(tmp_path.glob("**/trace-dp*.jsonl"))
 
 
 def test_the_header_records_the_run_as_the_sweeps_artifact_does(tmp_path):
     from vllm.kvwarm.sweep.engine_record import run_record
 
-    scheduler, _, out = _traced_scheduler(tmp_path, KvWarmScheduler)
+    scheduler, _, out = traced_scheduler(tmp_path, KvWarmScheduler)
     scheduler.kvwarm_trace.close()
-    header, steps = _trace(out)
+    header, steps = read(out)
     record = run_record(scheduler)
     assert steps == []
     assert header["engine"] == record["engine_args"] and header["hardware"] == record["hardware"]
@@ -232,11 +192,11 @@ def test_the_header_records_the_run_as_the_sweeps_artifact_does(tmp_path):
 
 
 def test_files_rotate_at_the_cap_each_with_the_header_and_the_oldest_removed(tmp_path):
-    scheduler, clock, out = _traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=3)
+    scheduler, clock, out = traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=3)
     loop = EngineLoop(scheduler, False, clock, forward_seconds)
     for i in range(12):
-        _add(scheduler, f"r{i}", 20, max_tokens=12, token=30 + i)
-    _run(loop)
+        add(scheduler, f"r{i}", 20, max_tokens=12, token=30 + i)
+    run(loop)
     scheduler.kvwarm_trace.close()
     names = sorted(p.name for p in out.iterdir())
     assert names == ["trace-dp0.1.jsonl", "trace-dp0.2.jsonl", "trace-dp0.jsonl"]
@@ -250,13 +210,13 @@ def test_files_rotate_at_the_cap_each_with_the_header_and_the_oldest_removed(tmp
 
 
 def test_a_failed_write_stops_the_trace_and_the_engine_serves_on(tmp_path, caplog):
-    scheduler, clock, out = _traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=2)
+    scheduler, clock, out = traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=2)
     (out / "trace-dp0.1.jsonl").mkdir()  # rotation cannot replace a folder
     loop = EngineLoop(scheduler, False, clock, forward_seconds)
     for i in range(12):
-        _add(scheduler, f"r{i}", 20, max_tokens=12, token=30 + i)
+        add(scheduler, f"r{i}", 20, max_tokens=12, token=30 + i)
     with caplog.at_level(logging.ERROR):
-        _run(loop)
+        run(loop)
         scheduler.kvwarm_trace.close()
     assert not scheduler.requests  # every request served
     assert "the trace stops here, the engine serves on" in caplog.text

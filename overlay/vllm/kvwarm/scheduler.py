@@ -195,7 +195,7 @@ class KvWarmSchedulerMixin:
             self._drive(sweep.after_update, self, scheduler_output, window)
         trace = self.kvwarm_trace
         if trace is not None:
-            trace.updated(scheduler_output, model_runner_output, outputs, window, end, self.has_requests())
+            trace.updated(scheduler_output, model_runner_output, outputs, timer, window, end, self.has_requests())
         if sweep is not None or trace is not None:
             timer.sweep_work(timer.clock() - end)
         return outputs

@@ -89,9 +89,9 @@ class TraceRecorder:
             del self._scheduled[next(iter(self._scheduled))]
         self._scheduled[id(output)] = (held, waiting)
 
-    def updated(self, output, runner_output, engine_outputs, window, end: float, has_requests: bool) -> None:
+    def updated(self, output, runner_output, engine_outputs, timer, window, end: float, has_requests: bool) -> None:
         """update_from_output took `output` in, ended at `end` (the timer's clock) and returned
-        `engine_outputs`; `window`: what the timer closed; `has_requests`: the scheduler's, after."""
+        `engine_outputs`; `window`: what `timer` closed; `has_requests`: the scheduler's, after."""
         held, waiting = self._scheduled.pop(id(output), (True, ()))
         number = None
         if not held and output.total_num_scheduled_tokens:
@@ -99,16 +99,16 @@ class TraceRecorder:
         waited, self._idle = self._idle, not has_requests and not self._scheduled
         sent = sum(len(e.outputs) for e in engine_outputs.values()) if number is not None and engine_outputs else 0
         stats = getattr(runner_output, "cudagraph_stats", None)
-        self.writer.submit((number, output, waiting, end, window, waited, sent, stats))
+        span = timer.last_span if number is not None else None
+        self.writer.submit((number, output, waiting, end, window, span, waited, sent, stats))
 
     # --- in the writer's thread ---------------------------------------------------------------
 
     def render(self, item) -> str | None:
-        number, output, waiting, end, window, waited, sent, stats = item
+        number, output, waiting, end, window, span, waited, sent, stats = item
         shape = self._shapes.observe(output)  # every output: it keeps the prompt lengths
         if number is None:
             return None
-        span = window.span if window is not None else None
         record = {
             "step": number,
             "at": round(end - self._t0, 6),
