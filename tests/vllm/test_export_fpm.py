@@ -1,5 +1,5 @@
 """`export TRACE --to fpm`: a served-step trace written by the real recorder (the real
-Scheduler stepped by kvwarm_testing.traces) as Dynamo's forward-pass metrics capture. Each
+Scheduler stepped by kvwarm_testing.recorded) as Dynamo's forward-pass metrics capture. Each
 FPM is held against its trace line and against the shape of the FPMs Dynamo 1.6.1 itself
 wrote (tests/fixtures/dynamo-1.6.1: the same keys with the same JSON types); Dynamo's own
 struct reads them in tests/engine/test_export_consumers.py."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from kvwarm_testing.real_kv import EngineLoop
-from kvwarm_testing.traces import add, forward_seconds, made_trace, read, run, traced_scheduler
+from kvwarm_testing.recorded import add, forward_seconds, made_trace, read, run, traced_scheduler
 from vllm.kvwarm.record.export import run as export
 from vllm.kvwarm.scheduler import KvWarmScheduler
 

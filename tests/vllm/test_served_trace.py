@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 from kvwarm_testing.real_kv import EngineLoop, make_scheduler
-from kvwarm_testing.traces import MIXED_ARRIVALS, add, forward_seconds, read, run, serve, traced_scheduler
+from kvwarm_testing.recorded import MIXED_ARRIVALS, add, forward_seconds, read, run, serve, traced_scheduler
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.served.settings import TraceSettingsError, trace_settings
 from vllm.kvwarm.served.writer import TraceFiles
