@@ -12,11 +12,14 @@ the next: a decode row's basis), null where the window holds an idle wait: the e
 had no request and no step in flight when the previous window closed, so it waited for
 work before this step (a rank's first step has no window either). Its `span` is its own
 schedule() entry to its update end (what Dynamo's FPM falls back to after an idle wait).
+Its `gc`: the collections Python's collector ran in the window, in any thread, and their time
+(a served engine collects as it goes; a sweep holds its collector still in timed steps).
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 import time
 from datetime import UTC, datetime
 
@@ -78,7 +81,17 @@ class TraceRecorder:
         self._scheduled: dict[int, tuple] = {}  # by id(SchedulerOutput): (held, queues after its schedule())
         self._count = 0  # traced steps so far
         self._idle = True  # the last window closed with nothing to do (and the first has no start)
+        self._gc = [0, 0.0, 0.0]  # collections and their seconds since the last update; the open one's start
+        gc.callbacks.append(self._collected)
         atexit.register(self.close)
+
+    def _collected(self, phase: str, info: dict) -> None:
+        """Python's collector calls this around every collection, in whichever thread runs it."""
+        if phase == "start":
+            self._gc[2] = time.perf_counter()
+        else:
+            self._gc[0] += 1
+            self._gc[1] += time.perf_counter() - self._gc[2]
 
     # --- in the step (the engine's thread): references and a few numbers ---------------------
 
@@ -100,12 +113,13 @@ class TraceRecorder:
         sent = sum(len(e.outputs) for e in engine_outputs.values()) if number is not None and engine_outputs else 0
         stats = getattr(runner_output, "cudagraph_stats", None)
         span = timer.last_span if number is not None else None
-        self.writer.submit((number, output, waiting, end, window, span, waited, sent, stats))
+        collected, self._gc = self._gc, [0, 0.0, self._gc[2]]
+        self.writer.submit((number, output, waiting, end, window, span, waited, sent, stats, collected))
 
     # --- in the writer's thread ---------------------------------------------------------------
 
     def render(self, item) -> str | None:
-        number, output, waiting, end, window, span, waited, sent, stats = item
+        number, output, waiting, end, window, span, waited, sent, stats, collected = item
         shape = self._shapes.observe(output)  # every output: it keeps the prompt lengths
         if number is None:
             return None
@@ -119,8 +133,11 @@ class TraceRecorder:
             "queued": queued(waiting, self._preempted),
             "outputs": sent,
             "graph": graph(stats),
+            "gc": {"collections": collected[0], "seconds": _seconds(collected[1])},
         }
         return line(record)
 
     def close(self) -> None:
+        if self._collected in gc.callbacks:
+            gc.callbacks.remove(self._collected)
         self.writer.close()
