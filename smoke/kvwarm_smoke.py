@@ -14,8 +14,10 @@
               nemotronh  Mamba2 + attention (dense: DYN_BENCH_KV_WARMUP=force), copy; only
                          where this build's engine runs Mamba2 (--cases picks)
             Each artifact must validate, say complete, hold every point on the expected KV
-            regime with nothing skipped, stamp the state mode on hybrid rows, and record
-            reset_prefix_cache() succeeding.
+            regime with nothing skipped, stamp the state mode on hybrid rows, record
+            reset_prefix_cache() succeeding, and record the engine loop the device runs by
+            default with its adapter (CUDA: vLLM's batch queue under async scheduling,
+            KvWarmAsyncScheduler; CPU: one step at a time, KvWarmScheduler).
   generate  greedy tokens for fixed prompts on a tiny MoE model, written as JSON; run once
             on the official release and once on the patched build (warm-up off, through the
             scheduler adapter that matches the engine's loop: the async one on CUDA), then
@@ -176,7 +178,14 @@ def _cases(selected: list[str], model: Path | None) -> list[dict]:
     return [{"points": POINTS, **case} for name in selected for case in table[name]]
 
 
-def _check(artifact: dict, case: dict) -> list[str]:
+# The loop each device's engine runs by default, and the adapter the command picks for it.
+LOOPS = {
+    "cuda": ("batch_queue", "vllm.kvwarm.scheduler.KvWarmAsyncScheduler"),
+    "cpu": ("sync", "vllm.kvwarm.scheduler.KvWarmScheduler"),
+}
+
+
+def _check(artifact: dict, case: dict, device: str) -> list[str]:
     """What is wrong with a case's artifact (empty when it is what the smoke expects)."""
     from vllm.kvwarm.record.schema import validate
 
@@ -228,6 +237,9 @@ def _check(artifact: dict, case: dict) -> list[str]:
                 problems.append(f"exact rows whose kvwarm_state_depth is not their context: {off}")
     if meta["reset_prefix_cache"] is not True:
         problems.append(f"reset_prefix_cache() gave {meta['reset_prefix_cache']!r}")
+    loop = meta.get("engine_loop") or {}
+    if (loop.get("loop"), loop.get("scheduler_cls")) != LOOPS[device]:
+        problems.append(f"engine loop {loop}, expected {LOOPS[device]} on {device}")
     return problems
 
 
@@ -290,7 +302,7 @@ def sweeps(args) -> int:
         if not artifact_path.exists():
             problems = [f"no artifact (exit {rc})"]
         else:
-            problems = _check(json.loads(artifact_path.read_text()), case)
+            problems = _check(json.loads(artifact_path.read_text()), case, args.device)
         if rc != 0 and not problems:
             problems = [f"exit {rc}"]
         verdict = "ok" if not problems else "FAILED: " + "; ".join(problems)

@@ -55,7 +55,9 @@ BUILTIN_METHODS = frozenset(
     "expect_version",
     "expect_series_digest",
     "points",
-    "out",  # parsed args
+    "out",
+    "grid_from",
+    "grid_caps",  # parsed args
     "writerow",
     "getvalue",
     "shuffle",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from kvwarm_testing.real_kv import EngineLoop, in_use, make_scheduler
+from kvwarm_testing.engine import keep_async_scheduling
+from kvwarm_testing.real_kv import EngineLoop, in_use, make_scheduler, tiny_llama_config
 from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import AdapterMismatch, KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep.command import engine_args_from, engine_config
@@ -18,44 +19,14 @@ SYNC = "vllm.kvwarm.scheduler.KvWarmScheduler"
 ASYNC = "vllm.kvwarm.scheduler.KvWarmAsyncScheduler"
 
 
-def _tiny_model(tmp_path):
-    model = tmp_path / "tiny-llama"
-    model.mkdir()
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "num_hidden_layers": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 1024,
-        "torch_dtype": "float32",
-    }
-    (model / "config.json").write_text(json.dumps(config))
-    return model
-
-
 @pytest.fixture
 def as_on_cuda(monkeypatch):
-    """The CPU platform turns async scheduling off after vLLM has resolved it; here it keeps
-    vLLM's value, as CUDA's platform does."""
-    from vllm.platforms import current_platform
-
-    platform = type(current_platform)
-    platform_update = platform.check_and_update_config
-
-    def keep_resolved(cls, vllm_config):
-        resolved = vllm_config.scheduler_config.async_scheduling
-        platform_update(vllm_config)
-        vllm_config.scheduler_config.async_scheduling = resolved
-
-    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_resolved))
+    keep_async_scheduling(monkeypatch)
 
 
 def _resolved(tmp_path, *args: str):
-    argv = ["--model", str(_tiny_model(tmp_path)), "--skip-tokenizer-init", "--dtype", "float32", *args]
+    model = tiny_llama_config(tmp_path / "tiny-llama")
+    argv = ["--model", str(model), "--skip-tokenizer-init", "--dtype", "float32", *args]
     config = engine_config(engine_args_from(argv, {"out": str(tmp_path / "out")}))
     return config.scheduler_config.scheduler_cls, config.scheduler_config.async_scheduling
 

@@ -5,11 +5,12 @@ what a build can do is probed (kv.capabilities). The rooms, and which way import
 
   scheduler.py  the adapter (`--scheduler-cls vllm.kvwarm.scheduler.KvWarmScheduler` or
                 `KvWarmAsyncScheduler`): stock scheduling plus the sweep's hooks
-  __main__.py   `python -m vllm.kvwarm info | sweep | report | export | selfcheck`
+  __main__.py   `python -m vllm.kvwarm info | sweep | report | export | validate | selfcheck`
   ranks.py      `note_launch`, which the series' rank hook calls
   sweep/        the measurement controller (rungs, decode points, catch-ups) and its
                 helpers: the prefill runner, the decode steps, the ranks' meetings; its
-                inputs: points, settings, dataset, gate, plan, graphs and grid; rows; the
+                inputs: points, settings, dataset, gate, plan, graphs, grid and the grid
+                laid over a served-step trace (trace_grid); rows; the
                 ranks' layout and exchange (exchange/: solo, files, store, the combined
                 view); the run that ties them to an engine and writes the record
   kv/           everything that touches vLLM's KV-cache internals (docs/hooks.md): layout,
@@ -18,7 +19,8 @@ what a build can do is probed (kv.capabilities). The rooms, and which way import
   record/       the measurement record as plain data (vocabulary, artifact, schema,
                 combined view), the arithmetic of a point's shape the sweep shares (shape:
                 point keys, balanced splits, the graph a step runs in), its readers (runs,
-                plot, report) and the planners' formats (export: Dynamo's self-benchmark
+                plot, report), a table held against a served-step trace (trace_reader,
+                predict, validate*) and the planners' formats (export: Dynamo's self-benchmark
                 artifact as envelope, rows and engine provenance, the profiler's tables);
                 imports nothing of vLLM
 

@@ -2,7 +2,9 @@
 `python -m vllm.kvwarm sweep --points FILE --out DIR [engine args]`: a decode sweep.
 `python -m vllm.kvwarm report DIR [DIR ...] [--out OUTDIR]`: sweeps rendered and compared.
 `python -m vllm.kvwarm export DIR --to dynamo|profiler [--out PATH]`: a sweep in the files the
-planners read (Dynamo's self-benchmark artifact, the pre-deployment profiler's tables)."""
+planners read (Dynamo's self-benchmark artifact, the pre-deployment profiler's tables).
+`python -m vllm.kvwarm validate TABLE TRACE [--out DIR] [--json]`: a sweep's table held
+against a served-step trace, per step kind and KV band."""
 
 from __future__ import annotations
 
@@ -53,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         from vllm.kvwarm.record.export import run
 
         return run(argv[1:])
+    if argv[:1] == ["validate"]:  # its own parser: a table held against a served-step trace
+        from vllm.kvwarm.record.validate_cli import run
+
+        return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="release, flavour, series digest and hooks of this build")
@@ -60,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("sweep", help="decode sweep on the real engine (see sweep --help)")
     commands.add_parser("report", help="render and compare sweep artifacts (see report --help)")
     commands.add_parser("export", help="a sweep as Dynamo's or the profiler's files (see export --help)")
+    commands.add_parser("validate", help="a table held against a served-step trace (see validate --help)")
     check = commands.add_parser("selfcheck", help="installed version, build record and series digest as expected")
     check.add_argument("--dist", default="vllm")
     check.add_argument("--expect-version", required=True)

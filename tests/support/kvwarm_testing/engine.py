@@ -45,6 +45,23 @@ def fp32_conv_refusal() -> str | None:
     return None
 
 
+def keep_async_scheduling(monkeypatch) -> None:
+    """Async scheduling as vLLM resolves it, as on CUDA: the CPU platform turns it off after
+    vLLM has resolved it (CpuPlatform.check_and_update_config); here the platform keeps
+    vLLM's value. For this process, until `monkeypatch` undoes it."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    platform_update = platform.check_and_update_config
+
+    def keep_resolved(cls, vllm_config):
+        resolved = vllm_config.scheduler_config.async_scheduling
+        platform_update(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = resolved
+
+    monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_resolved))
+
+
 def engine_env(device: str) -> dict[str, str]:
     """The environment of an engine in another process on `device` (cpu | cuda)."""
     return dict(CPU_ENGINE_ENV) if device == "cpu" else {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -46,6 +46,31 @@ def mamba_align_manager(pool: BlockPool, group: int = 1) -> MambaManager:
     )
 
 
+def tiny_llama_config(model_dir):
+    """A local model folder holding only a tiny Llama's config.json (enough for vLLM's
+    ModelConfig without a tokenizer; nothing downloaded). Returns the folder."""
+    import json
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "num_hidden_layers": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 1024,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    return model_dir
+
+
 def make_scheduler(
     tmp_path,
     num_blocks: int = 64,
@@ -66,7 +91,6 @@ def make_scheduler(
     AsyncScheduler (or an async adapter), and async scheduling is then on (`async_scheduling`
     sets it otherwise)."""
     import dataclasses
-    import json
 
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -74,24 +98,7 @@ def make_scheduler(
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    model_dir = tmp_path / "tiny-llama"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "num_hidden_layers": 2,
-                "vocab_size": 256,
-                "max_position_embeddings": 1024,
-                "torch_dtype": "float32",
-            }
-        )
-    )
+    model_dir = tiny_llama_config(tmp_path / "tiny-llama")
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", seed=0)
     cache_extra = {}
     if state_block_size:

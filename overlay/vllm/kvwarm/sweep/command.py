@@ -1,5 +1,6 @@
-"""`python -m vllm.kvwarm sweep (--points FILE | --grid) --out DIR [vLLM engine args]`: a sweep
-of prefill and decode points on the real engine, writing the artifact after every point.
+"""`python -m vllm.kvwarm sweep (--points FILE | --grid | --grid-from TRACE) --out DIR [vLLM
+engine args]`: a sweep of prefill and decode points on the real engine, writing the artifact
+after every point.
 
 Every input is checked before the engine starts; any failure still writes an artifact
 (status "failed", the error, and every row measured before it). The sweep itself runs
@@ -32,6 +33,8 @@ from pathlib import Path
 from ..record import vocabulary as v
 from ..record.combined import rank_path
 from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
+from .settings import SettingsError
+from .trace_grid import caps_of, check_given
 
 POLL_SECONDS = 1.0
 
@@ -59,8 +62,28 @@ def parser() -> argparse.ArgumentParser:
         'optionally caps and sizes, e.g. \'{"decode_batches": 8, "kv_ladder": 4, "prefill_tokens": 6, '
         '"capture_sizes": [1, 2, 4, 8]}\'',
     )
+    what.add_argument(
+        "--grid-from",
+        metavar="TRACE",
+        help="no points file: a grid over the shapes a served-step trace ran (written to OUT/grid.json), on the "
+        "engine arguments the trace ran with",
+    )
+    p.add_argument(
+        "--grid-caps",
+        type=_grid_caps,
+        metavar="CAPS_JSON",
+        help='with --grid-from: the axes\' caps, e.g. \'{"decode_batches": 6, "kv_ladder": 4, "prefill_batches": 2, '
+        '"prefill_tokens": 4, "prefix_depths": 2}\'',
+    )
     p.add_argument("--out", required=True, help="folder for sweep.json, sweep.csv and sweep.png")
     return p
+
+
+def _grid_caps(text: str) -> dict:
+    try:
+        return caps_of(json.loads(text))
+    except (json.JSONDecodeError, SettingsError) as err:
+        raise argparse.ArgumentTypeError(f"--grid-caps {text!r}: {err}") from None
 
 
 def _grid_setting(text: str) -> dict:
@@ -98,9 +121,15 @@ def engine_config(engine_args):
 
 
 def run(argv: list[str]) -> int:
-    args, engine_argv = parser().parse_known_args(argv)
+    p = parser()
+    args, engine_argv = p.parse_known_args(argv)
+    if args.grid_caps and not args.grid_from:
+        p.error("--grid-caps goes with --grid-from (--grid takes its caps itself)")
     spec = {"out": str(Path(args.out).resolve()), "engine_args": engine_argv}  # recorded as given
-    spec.update({"grid": args.grid} if args.grid else {"points": str(Path(args.points).resolve())})
+    if args.grid_from:
+        spec.update(grid_from=str(Path(args.grid_from).resolve()), grid_caps=args.grid_caps)
+    else:
+        spec.update({"grid": args.grid} if args.grid else {"points": str(Path(args.points).resolve())})
     writer = new_writer(
         spec["out"],
         {"points": spec.get("points") or str(grid_path(spec["out"])), "engine_args": {"given": engine_argv}},
@@ -108,6 +137,8 @@ def run(argv: list[str]) -> int:
     )
     try:
         read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it
+        if args.grid_from:  # a trace of another model or layout: refused before the engine loads
+            check_given(spec["grid_from"], engine_args_from(engine_argv, spec))
     except INPUT_ERRORS as err:
         print(f"kvwarm sweep: {err}", file=sys.stderr)
         writer.write(v.FAILED, str(err))

@@ -75,15 +75,25 @@ def _ladder(batch: int, deepest: int, cap: int) -> list[int]:
     return thin(values, set(), cap)
 
 
-def decode_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> list[DecodePoint]:
-    # a batch needs a chain and a shadow's tail per request: about three blocks each
-    feasible = max(1, min(graphs.max_num_seqs, limits.num_blocks // 3))
-    batches, pairs = axis(graphs.decode_capture_sizes, feasible)
-    points = []
+def feasible_batch(graphs: GraphConfig, limits: GridLimits) -> int:
+    """The widest decode batch: a batch needs a chain and a shadow's tail per request (about
+    three blocks each)."""
+    return max(1, min(graphs.max_num_seqs, limits.num_blocks // 3))
+
+
+def deepest_kv(batch: int, limits: GridLimits) -> int:
+    """The deepest K a decode batch reaches: each context with its steady steps within
+    max_model_len, and the chains' K tokens plus each shadow's tail of a couple of blocks
+    within the pool."""
     per_request = limits.max_model_len - limits.steady_steps - 1 - CHAIN_DEPTH_MARGIN
+    return min(batch * per_request, int(0.8 * limits.kv_cache_tokens) - 2 * batch * limits.block_size)
+
+
+def decode_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> list[DecodePoint]:
+    batches, pairs = axis(graphs.decode_capture_sizes, feasible_batch(graphs, limits))
+    points = []
     for batch in thin(batches, pairs, caps["decode_batches"]):
-        # the chains hold K tokens and each shadow a tail of a couple of blocks
-        deepest = min(batch * per_request, int(0.8 * limits.kv_cache_tokens) - 2 * batch * limits.block_size)
+        deepest = deepest_kv(batch, limits)
         if deepest >= 2 * batch:
             points += [DecodePoint(k, batch) for k in _ladder(batch, deepest, caps["kv_ladder"])]
     return points

@@ -29,6 +29,7 @@ from ..record import export
 from ..record import vocabulary as v
 from ..record.files import write_atomically
 from ..record.shape import GraphConfig
+from ..record.trace_reader import TraceError, read_trace
 from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
 from .engine_record import kv_cache_tokens, run_record
@@ -42,13 +43,15 @@ from .plan import SweepConfig
 from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
 from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
+from .trace_grid import check_engine as check_trace_engine
+from .trace_grid import trace_grid
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
 
 CONFIG_KEY = "kvwarm_sweep"
 GRID_FILE = "grid.json"  # a generated grid, beside the artifact (grid_path)
-INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused)
+INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused, TraceError)
 # Prefill points' new tokens come from the dataset's held-out half, as much of it as this
 # (tails cycle through it, each led by tokens of its own).
 TAIL_TOKENS = 8192
@@ -168,10 +171,11 @@ class SweepRun:
 
     def __init__(self, scheduler, spec: dict, environ=None):
         environ = os.environ if environ is None else environ
-        if not isinstance(spec, dict) or "out" not in spec or ("points" in spec) == bool(spec.get("grid")):
+        if not isinstance(spec, dict) or "out" not in spec or sum(_sources(spec)) != 1:
             raise SettingsError(
-                f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}} or '
-                f'{{"grid": true, "out": DIR}} (and optionally "engine_args": [ARG, ...]), got {spec!r}'
+                f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}}, '
+                f'{{"grid": true, "out": DIR}} or {{"grid_from": TRACE, "out": DIR}} (and optionally '
+                f'"engine_args": [ARG, ...]), got {spec!r}'
             )
         vllm_config = scheduler.vllm_config
         parallel = vllm_config.parallel_config
@@ -210,8 +214,8 @@ class SweepRun:
         graphs = graph_config(vllm_config)
         meta.cudagraph = graphs.record()
         meta.engine_loop = loop_record(scheduler)
-        if spec.get("grid"):
-            inputs.points = self._grid(scheduler, graphs, decode_steps, spec["grid"])
+        if spec.get("grid") or spec.get("grid_from"):
+            inputs.points = self._grid(scheduler, graphs, decode_steps, spec)
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
         writer.total = len(inputs.points)
@@ -258,9 +262,10 @@ class SweepRun:
             graphs=graphs,
         )
 
-    def _grid(self, scheduler, graphs, decode_steps: int, spec_grid) -> list:
-        """The generated grid, less any point this engine cannot run as one step; written
-        to OUT/grid.json (a points file to edit and pass back) and recorded."""
+    def _grid(self, scheduler, graphs, decode_steps: int, spec: dict) -> list:
+        """The generated grid (around the capture sizes, or over a trace's shapes), less any
+        point this engine cannot run as one step; written to OUT/grid.json (a points file to
+        edit and pass back) and recorded."""
         kvm, vllm_config = scheduler.kv_cache_manager, scheduler.vllm_config
         layouts = group_layouts(kvm)
         attention = [g.block_size for g in layouts if g.kind == ATTENTION] or [kvm.block_pool.hash_block_size]
@@ -273,8 +278,15 @@ class SweepRun:
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
         )
         points = []
-        caps, axes = grid_settings(spec_grid, graphs)
-        for point in prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps):
+        caps, axes = grid_settings(spec.get("grid"), graphs)
+        trace = None
+        if spec.get("grid_from"):
+            trace = read_trace(spec["grid_from"])
+            check_trace_engine(trace, self.writer.run, self.layout.as_dict(), vllm_config.model_config.model)
+            laid = trace_grid(trace, axes, limits, spec.get("grid_caps"))
+        else:
+            laid = prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps)
+        for point in laid:
             try:
                 check_points([point], vllm_config, kvm, GRID_FILE)
             except PointsFileError:
@@ -288,8 +300,10 @@ class SweepRun:
             "decode_batches": sorted({p.batch_size for p in points if isinstance(p, DecodePoint)}),
             "prefill_tokens": sorted({p.total_prefill_tokens for p in points if isinstance(p, PrefillPoint)}),
             "points": len(points),
+            **({"trace": str(trace.root)} if trace else {}),
         }
-        self.writer.progress(f"generated a grid of {len(points)} point(s) around the capture sizes: {path}")
+        where = f"over the shapes of the trace {trace.root}" if trace else "around the capture sizes"
+        self.writer.progress(f"generated a grid of {len(points)} point(s) {where}: {path}")
         return points
 
     def _on_row(self, row) -> None:
@@ -329,6 +343,11 @@ class SweepRun:
                 self.writer.progress(f"wrote {path} (Dynamo's self-benchmark artifact)")
         except Exception as err:  # noqa: BLE001  (any failure here must not reach the engine)
             logger.error("[kvwarm sweep] writing %s failed: %s: %s", export.OUTPUT_ENV, type(err).__name__, err)
+
+
+def _sources(spec: dict) -> tuple[bool, bool, bool]:
+    """Which of the points' sources the config names: a points file, a grid, a trace."""
+    return "points" in spec, bool(spec.get("grid")), bool(spec.get("grid_from"))
 
 
 def _message(err: BaseException) -> str:

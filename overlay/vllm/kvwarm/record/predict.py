@@ -1,0 +1,234 @@
+"""The one predictor `validate` holds a table against a trace with (docs/validate.md):
+
+  decode   piecewise linear in K along each measured batch size B; between two measured
+           batch sizes linear in B at equal context per request (the step of b requests and
+           K tokens is read at K * B / b on each neighbour's curve)
+  prefill  the same over (N, P): piecewise linear in N along each measured (B, P); between
+           two measured P of one B linear in P; between batch sizes linear in B at equal new
+           and prefix tokens per request
+  mixed    from measured mixed rows where the table has them (the prefill part located as a
+           prefill step is, each of its nodes a decode surface over the decode part), else
+           composed as planners compose it: the prefill part's prediction plus the decode
+           part's marginal over the decode curve's baseline (its least-work measured row)
+
+Beyond the measured range on any axis the nearest segment is extended linearly (never below
+0) and the prediction is outside the table's range: `inside` says whether it needed no
+extrapolation at all (coverage). Rows measured twice count with their median.
+
+Each row gives a value on the basis chosen (BASES): `step`, the whole window from one update
+end to the next (a decode row's own sample; a prefill row's phases summed, since its samples
+time the forward alone), or `forward`, the forward phase (a decode row's phase, a prefill
+row's own sample). Plain data: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import vocabulary as v
+from .runs import Row
+
+STEP, FORWARD = "step", "forward"
+BASES = (STEP, FORWARD)
+MEASURED, COMPOSED = "measured", "composed"  # how a prediction was made
+MIXED = "mixed"  # the point_type of a mixed row (a later schema adds it; read here ahead of it)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    ms: float
+    inside: bool  # no extrapolation was needed
+
+
+@dataclass(frozen=True)
+class MixedRow:
+    """A measured mixed step: decode requests and prefill requests in one step."""
+
+    decode_b: int
+    decode_k: int
+    prefill_b: int
+    prefill_n: int
+    prefill_p: int
+    median_ms: float
+    phases_ms: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ms: float
+    inside: bool
+    how: str  # MEASURED or COMPOSED
+
+
+Node = tuple[float, Callable[[], Estimate | None]]
+
+
+def along(nodes: list[Node], x: float) -> Estimate | None:
+    """Linear in x between the two nodes around it (each node's value computed on demand);
+    beyond the ends the nearest two nodes' line, never below 0; one node: its value. Outside
+    the nodes' range the estimate is not inside."""
+    nodes = sorted(nodes, key=lambda n: n[0])
+    if not nodes:
+        return None
+    for at, value in nodes:
+        if at == x:
+            return value()
+    if len(nodes) == 1:
+        only = nodes[0][1]()
+        return None if only is None else Estimate(only.ms, False)
+    if nodes[0][0] < x < nodes[-1][0]:
+        i = next(i for i, (at, _) in enumerate(nodes) if at > x)
+        (x0, f0), (x1, f1), outside = nodes[i - 1], nodes[i], False
+    elif x < nodes[0][0]:
+        (x0, f0), (x1, f1), outside = nodes[0], nodes[1], True
+    else:
+        (x0, f0), (x1, f1), outside = nodes[-2], nodes[-1], True
+    a, b = f0(), f1()
+    if a is None or b is None:
+        return None
+    ms = a.ms + (b.ms - a.ms) * (x - x0) / (x1 - x0)
+    return Estimate(max(0.0, ms), a.inside and b.inside and not outside)
+
+
+def _leaf(ms: float) -> Callable[[], Estimate]:
+    return lambda: Estimate(ms, True)
+
+
+def _median_by(items: list[tuple[tuple, float]]) -> dict[tuple, float]:
+    """Each key's value: the median where a point was measured more than once."""
+    grouped: dict[tuple, list[float]] = {}
+    for key, ms in items:
+        grouped.setdefault(key, []).append(ms)
+    return {key: statistics.median(values) for key, values in grouped.items()}
+
+
+class DecodeSurface:
+    def __init__(self, points: dict[tuple[int, int], float]):
+        """points: (B, K) -> ms."""
+        self.curves: dict[int, list[tuple[int, float]]] = {}
+        for (b, k), ms in sorted(points.items()):
+            self.curves.setdefault(b, []).append((k, ms))
+
+    def __bool__(self) -> bool:
+        return bool(self.curves)
+
+    def at(self, b: int, k: float) -> Estimate | None:
+        def curve(batch: int) -> Callable[[], Estimate | None]:
+            return lambda: along([(kk, _leaf(ms)) for kk, ms in self.curves[batch]], k * batch / b)
+
+        return along([(batch, curve(batch)) for batch in self.curves], b)
+
+    def baseline(self) -> float:
+        """The least-work measured step: the smallest batch's shallowest row."""
+        return self.curves[min(self.curves)][0][1]
+
+
+class PrefillSurface:
+    """Nodes keyed by (B, P, N), each holding a value or another surface (mixed rows)."""
+
+    def __init__(self, nodes: dict[tuple[int, int, int], Callable[..., Estimate | None]]):
+        self.nodes: dict[int, dict[int, list[tuple[int, Callable]]]] = {}
+        for (b, p, n), leaf in sorted(nodes.items(), key=lambda item: item[0]):
+            self.nodes.setdefault(b, {}).setdefault(p, []).append((n, leaf))
+
+    def __bool__(self) -> bool:
+        return bool(self.nodes)
+
+    def at(self, b: int, n: float, p: float, *leaf_args) -> Estimate | None:
+        def curve(batch: int, prefix: int) -> Callable[[], Estimate | None]:
+            scale = batch / b
+            nodes = [(nn, lambda leaf=leaf: leaf(*leaf_args)) for nn, leaf in self.nodes[batch][prefix]]
+            return lambda: along(nodes, n * scale)
+
+        def at_batch(batch: int) -> Callable[[], Estimate | None]:
+            return lambda: along([(pp, curve(batch, pp)) for pp in self.nodes[batch]], p * batch / b)
+
+        return along([(batch, at_batch(batch)) for batch in self.nodes], b)
+
+
+def row_value(row: Row, basis: str) -> float | None:
+    """A decode or prefill row's value on the basis (None where the row lacks it)."""
+    phases = row.phases_ms
+    if row.kind == v.PREFILL:
+        if basis == FORWARD:
+            return row.median_ms
+        return sum(phases[p] for p in v.PHASES) if all(p in phases for p in v.PHASES) else None
+    return row.median_ms if basis == STEP else phases.get("forward")
+
+
+def read_mixed_rows(artifact: dict) -> list[MixedRow]:
+    """The artifact's measured mixed rows: point {"point_type": "mixed", "decode":
+    {batch_size, total_kv_read_tokens}, "prefill": {batch_size, total_prefill_tokens,
+    total_kv_read_tokens}}, median_seconds and phases as other rows have them."""
+    rows = []
+    for r in artifact.get("results") or []:
+        point = r.get("point") or {}
+        if point.get("point_type") != MIXED:
+            continue
+        d, p = point.get("decode") or {}, point.get("prefill") or {}
+        phases = r.get("phases") or {}
+        rows.append(
+            MixedRow(
+                d["batch_size"],
+                d["total_kv_read_tokens"],
+                p["batch_size"],
+                p["total_prefill_tokens"],
+                p["total_kv_read_tokens"],
+                r["median_seconds"] * 1e3,
+                {name: t * 1e3 for name, t in phases.items() if isinstance(t, (int, float))},
+            )
+        )
+    return rows
+
+
+class Predictor:
+    """A table's rows as surfaces on one basis."""
+
+    def __init__(self, rows: list[Row], mixed: list[MixedRow], basis: str = STEP):
+        if basis not in BASES:
+            raise ValueError(f"basis {basis!r} is none of {', '.join(BASES)}")
+        self.basis = basis
+        valued = [(r, row_value(r, basis)) for r in rows]
+        self.decode = DecodeSurface(
+            _median_by([((r.b, r.k), ms) for r, ms in valued if r.kind == v.DECODE and ms is not None])
+        )
+        prefill = _median_by([((r.b, r.k, r.n), ms) for r, ms in valued if r.kind == v.PREFILL and ms is not None])
+        self.prefill = PrefillSurface({key: _leaf(ms) for key, ms in prefill.items()})
+        by_prefill: dict[tuple[int, int, int], list[tuple[tuple, float]]] = {}
+        for m in mixed:
+            ms = m.median_ms if basis == STEP else m.phases_ms.get("forward")
+            if ms is not None:
+                by_prefill.setdefault((m.prefill_b, m.prefill_p, m.prefill_n), []).append(
+                    ((m.decode_b, m.decode_k), ms)
+                )
+        surfaces = {key: DecodeSurface(_median_by(items)) for key, items in by_prefill.items()}
+        self.mixed = PrefillSurface({key: surface.at for key, surface in surfaces.items()})
+
+    def kinds(self) -> dict[str, str | None]:
+        """How each step kind is predicted: MEASURED, COMPOSED, or None (not covered)."""
+        composed = COMPOSED if self.decode and self.prefill else None
+        return {
+            v.DECODE: MEASURED if self.decode else None,
+            v.PREFILL: MEASURED if self.prefill else None,
+            MIXED: MEASURED if self.mixed else composed,
+        }
+
+    def decode_step(self, b: int, k: int) -> Prediction | None:
+        est = self.decode.at(b, k) if self.decode else None
+        return None if est is None else Prediction(est.ms, est.inside, MEASURED)
+
+    def prefill_step(self, b: int, n: int, p: int) -> Prediction | None:
+        est = self.prefill.at(b, n, p) if self.prefill else None
+        return None if est is None else Prediction(est.ms, est.inside, MEASURED)
+
+    def mixed_step(self, decode_b: int, decode_k: int, prefill_b: int, prefill_n: int, prefill_p: int):
+        if self.mixed:
+            est = self.mixed.at(prefill_b, prefill_n, prefill_p, decode_b, decode_k)
+            return None if est is None else Prediction(est.ms, est.inside, MEASURED)
+        prefill, decode = self.prefill_step(prefill_b, prefill_n, prefill_p), self.decode_step(decode_b, decode_k)
+        if prefill is None or decode is None:
+            return None
+        marginal = max(0.0, decode.ms - self.decode.baseline())
+        return Prediction(prefill.ms + marginal, prefill.inside and decode.inside, COMPOSED)

@@ -1,0 +1,248 @@
+"""A served-step trace read back (the recorder's format, version 1: docs/validate.md): every
+rank's file and its rotated predecessors, oldest first, each header checked, every step line
+turned into a `Step`.
+
+A torn last line (the process died mid-write) is reported, not fatal; any other line that is
+not a step is an error naming the file and the line. A trace without a single step is
+refused by name.
+
+Plain data: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TRACE_TYPE = "kvwarm_trace"
+READS = (1,)  # the trace schema versions this reader knows
+TIMING_BASIS = "update_to_update"  # the only timing basis a trace may have: the sweep's decode window
+DECODE, PREFILL, MIXED = "decode", "prefill", "mixed"  # a step's kind (an idle step is never written)
+KINDS = (DECODE, PREFILL, MIXED)
+# trace-dp<R>.jsonl (the current file) and trace-dp<R>.<k>.jsonl (rotated, k = 1 the newest)
+FILE_NAME = re.compile(r"^trace-dp(\d+)(?:\.(\d+))?\.jsonl$")
+
+
+class TraceError(ValueError):
+    """A trace that cannot be read: the message names the file (and line), what is wrong and the fix."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One traced engine step, in the trace's own units (tokens, seconds)."""
+
+    rank: int
+    number: int  # this rank's step counter
+    wall: float | None  # the window since the previous update end (None: the rank's first step)
+    phases: dict[str, float]
+    decode_requests: int
+    decode_kv_tokens: int  # the decode requests' contexts, summed
+    prefill_requests: int
+    prefill_new_tokens: int
+    prefill_prefix_tokens: int  # computed or cache-hit before this chunk, summed
+    spec_tokens: int = 0
+    graph_mode: str | None = None
+    padded_tokens: int | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.decode_requests and self.prefill_requests:
+            return MIXED
+        return PREFILL if self.prefill_requests else DECODE
+
+    @property
+    def depth(self) -> int:
+        """The KV already in the cache that the step reads: decode contexts and prefill prefixes."""
+        return self.decode_kv_tokens + self.prefill_prefix_tokens
+
+
+@dataclass
+class Trace:
+    root: Path
+    header: dict  # the lowest rank's header: what the trace is compared on
+    headers: dict[int, dict]  # per rank
+    steps: list[Step] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    torn: list[str] = field(default_factory=list)  # "file: line n", one per torn last line
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.headers)
+
+    @property
+    def dp_size(self) -> int:
+        return int(self.header.get("dp_size") or 1)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+def rank_files(root: Path) -> dict[int, list[Path]]:
+    """Every rank's files, oldest first: the highest rotation number first, the current last."""
+    found: dict[int, list[tuple[int, Path]]] = {}
+    for path in root.iterdir():
+        match = FILE_NAME.match(path.name)
+        if match and path.is_file():
+            rotation = int(match.group(2)) if match.group(2) else 0
+            found.setdefault(int(match.group(1)), []).append((rotation, path))
+    return {rank: [p for _, p in sorted(files, reverse=True)] for rank, files in found.items()}
+
+
+def _header(path: Path, line: str, rank: int) -> dict:
+    where = f"{path}: line 1"
+    try:
+        header = json.loads(line)
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("type") != TRACE_TYPE:
+        raise TraceError(
+            f"{where}: not a kvwarm trace header (type {TRACE_TYPE!r}); pass the folder the trace setting "
+            "wrote (kvwarm_trace.out)"
+        )
+    version = header.get("schema_version")
+    if version not in READS:
+        raise TraceError(
+            f"{where}: trace schema_version {version!r}; this reader reads {', '.join(map(str, READS))}: "
+            "validate it with the kvwarm build that wrote it, or a newer one"
+        )
+    if header.get("rank") != rank:
+        raise TraceError(f"{where}: header says rank {header.get('rank')!r}, the file's name rank {rank}; rename it")
+    timing = header.get("timing") or {}
+    if timing.get("basis") != TIMING_BASIS:
+        raise TraceError(
+            f"{where}: timing basis {timing.get('basis')!r}; a table's steps are timed {TIMING_BASIS} "
+            "(one update end to the next), so only such a trace can be held against one"
+        )
+    return header
+
+
+def parse_step(record, rank: int, where: str) -> Step:
+    """One step line's record as a Step; TraceError naming `where` and the field when it is not one."""
+    if not isinstance(record, dict):
+        raise TraceError(f"{where}: not a step record (a JSON {type(record).__name__})")
+    decode, prefill = record.get("decode"), record.get("prefill")
+    phases = record.get("phases")
+    problems = [
+        name
+        for name, ok in (
+            ("step", _count(record.get("step"))),
+            ("wall", record.get("wall") is None or _seconds(record.get("wall"))),
+            ("phases", isinstance(phases, dict) and all(_seconds(t) for t in phases.values() if t is not None)),
+            ("decode.requests", isinstance(decode, dict) and _count(decode.get("requests"))),
+            ("decode.kv_tokens", isinstance(decode, dict) and _count(decode.get("kv_tokens"))),
+            ("prefill.requests", isinstance(prefill, dict) and _count(prefill.get("requests"))),
+            ("prefill.new_tokens", isinstance(prefill, dict) and _count(prefill.get("new_tokens"))),
+            ("prefill.prefix_tokens", isinstance(prefill, dict) and _count(prefill.get("prefix_tokens"))),
+            ("spec_tokens", record.get("spec_tokens") is None or _count(record.get("spec_tokens"))),
+        )
+        if not ok
+    ]
+    if problems:
+        raise TraceError(
+            f"{where}: not a step record ({', '.join(problems)} missing or not a count/seconds); "
+            "the file was not written by the trace recorder, or was edited"
+        )
+    graph = record.get("graph") if isinstance(record.get("graph"), dict) else {}
+    padded = graph.get("padded_tokens")
+    return Step(
+        rank=rank,
+        number=record["step"],
+        wall=record["wall"],
+        phases={p: t for p, t in phases.items() if t is not None},
+        decode_requests=decode["requests"],
+        decode_kv_tokens=decode["kv_tokens"],
+        prefill_requests=prefill["requests"],
+        prefill_new_tokens=prefill["new_tokens"],
+        prefill_prefix_tokens=prefill["prefix_tokens"],
+        spec_tokens=record.get("spec_tokens") or 0,
+        graph_mode=graph.get("mode") if isinstance(graph.get("mode"), str) else None,
+        padded_tokens=padded if _count(padded) else None,
+    )
+
+
+def _parses(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _read_file(path: Path, rank: int, trace: Trace) -> dict | None:
+    """The file's header (None for an empty file); its steps appended to the trace."""
+    try:
+        lines = path.read_text().split("\n")
+    except (OSError, UnicodeDecodeError) as err:
+        raise TraceError(f"{path}: cannot be read ({err}); pass a trace folder the recorder wrote") from None
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last whole line
+    if not lines:
+        return None
+    if len(lines) == 1 and not _parses(lines[0]):  # died writing the header
+        trace.torn.append(f"{path}: line 1")
+        return None
+    header = _header(path, lines[0], rank)
+    for number, line in enumerate(lines[1:], start=2):
+        last = number == len(lines)
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if last:
+                trace.torn.append(f"{path}: line {number}")
+                break
+            raise TraceError(
+                f"{path}: line {number} is not JSON, and is not the file's last line (a torn write can only "
+                "be the last); the file was edited or damaged"
+            ) from None
+        trace.steps.append(parse_step(record, rank, f"{path}: line {number}"))
+    return header
+
+
+def read_trace(arg: str | Path) -> Trace:
+    """The trace in a folder (or the folder of one of its files)."""
+    root = Path(arg)
+    if root.is_file() and FILE_NAME.match(root.name):
+        root = root.parent
+    if not root.is_dir():
+        raise TraceError(f"{root}: not a folder; pass the folder the trace setting wrote (kvwarm_trace.out)")
+    files = rank_files(root)
+    if not files:
+        raise TraceError(
+            f"{root}: no trace-dp<R>.jsonl here; pass the folder the trace setting wrote (kvwarm_trace.out)"
+        )
+    trace = Trace(root, {}, {})
+    for rank in sorted(files):
+        for path in files[rank]:
+            header = _read_file(path, rank, trace)
+            trace.files.append(path)
+            if header is None:
+                continue
+            first = trace.headers.setdefault(rank, header)
+            if header.get("started_at") != first.get("started_at"):
+                raise TraceError(
+                    f"{path}: from a run started at {header.get('started_at')}, the rank's other files at "
+                    f"{first.get('started_at')}; keep one run's files in a trace folder"
+                )
+    if not trace.headers:
+        raise TraceError(f"{root}: the trace files are empty (not even a header); the recorder never wrote")
+    trace.header = trace.headers[min(trace.headers)]
+    for rank, header in trace.headers.items():
+        if header.get("dp_size") != trace.header.get("dp_size") or not rank < int(header.get("dp_size") or 1):
+            raise TraceError(
+                f"{root}: rank {rank}'s header says dp_size {header.get('dp_size')!r}, rank "
+                f"{min(trace.headers)}'s {trace.header.get('dp_size')!r}; keep one deployment's files in a trace folder"
+            )
+    if not trace.steps:
+        torn = f" (only a torn line: {trace.torn[0]})" if trace.torn else ""
+        raise TraceError(
+            f"{root}: an empty trace: headers but no step recorded{torn}; serve requests with the trace on, "
+            "then validate"
+        )
+    return trace

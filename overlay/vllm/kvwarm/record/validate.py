@@ -1,0 +1,193 @@
+"""`python -m vllm.kvwarm validate TABLE TRACE [--out DIR] [--json] [--basis step|forward]
+[--allow-loop-mismatch]`: every step of a served-step trace predicted from a sweep's table
+(record.predict), and how far off the table is per step kind and KV-depth band, beside the
+trace's own repeat noise (record.validate_metrics). Writes validate.json, validate.csv and,
+where matplotlib imports, validate.png (docs/validate.md).
+
+A trace and a table whose model, build, step-time engine arguments, layout or hardware
+differ are refused (record.validate_match), and so are step windows of different engine
+loops unless --allow-loop-mismatch. Plain data: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from . import vocabulary as v
+from .export_input import ExportError, SweepRecord, load_sweep
+from .predict import MIXED, STEP, Predictor, read_mixed_rows
+from .runs import ReportError, locate, read_rows
+from .trace_reader import KINDS, Step, Trace, TraceError, read_trace
+from .validate_match import Match, Provenance, loop_refusal, match, refusal
+from .validate_metrics import Scored, by_band, figures, mark_noise
+
+SPECULATIVE, UNTIMED = "speculative", "untimed"  # why a step is left out
+
+
+class ValidateError(ValueError):
+    """A table and a trace that cannot be held against each other: the message says why and the fix."""
+
+
+def load_table(arg: str) -> SweepRecord:
+    """A finished sweep's every rank (record.export_input), refusing one rank of several."""
+    try:
+        file = locate(arg)
+    except ReportError as err:
+        raise ValidateError(str(err)) from None
+    try:
+        artifact = json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise ValidateError(f"{file}: not a readable sweep artifact ({err}); pass a sweep's --out folder") from None
+    layout = artifact.get("layout") if isinstance(artifact, dict) else None
+    one_of_several = isinstance(layout, dict) and (layout.get("data_parallel_size") or 1) > 1
+    if one_of_several and artifact.get("artifact_type") not in (v.COMBINED, "combined"):
+        raise ValidateError(
+            f"{file}: one rank's artifact of a sweep on {layout['data_parallel_size']} data-parallel ranks; "
+            f"a trace holds every rank's steps: pass the sweep's --out folder ({file.parent.parent})"
+        )
+    try:
+        return load_sweep(file)
+    except ExportError as err:
+        raise ValidateError(str(err)) from None
+
+
+def predictors(table: SweepRecord, basis: str) -> list[Predictor]:
+    """One predictor per rank of the table (mixed rows read apart: their point has parts)."""
+    out = []
+    for artifact, path in zip(table.ranks, table.paths):
+        plain = {**artifact, "results": [r for r in artifact["results"] if r["point"].get("point_type") != MIXED]}
+        out.append(Predictor(read_rows(plain, str(path)), read_mixed_rows(artifact), basis))
+    return out
+
+
+def served_ms(step: Step, basis: str) -> float | None:
+    seconds = step.wall if basis == STEP else step.phases.get("forward")
+    return None if seconds is None else seconds * 1e3
+
+
+def predict(predictor: Predictor, step: Step):
+    if step.kind == v.DECODE:
+        return predictor.decode_step(step.decode_requests, step.decode_kv_tokens)
+    prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens)
+    if step.kind == v.PREFILL:
+        return predictor.prefill_step(*prefill)
+    return predictor.mixed_step(step.decode_requests, step.decode_kv_tokens, *prefill)
+
+
+NOT_COVERED = {
+    v.DECODE: "the table has no decode rows",
+    v.PREFILL: "the table has no prefill rows",
+    MIXED: "the table has neither mixed rows nor both decode and prefill rows to compose them",
+}
+
+
+@dataclass
+class Validation:
+    table: str
+    trace: str
+    basis: str
+    match: Match
+    loop_mismatch_allowed: bool
+    scored: list[Scored] = field(default_factory=list)
+    excluded: dict[str, int] = field(default_factory=dict)
+    torn: list[str] = field(default_factory=list)
+    how: dict[str, str | None] = field(default_factory=dict)  # per kind: measured, composed, None
+
+    def of_kind(self, kind: str) -> list[Scored]:
+        return [s for s in self.scored if s.step.kind == kind]
+
+    def kinds(self) -> dict[str, dict]:
+        """Per kind the trace holds: its figures, per band, how it is predicted."""
+        out = {}
+        for kind in KINDS:
+            scored = self.of_kind(kind)
+            if scored:
+                out[kind] = {
+                    **figures(scored),
+                    "predictor": self.how.get(kind),
+                    "not_covered": None if self.how.get(kind) else NOT_COVERED[kind],
+                    "bands": by_band(scored),
+                }
+        return out
+
+    def summary(self) -> dict:
+        """The one-line JSON (`--json`): its keys are a contract (docs/validate.md)."""
+        line = {"steps": len(self.scored), "coverage": figures(self.scored)["coverage"]}
+        for kind in KINDS:
+            f = figures(self.of_kind(kind))
+            line.update({f"{kind}_{name}": f[name] for name in ("mape", "p95", "bias", "coverage", "noise", "steps")})
+        line["noise"] = line["decode_noise"]
+        line["mixed_predictor"] = self.how.get(MIXED) if self.of_kind(MIXED) else None
+        line.update(basis=self.basis, excluded=sum(self.excluded.values()), torn_lines=len(self.torn))
+        return line
+
+    def record(self) -> dict:
+        """validate.json: everything the command printed, and what it compared."""
+        return {
+            "table": self.table,
+            "trace": self.trace,
+            "basis": self.basis,
+            "summary": self.summary(),
+            "kinds": self.kinds(),
+            "loop": {
+                "trace": self.match.loop[0],
+                "table": self.match.loop[1],
+                "mismatch_allowed": self.loop_mismatch_allowed,
+            },
+            "noted_differences": [{"field": d.field, "trace": d.trace, "table": d.table} for d in self.match.noted],
+            "excluded": self.excluded,
+            "torn_lines": self.torn,
+        }
+
+
+def check(trace: Trace, table: SweepRecord, allow_loop_mismatch: bool) -> Match:
+    """The pair's records compared; ValidateError where a step-time field or the loop differs."""
+    m = match(Provenance.of_trace(trace.header), Provenance.of_artifact(table.ranks[0]))
+    what = f"trace {trace.root} and table {table.root}"
+    problem = refusal(
+        what,
+        m,
+        "Sweep a table with the trace's engine arguments on the same build and hardware: "
+        f"python -m vllm.kvwarm sweep --grid-from {trace.root} --out DIR <those arguments>",
+    )
+    problem = problem or (
+        None
+        if allow_loop_mismatch
+        else loop_refusal(
+            what,
+            m,
+            "Sweep under the trace's loop (--async-scheduling or --no-async-scheduling), or pass "
+            "--allow-loop-mismatch to compare the windows anyway",
+        )
+    )
+    if problem:
+        raise ValidateError(problem)
+    return m
+
+
+def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_mismatch: bool = False) -> Validation:
+    """The trace read, checked against the table, and every step predicted."""
+    try:
+        trace = read_trace(trace_arg)
+    except TraceError as err:
+        raise ValidateError(str(err)) from None
+    table = load_table(table_arg)
+    m = check(trace, table, allow_loop_mismatch)
+    try:
+        by_rank = predictors(table, basis)
+    except ReportError as err:
+        raise ValidateError(str(err)) from None
+    result = Validation(str(table.root), str(trace.root), basis, m, allow_loop_mismatch, torn=list(trace.torn))
+    for kind in KINDS:
+        result.how[kind] = next((p.kinds()[kind] for p in by_rank if p.kinds()[kind]), None)
+    for step in trace.steps:
+        served = served_ms(step, basis)
+        reason = SPECULATIVE if step.spec_tokens else UNTIMED if served is None else None
+        if reason:
+            result.excluded[reason] = result.excluded.get(reason, 0) + 1
+            continue
+        predictor = by_rank[min(step.rank, len(by_rank) - 1)]
+        result.scored.append(Scored(step, served, predict(predictor, step)))
+    mark_noise(result.scored)
+    return result

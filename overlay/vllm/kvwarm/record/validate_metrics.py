@@ -1,0 +1,130 @@
+"""The figures `validate` reports per step kind and KV-depth band (docs/validate.md): steps,
+coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repeat noise.
+
+  error     (predicted - served) / served, in percent: negative where the table is faster
+  MAPE      the mean absolute error over the steps predicted
+  P95       the 95th percentile of the absolute errors (linear between order statistics)
+  bias      the mean signed error
+  coverage  the share of the steps whose prediction needed no extrapolation
+  noise     the trace's repeat noise: steps of the same shape (SHAPE_BIN) grouped, each
+            step's |served - its group's median| / that median, averaged over the steps of
+            groups of two or more: the MAPE an oracle that knew every shape's median served
+            time would score, the floor under any table's MAPE
+  band      the step's depth (the KV already cached that it reads: decode contexts plus
+            prefill prefixes) in BANDS
+
+Plain data: nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from .predict import Prediction
+from .trace_reader import Step
+
+# lower edges of the KV-depth bands, in tokens: powers of four from 1Ki
+BAND_EDGES = (0, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
+SHAPE_BIN = 0.01  # token counts within 1 % of each other are the same shape for the noise
+
+
+def _tokens(n: int) -> str:
+    return "0" if n == 0 else f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}k"
+
+
+BANDS = tuple(
+    f"{_tokens(lo)}-{_tokens(hi)}" if hi else f"{_tokens(lo)}+" for lo, hi in zip(BAND_EDGES, (*BAND_EDGES[1:], None))
+)
+
+
+def band(depth: int) -> str:
+    return BANDS[max(i for i, edge in enumerate(BAND_EDGES) if depth >= edge)]
+
+
+def _bin(tokens: int) -> int:
+    return 0 if tokens <= 0 else 1 + math.floor(math.log(tokens) / math.log1p(SHAPE_BIN))
+
+
+def shape(step: Step) -> tuple:
+    """What makes two steps repeats of one another: the kind, the request counts, the token
+    counts within SHAPE_BIN, and the graph where the runner said it."""
+    return (
+        step.kind,
+        step.decode_requests,
+        _bin(step.decode_kv_tokens),
+        step.prefill_requests,
+        _bin(step.prefill_new_tokens),
+        _bin(step.prefill_prefix_tokens),
+        step.graph_mode,
+        step.padded_tokens,
+    )
+
+
+@dataclass
+class Scored:
+    """One traced step held against the table."""
+
+    step: Step
+    served_ms: float
+    prediction: Prediction | None
+    noise: float | None = None  # |served - its shape's median| / median, percent (groups of >= 2)
+    group: int = 1  # steps of its shape
+
+    @property
+    def error(self) -> float | None:
+        if self.prediction is None or not self.served_ms:
+            return None
+        return 100 * (self.prediction.ms - self.served_ms) / self.served_ms
+
+    @property
+    def covered(self) -> bool:
+        return self.prediction is not None and self.prediction.inside
+
+    @property
+    def band(self) -> str:
+        return band(self.step.depth)
+
+
+def mark_noise(scored: list[Scored]) -> None:
+    """Every step's deviation from the median of the steps of its shape."""
+    groups: dict[tuple, list[Scored]] = {}
+    for s in scored:
+        groups.setdefault(shape(s.step), []).append(s)
+    for members in groups.values():
+        median = statistics.median(s.served_ms for s in members)
+        for s in members:
+            s.group = len(members)
+            s.noise = 100 * abs(s.served_ms - median) / median if len(members) > 1 and median else None
+
+
+def p95(values: list[float]) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=20, method="inclusive")[18]
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def figures(scored: list[Scored]) -> dict:
+    """The figures of a set of steps (percent; None where no step gives one)."""
+    errors = [s.error for s in scored if s.error is not None]
+    return {
+        "steps": len(scored),
+        "covered": sum(s.covered for s in scored),
+        "coverage": 100 * sum(s.covered for s in scored) / len(scored) if scored else None,
+        "predicted": len(errors),
+        "mape": _mean([abs(e) for e in errors]),
+        "p95": p95([abs(e) for e in errors]) if errors else None,
+        "bias": _mean(errors),
+        "noise": _mean([s.noise for s in scored if s.noise is not None]),
+        "noise_steps": sum(s.noise is not None for s in scored),
+    }
+
+
+def by_band(scored: list[Scored]) -> dict[str, dict]:
+    """Each band's figures, for the bands that hold a step, shallow first."""
+    return {b: figures([s for s in scored if s.band == b]) for b in BANDS if any(s.band == b for s in scored)}

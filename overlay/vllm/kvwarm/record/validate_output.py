@@ -1,0 +1,124 @@
+"""What `validate` prints and writes: the per-kind, per-band table, validate.json, one CSV
+line per step held against the table, and the plot where matplotlib imports. Plain data."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from .files import write_atomically
+from .validate import Validation
+
+CSV_COLUMNS = [
+    "rank",
+    "step",
+    "kind",
+    "band",
+    "depth",
+    "decode_requests",
+    "decode_kv_tokens",
+    "prefill_requests",
+    "prefill_new_tokens",
+    "prefill_prefix_tokens",
+    "graph_mode",
+    "served_ms",
+    "predicted_ms",
+    "error_pct",
+    "covered",
+    "predictor",
+    "shape_repeats",
+    "noise_pct",
+]
+
+
+def _pct(value, signed: bool = False) -> str:
+    return "n/a" if value is None else f"{value:+.2f}%" if signed else f"{value:.2f}%"
+
+
+def _line(name: str, band: str, f: dict) -> str:
+    return (
+        f"{name:<8} {band:<10} {f['steps']:>7} {_pct(f['coverage']):>9} {_pct(f['mape']):>8} "
+        f"{_pct(f['p95']):>8} {_pct(f['bias'], True):>9} {_pct(f['noise']):>8}"
+    )
+
+
+def text(result: Validation) -> str:
+    """The table users read: per kind each band, then the kind over every band."""
+    s = result.summary()
+    lines = [
+        f"table {result.table} against trace {result.trace}: {s['steps']} step(s) on the {result.basis} basis",
+        f"{'kind':<8} {'band':<10} {'steps':>7} {'coverage':>9} {'MAPE':>8} {'P95':>8} {'bias':>9} {'noise':>8}",
+    ]
+    for kind, k in result.kinds().items():
+        if k["not_covered"]:
+            lines.append(f"{kind:<8} {'all':<10} {k['steps']:>7}  not covered: {k['not_covered']}")
+            continue
+        for band, f in k["bands"].items():
+            lines.append(_line(kind, band, f))
+        label = f"{kind}*" if k["predictor"] == "composed" else kind
+        lines.append(_line(label, "all", k))
+    if result.how.get("mixed") == "composed" and result.of_kind("mixed"):
+        lines.append("mixed*: composed (the prefill row plus the decode curve's marginal): the table has no mixed rows")
+    lines.append(
+        f"coverage {_pct(s['coverage'])}; noise: the trace's repeat noise (served steps of one shape), "
+        "the floor under MAPE"
+    )
+    for reason, count in result.excluded.items():
+        lines.append(f"left out: {count} {reason} step(s)")
+    for torn in result.torn:
+        lines.append(f"torn last line, skipped: {torn}")
+    for d in result.match.noted:
+        lines.append(f"differs, does not change a step's time: {d}")
+    if result.loop_mismatch_allowed and result.match.loop_differs:
+        trace, table = result.match.loop
+        lines.append(f"loop mismatch allowed: the trace ran the {trace} loop, the table the {table} one")
+    return "\n".join(lines)
+
+
+def steps_csv(result: Validation) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(CSV_COLUMNS)
+    for s in result.scored:
+        st, p = s.step, s.prediction
+        writer.writerow(
+            [
+                st.rank,
+                st.number,
+                st.kind,
+                s.band,
+                st.depth,
+                st.decode_requests,
+                st.decode_kv_tokens,
+                st.prefill_requests,
+                st.prefill_new_tokens,
+                st.prefill_prefix_tokens,
+                st.graph_mode or "",
+                f"{s.served_ms:.4f}",
+                "" if p is None else f"{p.ms:.4f}",
+                "" if s.error is None else f"{s.error:.3f}",
+                int(s.covered),
+                "" if p is None else p.how,
+                s.group,
+                "" if s.noise is None else f"{s.noise:.3f}",
+            ]
+        )
+    return out.getvalue()
+
+
+def write(result: Validation, out: Path) -> tuple[list[Path], str | None]:
+    """validate.json, validate.csv and validate.png in `out`; the note says why no plot."""
+    from .validate_plot import plot_png
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "validate.json", out / "validate.csv"]
+    write_atomically(written[0], json.dumps(result.record(), indent=2, default=str).encode())
+    write_atomically(written[1], steps_csv(result).encode())
+    png = plot_png(result)
+    if png is None:
+        (out / "validate.png").unlink(missing_ok=True)
+        return written, "no validate.png: matplotlib is not installed here (pip install matplotlib)"
+    write_atomically(out / "validate.png", png)
+    return [*written, out / "validate.png"], None

@@ -1,0 +1,214 @@
+"""The grid a sweep measures from a served-step trace (`--grid-from TRACE`, or "grid_from" in
+the sweep's config): points laid over the shapes the deployment actually ran, so that the
+table predicts every traced step without extrapolating (record.predict's coverage).
+
+  decode   the batch axis spans the traced decode batches: both ends, every decode capture
+           size inside with its C + 1 (the graph boundaries, sweep.grid's pairs, never
+           broken), then every traced batch where they fit the cap, else quantiles of the
+           steps' batches (density where steps are frequent).
+           Per batch a KV axis the same way over the contexts of the steps that read that
+           batch's curve (those between its neighbours, scaled to it at equal context per
+           request), from 2B to the deepest the pool and max_model_len allow.
+  prefill  a few batch sizes over the traced prefill batches; per batch the new-token axis
+           (ends, prefill capture sizes with C + 1, quantiles) and the prefix axis per
+           request in whole prefix blocks (shallowest rounded down, deepest up), crossed;
+           each axis as the batch axis: ends, boundaries, every value or quantiles.
+  mixed    a mixed step's decode part joins the decode shapes and its prefill part the
+           prefill shapes (the composed prediction reads both); `mixed_points` is where
+           mixed points will be laid once the sweep measures them.
+
+Each axis is capped (TRACE_CAPS; "grid_caps" in the config sets them). The points the engine
+cannot run as one step are left out by the same checks as --grid (sweep.run). A trace of
+another model, layout or step-time setting is refused: before the engine loads where the
+command's arguments tell (`check_given`), and once it is up against everything the engine
+resolved (`check_engine`), so the table made here is one `validate` accepts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..record.shape import GraphConfig
+from ..record.trace_reader import MIXED, Step, Trace, TraceError, read_trace
+from ..record.validate_match import Provenance, loop_refusal, match, model_name, refusal
+from .grid import GridLimits, axis, deepest_kv, feasible_batch, thin
+from .plan import CHAIN_DEPTH_MARGIN
+from .points import DecodePoint, PrefillPoint
+from .settings import SettingsError
+
+TRACE_CAPS = {"decode_batches": 12, "kv_ladder": 6, "prefill_batches": 3, "prefill_tokens": 8, "prefix_depths": 4}
+
+
+@dataclass(frozen=True)
+class Shapes:
+    decode: list[tuple[int, int]]  # (B, K) per decode step and per mixed step's decode part
+    prefill: list[tuple[int, int, int]]  # (B, N, P) per prefill step and per mixed step's prefill part
+    mixed: list[tuple[int, int, int, int, int]]  # (B, K, B, N, P) per mixed step
+
+
+def shapes(steps: list[Step]) -> Shapes:
+    decode, prefill, mixed = [], [], []
+    for s in steps:
+        if s.spec_tokens:  # a draft-token step is no table's shape
+            continue
+        d = (s.decode_requests, s.decode_kv_tokens)
+        p = (s.prefill_requests, s.prefill_new_tokens, s.prefill_prefix_tokens)
+        if s.decode_requests:
+            decode.append(d)
+        if s.prefill_requests:
+            prefill.append(p)
+        if s.kind == MIXED:
+            mixed.append((*d, *p))
+    return Shapes(decode, prefill, mixed)
+
+
+def spread(values: list[int], sizes: tuple[int, ...], lo: int, hi: int, cap: int) -> list[int]:
+    """An axis over `values` (each clamped to [lo, hi]): both ends, the capture sizes inside
+    with their C + 1 (pairs kept whole), then every value where they all fit in `cap`, else
+    quantiles of the values up to it."""
+    values = sorted(min(max(x, lo), hi) for x in values)
+    first, last = values[0], values[-1]
+    picked = {first, last}
+    if sizes and last > first:
+        laid, pairs = axis(tuple(sizes), last, floor=first)
+        bounds = [x for x in laid if x in sizes or x - 1 in sizes]
+        if bounds:
+            picked |= set(thin(bounds, pairs, max(2, cap - 2)))
+    if len(picked | set(values)) <= cap:
+        return sorted(picked | set(values))
+    room = cap - len(picked)
+    for i in range(1, room + 1):
+        picked.add(values[round(i * (len(values) - 1) / (room + 1))])
+    return sorted(picked)
+
+
+def _near(axis_values: list[int], i: int, b: int) -> bool:
+    """Whether a step of b requests reads the curve of axis_values[i] (between its neighbours)."""
+    below = axis_values[i - 1] if i else 0
+    above = axis_values[i + 1] if i + 1 < len(axis_values) else math.inf
+    return below < b < above
+
+
+def decode_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: dict) -> list[DecodePoint]:
+    if not found.decode:
+        return []
+    widest = feasible_batch(graphs, limits)
+    batches = spread([b for b, _ in found.decode], graphs.decode_capture_sizes, 1, widest, caps["decode_batches"])
+    points = []
+    for i, batch in enumerate(batches):
+        contexts = [round(k * batch / b) for b, k in found.decode if _near(batches, i, b)]
+        deepest = deepest_kv(batch, limits)
+        if contexts and deepest >= 2 * batch:
+            points += [DecodePoint(k, batch) for k in spread(contexts, (), 2 * batch, deepest, caps["kv_ladder"])]
+    return points
+
+
+def _fits(point: PrefillPoint, limits: GridLimits) -> bool:
+    return point.tokens_spanned(limits.prefix_unit) <= limits.max_model_len - CHAIN_DEPTH_MARGIN
+
+
+def prefill_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: dict) -> list[PrefillPoint]:
+    if not found.prefill:
+        return []
+    unit = limits.prefix_unit
+    batches = spread([b for b, _, _ in found.prefill], (), 1, graphs.max_num_seqs, caps["prefill_batches"])
+    points = []
+    for i, batch in enumerate(batches):
+        near = [(n * batch / b, p / b / unit) for b, n, p in found.prefill if _near(batches, i, b)]
+        if not near:
+            continue
+        tokens = spread(
+            [round(n) for n, _ in near],
+            graphs.prefill_capture_sizes,
+            batch,
+            graphs.max_num_batched_tokens,
+            caps["prefill_tokens"],
+        )
+        blocks = [u for _, u in near]
+        shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
+        depths = set(spread([round(u) for u in blocks], (), shallow, deep, caps["prefix_depths"])) | {shallow, deep}
+        for n in tokens:
+            laid = [PrefillPoint(n, u * unit * batch, batch) for u in sorted(depths)]
+            fitting = [p for p in laid if _fits(p, limits)]
+            if len(fitting) < len(laid):  # the deepest prefix that still fits stands in for the rest
+                room = (limits.max_model_len - CHAIN_DEPTH_MARGIN - 1 - math.ceil(n / batch)) // unit
+                deepest = PrefillPoint(n, room * unit * batch, batch)
+                if room > 0 and _fits(deepest, limits) and deepest not in fitting:
+                    fitting.append(deepest)
+            points += fitting
+    return points
+
+
+def mixed_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: dict) -> list:
+    """Mixed points over the traced mixed steps: none until the sweep measures mixed points
+    (their parts are covered by decode_points and prefill_points meanwhile)."""
+    return []
+
+
+def caps_of(asked) -> dict:
+    """TRACE_CAPS with the ones asked for ("grid_caps": {name: positive int})."""
+    asked = asked or {}
+    ok = isinstance(asked, dict) and set(asked) <= set(TRACE_CAPS)
+    if not ok or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in asked.values()):
+        raise SettingsError(f"grid caps {asked!r}: a JSON object of positive integers among {', '.join(TRACE_CAPS)}")
+    return {**TRACE_CAPS, **asked}
+
+
+def trace_grid(trace: Trace, graphs: GraphConfig, limits: GridLimits, asked_caps=None) -> list:
+    """Every point laid over the trace's shapes (prefill first, as a sweep runs them)."""
+    caps = caps_of(asked_caps)
+    found = shapes(trace.steps)
+    return (
+        prefill_points(found, graphs, limits, caps)
+        + decode_points(found, graphs, limits, caps)
+        + mixed_points(found, graphs, limits, caps)
+    )
+
+
+def check_given(trace_dir: str, engine_args) -> Trace:
+    """Before the engine loads: the trace read, and refused where the command's engine
+    arguments (vLLM's EngineArgs) already differ from what the trace ran with."""
+    trace = read_trace(trace_dir)
+    ran = Provenance.of_trace(trace.header)
+    given = {
+        "model": model_name(engine_args.model),
+        "tensor_parallel_size": engine_args.tensor_parallel_size,
+        "data_parallel_size": engine_args.data_parallel_size,
+        "pipeline_parallel_size": engine_args.pipeline_parallel_size,
+        "expert_parallel": bool(engine_args.enable_expert_parallel),
+        "max_num_batched_tokens": engine_args.max_num_batched_tokens,  # None: not given
+    }
+    traced = {"model": ran.model, **ran.layout, "max_num_batched_tokens": ran.resolved.get("max_num_batched_tokens")}
+    differ = [
+        f"{name} (trace {traced[name]!r}, given {value!r})"
+        for name, value in given.items()
+        if value is not None and traced.get(name) is not None and traced[name] != value
+    ]
+    if differ:
+        raise TraceError(
+            f"--grid-from {trace.root}: the trace ran another engine: {'; '.join(differ)}; sweep with the "
+            f"arguments the trace ran with (its header's engine.given: {ran_given(trace)})"
+        )
+    return trace
+
+
+def ran_given(trace: Trace) -> str:
+    given = (trace.header.get("engine") or {}).get("given")
+    return " ".join(map(str, given)) if isinstance(given, list) else "not recorded"
+
+
+def check_engine(trace: Trace, run: dict, layout: dict, model: str) -> None:
+    """Once the engine is up: everything that changes a step's time equal to the trace's,
+    and the same engine loop (record.validate_match), else the sweep is refused."""
+    engine = Provenance.of_artifact(
+        {"config": {"model": model, "engine_args": run.get("engine_args")}, "layout": layout, **run}
+    )
+    m = match(Provenance.of_trace(trace.header), engine)
+    what = f"--grid-from {trace.root}: the trace and this engine"
+    fix = f"Start the sweep with the arguments the trace ran with ({ran_given(trace)}) on its build and hardware."
+    problem = refusal(what, m, fix, "engine") or loop_refusal(
+        what, m, "Sweep under the trace's loop: --async-scheduling or --no-async-scheduling.", "engine"
+    )
+    if problem:
+        raise TraceError(problem)

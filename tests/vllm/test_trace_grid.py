@@ -1,0 +1,224 @@
+"""`sweep --grid-from TRACE`: the axes laid over a trace's shapes (ends, graph boundaries,
+density), a grid under which the predictor reads every traced step without extrapolating,
+the engine's limits kept, and a trace of another engine refused: before the engine loads
+where the command's arguments tell, and on a real Scheduler against what it resolved."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
+from kvwarm_testing.traces import header, step, write_trace
+from vllm.kvwarm.record.predict import Predictor
+from vllm.kvwarm.record.runs import Row
+from vllm.kvwarm.record.shape import GraphConfig
+from vllm.kvwarm.record.trace_reader import Step, Trace, TraceError
+from vllm.kvwarm.sweep.grid import GridLimits, deepest_kv
+from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint
+from vllm.kvwarm.sweep.settings import SettingsError
+from vllm.kvwarm.sweep.trace_grid import (
+    TRACE_CAPS,
+    caps_of,
+    decode_points,
+    prefill_points,
+    shapes,
+    spread,
+    trace_grid,
+)
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+GRAPHS = GraphConfig("FULL_AND_PIECEWISE", "FULL", "PIECEWISE", SIZES, SIZES, SIZES, 64, 512)
+LIMITS = GridLimits(
+    max_model_len=4096, steady_steps=3, kv_cache_tokens=400_000, num_blocks=25_000, block_size=16, prefix_unit=16
+)
+
+
+def decode_step(b: int, k: int) -> Step:
+    return Step(0, 0, 0.01, {}, b, k, 0, 0, 0)
+
+
+def prefill_step(b: int, n: int, p: int) -> Step:
+    return Step(0, 0, 0.01, {}, 0, 0, b, n, p)
+
+
+def test_an_axis_holds_its_ends_the_graph_boundaries_inside_and_quantiles_where_values_are_dense():
+    values = [9] * 10 + [10] * 10 + [11] * 10 + [12] * 10 + [40] * 2
+    # ends 9 and 40; capture sizes inside with C + 1: 16, 17, 32, 33; two quantiles (at a third
+    # and two thirds of the 42 sorted values: indices 14 and 27) fill the cap of 8
+    assert spread(values, (8, 16, 32), 1, 64, 8) == [9, 10, 11, 16, 17, 32, 33, 40]
+    assert spread([3, 100], (), 5, 50, 4) == [5, 50]  # clamped to the limits
+    assert spread([7], SIZES, 1, 64, 6) == [7]
+    assert spread([5, 3, 5, 9, 9, 9], (8,), 1, 64, 6) == [3, 5, 8, 9]  # every value fits the cap
+
+
+def traced_steps() -> list[Step]:
+    """Decode steps of every batch from 3 to 30 (more than the batch axis holds, so most read
+    two neighbours' curves) across the capture sizes 8, 16 and 32, with contexts of 50 to
+    3000 tokens; prefill chunks of one and three requests with and without a prefix; mixed."""
+    steps = []
+    for i in range(840):
+        b = 3 + i % 28
+        steps.append(decode_step(b, b * (50 + (i * 37) % 2950)))
+    for i in range(90):
+        b = (1, 1, 3)[i % 3]
+        steps.append(prefill_step(b, b * (20 + (i * 53) % 150), b * 16 * ((i * 7) % 40)))
+    steps += [Step(0, 0, 0.01, {}, 5, 5 * 200, 1, 300, 64), Step(0, 0, 0.01, {}, 9, 9 * 900, 1, 100, 0)]
+    return steps
+
+
+def table_over(points: list) -> Predictor:
+    """A table measured at the points (values from any smooth function: only coverage matters)."""
+    rows = []
+    for p in points:
+        if isinstance(p, DecodePoint):
+            rows.append(
+                Row(p.total_kv_read_tokens, p.batch_size, "legacy", [], 1 + p.total_kv_read_tokens / 1e3, 0, 0, [])
+            )
+        else:
+            ms = 1 + p.total_prefill_tokens / 1e2
+            phases = dict.fromkeys(("schedule", "forward", "update", "sweep", "other"), ms / 5)
+            rows.append(
+                Row(
+                    p.total_kv_read_tokens,
+                    p.batch_size,
+                    "fake_prefix",
+                    [],
+                    ms,
+                    0,
+                    0,
+                    [],
+                    kind="prefill",
+                    n=p.total_prefill_tokens,
+                    phases_ms=phases,
+                )
+            )
+    return Predictor(rows, [])
+
+
+def test_the_grid_covers_every_traced_step_without_extrapolation():
+    steps = traced_steps()
+    points = trace_grid(Trace(Path("trace"), {}, {}, steps), GRAPHS, LIMITS)
+    table = table_over(points)
+    for s in steps:
+        if s.kind == "decode":
+            got = table.decode_step(s.decode_requests, s.decode_kv_tokens)
+        elif s.kind == "prefill":
+            got = table.prefill_step(s.prefill_requests, s.prefill_new_tokens, s.prefill_prefix_tokens)
+        else:
+            got = table.mixed_step(
+                s.decode_requests, s.decode_kv_tokens, s.prefill_requests, s.prefill_new_tokens, s.prefill_prefix_tokens
+            )
+        assert got is not None and got.inside, s
+    batches = sorted({p.batch_size for p in points if isinstance(p, DecodePoint)})
+    assert {8, 9, 16, 17} <= set(batches) and batches[0] == 3 and batches[-1] == 30  # boundaries, ends
+    assert len(batches) < 28
+
+
+def test_points_stay_within_the_engines_limits():
+    found = shapes([decode_step(4, 4 * 4090), decode_step(4, 4 * 100), prefill_step(1, 100, 4000)])
+    decode = decode_points(found, GRAPHS, LIMITS, TRACE_CAPS)
+    assert max(p.total_kv_read_tokens for p in decode) == deepest_kv(4, LIMITS) == 4 * (4096 - 3 - 1 - 4)
+    prefill = prefill_points(found, GRAPHS, LIMITS, TRACE_CAPS)
+    unit = LIMITS.prefix_unit
+    # a 4000-token prefix and 100 new tokens do not fit max_model_len with the sweep's margin:
+    # the deepest whole-block prefix that does stands in (4096 - 4 - 1 - 100 = 3991 -> 3984)
+    assert max(p.total_kv_read_tokens for p in prefill) == 3984
+    assert all(p.total_kv_read_tokens % unit == 0 and p.tokens_spanned(unit) <= 4096 - 4 for p in prefill)
+
+
+def test_caps_are_checked_by_name():
+    assert caps_of({"kv_ladder": 2}) == {**TRACE_CAPS, "kv_ladder": 2}
+    for bad in ({"ladder": 2}, {"kv_ladder": 0}, [1]):
+        with pytest.raises(SettingsError, match="positive integers among decode_batches"):
+            caps_of(bad)
+
+
+def matching_trace(folder, model_dir, **resolved) -> None:
+    """A trace of the test scheduler's engine: what a made header can know of it (the model,
+    the layout); fields the header leaves out are not compared (the loop among them: vLLM
+    resolves it per platform, and a scheduler stepped by hand runs none)."""
+    head = header()
+    for field in ("build", "hardware", "torch", "engine_loop"):
+        del head[field]
+    head.update(model=str(model_dir), engine={"given": ["--model", str(model_dir)], "resolved": resolved})
+    steps = [step(0, None, (2, 60))]
+    steps += [step(i, 5.0, (b, b * c)) for i, (b, c) in enumerate([(1, 30), (2, 90), (3, 150), (3, 40)], start=1)]
+    steps += [step(i, 7.0, (0, 0), (1, n, p)) for i, (n, p) in enumerate([(32, 0), (100, 48), (64, 16)], start=5)]
+    write_trace(folder, steps, head=head)
+
+
+SMALL = {"decode_batches": 3, "kv_ladder": 2, "prefill_batches": 1, "prefill_tokens": 2, "prefix_depths": 2}
+
+
+def test_a_grid_from_a_trace_sweeps_on_a_real_scheduler_and_its_table_covers_the_trace(tmp_path, monkeypatch):
+    from vllm.kvwarm.record.validate import validate
+    from vllm.kvwarm.scheduler import KvWarmScheduler
+    from vllm.kvwarm.sweep.points import parse_points
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    trace, out = tmp_path / "trace", tmp_path / "out"
+    matching_trace(trace, tmp_path / "tiny-llama")
+    spec = {"grid_from": str(trace), "grid_caps": SMALL, "out": str(out)}
+    scheduler = make_scheduler(
+        tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": spec}
+    )
+    for _ in range(5000):
+        if scheduler.kvwarm_sweep.done:
+            break
+        step_scheduler(scheduler)
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "complete" and not artifact["skipped_points"]
+    grid = parse_points(json.loads((out / "grid.json").read_text()), "grid", 1024, 3)
+    assert len(artifact["results"]) == len(grid) == artifact["kvwarm"]["grid"]["points"]
+    assert artifact["kvwarm"]["grid"]["trace"] == str(trace)
+    assert sorted({p.batch_size for p in grid if isinstance(p, DecodePoint)}) == [1, 2, 3]
+    tokens = sorted({p.total_prefill_tokens for p in grid if isinstance(p, PrefillPoint)})
+    assert (tokens[0], tokens[-1]) == (32, 100)  # the ends (with any capture size between)
+    assert {p.total_kv_read_tokens for p in grid if isinstance(p, PrefillPoint)} == {0, 48}
+    result = validate(str(out), str(trace))
+    assert result.summary()["coverage"] == 100.0 and result.summary()["steps"] == 7
+    assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_a_trace_of_another_engine_is_refused_once_the_engine_resolved_its_arguments(tmp_path, monkeypatch):
+    from vllm.kvwarm.scheduler import KvWarmScheduler
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    trace, out = tmp_path / "trace", tmp_path / "out"
+    matching_trace(trace, tmp_path / "tiny-llama", dtype="int8", max_num_batched_tokens=2048)
+    spec = {"grid_from": str(trace), "out": str(out)}
+    with pytest.raises(TraceError, match="differ in what changes a step's time") as err:
+        make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": spec})
+    assert "resolved.dtype (trace 'int8', engine 'float32')" in str(err.value)
+    assert "resolved.max_num_batched_tokens (trace 2048, engine 256)" in str(err.value)
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "failed" and "resolved.dtype" in artifact["error"]
+
+
+def test_a_trace_of_another_model_is_refused_from_the_given_arguments_alone(tmp_path):
+    """What the command checks before the engine loads (its run is tested on the CPU engine's
+    wheel, whose argument parser runs on a host without a GPU: tests/engine)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.kvwarm.sweep.trace_grid import check_given
+
+    trace = tmp_path / "trace"
+    write_trace(trace, [step(0, None, (1, 10)), step(1, 5.0, (1, 11))])  # of /models/tiny-qwen3-moe
+    with pytest.raises(TraceError, match="the trace ran another engine") as err:
+        check_given(str(trace), EngineArgs(model="/models/other", max_num_batched_tokens=512, tensor_parallel_size=2))
+    said = str(err.value)
+    assert "model (trace 'tiny-qwen3-moe', given 'other')" in said and "--model /models/tiny-qwen3-moe" in said
+    assert "max_num_batched_tokens (trace 256, given 512)" in said and "tensor_parallel_size (trace 1, given 2)" in said
+    # a path elsewhere to the same model, and arguments left to their defaults, are no difference
+    assert check_given(str(trace), EngineArgs(model="/elsewhere/tiny-qwen3-moe/")).steps
+
+
+def test_grid_caps_go_with_grid_from_only():
+    from vllm.kvwarm.sweep.command import run
+
+    with pytest.raises(SystemExit):
+        run(["--grid", "--grid-caps", "{}", "--out", "out", "--model", "/models/other"])
