@@ -57,7 +57,8 @@ def test_the_trace_holds_every_step_the_server_counts(tmp_path):
         header, steps = trace_lines(trace)
         counted = metric(server.url, "vllm:iteration_tokens_total_count")
         generated = metric(server.url, "vllm:generation_tokens_total")
-    assert header["type"] == "kvwarm_trace" and header["loop"] == "sync" and header["model"] == str(model)
+    assert header["type"] == "kvwarm_trace" and header["model"] == str(model)
+    assert header["engine_loop"]["loop"] == "sync"
     assert header["log_stats"] is True
     assert [s["step"] for s in steps] == list(range(len(steps)))
     sent = [s for s in steps if s["outputs"]]

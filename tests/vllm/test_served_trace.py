@@ -17,9 +17,12 @@ import statistics
 import pytest
 from kvwarm_testing.real_kv import EngineLoop, make_scheduler
 from kvwarm_testing.recorded import MIXED_ARRIVALS, add, forward_seconds, read, run, serve, traced_scheduler
+from vllm.kvwarm.record.trace_reader import read_trace
+from vllm.kvwarm.record.validate_match import Provenance
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.served.settings import TraceSettingsError, trace_settings
 from vllm.kvwarm.served.writer import TraceFiles
+from vllm.kvwarm.sweep.loop import loop_record
 
 LOOPS = [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)]
 LOOP_IDS = ["sync", "batch-queue"]
@@ -73,7 +76,13 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
     serve(scheduler, EngineLoop(scheduler, batch_queue, clock, forward_seconds), MIXED_ARRIVALS)
     header, steps = read(out)
     assert header["type"] == "kvwarm_trace" and header["schema_version"] == 1
-    assert header["loop"] == ("async" if batch_queue else "sync")
+    assert header["engine_loop"] == loop_record(scheduler)  # the sweep artifact's record, same code
+    assert header["engine_loop"]["loop"] == ("batch_queue" if batch_queue else "sync")
+    assert header["model"] == scheduler.vllm_config.model_config.model
+    # validate's reader takes the recorder's files as they are: every step, the loop named
+    read_back = read_trace(out)
+    assert len(read_back.steps) == len(steps)
+    assert Provenance.of_trace(read_back.header).loop == header["engine_loop"]["loop"]
     traced = [o for o in seen.order if o.total_num_scheduled_tokens]
     assert [s["step"] for s in steps] == list(range(len(traced))) and len(traced) > 10
     kinds = set()

@@ -144,7 +144,6 @@ TRACE_TYPE = "kvwarm_trace"  # the header's `type`
 TRACE_SCHEMA_VERSION = 1
 TRACE_BASIS = "update_to_update"  # a step's `wall`: one update end to the next, as a decode row's
 TRACE_CLOCK = "perf_counter"
-TRACE_SYNC, TRACE_ASYNC = "sync", "async"  # the header's `loop`: one step at a time, or vLLM's batch queue
 
 
 def trace_file_name(rank: int, rotation: int = 0) -> str:

@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 
 from ..record import vocabulary as v
 from ..sweep.engine_record import run_record
-from ..sweep.loop import engine_loop, loop_record
+from ..sweep.loop import loop_record
 from ..sweep.ranks import rank_layout
 from .settings import TraceSettings
 from .shape import StepShapes, graph, queued
@@ -43,7 +43,6 @@ def trace_header(scheduler, settings: TraceSettings, started: datetime) -> dict:
     vllm_config = scheduler.vllm_config
     layout = rank_layout(vllm_config.parallel_config)
     record = run_record(scheduler)
-    loop = engine_loop(vllm_config)
     return {
         "type": v.TRACE_TYPE,
         "schema_version": v.TRACE_SCHEMA_VERSION,
@@ -56,7 +55,6 @@ def trace_header(scheduler, settings: TraceSettings, started: datetime) -> dict:
         "layout": layout.as_dict(),
         "hardware": record["hardware"],
         "torch": record["torch"],
-        "loop": v.TRACE_ASYNC if loop == v.LOOP_BATCH_QUEUE else v.TRACE_SYNC,
         "engine_loop": loop_record(scheduler),
         "log_stats": bool(getattr(scheduler, "log_stats", False)),
         "timing": {"basis": v.TRACE_BASIS, "clock": v.TRACE_CLOCK},
