@@ -10,10 +10,9 @@ and the phases of matched decode steps side by side (where a gap comes from).
 Runs inside a release's engine venv (`nox -s bench-S -- served_vs_table`). The worker runs
 on a core of its own, as on a real host (benchmarks/_served/serving.py says how; the output
 says where every engine-core thread ran); the unpinned trace (server, client and engine
-sharing the cores) is held against the same tables. The tables are swept under the serving
-topology (the engine core in its own process, its outputs sent as a server's are:
-docs/validate.md#closing-the-gap); `--topology in-process` sweeps them the old way, to see
-the gap that closes. The pieces: benchmarks/_served/.
+sharing the cores) is held against the same tables. The tables are swept in the sweep
+command's own process (`--topology served`: the engine core in a process of its own, as
+under a server; a candidate source of the gap, issue 40 item 5). The pieces: benchmarks/_served/.
 
 Full: 120 requests per dataset (240) at 6 per second, 48 output tokens, the default grid
 caps; `--quick` (or KVWARM_BENCH_QUICK=1): 12 per dataset, 16 output tokens, a few points,
@@ -36,7 +35,7 @@ from pathlib import Path
 from _engine import release_label  # importing it sets the engine's environment
 from _served.phases import compare, print_comparison
 from _served.serving import Load, serve
-from _served.tables import QUICK_CAPS, TOPOLOGIES, missing_commands, sweep_table, validate
+from _served.tables import QUICK_CAPS, TOPOLOGIES, sweep_table, validate
 from kvwarm_testing import tiny_models
 from kvwarm_testing.served import trace_lines
 
@@ -64,14 +63,15 @@ def trace_share(trace: Path) -> float | None:
 
 
 def hold(name: str, table: Path, artifact: dict, trace: Path, work: Path) -> dict:
-    """validate on both bases and the phases of matched decode steps."""
+    """validate on both bases (the whole step, the forward alone) and the phases of matched
+    decode steps."""
+    label = f"{name}-{trace.parent.name}"
     print(f"\n== table {name} against {trace.parent.name} (load average {os.getloadavg()[0]:.1f})", flush=True)
-    summary = validate(table, trace, work / f"validate-{name}-{trace.parent.name}")
-    record = json.loads((work / f"validate-{name}-{trace.parent.name}" / "validate.json").read_text())
-    forward = validate(table, trace, work / f"validate-{name}-{trace.parent.name}-forward", basis="forward")
+    summary, record = validate(table, trace, work / f"validate-{label}")
+    forward, _ = validate(table, trace, work / f"validate-{label}-forward", basis="forward")
     phases = compare(trace, artifact)
     print_comparison(name, phases)
-    bands = record["kinds"]["decode"]["bands"] if "decode" in record.get("kinds", {}) else {}
+    bands = record["kinds"].get("decode", {}).get("bands", {})
     return {"summary": summary, "forward": forward, "bands": bands, "phases": phases}
 
 
@@ -90,17 +90,13 @@ def run(work: Path, topology: str) -> dict:
             f"server counted {served.counted:.0f} engine steps, the trace {served.sending} that sent outputs "
             f"({'the same' if served.sending == served.counted else 'DIFFERENT'}); load "
             + "; ".join(f"{r['completed']} done, TPOT {r['median_tpot_ms']:.2f} ms" for r in served.loads)
-            + f"; the adapter's own share of a step {share:.2%}; load average {served.load_average[0]:.1f}",
+            + f"; the adapter's own share of a step {'-' if share is None else f'{share:.2%}'}; "
+            f"load average {served.load_average[0]:.1f}",
             flush=True,
         )
         if served.sending != served.counted:
             raise SystemExit("the trace's steps do not add up to the server's count of engine steps")
     result = {"runs": runs, "holds": {}}
-    missing = missing_commands()
-    if missing:
-        print(f"\nno tables: {missing} (issue 40's served-validate work); the trace alone is reported", flush=True)
-        result["missing"] = missing
-        return result
     trace = runs["pinned"].trace
     for warmup in (True, False):
         name = f"warmup-{'on' if warmup else 'off'}"
@@ -117,7 +113,7 @@ def run(work: Path, topology: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--topology", choices=TOPOLOGIES, default="served", help="where the tables' sweeps run")
+    p.add_argument("--topology", choices=TOPOLOGIES, default=TOPOLOGIES[0], help="where the tables' sweeps run")
     p.add_argument("--keep", help="a folder to keep the traces, tables and logs in (default: a temporary one)")
     args = p.parse_args()
     print(f"{release_label()}: served steps against --grid-from tables; load average {os.getloadavg()}", flush=True)
@@ -154,8 +150,6 @@ def main() -> None:
             "coverage": s.get("coverage"),
             "steps": s.get("steps"),
         }
-    if "missing" in result:
-        line["skipped"] = result["missing"]
     print(json.dumps(line))
 
 

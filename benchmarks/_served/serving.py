@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvwarm_testing.multi_rank import api_server
+from kvwarm_testing.multi_rank import ADAPTER, api_server
 from kvwarm_testing.served import (
     load_args,
     metric,
@@ -26,8 +26,6 @@ from kvwarm_testing.served import (
     sharegpt_dataset,
     trace_lines,
 )
-
-ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
 
 
 @dataclass(frozen=True)

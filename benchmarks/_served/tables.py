@@ -1,40 +1,35 @@
 """The tables: `python -m vllm.kvwarm sweep --grid-from TRACE` on the served engine's
-arguments, with the warm-up on (real KV) and off (fake KV), each held against a trace by
-`python -m vllm.kvwarm validate` (both from the overlay's record and sweep rooms; a build
-without them says so, and the benchmark reports the trace alone).
+arguments, with the warm-up on (real KV) and off (fake KV), each held against a trace by the
+overlay's own validate (record.validate.validate(), the code behind `python -m vllm.kvwarm
+validate`; its validate.json, .csv and .png written beside the tables).
 
-Where the sweep runs (`topology`):
-  served      the engine core in its own process, as under a server (vLLM's EngineCoreProc:
-              its input and output threads, every step's outputs serialized and sent to the
-              client, statistics on): the host work a served step does (docs/validate.md#closing-the-gap);
-  in-process  the engine core stepped inside the command's process (the sweep command's
-              default before the gap was closed): no output path, no input thread.
+Where the sweep runs (`topology`; a candidate source of the gap between a served step and a
+row, issue 40 item 5):
+  in-process  the sweep command's default (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine core
+              stepped inside the command's process, no input or output thread;
+  served      VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core in its own process (vLLM's
+              EngineCoreProc, with its input and output threads), as under a server.
 Pinned as the served side: the worker on the last core, the command on the others.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from kvwarm_testing.engine import CPU_ENGINE_ENV
 from kvwarm_testing.served import run_on
+from vllm.kvwarm.record.predict import STEP
+from vllm.kvwarm.record.validate import ValidateError
+from vllm.kvwarm.record.validate import validate as hold_against
+from vllm.kvwarm.record.validate_output import text, write
 
 from .serving import cores, engine_args, pinning_env
 
-TOPOLOGIES = ("served", "in-process")
+TOPOLOGIES = ("in-process", "served")
 QUICK_CAPS = {"decode_batches": 3, "kv_ladder": 3, "prefill_batches": 1, "prefill_tokens": 2, "prefix_depths": 1}
-
-
-def missing_commands() -> str | None:
-    """Why this build cannot make or judge a table from a trace (None: it can)."""
-    wanted = {"vllm.kvwarm.record.validate": "validate", "vllm.kvwarm.sweep.trace_grid": "sweep --grid-from"}
-    absent = [name for module, name in wanted.items() if importlib.util.find_spec(module) is None]
-    return f"this build has no {' and no '.join(absent)}" if absent else None
 
 
 def sweep_table(
@@ -61,12 +56,13 @@ def sweep_table(
     return out, artifact
 
 
-def validate(table: Path, trace: Path, out: Path, basis: str = "step") -> dict:
-    """validate's one-line summary, and its text (per kind and band) printed."""
-    argv = [sys.executable, "-m", "vllm.kvwarm", "validate", str(table), str(trace), "--out", str(out)]
-    text = subprocess.run([*argv, "--basis", basis], capture_output=True, text=True, check=False)
-    if text.returncode != 0:
-        raise SystemExit(f"validate {table.name} against {trace} failed:\n{text.stderr[-2000:]}")
-    print(text.stdout.rstrip(), flush=True)
-    line = subprocess.run([*argv, "--basis", basis, "--json"], capture_output=True, text=True, check=True)
-    return json.loads(line.stdout.strip().splitlines()[-1])
+def validate(table: Path, trace: Path, out: Path, basis: str = STEP) -> tuple[dict, dict]:
+    """The table held against the trace on `basis` (validate's step or forward): its text (per
+    kind and band) printed, its files written in `out`; (one-line summary, validate.json record)."""
+    try:
+        result = hold_against(str(table), str(trace), basis)
+    except ValidateError as err:
+        raise SystemExit(f"validate {table.name} against {trace}: {err}") from None
+    write(result, out)
+    print(text(result), flush=True)
+    return result.summary(), result.record()
