@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvwarm_testing import multi_rank
 from kvwarm_testing.multi_rank import ADAPTER, api_server
 from kvwarm_testing.served import (
     load_args,
@@ -50,28 +51,11 @@ class Served:
 
 
 def engine_args(model: Path, budget: int) -> list[str]:
-    """The engine arguments the server and both tables share."""
-    return [
-        "--model",
-        str(model),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "1024",
-        "--block-size",
-        "32",
-        "--max-num-seqs",
-        "8",
-        "--max-num-batched-tokens",
-        str(budget),
-        "--enable-prefix-caching",
-        "--enable-expert-parallel",
-        "--seed",
-        "0",
-        "--scheduler-cls",
-        ADAPTER,
-    ]
+    """The engine arguments the server and both tables share: the engine tests' (tiny model,
+    eager, prefix caching), experts in parallel (the warm-up's gate), the adapter, `budget`."""
+    args = multi_rank.engine_args(model, "--enable-expert-parallel", "--scheduler-cls", ADAPTER)
+    args[args.index("--max-num-batched-tokens") + 1] = str(budget)
+    return args
 
 
 def cores() -> tuple[set[int], int | None]:

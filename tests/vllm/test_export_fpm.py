@@ -11,10 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from kvwarm_testing.real_kv import EngineLoop
-from kvwarm_testing.recorded import add, forward_seconds, made_trace, read, run, traced_scheduler
+from kvwarm_testing.recorded import made_trace, read, rotated_trace
 from vllm.kvwarm.record.export import run as export
-from vllm.kvwarm.scheduler import KvWarmScheduler
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dynamo-1.6.1" / "benchmark_decode.json"
 
@@ -79,12 +77,7 @@ def test_ranks_merge_in_the_order_of_their_steps_and_a_torn_line_is_reported(tmp
 
 
 def test_rotated_files_are_read_oldest_first(tmp_path):
-    scheduler, clock, out = traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=4)
-    loop = EngineLoop(scheduler, False, clock, forward_seconds)
-    for i in range(6):
-        add(scheduler, f"r{i}", 20, max_tokens=40, token=30 + i)
-    run(loop)
-    scheduler.kvwarm_trace.close()
+    out = rotated_trace(tmp_path, files=4, requests=6, max_tokens=40)
     assert (out / "trace-dp0.3.jsonl").exists()
     assert export([str(out), "--to", "fpm"]) == 0
     counters = [c["metrics"]["counter_id"] for c in _captured(out / "fpm.jsonl")]

@@ -16,7 +16,16 @@ import statistics
 
 import pytest
 from kvwarm_testing.real_kv import EngineLoop, make_scheduler
-from kvwarm_testing.recorded import MIXED_ARRIVALS, add, forward_seconds, read, run, serve, traced_scheduler
+from kvwarm_testing.recorded import (
+    MIXED_ARRIVALS,
+    add,
+    forward_seconds,
+    read,
+    rotated_trace,
+    run,
+    serve,
+    traced_scheduler,
+)
 from vllm.kvwarm.record.trace_reader import read_trace
 from vllm.kvwarm.record.validate_match import Provenance
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
@@ -201,12 +210,7 @@ def test_the_header_records_the_run_as_the_sweeps_artifact_does(tmp_path):
 
 
 def test_files_rotate_at_the_cap_each_with_the_header_and_the_oldest_removed(tmp_path):
-    scheduler, clock, out = traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=3)
-    loop = EngineLoop(scheduler, False, clock, forward_seconds)
-    for i in range(12):
-        add(scheduler, f"r{i}", 20, max_tokens=12, token=30 + i)
-    run(loop)
-    scheduler.kvwarm_trace.close()
+    out = rotated_trace(tmp_path, files=3, requests=12, max_tokens=12)
     names = sorted(p.name for p in out.iterdir())
     assert names == ["trace-dp0.1.jsonl", "trace-dp0.2.jsonl", "trace-dp0.jsonl"]
     numbers = []

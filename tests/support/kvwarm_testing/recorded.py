@@ -68,6 +68,20 @@ def made_trace(tmp_path: Path, batch_queue: bool = False) -> Path:
     return out
 
 
+def rotated_trace(tmp_path: Path, files: int, requests: int, max_tokens: int) -> Path:
+    """A trace of `requests` requests on the sync adapter with files rotated at 4 KiB and
+    `files` kept; its folder (the writer closed)."""
+    from vllm.kvwarm.scheduler import KvWarmScheduler
+
+    scheduler, clock, out = traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=files)
+    loop = EngineLoop(scheduler, False, clock, forward_seconds)
+    for i in range(requests):
+        add(scheduler, f"r{i}", 20, max_tokens=max_tokens, token=30 + i)
+    run(loop)
+    scheduler.kvwarm_trace.close()
+    return out
+
+
 def read(out: Path, name: str = "trace-dp0.jsonl") -> tuple[dict, list[dict]]:
     lines = (out / name).read_text().splitlines()
     return json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
