@@ -2,11 +2,15 @@
 loaded by vLLM's own client with random and ShareGPT-format prompts at Poisson arrivals,
 the worker on a core of its own or not; what the trace and the server counted.
 
-Pinned: the server starts on every core but the last (its processes and the client stay
-there) and the CPU worker binds itself to the last core (VLLM_CPU_OMP_THREADS_BIND=<core>:
-vLLM's CPU worker pins its OpenMP threads, the engine core's main thread among them, and the
-engine core's input and output threads, started after, inherit it). Unpinned: nobody is
-pinned (VLLM_CPU_OMP_THREADS_BIND=nobind), server, client and engine share every core.
+Pinned, as a real host pins an engine: once the server is up, every thread of the engine-core
+process (its main thread, which runs the model, its input, output and ZMQ threads, the
+trace's writer) is moved to the last core, every thread of the API server process to the
+others, and the client starts there (sched_setaffinity per thread: a mask is per thread;
+VLLM_CPU_OMP_THREADS_BIND=<that core> too, though on its own it left the engine core's main
+thread on every core here). The server is not restricted before it starts: its engine core
+would inherit the mask. Where each engine-core thread may run is read back from /proc and
+printed. Unpinned: nobody is pinned (VLLM_CPU_OMP_THREADS_BIND=nobind), server, client and
+engine share every core.
 """
 
 from __future__ import annotations
@@ -86,6 +90,15 @@ def thread_cores(pid: int) -> dict[str, str]:
     return {cpus: ", ".join(sorted(names)[:6]) + (" ..." if len(names) > 6 else "") for cpus, names in found.items()}
 
 
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (an affinity mask is per thread)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except OSError:  # gone meanwhile
+            continue
+
+
 def engine_core_pid(server_pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -100,14 +113,20 @@ def engine_core_pid(server_pid: int) -> int | None:
 def serve(model: Path, dataset: Path, out: Path, load: Load, pinned: bool) -> Served:
     """Serve both loads with the trace on; check the trace against the server's own count."""
     trace = out / "trace"
+    out.mkdir(parents=True, exist_ok=True)
     args = [*engine_args(model, load.budget), "--additional-config", json.dumps({"kvwarm_trace": {"out": str(trace)}})]
     rest, worker = cores()
     on = rest if pinned and worker is not None else None
-    with api_server(args, pinning_env(pinned), out / "server.log", cpus=on) as server:
+    with api_server(args, pinning_env(pinned), out / "server.log") as server:
         core = engine_core_pid(server.pid)
+        if on:
+            if core is None:
+                raise SystemExit(f"no engine-core process under the API server {server.pid}: cannot pin it")
+            pin_threads(core, {worker})
+            pin_threads(server.pid, on)
         placement = (
-            f"pinned: worker on core {worker} (VLLM_CPU_OMP_THREADS_BIND={worker}), server and client on "
-            f"cores {sorted(rest)} (sched_setaffinity at start)"
+            f"pinned: engine core on core {worker}, API server and client on cores {sorted(rest)} "
+            "(sched_setaffinity per thread once the server is up)"
             if on
             else "unpinned: VLLM_CPU_OMP_THREADS_BIND=nobind, server, client and engine on every core"
         )

