@@ -1,14 +1,18 @@
 """The patched scheduler with the warm-up off against the stock release's, on a real
 Scheduler on CPU driving synthetic decode requests for a few thousand steps (CPU time of
-schedule() + update_from_output()).
+schedule() + update_from_output()); and the served-step trace's cost: the adapter
+(KvWarmScheduler) with the trace on against the adapter with it off, the same stream,
+counting the CPU time of every thread of the process (the trace's writer thread included).
 
 Runs inside a release venv (`nox -s bench-S -- off_path_overhead`); the stock wheel's
 venv comes from the cache (made on first use). Each side runs in its own process, the
 two alternating; each run schedules the same request stream and prints its time and a
 digest of what it scheduled at every step (the fastest of a few drives in that
 process). The digests must be equal (same scheduled tokens every step). Medians over the
-runs; `--quick` (or KVWARM_BENCH_QUICK=1): 500 steps, one run per side, one drive. The last
-line is the JSON result.
+runs. The trace's cost is reported per step, in microseconds, and against a decode step
+of TRACE_STEP_MS (the target: within 1 % of it; docs/validate.md#what-the-trace-costs).
+`--quick` (or KVWARM_BENCH_QUICK=1): 500 steps, one run per side, one drive. The last line
+is the JSON result.
 """
 
 from __future__ import annotations
@@ -31,16 +35,32 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 LIVE_REQUESTS, MAX_TOKENS = 32, 200
 FULL, QUICK = (3000, 5, 3), (500, 1, 1)  # steps per drive, runs per side, drives per run
 TARGET_RATIO = 1.01
+# The step the trace's cost is held against: a short decode step (a small model at a small
+# batch on a GPU takes a few milliseconds; longer steps make the share smaller).
+TRACE_STEP_MS = 5.0
+SIDES = ("scheduler", "adapter", "traced")  # vLLM's Scheduler; the adapter, trace off; trace on
 
 
-def drive_scheduler(steps: int) -> dict:
+def drive_scheduler(steps: int, side: str = "scheduler") -> dict:
     """One run: keep LIVE_REQUESTS requests going for `steps` steps; time schedule() +
-    update_from_output() and digest every step's scheduled tokens."""
+    update_from_output() and digest every step's scheduled tokens. `side`: one of SIDES."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _drive(Path(tmp), steps, side)
+
+
+def _drive(tmp: Path, steps: int, side: str) -> dict:
     from kvwarm_testing.real_kv import make_request, make_scheduler
     from vllm.v1.outputs import ModelRunnerOutput
 
-    with tempfile.TemporaryDirectory() as tmp:
-        scheduler = make_scheduler(Path(tmp), num_blocks=2048, max_num_seqs=LIVE_REQUESTS)
+    cls, config = None, None
+    if side != "scheduler":
+        from vllm.kvwarm.scheduler import KvWarmScheduler
+
+        cls = KvWarmScheduler
+        config = {"kvwarm_trace": {"out": str(tmp / "trace")}} if side == "traced" else None
+    scheduler = make_scheduler(
+        tmp, num_blocks=2048, max_num_seqs=LIVE_REQUESTS, scheduler_cls=cls, additional_config=config
+    )
     next_id, digest, tokens = 0, hashlib.sha256(), 0
 
     def add_request() -> None:
@@ -73,14 +93,16 @@ def drive_scheduler(steps: int) -> dict:
         finished = sum(o.finish_reason is not None for batch in outputs for o in batch.outputs)
         for _ in range(finished):
             add_request()
+    if side == "traced":  # the writer's last lines are part of the cost
+        scheduler.kvwarm_trace.close()
     elapsed = time.process_time() - started
     return {"seconds": elapsed, "digest": digest.hexdigest(), "tokens": tokens, "requests": next_id}
 
 
-def run_side(python: str, steps: int, repeats: int) -> dict:
+def run_side(python: str, steps: int, repeats: int, side: str = "scheduler") -> dict:
     path = os.pathsep.join(filter(None, [str(TEST_SUPPORT), os.environ.get("PYTHONPATH")]))
     out = subprocess.run(
-        [python, str(HERE), "--worker", str(steps), str(repeats)],
+        [python, str(HERE), "--worker", str(steps), str(repeats), side],
         capture_output=True,
         text=True,
         env=dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=path),
@@ -104,15 +126,20 @@ def main() -> None:
         load_releases(project.RELEASES), os.environ.get("KVWARM_RELEASE") or load_releases(project.RELEASES)[-1].version
     )
     stock = str(stock_venv(release, project.cache_dir(), log=print))
-    sides = {"stock": stock, "patched": sys.executable}
+    sides = {
+        "stock": (stock, "scheduler"),
+        "patched": (sys.executable, "scheduler"),
+        "adapter": (sys.executable, "adapter"),
+        "traced": (sys.executable, "traced"),
+    }
     print(
         f"release {release.version}: {steps} steps, {LIVE_REQUESTS} live requests, {runs} alternating runs per side",
         flush=True,
     )
     results: dict[str, list[dict]] = {name: [] for name in sides}
     for run in range(runs):
-        for name, python in sides.items():
-            result = run_side(python, steps, repeats)
+        for name, (python, side) in sides.items():
+            result = run_side(python, steps, repeats, side)
             results[name].append(result)
             print(
                 f"  run {run + 1} {name}: {result['seconds']:.3f} s, {result['tokens']} tokens, "
@@ -125,6 +152,15 @@ def main() -> None:
     print("same scheduled tokens at every step in every run", flush=True)
     ours = statistics.median(r["seconds"] for r in results["patched"])
     baseline = statistics.median(r["seconds"] for r in results["stock"])
+    adapter = statistics.median(r["seconds"] for r in results["adapter"])
+    traced = statistics.median(r["seconds"] for r in results["traced"])
+    trace_us = (traced - adapter) / steps * 1e6
+    print(
+        f"the trace: {trace_us:.1f} us per step of {LIVE_REQUESTS} requests on the host (every thread), "
+        f"{traced / adapter:.3f}x the adapter's host time, {trace_us / (TRACE_STEP_MS * 10):.2f} % of a "
+        f"{TRACE_STEP_MS:g} ms step (target: within 1 %)",
+        flush=True,
+    )
     for name, runs in results.items():
         times = [r["seconds"] for r in runs]
         print(
@@ -142,6 +178,9 @@ def main() -> None:
                 "baseline": round(baseline, 3),
                 "ratio": round(ours / baseline, 3),
                 "target": f"ratio <= {TARGET_RATIO:g}",
+                "trace_us_per_step": round(trace_us, 1),
+                "trace_share_of_step": round(trace_us / (TRACE_STEP_MS * 1e3), 4),
+                "trace_target": f"trace_share_of_step <= 0.01 (of a {TRACE_STEP_MS:g} ms step)",
             }
         )
     )
@@ -151,7 +190,8 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
         # The fastest of a few drives in one process: interference only ever adds time.
         steps, repeats = map(int, sys.argv[2:4])
-        drives = [drive_scheduler(steps) for _ in range(repeats)]
+        side = sys.argv[4] if len(sys.argv) > 4 else "scheduler"
+        drives = [drive_scheduler(steps, side) for _ in range(repeats)]
         print(json.dumps(min(drives, key=lambda d: d["seconds"])))
     else:
         main()

@@ -712,3 +712,91 @@ def test_the_decode_model_fit_on_a_real_sweep_predicts_its_points_within_the_swe
     }
     print(f"decode fit on {real.work.name}: {json.dumps(report)}")
     assert report["max_abs_error_ms"] <= report["bound_ms"], report
+
+
+# --- a served-step trace as Dynamo's forward-pass metrics capture ---------------------------
+def made_trace_lines(root: Path) -> Path:
+    """A two-rank trace in the recorder's format (docs/validate.md#the-trace), written here:
+    decode, prefill and mixed steps, a step after an idle wait (no wall, its span)."""
+    root.mkdir(parents=True)
+    for rank in range(2):
+        header = {"type": "kvwarm_trace", "schema_version": 1, "rank": rank, "dp_size": 2}
+        header.update(started_at="2026-12-04T10:00:00.250000Z", timing={"basis": "update_to_update"})
+        lines = [header]
+        for n in range(30):
+            b, p = (n % 4) + 1, 200 * (n % 3 == 0)
+            wall = None if n in (0, 12) else 0.004 + 0.0002 * b + 1e-6 * 100 * b * n + 2e-6 * p
+            lines.append(
+                {
+                    "step": n,
+                    "at": 0.01 * n + 0.001 * rank,
+                    "wall": wall,
+                    "span": 0.005,
+                    "decode": {"requests": b, "kv_tokens": 100 * b * n, "kv_var": 25.0 * n},
+                    "prefill": {"requests": int(p > 0), "new_tokens": p, "prefix_tokens": 0, "prompt_var": 0.0},
+                    "queued": {"requests": 2, "tokens": 900, "var": 40000.0, "resuming": 0},
+                }
+            )
+        (root / f"trace-dp{rank}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root
+
+
+def check_capture(dynamo, path: Path) -> list:
+    """Every line of an FPM capture: {received_at_ns, metrics}, the metrics decoded strictly as
+    the planner's ForwardPassMetrics holding the line's values."""
+    fpms = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        assert sorted(record) == ["metrics", "received_at_ns"] and isinstance(record["received_at_ns"], int)
+        fpm = dynamo.msgspec.json.decode(json.dumps(record["metrics"]).encode(), type=dynamo.FPM, strict=True)
+        assert dynamo.msgspec.to_builtins(fpm) == record["metrics"]
+        fpms.append(fpm)
+    return fpms
+
+
+def feed_models(dynamo, fpms: list) -> dict:
+    """The planner's models learning from the steps as from live FPMs (add_observation): decode
+    steps the decode model, prefill steps the prefill model, every step the aggregated one."""
+    from dynamo.planner.core.perf_model.agg import AggRegressionModel
+
+    models = {
+        "decode": dynamo.Decode(256, 5, 16),
+        "prefill": dynamo.Prefill(256, 5, 16),
+        "agg": AggRegressionModel(256),
+    }
+    for fpm in fpms:
+        s = fpm.scheduled_requests
+        if s.num_decode_requests and not s.num_prefill_requests:
+            models["decode"].add_observation(fpm)
+        if s.num_prefill_requests and not s.num_decode_requests:
+            models["prefill"].add_observation(fpm)
+        models["agg"].add_observation(fpm)
+    return {name: model.num_observations for name, model in models.items()}
+
+
+def test_a_traces_fpms_decode_as_the_planners_struct_and_its_models_learn_them(dynamo, tmp_path):
+    from vllm.kvwarm.record.export_fpm import write_fpm
+
+    path, left_out, _ = write_fpm(made_trace_lines(tmp_path / "trace"))
+    fpms = check_capture(dynamo, path)
+    assert left_out == 0 and len(fpms) == 60
+    assert [(f.dp_rank, f.counter_id) for f in fpms[:4]] == [(0, 1), (1, 1), (0, 2), (1, 2)]
+    assert all(f.wall_time == 0.005 for f in fpms if f.counter_id in (1, 13))  # the span after an idle wait
+    seen = feed_models(dynamo, fpms)
+    assert seen == {"decode": 40, "prefill": 0, "agg": 60}
+    decode = dynamo.Decode(256, 5, 16)
+    decode.load_benchmark_fpms([f for f in fpms if not f.scheduled_requests.num_prefill_requests])
+    assert decode._ensure_fitted()
+
+
+def test_a_real_served_traces_capture_is_read_by_the_planner(dynamo):
+    folder = os.environ.get(EXPORTS_ENV)
+    if not folder:
+        pytest.skip(f"{EXPORTS_ENV} is not set: `nox -s consumers-S` serves the traced engine (-m export) first")
+    served = Path(folder) / "served"
+    assert served.is_dir(), f"{served}: the served trace's export is missing; see tests/engine/test_export_sweeps.py"
+    fpms = check_capture(dynamo, served / "trace" / "fpm.jsonl")
+    steps = [json.loads(x) for x in (served / "trace" / "trace-dp0.jsonl").read_text().splitlines()[1:]]
+    assert [f.counter_id for f in fpms] == [s["step"] + 1 for s in steps]
+    seen = feed_models(dynamo, fpms)
+    assert seen["agg"] == len(steps) and seen["decode"] > 0 and seen["prefill"] > 0

@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvwarm_testing.multi_rank import engine_args, run_command, write_points
+from kvwarm_testing.multi_rank import ADAPTER, api_server, engine_args, run_command, write_points
+from kvwarm_testing.served import load_args, random_dataset, run_load, settled, trace_lines
 
 pytestmark = pytest.mark.export
 
@@ -121,3 +122,31 @@ def test_a_two_rank_data_parallel_moe_sweep_exports_one_file_per_rank(inputs, tm
     env = {"DYN_BENCH_KV_WARMUP": "force", "KVWARM_TEST_CPU_ALL_GATHERV": "1"}
     made = _sweep(inputs, work, POINTS_DP2, ["--data-parallel-size", "2"], env)
     _check(work, made, 2, "real_kv")
+
+
+def test_a_served_trace_exports_as_dynamos_fpm_capture(inputs, tmp_path):
+    """The MoE served under vLLM's own load generator with the trace on, then `export --to fpm`;
+    kept for the consumers' tests (their planner models learn from it)."""
+    from vllm.kvwarm.record.export import run
+
+    work = tmp_path / "served"
+    trace = work / "trace"
+    args = engine_args(
+        inputs["moe"],
+        "--scheduler-cls",
+        ADAPTER,
+        "--additional-config",
+        json.dumps({"kvwarm_trace": {"out": str(trace)}}),
+    )
+    work.mkdir()
+    with api_server(args, {}, work / "server.log") as server:
+        load = load_args(server.url, str(inputs["moe"]), random_dataset(512, 16, 0.5), 16, rate=16)
+        assert run_load(load, work / "load.log")["completed"] == 16
+        settled(lambda: len(trace_lines(trace)[1]))
+    assert run([str(trace), "--to", "fpm"]) == 0
+    _, steps = trace_lines(trace)
+    captured = (trace / "fpm.jsonl").read_text().splitlines()
+    assert len(captured) == len(steps) > 0
+    keep = os.environ.get("KVWARM_EXPORTS")
+    if keep:  # for the consumers' tests, in their own venv
+        shutil.copytree(work, Path(keep) / work.name, ignore=shutil.ignore_patterns("*.log"))

@@ -72,6 +72,11 @@ BUILTIN_METHODS = frozenset(
     "warning",
     "error",
     "exception",  # a logging.Logger (vLLM's init_logger returns one)
+    "expanduser",
+    "iterdir",  # pathlib.Path
+    "is_alive",
+    "wait",
+    "popleft",  # threading.Thread, threading.Event, collections.deque
     "__name__",
 }
 

@@ -28,7 +28,7 @@ CPU_ENGINE_KINDS = frozenset({"engine", "smoke-cpu", "consumers", "bench"})
 ENGINE_MARKERS = {
     "hybrid": "needs the hybrid-model engine (its own process)",
     "mamba2": "needs the Mamba2 hybrid engine, NemotronH (its own process)",
-    "command": "starts its own engine through the sweep command (its own process)",
+    "command": "starts its own engine in processes of its own (the sweep command, or the API server under load)",
     "multirank": "starts data/tensor-parallel engines in subprocesses (its own process)",
     "tp2": "a tensor-parallel engine of two workers (its own process)",
     "export": "real MoE sweeps (one rank, two data-parallel ranks) exported for Dynamo (consumers-S runs it)",

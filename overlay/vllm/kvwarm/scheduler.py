@@ -15,7 +15,9 @@ uses it).
 
 With nothing queued it schedules exactly as the class it extends. With
 additional_config {"kvwarm_sweep": {"points": FILE, "out": DIR}} it runs a decode sweep
-(sweep.run.SweepRun) from its first step, in whichever process the scheduler lives.
+(sweep.run.SweepRun) from its first step, in whichever process the scheduler lives. With
+{"kvwarm_trace": {"out": DIR}} (or DYN_BENCH_TRACE_DIR) it records every step it serves
+outside a sweep (served.recorder); without either it keeps no timer and does no hook work.
 
 A configured sweep never takes the engine down: every sweep hook runs under one failure
 handling that records the error in the artifact (status "failed"), gives back the
@@ -26,6 +28,9 @@ are scheduled between points, so no timed step carries them.
 
 from __future__ import annotations
 
+import time
+from itertools import chain
+
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import create_request_queue
@@ -33,8 +38,11 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from .kv.catchup import lone_prefill_budget
 from .kv.injector import ShadowInjector
+from .served.recorder import TraceRecorder
+from .served.settings import trace_settings
 from .sweep.loop import ASYNC_ADAPTER, SYNC_ADAPTER
 from .sweep.run import CONFIG_KEY, SweepRun
+from .sweep.timing import StepTimer
 
 logger = init_logger(__name__)
 
@@ -76,7 +84,13 @@ class KvWarmSchedulerMixin:
         self.kvwarm_run = None  # the SweepRun that owns it, when configured
         # A StepTimer that times every step while no sweep runs (benchmarks of natural requests)
         self.kvwarm_timer = None
+        self.kvwarm_trace = None  # a served.recorder.TraceRecorder when the trace is on
         additional = self.vllm_config.additional_config
+        trace = trace_settings(additional)
+        if trace is not None:
+            self.kvwarm_trace = TraceRecorder(self, trace, time.perf_counter)
+            self.kvwarm_timer = StepTimer(self.kvwarm_trace.clock)
+            self._kvwarm_queues = [q for q in ("waiting", "skipped_waiting", "kv_holding_waiting") if hasattr(self, q)]
         spec = additional.get(CONFIG_KEY) if isinstance(additional, dict) else None
         if spec is not None:
             self.kvwarm_run = SweepRun(self, spec)
@@ -121,6 +135,10 @@ class KvWarmSchedulerMixin:
             output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
+        if self.kvwarm_trace is not None:
+            held = sweep is not None and sweep.runs_own_requests()
+            waiting = tuple(chain.from_iterable(getattr(self, name) for name in self._kvwarm_queues))
+            self.kvwarm_trace.scheduled(output, held, waiting)
         if timer is not None:
             timer.schedule_done(output, enter, stock_start, stock_end, clock())
         return output
@@ -175,6 +193,10 @@ class KvWarmSchedulerMixin:
         window = timer.update_done(scheduler_output, end)
         if sweep is not None:
             self._drive(sweep.after_update, self, scheduler_output, window)
+        trace = self.kvwarm_trace
+        if trace is not None:
+            trace.updated(scheduler_output, model_runner_output, outputs, timer, window, end, self.has_requests())
+        if sweep is not None or trace is not None:
             timer.sweep_work(timer.clock() - end)
         return outputs
 
@@ -183,6 +205,13 @@ class KvWarmSchedulerMixin:
         # is waiting (parked chains are not in `running`); without this the engine idles.
         sweeping = self.kvwarm_sweep is not None and self.kvwarm_sweep.has_work()
         return super().has_requests() or self.kvwarm_injector.has_pending() or sweeping
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            if self.kvwarm_trace is not None:  # what is pending written, the file closed
+                self.kvwarm_trace.close()
 
 
 class KvWarmScheduler(KvWarmSchedulerMixin, Scheduler):

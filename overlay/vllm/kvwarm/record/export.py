@@ -1,7 +1,8 @@
-"""`python -m vllm.kvwarm export DIR --to dynamo|profiler [--out PATH]`: a sweep's rows in the
-files the planners read. `--to dynamo`: the per-rank artifact of Dynamo's self-benchmark
+"""`python -m vllm.kvwarm export DIR --to dynamo|profiler|fpm [--out PATH]`: a sweep's rows in
+the files the planners read. `--to dynamo`: the per-rank artifact of Dynamo's self-benchmark
 (record.export_dynamo; docs/export.md); `--to profiler`: the pre-deployment profiler's two
-interpolation tables (record.export_profiler).
+interpolation tables (record.export_profiler). `--to fpm`: DIR is a served-step trace, written
+as Dynamo's forward-pass metrics capture (record.export_fpm).
 
 Also the sweep's own hook: with DYN_FPM_BENCHMARK_OUTPUT_PATH set, the rank that holds every
 rank's final artifact writes Dynamo's artifact there (`write_final`), so a campaign configured
@@ -23,12 +24,13 @@ from pathlib import Path
 from . import vocabulary as v
 from .combined import rank_path
 from .export_dynamo import AGG, rank_artifacts
+from .export_fpm import TraceExportError, is_trace, write_fpm
 from .export_input import ExportError, SweepRecord, load_sweep, without_prefix
 from .export_profiler import write_tables
 from .files import write_atomically
 
 OUTPUT_ENV = "DYN_FPM_BENCHMARK_OUTPUT_PATH"  # Dynamo's own variable for its artifact's path
-DYNAMO, PROFILER = "dynamo", "profiler"
+DYNAMO, PROFILER, FPM = "dynamo", "profiler", "fpm"
 
 
 def dynamo_paths(out: str | Path, kinds: list[str], size: int) -> dict[tuple[str, int], Path]:
@@ -103,13 +105,17 @@ def parser() -> argparse.ArgumentParser:
         description="A finished sweep's rows as Dynamo's self-benchmark artifact (one file per data-parallel "
         "rank and kind) or as the pre-deployment profiler's interpolation tables. See docs/export.md.",
     )
-    p.add_argument("dir", help="the sweep's --out folder (under data parallel: the one holding dp0/, dp1/, ...)")
-    p.add_argument("--to", required=True, choices=[DYNAMO, PROFILER])
+    p.add_argument(
+        "dir",
+        help="the sweep's --out folder (under data parallel: the one holding dp0/, dp1/, ...); with --to fpm, "
+        "a served-step trace folder (the kvwarm_trace setting's out)",
+    )
+    p.add_argument("--to", required=True, choices=[DYNAMO, PROFILER, FPM])
     p.add_argument(
         "--out",
         help="dynamo: the rank-0 file's path (default DIR/dynamo/benchmark.json; rank R adds _dp<R>; a sweep "
         "with both kinds has both there, as Dynamo's agg mode, and each kind on its own at _decode / _prefill); "
-        "profiler: a folder (default DIR/profiler)",
+        "profiler: a folder (default DIR/profiler); fpm: the capture file (default DIR/fpm.jsonl)",
     )
     p.add_argument(
         "--kind",
@@ -133,6 +139,13 @@ def parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    if args.to == FPM:
+        return _run_fpm(args.dir, args.out)
+    if is_trace(Path(args.dir)):
+        print(
+            f"kvwarm export: {args.dir} is a served-step trace, not a sweep: export it with --to fpm", file=sys.stderr
+        )
+        return 2
     try:
         sweep = load_sweep(args.dir)
         if args.no_prefix_rows:
@@ -146,4 +159,17 @@ def run(argv: list[str]) -> int:
         return 2
     for path in written:
         print(f"wrote {path}")
+    return 0
+
+
+def _run_fpm(folder: str, out: str | None) -> int:
+    try:
+        path, left_out, trace = write_fpm(folder, out)
+    except (TraceExportError, OSError) as err:
+        print(f"kvwarm export: {err}", file=sys.stderr)
+        return 2
+    for torn in trace.torn:
+        print(f"kvwarm export: torn last line, skipped: {torn}", file=sys.stderr)
+    note = f" ({left_out} step(s) without a wall or a span left out)" if left_out else ""
+    print(f"wrote {path}: {len(trace.steps) - left_out} forward-pass metrics of {len(trace.headers)} rank(s){note}")
     return 0

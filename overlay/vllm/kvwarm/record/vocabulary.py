@@ -138,3 +138,14 @@ FORK_UNSUPPORTED = "fork_unsupported"
 HOOKS_MISSING = "hooks_missing"
 STATE_MODE_UNUSABLE = "state_mode_unusable"
 STATE_MISSING = "state_missing"
+
+# --- the served-step trace (docs/validate.md#the-trace): served.recorder writes it ----------
+TRACE_TYPE = "kvwarm_trace"  # the header's `type`
+TRACE_SCHEMA_VERSION = 1
+TRACE_BASIS = "update_to_update"  # a step's `wall`: one update end to the next, as a decode row's
+TRACE_CLOCK = "perf_counter"
+
+
+def trace_file_name(rank: int, rotation: int = 0) -> str:
+    """A rank's trace file: the current one, or its k-th rotated predecessor (1 the newest)."""
+    return f"trace-dp{rank}.{rotation}.jsonl" if rotation else f"trace-dp{rank}.jsonl"

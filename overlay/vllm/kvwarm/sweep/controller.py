@@ -147,6 +147,11 @@ class Sweep(PrefillPoints):
             return self._prefill.current_ids()
         return None if self._point is None else self._point.ids()
 
+    def runs_own_requests(self) -> bool:
+        """Whether the next step may run the sweep's own requests (chains, catch-ups, a
+        point's): such a step is the sweep's, not a served one (served.recorder)."""
+        return self.phase in (Phase.BUILDING, Phase.CATCHING_UP, Phase.MEASURING)
+
     def gc_record(self) -> dict:
         """The collector's policy over the sweep, for the artifact."""
         return self._gc.record()

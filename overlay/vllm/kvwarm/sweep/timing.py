@@ -69,6 +69,8 @@ class StepTimer:
     _schedule_exit: float | None = None
     _update_start: float | None = None
     _in_flight: dict[int, _Scheduled] = field(default_factory=dict)  # by id(SchedulerOutput)
+    # the last update's step over its own span, also where no window closed (the first)
+    last_span: Window | None = None
 
     def schedule_done(self, output, enter: float, stock_start: float, stock_end: float, leave: float) -> None:
         """schedule() made `output`, from `enter` to `leave`, vLLM's own part from stock_start
@@ -92,6 +94,8 @@ class StepTimer:
         self._acc = dict.fromkeys(acc, 0.0)
         self._schedule_exit = None
         scheduled = self._in_flight.pop(id(output), None)
+        known = scheduled is not None and update_start is not None
+        self.last_span = _span(scheduled, update_start, at) if known else None
         if start is None or update_start is None:
             return None
         update = at - update_start
@@ -99,7 +103,7 @@ class StepTimer:
         wall = at - start
         phases = {"schedule": acc["schedule"], "forward": forward, "update": update, "sweep": acc["sweep"]}
         phases["other"] = max(0.0, wall - sum(phases.values()))
-        window = Window(wall, phases, _span(scheduled, update_start, at) if scheduled is not None else None)
+        window = Window(wall, phases, self.last_span)
         if self.closed is not None:
             self.closed.append(window)
         return window

@@ -1,0 +1,69 @@
+"""The tables: `python -m vllm.kvwarm sweep --grid-from TRACE` on the served engine's
+arguments, with the warm-up on (real KV) and off (fake KV), each held against a trace by the
+overlay's own validate (record.validate.validate(), the code behind `python -m vllm.kvwarm
+validate`; its validate.json, .csv and .png written beside the tables).
+
+Where the sweep runs (`topology`; a candidate source of the gap between a served step and a
+row, issue 40 item 5):
+  in-process  the sweep command's default (VLLM_ENABLE_V1_MULTIPROCESSING=0): the engine core
+              stepped inside the command's process, no input or output thread;
+  served      VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core in its own process (vLLM's
+              EngineCoreProc, with its input and output threads), as under a server.
+Pinned as the served engine core: the sweep command (and every process it starts) on the
+worker's core alone (sched_setaffinity as it starts; VLLM_CPU_OMP_THREADS_BIND the same core).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from kvwarm_testing.engine import CPU_ENGINE_ENV
+from kvwarm_testing.served import run_on
+from vllm.kvwarm.record.predict import STEP
+from vllm.kvwarm.record.validate import ValidateError
+from vllm.kvwarm.record.validate import validate as hold_against
+from vllm.kvwarm.record.validate_output import text, write
+
+from .serving import cores, engine_args, pinning_env
+
+TOPOLOGIES = ("in-process", "served")
+QUICK_CAPS = {"decode_batches": 3, "kv_ladder": 3, "prefill_batches": 1, "prefill_tokens": 2, "prefix_depths": 1}
+
+
+def sweep_table(
+    trace: Path, model: Path, budget: int, dataset: Path, out: Path, warmup: bool, topology: str, pinned: bool, caps
+) -> tuple[Path, dict]:
+    """A --grid-from table; returns its folder and its artifact (status complete)."""
+    env = {**os.environ, **CPU_ENGINE_ENV, **pinning_env(pinned)}
+    env.update(
+        DYN_BENCH_KV_WARMUP="on" if warmup else "off",
+        DYN_BENCH_KV_WARMUP_DATASET=str(dataset),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if topology == "served" else "0",
+    )
+    argv = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--grid-from", str(trace), "--out", str(out)]
+    argv += ["--grid-caps", json.dumps(caps)] if caps else []
+    _, worker = cores()
+    on = {worker} if pinned and worker is not None else None
+    log = out.with_suffix(".log")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as stream:
+        done = run_on([*argv, *engine_args(model, budget)], on, 3600, env=env, stdout=stream)
+    artifact = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else {}
+    if done.returncode != 0 or artifact.get("status") != "complete":
+        raise SystemExit(f"the sweep for {out.name} did not complete ({done.returncode}); see {log}")
+    return out, artifact
+
+
+def validate(table: Path, trace: Path, out: Path, basis: str = STEP) -> tuple[dict, dict]:
+    """The table held against the trace on `basis` (validate's step or forward): its text (per
+    kind and band) printed, its files written in `out`; (one-line summary, validate.json record)."""
+    try:
+        result = hold_against(str(table), str(trace), basis)
+    except ValidateError as err:
+        raise SystemExit(f"validate {table.name} against {trace}: {err}") from None
+    write(result, out)
+    print(text(result), flush=True)
+    return result.summary(), result.record()
