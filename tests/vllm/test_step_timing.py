@@ -142,11 +142,11 @@ def test_under_the_batch_queue_a_steps_span_starts_at_its_own_schedule_not_the_n
     timer.schedule_done(n, enter=0.0, stock_start=0.5, stock_end=1.5, leave=2.0)
     timer.update_started(3.0)
     timer.update_done(object(), 3.5)  # the step before n: the open window starts here
-    timer.schedule_done(n1, enter=4.0, stock_start=4.0, stock_end=4.25, leave=4.5)
+    timer.schedule_done(n1, enter=4.0, stock_start=4.0, stock_end=4.5, leave=5.0)
     timer.update_started(9.0)
     window = timer.update_done(n, 10.0)
     assert window.wall == 6.5
-    assert window.phases == {"schedule": 0.25, "forward": 4.5, "update": 1.0, "sweep": 0.25, "other": 0.5}
+    assert window.phases == {"schedule": 0.5, "forward": 4.0, "update": 1.0, "sweep": 0.5, "other": 0.5}
     assert window.span.wall == 10.0
     assert window.span.phases == {"schedule": 1.0, "forward": 7.0, "update": 1.0, "sweep": 1.0, "other": 0.0}
 
