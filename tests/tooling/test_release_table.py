@@ -403,6 +403,28 @@ def test_upstream_status_says_none_where_no_series_version_fits(tree, index, tmp
     ]
 
 
+def test_upstream_status_says_a_patch_fits_with_reduced_context_where_only_its_surroundings_moved(
+    tree, index, tmp_path
+):
+    from kvwarm_build.upstream.status import upstream_status
+
+    _, url = index
+    # The hook's own line is unchanged; a line three below it is not: git apply refuses the
+    # patch as it is, and applies it with one line of context.
+    moved = SOURCES[BLOCK_POOL].replace("def helper_4():\n", "def helper_4(x=None):\n")
+    Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", moved)}
+    releases = load_releases(tree["root"] / "releases.toml")
+    lines = upstream_status(releases, tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
+    assert re.match(r"  FAIL add-a-hook-to-helper_3.patch: error: patch failed", lines[2])
+    assert lines[4:] == [
+        (
+            f"  fits add-a-hook-to-helper_3.patch: {VERSION}'s with reduced context (`git apply -C1`; "
+            "check where its hunks land)"
+        ),
+        f"  fits add-a-new-module.patch: {VERSION}'s",
+    ]
+
+
 def test_upstream_status_refuses_a_release_the_index_lacks(tree, index, tmp_path):
     from kvwarm_build.upstream.status import upstream_status
 
