@@ -12,6 +12,20 @@ from kvwarm_testing.real_kv import BLOCK_SIZE, BlockPool
 TORCH_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _no_pinned_memory_without_an_accelerator() -> None:
+    """Releases that ignore VLLM_TARGET_DEVICE run the cuda wheel on a CPU host under vLLM's
+    unspecified platform, which says pinned memory is available; torch refuses to pin
+    without an accelerator, so the worker's copies would fail there. Off, as vLLM's CPU
+    platform has it."""
+    from vllm.utils import torch_utils
+
+    if not torch.cuda.is_available() and getattr(torch_utils, "PIN_MEMORY", False):
+        torch_utils.PIN_MEMORY = False
+
+
+_no_pinned_memory_without_an_accelerator()
+
+
 @pytest.fixture(params=TORCH_DEVICES)
 def torch_device(request) -> str:
     return request.param

@@ -23,8 +23,10 @@ PRESENT, ABSENT = "yes", "—"
 def per_release_table(text: str) -> tuple[list[str], dict[str, dict[str, bool]]]:
     """(the releases the table has a column for, {`Owner.name`: {release: present}}) from
     the first table under HEADING; a cell other than PRESENT or ABSENT is an error."""
-    section = text.split(HEADING, 1)[1]
-    rows = [line for line in section.splitlines() if line.startswith("|")]
+    lines = text.split(HEADING, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = lines[start:end]
     header = [cell.strip() for cell in rows[0].strip("|").split("|")]
     releases, table = header[1:], {}
     for line in rows[2:]:

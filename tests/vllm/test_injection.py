@@ -82,15 +82,16 @@ def test_a_point_is_admitted_one_token_short_then_decoded_by_the_stock_loop(sche
 def _admitted_on_the_v2_runner(tmp_path, scheduler_cls):
     """A point of two shadows admitted by a scheduler whose engine runs the V2 model runner
     (a release that still has the V1 runner is told so; the others have only the V2 one),
-    with the step's output as a worker process receives it (pickled)."""
+    with its new requests as a worker process receives them."""
     scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=scheduler_cls)
     if hasattr(scheduler, "use_v2_model_runner"):
         scheduler.use_v2_model_runner = True
     chains = _parked_chains(scheduler, [100, 150])
     point = scheduler.kvwarm_injector.queue(Admission(chains, contexts=[60, 99], steady_steps=3, fork=False))
-    output = pickle.loads(pickle.dumps(_step(scheduler)))
+    sent = []  # the step's output as a worker process receives it: pickled before the step runs
+    step_scheduler(scheduler, token=5, sent=lambda output: sent.append(pickle.loads(pickle.dumps(output))))
     assert point.failure is None and len(point.shadows) == 2
-    return scheduler, chains, point.shadows, {r.req_id: r for r in output.scheduled_new_reqs}
+    return scheduler, chains, point.shadows, {r.req_id: r for r in sent[0].scheduled_new_reqs}
 
 
 @pytest.mark.parametrize("scheduler_cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])

@@ -253,10 +253,13 @@ def v2_runner_request_state(scheduler):
     )
 
 
-def step_scheduler(scheduler, token: int = 7):
+def step_scheduler(scheduler, token: int = 7, sent=None):
     """One scheduler step with the model runner's part played here: every scheduled
-    request that has finished its prompt samples `token`. Returns the SchedulerOutput."""
+    request that has finished its prompt samples `token`. Returns the SchedulerOutput;
+    `sent(output)` sees it first, as the workers get it (before the step's tokens are in)."""
     output = scheduler.schedule()
+    if sent is not None:
+        sent(output)
     ids = list(output.num_scheduled_tokens)
     sampled = [
         [token] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens else []
