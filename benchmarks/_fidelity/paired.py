@@ -63,7 +63,7 @@ class Steps:
                 self.new_prompts[new.req_id] = list(new.prompt_token_ids or [])
             before = len(self.windows)
             result = update(output, runner_output)
-            # in batch order on every release (0.34.0 has no req_id_to_index to look them up by)
+            # in batch order on every release (the newest have no req_id_to_index to look them up by)
             for rid, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
                 self.sampled.setdefault(rid, []).extend(sampled)
             usage, self.usage = self.usage, _usage()

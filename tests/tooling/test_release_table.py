@@ -114,12 +114,13 @@ def test_ci_plan_checks_the_newest_build_for_reproducibility_and_leaves_images_t
 def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
     oldest = _cpu_release(tree, short="9.6", version="9.6.0")
     middle = _cpu_release(tree, short="9.7", version="9.7.0")
+    older_pin = _cpu_release(tree, short="9.7.5", version="9.7.5", shipped_by="ai-dynamo==8.0.0")
     pinned = _cpu_release(tree, short="9.8", version="9.8.0", shipped_by="ai-dynamo==9.0.0")
     newest_cpu = _cpu_release(tree)
     no_cpu = dataclasses.replace(
         newest_cpu, short="9.10", version="9.10.0", flavours={"cuda": newest_cpu.flavour("cuda")}
     )
-    table = [oldest, middle, pinned, newest_cpu, no_cpu]
+    table = [oldest, middle, older_pin, pinned, newest_cpu, no_cpu]
     tiers = {release.short: (got, why) for release, got, why in sessions.ci_tiers(table)}
     gated = ["build", "upstream-tests", "unit"]
     assert tiers["9.6"] == (
@@ -130,7 +131,15 @@ def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
         ["build", "unit"],
         "between the releases with a role; upstream-tests, engine, smoke-cpu, consumers in the matrix",
     )
-    assert tiers["9.8"][0] == gated and tiers["9.8"][1].startswith("the release ai-dynamo==9.0.0 pins; engine")
+    assert tiers["9.7.5"] == (
+        ["build", "unit"],
+        (
+            "the release ai-dynamo==8.0.0 pins (an older pin than the newest); "
+            "upstream-tests, engine, smoke-cpu, consumers in the matrix"
+        ),
+    )
+    assert tiers["9.8"][0] == gated
+    assert tiers["9.8"][1].startswith("the release ai-dynamo==9.0.0 pins (the newest pin); engine")
     assert tiers["9.9"] == (
         ["build", "unit", "engine", "smoke-cpu", "bench"],
         "the newest with a CPU engine; upstream-tests, consumers in the matrix",
@@ -151,7 +160,7 @@ def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
         "upstream-tests-9.10",
     ]
     assert not [n for n in names if n.startswith("consumers-")]
-    assert {"engine-9.7", "engine-9.8", "upstream-tests-9.7", "upstream-tests-9.9"} <= set(
+    assert {"engine-9.7", "engine-9.8", "upstream-tests-9.7", "upstream-tests-9.7.5", "upstream-tests-9.9"} <= set(
         sessions.matrix_sessions(table)
     )
 
