@@ -159,9 +159,10 @@ def _release_sessions(release) -> None:
         _tooling(session, "pytest", "pytest-xdist", "hypothesis", "jsonschema", "matplotlib")
         _test_support(session)
         _install_patched(session, short)
-        # The cuda wheel on a CPU host: a release that reads its target device from here
-        # needs it (pinned host memory); the tests pass a DeviceConfig where one ignores it.
-        env = {**_env(session), "VLLM_TARGET_DEVICE": "cpu"}
+        # The cuda wheel on a CPU host: on vLLM's CPU platform (VLLM_TARGET_DEVICE=cpu: pinned
+        # host memory off), except where the table says it cannot run there (cpu_platform);
+        # the tests pass a DeviceConfig where a release ignores the variable or goes without.
+        env = {**_env(session), **release.scheduler_env}
         # long_sweep: the 10,000-point data-parallel sweep, minutes; `-- -m long_sweep tests/vllm` runs it
         default = [*UNIT_WORKERS, "-m", "not long_sweep", "tests/vllm"]
         session.run("pytest", "-q", *(session.posargs or default), env=env)

@@ -49,8 +49,7 @@ def drive_scheduler(steps: int, side: str = "scheduler") -> dict:
 
 
 def _drive(tmp: Path, steps: int, side: str) -> dict:
-    from kvwarm_testing.real_kv import make_request, make_scheduler
-    from vllm.v1.outputs import ModelRunnerOutput
+    from kvwarm_testing.real_kv import make_request, make_scheduler, runner_output
 
     cls, config = None, None
     if side != "scheduler":
@@ -84,12 +83,7 @@ def _drive(tmp: Path, steps: int, side: str) -> dict:
             [1] if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_prompt_tokens else []
             for rid in req_ids
         ]
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
-        outputs = scheduler.update_from_output(output, runner_output).values()
+        outputs = scheduler.update_from_output(output, runner_output(req_ids, sampled)).values()
         finished = sum(o.finish_reason is not None for batch in outputs for o in batch.outputs)
         for _ in range(finished):
             add_request()

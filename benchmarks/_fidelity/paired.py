@@ -63,8 +63,9 @@ class Steps:
                 self.new_prompts[new.req_id] = list(new.prompt_token_ids or [])
             before = len(self.windows)
             result = update(output, runner_output)
-            for rid, index in (getattr(runner_output, "req_id_to_index", None) or {}).items():
-                self.sampled.setdefault(rid, []).extend(runner_output.sampled_token_ids[index])
+            # in batch order on every release (the newest have no req_id_to_index to look them up by)
+            for rid, sampled in zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True):
+                self.sampled.setdefault(rid, []).extend(sampled)
             usage, self.usage = self.usage, _usage()
             if steady and len(self.windows) > before:
                 faults, preempted = (now - then for now, then in zip(self.usage, usage))
@@ -77,6 +78,15 @@ class Steps:
     def take(self) -> list[SteadyStep]:
         steady, self.steady = self.steady, []
         return steady
+
+    def tokens(self, ids: list[str], where: str) -> list[list[int]]:
+        """The tokens each of `ids` sampled; a request that sampled none stops the benchmark
+        (its fidelity would read 0/0 and look like agreement)."""
+        tokens = [self.sampled.get(r, []) for r in ids]
+        if not all(tokens):
+            silent = [r for r, t in zip(ids, tokens) if not t]
+            sys.exit(f"{where}: no sampled token seen for {', '.join(silent)} (the model runner's output was not read)")
+        return tokens
 
     def forget(self) -> None:
         """Drop what was seen of other requests (chains, catch-ups)."""
@@ -175,7 +185,7 @@ class PairedRun:
         prompts = [self.steps.new_prompts.get(r) for r in ids]
         if prompts != [self.text(i, c) for i, c in enumerate(point.contexts())]:
             sys.exit(f"{where}: the shadows' prompts are not chain i's first c_i tokens")
-        tokens = [self.steps.sampled.get(r, []) for r in ids]
+        tokens = self.steps.tokens(ids, where)
         self.steps.forget()
         result = self._result(point)
         done = result["order"].count("S")
@@ -226,9 +236,9 @@ class PairedRun:
                     gc.enable()
         scheduler.kvwarm_timer = None
         steady = self.steps.take()
-        tokens = [self.steps.sampled.get(r, []) for r in ids]
-        self.steps.forget()
         where = f"{self.mode or 'attention'} K={point.total_kv_read_tokens} B={point.batch_size}"
+        tokens = self.steps.tokens(ids, where)
+        self.steps.forget()
         if len(steady) != self.settings.steps or any(s.ids != frozenset(ids) for s in steady):
             sys.exit(
                 f"{where}: the natural side ran {len(steady)} steady step(s) of its requests, not {self.settings.steps}"

@@ -49,6 +49,15 @@ def test_the_pinned_torchs_cpu_build_is_used_where_an_index_has_it_else_the_writ
     assert len(said) == 1 and "torch_fallback 2.12.0+cpu" in said[0]  # printed when used
 
 
+def test_a_release_off_vllm_s_cpu_platform_runs_its_scheduler_code_without_the_target_device(tree):
+    path = tree["root"] / "releases.toml"
+    (release,) = load_releases(path)
+    assert release.cpu_platform and release.scheduler_env == {"VLLM_TARGET_DEVICE": "cpu"}
+    path.write_text(path.read_text().replace("build = 3", "build = 3\ncpu_platform = false"))
+    (release,) = load_releases(path)
+    assert not release.cpu_platform and release.scheduler_env == {}
+
+
 def test_unknown_release_lists_the_known_ones(tree):
     releases = load_releases(tree["root"] / "releases.toml")
     with pytest.raises(BuildError) as err:
@@ -71,6 +80,7 @@ def test_unknown_release_lists_the_known_ones(tree):
         ),
         (lambda t: t.replace('torch = "2.13.0"', 'torch = "2.13.0"\ntorch_fallback = ""'), "'torch_fallback'"),
         (lambda t: t.replace("build = 3", 'build = 3\ncpu_smoke_cases = ["moe"]'), "cpu_smoke_cases without a cpu"),
+        (lambda t: t.replace("build = 3", 'build = 3\ncpu_platform = "no"'), "cpu_platform must be true or false"),
     ],
 )
 def test_malformed_release_table(tree, edit, expected):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 from conftest import BLOCK_POOL, GOOD_EDITS, VERSION, git, make_patches
@@ -185,3 +186,25 @@ def test_every_series_of_the_project_follows_the_naming_rule_with_one_name_per_p
     names = [{p.name for p in read_series(series_folder(project.PATCHES, r.version)).patches} for r in releases]
     hooks = [{n for n in found if n.startswith("kvwarm-hook-")} for found in names]
     assert hooks[0] and all(h == hooks[0] for h in hooks)
+
+
+def test_lint_patches_release_option_limits_the_staleness_check_to_those_releases(monkeypatch):
+    """A port lints its new series against a fresh export without downloading every other
+    release's wheel; the other checks still see every release."""
+    from kvwarm_build import cli
+
+    releases = load_releases(project.RELEASES)
+    fetched, seen = [], []
+    monkeypatch.setattr(cli, "fetch", lambda artifact, *a, **k: fetched.append(artifact.file) or Path(artifact.file))
+
+    def lint_all(rows, patches, upstream_of, log):
+        seen.extend(r.version for r in rows)
+        wheels = [upstream_of(r) if upstream_of else None for r in rows]
+        return [f"{r.version} checked against {wheel}" for r, wheel in zip(rows, wheels) if wheel is not None]
+
+    monkeypatch.setattr(cli, "lint_releases", lint_all)
+    assert cli.main(["lint-patches", "--release", releases[-1].short]) == 1  # lint_all's one "problem"
+    assert seen == [r.version for r in releases]
+    assert fetched == [releases[-1].flavour("cuda").wheel.file]
+    fetched.clear()
+    assert cli.main(["lint-patches", "--no-staleness"]) == 0 and fetched == []

@@ -114,12 +114,13 @@ def test_ci_plan_checks_the_newest_build_for_reproducibility_and_leaves_images_t
 def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
     oldest = _cpu_release(tree, short="9.6", version="9.6.0")
     middle = _cpu_release(tree, short="9.7", version="9.7.0")
+    older_pin = _cpu_release(tree, short="9.7.5", version="9.7.5", shipped_by="ai-dynamo==8.0.0")
     pinned = _cpu_release(tree, short="9.8", version="9.8.0", shipped_by="ai-dynamo==9.0.0")
     newest_cpu = _cpu_release(tree)
     no_cpu = dataclasses.replace(
         newest_cpu, short="9.10", version="9.10.0", flavours={"cuda": newest_cpu.flavour("cuda")}
     )
-    table = [oldest, middle, pinned, newest_cpu, no_cpu]
+    table = [oldest, middle, older_pin, pinned, newest_cpu, no_cpu]
     tiers = {release.short: (got, why) for release, got, why in sessions.ci_tiers(table)}
     gated = ["build", "upstream-tests", "unit"]
     assert tiers["9.6"] == (
@@ -130,7 +131,15 @@ def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
         ["build", "unit"],
         "between the releases with a role; upstream-tests, engine, smoke-cpu, consumers in the matrix",
     )
-    assert tiers["9.8"][0] == gated and tiers["9.8"][1].startswith("the release ai-dynamo==9.0.0 pins; engine")
+    assert tiers["9.7.5"] == (
+        ["build", "unit"],
+        (
+            "the release ai-dynamo==8.0.0 pins (an older pin than the newest); "
+            "upstream-tests, engine, smoke-cpu, consumers in the matrix"
+        ),
+    )
+    assert tiers["9.8"][0] == gated
+    assert tiers["9.8"][1].startswith("the release ai-dynamo==9.0.0 pins (the newest pin); engine")
     assert tiers["9.9"] == (
         ["build", "unit", "engine", "smoke-cpu", "bench"],
         "the newest with a CPU engine; upstream-tests, consumers in the matrix",
@@ -151,7 +160,7 @@ def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
         "upstream-tests-9.10",
     ]
     assert not [n for n in names if n.startswith("consumers-")]
-    assert {"engine-9.7", "engine-9.8", "upstream-tests-9.7", "upstream-tests-9.9"} <= set(
+    assert {"engine-9.7", "engine-9.8", "upstream-tests-9.7", "upstream-tests-9.7.5", "upstream-tests-9.9"} <= set(
         sessions.matrix_sessions(table)
     )
 
@@ -399,6 +408,28 @@ def test_upstream_status_says_none_where_no_series_version_fits(tree, index, tmp
     assert lines[0] == f"newest in releases.toml: {VERSION}; newer on the index: 9.10.0"
     assert lines[4:] == [
         "  fits add-a-hook-to-helper_3.patch: none (port it by hand)",
+        f"  fits add-a-new-module.patch: {VERSION}'s",
+    ]
+
+
+def test_upstream_status_says_a_patch_fits_with_reduced_context_where_only_its_surroundings_moved(
+    tree, index, tmp_path
+):
+    from kvwarm_build.upstream.status import upstream_status
+
+    _, url = index
+    # The hook's own line is unchanged; a line three below it is not: git apply refuses the
+    # patch as it is, and applies it with one line of context.
+    moved = SOURCES[BLOCK_POOL].replace("def helper_4():\n", "def helper_4(x=None):\n")
+    Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", moved)}
+    releases = load_releases(tree["root"] / "releases.toml")
+    lines = upstream_status(releases, tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
+    assert re.match(r"  FAIL add-a-hook-to-helper_3.patch: error: patch failed", lines[2])
+    assert lines[4:] == [
+        (
+            f"  fits add-a-hook-to-helper_3.patch: {VERSION}'s with reduced context (`git apply -C1`; "
+            "check where its hunks land)"
+        ),
         f"  fits add-a-new-module.patch: {VERSION}'s",
     ]
 

@@ -16,6 +16,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "long_sweep: a 10,000-point data-parallel sweep (minutes); unit-S leaves it out")
 
 
+def _no_pinned_memory_without_an_accelerator() -> None:
+    """Releases that ignore VLLM_TARGET_DEVICE run the cuda wheel on a CPU host under vLLM's
+    unspecified platform, which says pinned memory is available; torch refuses to pin
+    without an accelerator, so the worker's copies would fail there. Off, as vLLM's CPU
+    platform has it."""
+    from vllm.utils import torch_utils
+
+    if not torch.cuda.is_available() and getattr(torch_utils, "PIN_MEMORY", False):
+        torch_utils.PIN_MEMORY = False
+
+
+_no_pinned_memory_without_an_accelerator()
+
+
 @pytest.fixture(params=TORCH_DEVICES)
 def torch_device(request) -> str:
     return request.param

@@ -108,3 +108,44 @@ def test_a_capped_lone_prefill_steps_one_state_block_with_every_boundary_retaine
     # Uncapped again: the rest in one step, or (where the scheduler ends a step at the prompt's
     # last state boundary, to keep that state) all of it up to that boundary.
     assert step_scheduler(scheduler).num_scheduled_tokens["chain"] > 32
+
+
+def _hybrid_scheduler(tmp_path):
+    return make_scheduler(tmp_path, num_blocks=128, block_size=32, state_block_size=32, scheduler_cls=KvWarmScheduler)
+
+
+def test_the_cap_holds_for_several_chains_where_the_scheduler_floors_its_threshold(tmp_path):
+    """A scheduler that floors the long-prefill threshold at a share of its budget (where it
+    has that setting, turned on here) would prefill two chains 128 tokens a step; the cap
+    turns the floor off while applied and puts it back."""
+    scheduler = _hybrid_scheduler(tmp_path)
+    floors = hasattr(scheduler, catchup_module.PrefillChunkCap.ADAPTIVE)
+    if floors:
+        scheduler.adaptive_long_prefill_threshold = True
+    cap = catchup_module.PrefillChunkCap(scheduler, 32)
+    cap.apply()
+    for name in ("a", "b"):
+        scheduler.add_request(make_request(name, 224, token=3 if name == "a" else 4))
+    steps = [step_scheduler(scheduler).num_scheduled_tokens for _ in range(2)]
+    assert steps == [{"a": 32, "b": 32}] * 2
+    cap.restore()
+    assert getattr(scheduler, catchup_module.PrefillChunkCap.ADAPTIVE, False) is floors
+
+
+def test_with_chunked_prefill_off_the_cap_never_stalls_a_lone_chain(tmp_path):
+    """With chunked prefill off a prompt over the step's budget is never scheduled, and some
+    releases ignore the threshold there: the cap leaves a lone chain's budget alone, so its
+    prefill goes on (in capped chunks where the release still caps it, whole where not)."""
+    scheduler = _hybrid_scheduler(tmp_path)
+    scheduler.scheduler_config.enable_chunked_prefill = False
+    cap = catchup_module.PrefillChunkCap(scheduler, 32)
+    cap.apply()
+    scheduler.add_request(make_request("chain", 224))
+    done = 0
+    for _ in range(7):
+        done += step_scheduler(scheduler).num_scheduled_tokens.get("chain", 0)
+        if done >= 224:
+            break
+    assert done >= 224
+    cap.restore()
+    assert scheduler.kvwarm_prefill_cap is None

@@ -358,3 +358,40 @@ def test_a_grid_with_no_point_the_engine_can_run_is_refused_with_the_limits(tmp_
     assert artifact["status"] == "failed"
     assert "the generated grid holds no point this engine can run" in artifact["error"]
     assert "--max-model-len" in artifact["error"]
+
+
+def test_the_graphs_take_the_prefill_and_decode_sizes_vllm_resolves_apart_where_it_does(tmp_path):
+    """On the real compilation config: where vLLM splits the capture sizes (prefill graphs by
+    tokens, decode graphs by requests), decode steps pad to the decode request sizes and
+    prefill steps to the prefill token sizes, not to the one list of every graph's tokens;
+    elsewhere both kinds come from that list."""
+    from vllm.config import CUDAGraphMode
+    from vllm.kvwarm.record.shape import SPLIT_SIZES
+
+    scheduler = make_scheduler(tmp_path, max_num_seqs=8)
+    config = scheduler.vllm_config
+    config.model_config.enforce_eager = False
+    compilation = config.compilation_config
+    compilation.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    compilation.cudagraph_capture_sizes = [1, 2, 3, 4, 8, 16, 48]
+    split = all(hasattr(compilation, name) for name in SPLIT_SIZES)
+    if split:
+        for name, sizes in zip(SPLIT_SIZES, ([16, 48], [1, 3, 6])):
+            setattr(compilation, name, sizes)
+    graphs = graph_config(config)
+    assert graphs.capture_sizes == (1, 2, 3, 4, 8, 16, 48)
+    if split:
+        assert (graphs.decode_capture_sizes, graphs.prefill_capture_sizes) == ((1, 3, 6), (16, 48))
+        assert expected_graph(graphs, "decode", 5)["expected_capture_size"] == 6
+        assert expected_graph(graphs, "prefill", 9)["expected_capture_size"] == 16
+    else:
+        assert graphs.decode_capture_sizes == (1, 2, 3, 4, 8) and graphs.prefill_capture_sizes == (
+            1,
+            2,
+            3,
+            4,
+            8,
+            16,
+            48,
+        )
+        assert expected_graph(graphs, "decode", 5)["expected_capture_size"] == 8

@@ -4,8 +4,17 @@ request that finished its prompt)."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
-from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, park, step_scheduler
+from kvwarm_testing.real_kv import (
+    in_use,
+    make_request,
+    make_scheduler,
+    park,
+    step_scheduler,
+    v2_runner_request_state,
+)
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX, Admission
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 
@@ -68,6 +77,76 @@ def test_a_point_is_admitted_one_token_short_then_decoded_by_the_stock_loop(sche
     _step(scheduler)  # carries the finished ids to the worker
     assert in_use(kvm.block_pool) == baseline
     _finish(scheduler, chains)
+
+
+def _admitted_on_the_v2_runner(tmp_path, scheduler_cls):
+    """A point of two shadows admitted by a scheduler whose engine runs the V2 model runner
+    (a release that still has the V1 runner is told so; the others have only the V2 one),
+    with its new requests as a worker process receives them."""
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=scheduler_cls)
+    if hasattr(scheduler, "use_v2_model_runner"):
+        scheduler.use_v2_model_runner = True
+    chains = _parked_chains(scheduler, [100, 150])
+    point = scheduler.kvwarm_injector.queue(Admission(chains, contexts=[60, 99], steady_steps=3, fork=False))
+    sent = []  # the step's output as a worker process receives it: pickled before the step runs
+    step_scheduler(scheduler, token=5, sent=lambda output: sent.append(pickle.loads(pickle.dumps(output))))
+    assert point.failure is None and len(point.shadows) == 2
+    return scheduler, chains, point.shadows, {r.req_id: r for r in sent[0].scheduled_new_reqs}
+
+
+@pytest.mark.parametrize("scheduler_cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
+def test_a_shadow_reaches_the_v2_runner_with_its_whole_token_list(tmp_path, scheduler_cls):
+    scheduler, chains, shadows, new = _admitted_on_the_v2_runner(tmp_path, scheduler_cls)
+    for shadow in shadows:
+        tokens = new[shadow.request_id].prefill_token_ids
+        assert tokens is not None and list(tokens) == shadow.prompt_token_ids
+    _finish(scheduler, [*chains, *shadows])
+
+
+def test_the_v2_runner_s_request_state_takes_a_shadow_as_it_takes_a_new_request(tmp_path):
+    """The V2 runner's own request path on its real class: add_requests hands each new
+    request's prompt length, prefill_token_ids and computed count to its request state."""
+    scheduler, chains, shadows, new = _admitted_on_the_v2_runner(tmp_path, KvWarmScheduler)
+    states = v2_runner_request_state(scheduler)
+    if states is None:
+        pytest.skip("this release's V2 runner keeps request state in GPU buffers only (no CPU runner on V2)")
+    for shadow in shadows:  # as the runner's add_requests calls it
+        data = new[shadow.request_id]
+        states.add_request(
+            req_id=data.req_id,
+            prompt_len=data.prompt_len,
+            all_token_ids=data.prefill_token_ids,
+            num_computed_tokens=data.num_computed_tokens,
+            max_tokens=data.sampling_params.max_tokens,
+        )
+    for shadow in shadows:
+        index, n = states.req_id_to_index[shadow.request_id], len(shadow.prompt_token_ids)
+        assert states.all_token_ids[index, :n].tolist() == shadow.prompt_token_ids
+        assert states.prefill_len_np[index] == n and states.num_computed_tokens_np[index] == n - 1
+    _finish(scheduler, [*chains, *shadows])
+
+
+# The scheduler queues of waiting requests vLLM releases keep (docs/hooks.md, per release).
+WAITING_QUEUES = ("waiting", "skipped_waiting", "kv_holding_waiting", "async_kv_waiting")
+
+
+def test_a_measured_schedule_holds_the_others_in_every_waiting_queue_the_release_has(tmp_path):
+    scheduler = make_scheduler(tmp_path, num_blocks=128, scheduler_cls=KvWarmScheduler)
+    present = [name for name in WAITING_QUEUES if hasattr(scheduler, name)]
+    assert set(scheduler.kvwarm_queues) == set(present)
+    others = {name: [make_request(f"{name}-{i}", 20) for i in range(2)] for name in present}
+    for name, requests in others.items():
+        for request in requests:
+            scheduler.requests[request.request_id] = request
+            getattr(scheduler, name).add_request(request)
+    mine = make_request("mine", 20)
+    scheduler.add_request(mine)
+    output, _, _ = scheduler._schedule_only({"mine"}, None)
+    assert list(output.num_scheduled_tokens) == ["mine"]
+    for name, requests in others.items():
+        assert [r.request_id for r in getattr(scheduler, name)] == [r.request_id for r in requests]
+    output, _, _ = scheduler._schedule_only(None, None)  # between points: every one runs
+    assert sorted(output.num_scheduled_tokens) == sorted(r.request_id for rs in others.values() for r in rs)
 
 
 def _finish(scheduler, chains):

@@ -9,7 +9,7 @@ import itertools
 import re
 
 import pytest
-from kvwarm_testing.real_kv import EngineLoop, ManualClock, in_use, make_scheduler, step_scheduler
+from kvwarm_testing.real_kv import EngineLoop, ManualClock, in_use, make_scheduler, runner_output, step_scheduler
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep import prefill as prefill_module
 from vllm.kvwarm.sweep.controller import Sweep
@@ -353,7 +353,6 @@ def test_the_export_gives_the_variance_of_the_prompts_the_shots_ran(tmp_path):
 def test_a_prefill_row_whose_shots_spread_is_stamped_noisy_as_a_decode_row_is(tmp_path):
     """The engine's forward is played here with a clock: every shot's forward reads 1 tick but
     one measured shot's, which reads 11, so the row spreads 10 times its median."""
-    from vllm.v1.outputs import ModelRunnerOutput
 
     ticks = itertools.count()
     slow = {"at": 0}
@@ -375,10 +374,7 @@ def test_a_prefill_row_whose_shots_spread_is_stamped_noisy_as_a_decode_row_is(tm
                 slow["at"] += 10
         ids = list(output.num_scheduled_tokens)  # P = 0 points only: every request samples
         sampled = [[7] for _ in ids]
-        runner = ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
-        )
-        scheduler.update_from_output(output, runner)
+        scheduler.update_from_output(output, runner_output(ids, sampled))
     noisy, quiet = sweep.rows
     assert noisy.samples == [1, 11, 1] and "kvwarm_noisy" in noisy.sample_reasons
     assert quiet.samples == [1, 1, 1] and "kvwarm_noisy" not in quiet.sample_reasons

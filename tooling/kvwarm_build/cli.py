@@ -73,12 +73,16 @@ def cmd_install_built(args) -> int:
 
 
 def cmd_lint(args) -> int:
+    releases = load_releases(args.releases)
+    # --release: the staleness check (a release wheel each, downloaded once) for those alone
+    stale_checked = {find_release(releases, name).version for name in args.release} if args.release else None
+
     def upstream_of(release):
+        if stale_checked is not None and release.version not in stale_checked:
+            return None
         return fetch(release.flavour("cuda").wheel, _cache(args) / "downloads", log=_log)
 
-    problems = lint_releases(
-        load_releases(args.releases), project.PATCHES, None if args.no_staleness else upstream_of, log=_log
-    )
+    problems = lint_releases(releases, project.PATCHES, None if args.no_staleness else upstream_of, log=_log)
     for problem in problems:
         print(f"lint-patches: {problem}")
     return 1 if problems else 0
@@ -294,6 +298,13 @@ def parser() -> argparse.ArgumentParser:
     us.set_defaults(func=cmd_upstream_status)
     lp = sub.add_parser("lint-patches", help="series <-> files, headers, file names, staleness")
     lp.add_argument("--no-staleness", action="store_true", help="skip the fresh-export comparison")
+    lp.add_argument(
+        "--release",
+        action="append",
+        default=[],
+        help="compare only this release's series with a fresh export (repeatable; the other checks cover every "
+        "release): a port lints its own series without downloading every release wheel",
+    )
     lp.set_defaults(func=cmd_lint)
     return p
 

@@ -44,6 +44,14 @@ class Release:
     stock_tests: tuple[str, ...] = ()  # tests that must pass on the stock wheel too
     cpu_smoke_cases: tuple[str, ...] | None = None  # None: every smoke case
     shipped_by: str | None = None  # the Dynamo requirement that pins this release, if any
+    # whether the cuda wheel's scheduler code runs on vLLM's CPU platform here
+    # (VLLM_TARGET_DEVICE=cpu); False: on its unspecified platform (unit-S, stock-check)
+    cpu_platform: bool = True
+
+    @property
+    def scheduler_env(self) -> dict[str, str]:
+        """The environment unit-S and stock-check run the cuda wheel's scheduler code in."""
+        return {"VLLM_TARGET_DEVICE": "cpu"} if self.cpu_platform else {}
 
     @property
     def cpu_tier_missing(self) -> str | None:
@@ -137,6 +145,9 @@ def _parse_release(i: int, row: dict) -> Release:
             f"{where}: {sorted(both)} in both series_tests and stock_tests",
             "a test cannot both fail and pass on the stock wheel; keep it in one list",
         )
+    cpu_platform = row.get("cpu_platform", True)
+    if not isinstance(cpu_platform, bool):
+        raise BuildError(f"{where}: cpu_platform must be true or false", "write cpu_platform = false (or leave it out)")
     shipped_by = row.get("shipped_by")
     if shipped_by is not None and not (isinstance(shipped_by, str) and shipped_by):
         raise BuildError(f"{where}: shipped_by must be a requirement string", 'write shipped_by = "ai-dynamo==X.Y.Z"')
@@ -154,6 +165,7 @@ def _parse_release(i: int, row: dict) -> Release:
         tuple(stock_tests),
         None if smoke is None else tuple(smoke),
         shipped_by,
+        cpu_platform,
     )
 
 

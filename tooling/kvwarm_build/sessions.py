@@ -91,11 +91,13 @@ def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
 # The CI tiers, a property of the table (releases.toml says the same), sized to CI's hour:
 # every release gets its build and the unit tests (with stock-check): each has its own
 # series, and the overlay's probes meet its real classes there. The upstream gate runs on
-# the oldest row and the newest (the two ends of the series' history) and on a release a
-# Dynamo release pins (`shipped_by`: what Dynamo's users run). The CPU engine tier runs on
-# the oldest release with a CPU engine (its copy-on-write backport) and the newest (the
-# engine users run now, with the multi-rank engines, the smoke and every benchmark's quick
-# mode). Everything else (the other releases' gates and engines, the consumers, the images
+# the oldest row and the newest (the two ends of the series' history) and on the release
+# the newest Dynamo pin names (`shipped_by`: what Dynamo's users run now, and the Dynamo the
+# consumers read with); an older pin's gate runs in the matrix (3 to 4 minutes each, and
+# its series has the shape of its neighbours'; its --full gate is recorded when it is
+# added). The CPU engine tier runs on the oldest release with a CPU engine (its copy-on-write
+# backport) and the newest (the engine users run now, with the multi-rank engines, the smoke
+# and every benchmark's quick mode). Everything else (the other releases' gates and engines, the consumers, the images
 # on a stand-in base, every build checked for reproducibility) runs in `nox -s matrix`.
 
 
@@ -110,10 +112,17 @@ def gated_releases(releases: list[Release]) -> dict[str, str]:
     for role, rows in (("the oldest", releases[:1]), ("the newest", releases[-1:])):
         for release in rows:
             why.setdefault(release.short, []).append(role)
-    for release in releases:
-        if release.shipped_by:
-            why.setdefault(release.short, []).append(f"the release {release.shipped_by} pins")
+    pinned = [r for r in releases if r.shipped_by]
+    if pinned:
+        why.setdefault(pinned[-1].short, []).append(f"the release {pinned[-1].shipped_by} pins (the newest pin)")
     return {short: " and ".join(roles) for short, roles in why.items()}
+
+
+def older_pins(releases: list[Release]) -> dict[str, str]:
+    """The rows a Dynamo release pins other than the newest pin (by short name), each with
+    its role: their gates run in the matrix."""
+    pinned = [r for r in releases if r.shipped_by]
+    return {r.short: f"the release {r.shipped_by} pins (an older pin than the newest)" for r in pinned[:-1]}
 
 
 def engine_releases(releases: list[Release]) -> dict[str, str]:
@@ -130,13 +139,13 @@ def engine_releases(releases: list[Release]) -> dict[str, str]:
 def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
     """Per release: the session kinds CI runs for it, and why (printed by `tests`)."""
     newest_cpu = newest_cpu_release(releases)
-    gated, engines = gated_releases(releases), engine_releases(releases)
+    gated, engines, older = gated_releases(releases), engine_releases(releases), older_pins(releases)
     tiers = []
     for release in releases:
         got = ["build", *(["upstream-tests"] if release.short in gated else []), "unit"]
         if release.short in engines:
             got += ["engine", *(["smoke-cpu", "bench"] if release is newest_cpu else [])]
-        roles = [r for r in (gated.get(release.short), engines.get(release.short)) if r]
+        roles = [r for r in (gated.get(release.short), older.get(release.short), engines.get(release.short)) if r]
         why = " and ".join(roles) or "between the releases with a role"
         skipped = [k for k in kinds(release, MATRIX_KINDS) if k not in got]
         if skipped:

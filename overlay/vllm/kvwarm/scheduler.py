@@ -33,7 +33,7 @@ from itertools import chain
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import create_request_queue
+from vllm.v1.core.sched.request_queue import RequestQueue, create_request_queue
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .kv.catchup import lone_prefill_budget
@@ -85,12 +85,15 @@ class KvWarmSchedulerMixin:
         # A StepTimer that times every step while no sweep runs (benchmarks of natural requests)
         self.kvwarm_timer = None
         self.kvwarm_trace = None  # a served.recorder.TraceRecorder when the trace is on
+        # Every queue of waiting requests this scheduler keeps (`waiting`, and as the release
+        # has them `skipped_waiting`, `kv_holding_waiting`, `async_kv_waiting`), found by type
+        # so a queue a release adds is held out of measured steps too; made once, in __init__.
+        self.kvwarm_queues = [name for name, value in vars(self).items() if isinstance(value, RequestQueue)]
         additional = self.vllm_config.additional_config
         trace = trace_settings(additional)
         if trace is not None:
             self.kvwarm_trace = TraceRecorder(self, trace, time.perf_counter)
             self.kvwarm_timer = StepTimer(self.kvwarm_trace.clock)
-            self._kvwarm_queues = [q for q in ("waiting", "skipped_waiting", "kv_holding_waiting") if hasattr(self, q)]
         spec = additional.get(CONFIG_KEY) if isinstance(additional, dict) else None
         if spec is not None:
             self.kvwarm_run = SweepRun(self, spec)
@@ -137,7 +140,7 @@ class KvWarmSchedulerMixin:
             self._drive(self.kvwarm_injector.admit_pending, self, output)
         if self.kvwarm_trace is not None:
             held = sweep is not None and sweep.runs_own_requests()
-            waiting = tuple(chain.from_iterable(getattr(self, name) for name in self._kvwarm_queues))
+            waiting = tuple(chain.from_iterable(getattr(self, name) for name in self.kvwarm_queues))
             self.kvwarm_trace.scheduled(output, held, waiting)
         if timer is not None:
             timer.schedule_done(output, enter, stock_start, stock_end, clock())
@@ -157,7 +160,7 @@ class KvWarmSchedulerMixin:
         held_running = [r for r in self.running if r.request_id not in allowed]
         self.running = [r for r in self.running if r.request_id in allowed]
         held = {}
-        for name in self._queue_names():
+        for name in self.kvwarm_queues:
             mine, others = create_request_queue(self.policy), create_request_queue(self.policy)
             for request in getattr(self, name):
                 (mine if request.request_id in allowed else others).add_request(request)
@@ -174,12 +177,9 @@ class KvWarmSchedulerMixin:
                     queue.prepend_request(request)
                 setattr(self, name, queue)
 
-    def _queue_names(self) -> list[str]:
-        return [name for name in ("waiting", "skipped_waiting") if hasattr(self, name)]
-
     def _holds_others(self, allowed: set[str]) -> bool:
         """Whether a request other than `allowed` is running or waiting."""
-        waiting = any(r.request_id not in allowed for name in self._queue_names() for r in getattr(self, name))
+        waiting = any(r.request_id not in allowed for name in self.kvwarm_queues for r in getattr(self, name))
         return waiting or any(r.request_id not in allowed for r in self.running)
 
     def update_from_output(self, scheduler_output, model_runner_output):

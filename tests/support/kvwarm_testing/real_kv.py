@@ -239,23 +239,57 @@ def make_request(
     )
 
 
+def runner_output(req_ids: list[str], sampled: list[list[int]]):
+    """A real ModelRunnerOutput of a step that ran `req_ids` (in batch order) and sampled
+    `sampled[i]` for the i-th. A request's index is its place in req_ids; releases whose
+    output also carries that as a `req_id_to_index` field (dropped with the V1 runner) get
+    it filled in."""
+    from dataclasses import fields
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    extra = {}
+    if "req_id_to_index" in {f.name for f in fields(ModelRunnerOutput)}:
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled, **extra)
+
+
+def v2_runner_request_state(scheduler):
+    """The request state vLLM's V2 model runner keeps for the requests a `scheduler` sends it,
+    sized from its config: the CPU runner's (`CPURequestState`, the real class), or None on a
+    release whose V2 runner keeps it only in GPU buffers (written by Triton kernels)."""
+    try:
+        from vllm.v1.worker.cpu.states import CPURequestState
+    except ImportError:
+        return None
+    config = scheduler.vllm_config
+    return CPURequestState(
+        max_num_reqs=config.scheduler_config.max_num_seqs,
+        max_model_len=config.model_config.max_model_len,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        vocab_size=config.model_config.get_vocab_size(),
+        device=torch.device("cpu"),
+    )
+
+
 def model_output(scheduler, output, token: int = 7):
     """The model runner's part of a step, played here: every scheduled request that has
     finished its prompt (as of the schedule() that made `output`) samples `token`."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
     ids = list(output.num_scheduled_tokens)
     sampled = [
         [token] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens else []
         for r in ids
     ]
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled)
+    return runner_output(ids, sampled)
 
 
-def step_scheduler(scheduler, token: int = 7):
+def step_scheduler(scheduler, token: int = 7, sent=None):
     """One scheduler step with the model runner's part played here (model_output). Returns
-    the SchedulerOutput."""
+    the SchedulerOutput; `sent(output)` sees it first, as the workers get it (before the
+    step's tokens are in)."""
     output = scheduler.schedule()
+    if sent is not None:
+        sent(output)
     scheduler.update_from_output(output, model_output(scheduler, output, token))
     return output
 

@@ -68,13 +68,14 @@ def torch_pin(sdist: Path) -> str:
 def _applier(sdist: Path):
     """A function that applies a patch to the sdist's sources if it applies (returning None)
     or says why not (git's first error line), so patches stack; the files a patch touches
-    are copied out of the tarball on first use, as unpacking a whole sdist is slow."""
+    are copied out of the tarball on first use, as unpacking a whole sdist is slow. Options
+    after the patch go to git apply (REDUCED_CONTEXT)."""
     with tarfile.open(sdist) as tar, tempfile.TemporaryDirectory(prefix="kvwarm-status-") as tmp:
         top = tar.getmembers()[0].name.split("/", 1)[0]
         scratch = Path(tmp) / "tree"
         scratch.mkdir()
 
-        def apply(patch: Patch) -> str | None:
+        def apply(patch: Patch, *options: str) -> str | None:
             for path in touched_paths(patch, scratch):
                 target = scratch / path
                 if target.exists():
@@ -85,10 +86,10 @@ def _applier(sdist: Path):
                     continue  # a file the patch creates, or one this release dropped
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(member.read())
-            check = git_apply(scratch, "--check", str(patch.path.resolve()))
+            check = git_apply(scratch, "--check", *options, str(patch.path.resolve()))
             if check.returncode != 0:
                 return (check.stderr.strip().splitlines() or ["?"])[0]
-            git_apply(scratch, str(patch.path.resolve()))
+            git_apply(scratch, *options, str(patch.path.resolve()))
             return None
 
         yield apply
@@ -102,25 +103,39 @@ def series_on(sdist: Path, folder: Path) -> list[tuple[str, str | None]]:
         return [(patch.name, apply(patch)) for patch in patches]
 
 
-def fits_on(sdist: Path, series: dict[str, Series]) -> list[tuple[str, list[str], str | None]]:
+# git apply's option for hunks whose own lines are unchanged but whose outer context moved
+# (a line added beside them upstream): one line of context instead of three.
+REDUCED_CONTEXT = "-C1"
+
+
+def fits_on(sdist: Path, series: dict[str, Series]) -> list[tuple[str, list[str], str | None, bool]]:
     """[(patch name, the series whose version of it did not apply, the newest whose version
-    did or None)] for every patch of the newest series ({version: series}, newest first): a
-    port takes each patch from whichever series fits, each checked on top of the versions
-    chosen before it. Patches only older series carry (backports of what newer releases
+    did or None, whether only with REDUCED_CONTEXT)] for every patch of the newest series
+    ({version: series}, newest first): a port takes each patch from whichever series fits,
+    each checked on top of the versions chosen before it; where no version applies as it
+    is, the newest that applies with one line of context (its hunks unchanged, only their
+    surroundings moved). Patches only older series carry (backports of what newer releases
     have) are not the newest's to port."""
     names = [patch.name for patch in next(iter(series.values())).patches]
     fits = []
     with _applier(sdist) as apply:
         for name in names:
             having = [v for v, s in series.items() if any(patch.name == name for patch in s.patches)]
-            fit = next((v for v in having if apply(Patch(series[v].folder / name)) is None), None)
-            fits.append((name, having[: having.index(fit)] if fit else having, fit))
+            fit, reduced = next((v for v in having if apply(Patch(series[v].folder / name)) is None), None), False
+            if fit is None:
+                fit = next((v for v in having if apply(Patch(series[v].folder / name), REDUCED_CONTEXT) is None), None)
+                reduced = fit is not None
+            fits.append((name, having if reduced or not fit else having[: having.index(fit)], fit, reduced))
     return fits
 
 
-def _fit_line(name: str, failed: list[str], fit: str | None) -> str:
+def _fit_line(name: str, failed: list[str], fit: str | None, reduced: bool) -> str:
     if fit is None:
         return f"  fits {name}: none (port it by hand)"
+    if reduced:
+        return (
+            f"  fits {name}: {fit}'s with reduced context (`git apply {REDUCED_CONTEXT}`; check where its hunks land)"
+        )
     not_these = ", ".join(v + "'s" for v in failed)
     return f"  fits {name}: {fit}'s" + (f" (not {not_these})" if failed else "")
 

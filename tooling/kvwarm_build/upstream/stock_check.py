@@ -42,7 +42,9 @@ def _outcomes_on_stock(release: Release, files: list[str], cache: Path, log) -> 
         # The test support reaches the stock venv by path, as it reaches the official build's
         # in the smoke: the tests' conftest imports it.
         paths = [str(project.TEST_SUPPORT), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", PYTHONPATH=os.pathsep.join(paths))
+        env = {**os.environ, **release.scheduler_env, "PYTHONPATH": os.pathsep.join(paths)}
+        if not release.cpu_platform:
+            env.pop("VLLM_TARGET_DEVICE", None)
         run = subprocess.run(cmd, cwd=project.ROOT, env=env, capture_output=True, text=True, check=False)
         if not junit.exists():
             raise BuildError(

@@ -17,7 +17,13 @@ cache coordinator keeps only some boundary states (a `retention_interval` other 
 0 keeps just the prompt's last boundary and shared-prefix junctions), the cap makes it keep
 every one while it is applied; where the scheduler lifts the long-prefill threshold for a
 lone request, the cap gives such a step a budget of one state block instead
-(lone_prefill_budget).
+(lone_prefill_budget); where it floors the threshold at a share of the step's budget
+(`adaptive_long_prefill_threshold`), the floor is off while the cap is applied.
+
+With chunked prefill off the engine may not split a prompt at all (vLLM then ignores the
+threshold on some releases, and a prompt over the step's budget is never scheduled): the cap
+leaves the step's budget alone there, so a chain is never stalled, and the chains prefilled
+whole leave fewer boundary states cached; the catch-ups start from earlier ones (exact, slower).
 
 A catch-up is parked as soon as its prompt is scheduled, not once its sampled token is
 back: a decode step of it would advance its state past ctx.
@@ -87,6 +93,8 @@ class PrefillChunkCap:
     all the same, only slower)."""
 
     SETTING = "long_prefill_token_threshold"  # the scheduler config's
+    CHUNKED = "enable_chunked_prefill"  # the scheduler config's; False: prompts may not be split
+    ADAPTIVE = "adaptive_long_prefill_threshold"  # the scheduler's; True floors the threshold
     RETENTION = "retention_interval"  # the coordinator's; None keeps every boundary state
     LONE_CAP = "kvwarm_prefill_cap"  # a kvwarm scheduler's; read by lone_prefill_budget
 
@@ -95,6 +103,7 @@ class PrefillChunkCap:
         self._applied = False
         self._saved: int | None = None  # the threshold, where it was changed
         self._retention: int | None = None  # the coordinator's retention, where it was changed
+        self._adaptive = False  # whether the scheduler's adaptive floor was on (and is now off)
 
     def _coordinator(self):
         return getattr(getattr(self._scheduler, "kv_cache_manager", None), "coordinator", None)
@@ -112,7 +121,10 @@ class PrefillChunkCap:
         if getattr(coordinator, self.RETENTION, None) is not None:
             self._retention = getattr(coordinator, self.RETENTION)
             setattr(coordinator, self.RETENTION, None)
-        if hasattr(self._scheduler, self.LONE_CAP):
+        if getattr(self._scheduler, self.ADAPTIVE, False) is True:
+            self._adaptive = True
+            setattr(self._scheduler, self.ADAPTIVE, False)
+        if hasattr(self._scheduler, self.LONE_CAP) and getattr(config, self.CHUNKED, True) is not False:
             setattr(self._scheduler, self.LONE_CAP, self._size)
 
     def restore(self) -> None:
@@ -125,6 +137,9 @@ class PrefillChunkCap:
         if self._retention is not None:
             setattr(self._coordinator(), self.RETENTION, self._retention)
             self._retention = None
+        if self._adaptive:
+            setattr(self._scheduler, self.ADAPTIVE, True)
+            self._adaptive = False
         if hasattr(self._scheduler, self.LONE_CAP):
             setattr(self._scheduler, self.LONE_CAP, None)
 

@@ -59,6 +59,17 @@ def shadow_request(request_id: str, chain, ctx: int, max_tokens: int, block_hash
     )
 
 
+def prefill_token_ids(scheduler, request) -> list[int] | None:
+    """What a new request's NewRequestData carries for the model runner to build its state
+    from, as the scheduler itself passes it: the request's `prefill_token_ids` where it has
+    that property (the V2 runner is then the only one, and refuses None); else the whole
+    token list when the engine runs the V2 runner (`use_v2_model_runner`); else None (the
+    V1 runner reads the prompt)."""
+    if hasattr(type(request), "prefill_token_ids"):
+        return request.prefill_token_ids
+    return request._all_token_ids if getattr(scheduler, "use_v2_model_runner", False) else None
+
+
 class ShadowInjector:
     """Queues admissions and admits them from inside the scheduler's `schedule()`."""
 
@@ -158,10 +169,7 @@ class ShadowInjector:
             # Built before the bookkeeping below advances num_computed_tokens.
             output.scheduled_new_reqs.append(
                 NewRequestData.from_request(
-                    shadow,
-                    kvm.get_block_ids(shadow.request_id),
-                    # The V2 runner needs the whole token list; the V1 runner ignores it.
-                    shadow._all_token_ids if getattr(scheduler, "use_v2_model_runner", False) else None,
+                    shadow, kvm.get_block_ids(shadow.request_id), prefill_token_ids(scheduler, shadow)
                 )
             )
             admitted.num_scheduled_tokens[shadow.request_id] = 1

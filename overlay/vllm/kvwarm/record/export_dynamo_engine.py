@@ -12,7 +12,7 @@ Plain data: nothing here imports vLLM.
 
 from __future__ import annotations
 
-from .shape import NONE, GraphConfig
+from .shape import NONE, GraphConfig, split_of
 
 NOT_RECORDED = "not in the sweep's record"
 NOT_DYNAMO = "not applicable: the file was exported from a kvwarm sweep, not written by Dynamo"
@@ -70,15 +70,15 @@ def recorded_graphs(artifact: dict) -> GraphConfig | None:
             max_num_seqs=seqs,
             max_num_batched_tokens=tokens,
         )
-    sizes = resolved.get("cudagraph_capture_sizes")
+    sizes, split = resolved.get("cudagraph_capture_sizes"), split_of(resolved, dict.get)
     if resolved.get("enforce_eager"):
-        return GraphConfig.of(NONE, NONE, NONE, sizes, seqs, tokens)
+        return GraphConfig.of(NONE, NONE, NONE, sizes, seqs, tokens, split)
     raw = resolved.get("cudagraph_mode")
     if raw is None:
         return None
     name = str(raw).rsplit(".", 1)[-1].upper()
     prefill, decode = OLDER_RECORD_MODES.get(name, (name, name))
-    return GraphConfig.of(name, decode, prefill, sizes, seqs, tokens)
+    return GraphConfig.of(name, decode, prefill, sizes, seqs, tokens, split)
 
 
 def cudagraph_block(artifact: dict) -> dict:

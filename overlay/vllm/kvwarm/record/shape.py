@@ -6,9 +6,11 @@ A decode step of B requests runs the graph captured for the smallest decode capt
 >= B, padded to it; a prefill step of N new tokens the smallest prefill capture size >= N
 (vLLM's mixed mode: piecewise graphs, by token count), except a prefill of one token per
 request (N == B), which vLLM's runner classifies as a uniform decode batch by its shape and
-runs as a decode step. Past the largest size, or with graphs off, the step runs eager.
-Decode capture sizes are the capture sizes up to max_num_seqs, and only when the decode mode
-captures; prefill ones all capture sizes, when the mixed mode does.
+runs as a decode step. Past the largest size, or with graphs off, the step runs eager. Where
+vLLM resolves the two kinds apart (prefill graphs by token count, decode graphs by request
+count: SPLIT_SIZES), those are the sizes; elsewhere decode capture sizes are the capture
+sizes up to max_num_seqs and prefill ones all capture sizes. Each kind only where its mode
+captures.
 The sweep reads the modes from the engine (sweep.graphs); the exports from the record.
 
 Plain data: nothing here imports vLLM.
@@ -21,6 +23,10 @@ from dataclasses import dataclass
 from . import vocabulary as v
 
 NONE = "NONE"  # vLLM's CUDAGraphMode.NONE, by name
+# Where vLLM resolves the capture sizes apart (its compilation config's fields, and the engine
+# record's keys): the token counts of the prefill (mixed-batch) graphs, the request counts of
+# the uniform decode ones.
+SPLIT_SIZES = ("prefill_cudagraph_capture_token_sizes", "decode_cudagraph_capture_request_sizes")
 
 
 def point_key(point: dict) -> tuple:
@@ -37,6 +43,18 @@ def balanced(total: int, parts: int) -> list[int]:
     """`parts` integers summing to `total`, the first total % parts of them one larger."""
     base, longer = divmod(total, parts)
     return [base + 1] * longer + [base] * (parts - longer)
+
+
+def positive_sizes(values) -> tuple[int, ...]:
+    """Capture sizes as a sorted tuple of the positive ones."""
+    return tuple(sorted({int(s) for s in values or [] if int(s) > 0}))
+
+
+def split_of(holder, get) -> tuple | None:
+    """The (prefill, decode) sizes `get(holder, name)` gives for SPLIT_SIZES, or None where
+    it gives neither (one list for both kinds)."""
+    split = tuple(get(holder, name) for name in SPLIT_SIZES)
+    return None if all(s is None for s in split) else tuple(s or () for s in split)
 
 
 @dataclass(frozen=True)
@@ -59,18 +77,21 @@ class GraphConfig:
         sizes,
         max_num_seqs: int | None,
         max_num_batched_tokens: int | None,
+        split=None,
     ) -> GraphConfig:
         """The engine's graphs from its modes' names and its configured capture sizes: which
-        of those sizes decode and prefill steps can run in."""
-        sizes = tuple(sorted({int(s) for s in sizes or [] if int(s) > 0}))
-        decode = tuple(s for s in sizes if max_num_seqs is None or s <= max_num_seqs)
+        of those sizes decode and prefill steps can run in; `split`, where vLLM resolved
+        them apart, the (prefill token, decode request) sizes (SPLIT_SIZES)."""
+        sizes = positive_sizes(sizes)
+        prefill, decode = (positive_sizes(split[0]), positive_sizes(split[1])) if split is not None else (sizes, sizes)
+        decode = tuple(s for s in decode if max_num_seqs is None or s <= max_num_seqs)
         return cls(
             mode=mode,
             decode_mode=decode_mode,
             prefill_mode=prefill_mode,
             capture_sizes=sizes,
             decode_capture_sizes=decode if decode_mode != NONE else (),
-            prefill_capture_sizes=sizes if prefill_mode != NONE else (),
+            prefill_capture_sizes=prefill if prefill_mode != NONE else (),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )

@@ -12,6 +12,8 @@ import platform
 import sys
 
 from ..kv.layout import ATTENTION, group_layouts
+from ..record.shape import SPLIT_SIZES
+from .graphs import split_sizes
 
 
 def resolved_engine_args(scheduler) -> dict:
@@ -20,6 +22,7 @@ def resolved_engine_args(scheduler) -> dict:
     groups = scheduler.kv_cache_config.kv_cache_groups
     compilation = getattr(vllm_config, "compilation_config", None)
     cudagraph_mode = getattr(compilation, "cudagraph_mode", None)
+    split = split_sizes(compilation) or (None, None)  # None: one list for both kinds
     return {
         "block_sizes": {
             f"{i}:{type(g.kv_cache_spec).__name__}": g.kv_cache_spec.block_size for i, g in enumerate(groups)
@@ -34,6 +37,8 @@ def resolved_engine_args(scheduler) -> dict:
         "enforce_eager": bool(model.enforce_eager),
         "cudagraph_mode": None if cudagraph_mode is None else str(cudagraph_mode),
         "cudagraph_capture_sizes": sorted(getattr(compilation, "cudagraph_capture_sizes", None) or []),
+        # where vLLM resolves them apart (None elsewhere): prefill graphs by tokens, decode by requests
+        **{name: None if sizes is None else list(sizes) for name, sizes in zip(SPLIT_SIZES, split)},
         # the KV pool, in blocks and in the tokens its attention groups hold (the exports'
         # max_kv_tokens)
         "num_gpu_blocks": scheduler.kv_cache_config.num_blocks,

@@ -7,11 +7,17 @@ share. The grid (sweep.grid) is laid around these sizes, and every row records w
 
 from __future__ import annotations
 
-from ..record.shape import NONE, GraphConfig
+from ..record.shape import NONE, GraphConfig, split_of
 
 
 def _name(mode) -> str:
     return getattr(mode, "name", None) or (str(mode) if mode is not None else NONE)
+
+
+def split_sizes(compilation) -> tuple | None:
+    """(prefill token sizes, decode request sizes) where the compilation config resolves them
+    apart (record.shape.SPLIT_SIZES, probed), else None."""
+    return split_of(compilation, lambda config, name: getattr(config, name, None))
 
 
 def graph_config(vllm_config) -> GraphConfig:
@@ -30,4 +36,5 @@ def graph_config(vllm_config) -> GraphConfig:
         getattr(compilation, "cudagraph_capture_sizes", None),
         scheduler.max_num_seqs,
         scheduler.max_num_batched_tokens,
+        split_sizes(compilation),
     )
