@@ -5,8 +5,8 @@ random prompts longer than --max-num-batched-tokens, so prompts are chunked and 
 The trace holds every step the engine ran, held against the server's own Prometheus count
 of engine steps: vllm:iteration_tokens_total is observed once per message of request
 outputs the frontend receives from the engine core (AsyncLLM's output handler makes its
-IterationStats only for a message with outputs; the same on every release from 0.25.1 to
-0.34.0), and the engine core sends one such message per step that produced a request output.
+IterationStats only for a message with outputs; the same on every release in the table),
+and the engine core sends one such message per step that produced a request output.
 So the rule: the count equals the traced steps that sent an output (`outputs` > 0); the
 others are prefill steps whose every chunk was a partial prompt (no token sampled), which
 the test checks too. The tokens the steps sent add up to vllm:generation_tokens_total.
