@@ -14,6 +14,7 @@ Per release (S = its `short` name in releases.toml):
   image-S, image-standin-S   images/Dockerfile on the official base / a local stand-in
                      (`-- --flavour cpu` for the CPU image)
   bundle-S           an offline bundle for a host without a package index
+  kit-S, kit-check   the smallest kit for a known host (.kit/p1..pN), and its offline install
 Across releases: builds (every build-S, two at a time), lint (ruff over the tree), tooling
 (tests/tooling), lint-patches,
 upstream-status (newer upstream releases, or `-- --release X.Y.Z`: whether the newest series
@@ -312,6 +313,14 @@ def _release_sessions(release) -> None:
         _tooling(session)  # kvwarm-build requires pip>=24.1: pip plans for the target's platform
         _kvwarm_build(session, "bundle", "--release", short, *session.posargs)
 
+    @nox.session(name=f"kit-{short}", default=False)
+    def kit(session: nox.Session) -> None:
+        """.kit/p1..pN: the smallest kit for a known host (default bundle/kits/h200-first-light.toml;
+        `-- --kit FILE`): the patched cuda wheel and what the kit file carries, in parts for
+        device calls (docs/gpu-smoke.md). See `kvwarm-build kit --help`."""
+        _tooling(session)
+        _kvwarm_build(session, "kit", "--release", short, *_kit_file(session.posargs))
+
 
 for _release in RELEASES:
     _release_sessions(_release)
@@ -356,6 +365,22 @@ def upstream_status(session: nox.Session) -> None:
     --check`), and which table series' version of each patch fits (a port mixes them)."""
     _tooling(session)
     _kvwarm_build(session, "upstream-status", *session.posargs)
+
+
+KIT_FILE = ROOT / "bundle" / "kits" / "h200-first-light.toml"
+
+
+def _kit_file(posargs: list[str]) -> list[str]:
+    """posargs with the default kit file unless they name one."""
+    return list(posargs) if "--kit" in posargs else ["--kit", str(KIT_FILE), *posargs]
+
+
+@nox.session(name="kit-check", default=False)
+def kit_check(session: nox.Session) -> None:
+    """The kit in .kit installed offline into a fresh folder on a Python 3.12 venv holding only
+    the host's package set, its selfcheck, then the kit file's imports (`-- --kit FILE --dir DIR`)."""
+    _tooling(session)
+    _kvwarm_build(session, "kit-check", *_kit_file(session.posargs))
 
 
 @nox.session(name="gpu-smoke", default=False)
