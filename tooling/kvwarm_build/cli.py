@@ -11,6 +11,7 @@ from . import project
 from .builds.build import check_reproducible, ensure_built, output_name
 from .builds.maint import export_patches, lint_releases, materialise, write_series
 from .builds.series import read_series, series_folder
+from .bundles.kit_cli import add_commands as add_kit_commands
 from .bundles.resolve import Target
 from .errors import BuildError
 from .fetch import fetch
@@ -283,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
     bu.add_argument("--index-url", help="pip's index (default: pip's own configuration)")
     bu.add_argument("--find-links", action="append", default=[], help="a folder of wheels for pip, repeatable")
     bu.add_argument("--no-index", action="store_true", help="only --find-links folders")
+    add_kit_commands(sub, with_release, lambda args: _patched_wheel(args, _release(args)), _cache)
     us = sub.add_parser(
         "upstream-status",
         help="newer vLLM releases on the index: cpu wheel, torch pin, "

@@ -108,6 +108,26 @@ def _place(source: Path, dest: Path) -> None:
         shutil.copyfile(source, dest)
 
 
+def manifest_head(wheel: Path, root: Wheel, record: dict, target: Target, have: str | None) -> dict:
+    """A manifest's `root` and `target`: what was packed, for which host (bundles and kits)."""
+    return {
+        "root": {
+            "file": wheel.name,
+            "dist": str(root.name),
+            "version": str(root.version),
+            "series_digest": record["series_digest"],
+            "release": record["release"],
+            "flavour": record["flavour"],
+        },
+        "target": {
+            "python_version": target.python_version,
+            "platforms": list(target.platforms),
+            "implementation": target.implementation,
+            "have": have,
+        },
+    }
+
+
 def index_options(index_url: str | None, find_links: list[str], no_index: bool) -> list[str]:
     """pip's options for where the bundle's wheels come from: an index (default: pip's own
     configuration), folders of wheels, or those folders alone."""
@@ -154,20 +174,7 @@ def make_bundle(
         files = [_entry(path, w, split_mib) for path, w in _wheel_files(staging / WHEELS, plan).items()]
         manifest = {
             "schema": 1,
-            "root": {
-                "file": wheel.name,
-                "dist": root.name,
-                "version": str(root.version),
-                "series_digest": record["series_digest"],
-                "release": record["release"],
-                "flavour": record["flavour"],
-            },
-            "target": {
-                "python_version": target.python_version,
-                "platforms": list(target.platforms),
-                "implementation": target.implementation,
-                "have": have_file.name if have_file else None,
-            },
+            **manifest_head(wheel, root, record, target, have_file.name if have_file else None),
             "split_mib": split_mib,
             "left_out": dict(sorted(plan.left_out.items())),
             "replaced": dict(sorted(plan.replaced.items())),

@@ -156,9 +156,10 @@ def install_wheel(python: Path, wheel: Path, cache: Path, log=print) -> None:
         install(python, "--no-deps", "--reinstall", str(wheel), cache=unpacks / digest, log=log)
 
 
-def ensure_venv(venv: Path, fill, what: str, log=print) -> Path:
-    """`venv`'s site-packages, made on first use by fill(python) under venv_lock; the
-    marker is written last, so a half-made venv is removed and made again."""
+def ensure_venv(venv: Path, fill, what: str, log=print, python: str = sys.executable) -> Path:
+    """`venv`'s site-packages, made on first use (by `python`'s venv module) and filled by
+    fill(venv's python) under venv_lock; the marker is written last, so a half-made venv
+    is removed and made again."""
     marker = venv / _COMPLETE
     if not marker.exists():
         with venv_lock(venv, log=log):
@@ -167,7 +168,7 @@ def ensure_venv(venv: Path, fill, what: str, log=print) -> Path:
                     log(f"removing incomplete {venv}")
                     shutil.rmtree(venv)
                 log(f"creating {what} {venv} (once per cache; a minute or two)")
-                subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+                subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
                 fill(venv_python(venv))
                 marker.write_text(venv.name + "\n")
     return site_packages(venv_python(venv))
