@@ -56,12 +56,12 @@ def test_prefill_points_split_n_evenly_and_p_in_whole_blocks(tmp_path):
     [
         ("{not json", "is not valid JSON"),
         ([], "expected a JSON object"),
-        ({"schema_version": 2, "decode": []}, "schema_version is 2"),
+        ({"schema_version": 3, "decode": []}, "schema_version is 3"),
         (
             {"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]},
             r"prefill\[0\]: batch_size must be a positive integer",
         ),
-        ({"schema_version": 1, "decode": []}, "both empty"),
+        ({"schema_version": 1, "decode": []}, "all empty"),
         ({"schema_version": True, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}, "is True; this sweep"),
         ({"schema_version": 1.0, "decode": [{"total_kv_read_tokens": 8, "batch_size": 1}]}, "is 1.0; this sweep"),
         (

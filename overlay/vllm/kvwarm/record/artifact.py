@@ -46,6 +46,9 @@ class PointRow:
     sample_kind: str | None = None
     # prefill: each request's prefix and new tokens as the shots ran them (None: decode)
     split: dict[str, list[int]] | None = None
+    # mixed: the step's decode part {batch_size, total_kv_read_tokens} and prefill part
+    # {batch_size, total_prefill_tokens, total_kv_read_tokens}; the totals above are the step's
+    parts: dict[str, dict[str, int]] | None = None
 
     def __post_init__(self):
         if self.sample_kind is None:
@@ -58,6 +61,7 @@ class PointRow:
             "total_kv_read_tokens": self.total_kv_read_tokens,
             "batch_size": self.batch_size,
             "total_prefill_tokens": self.total_prefill_tokens,
+            **(self.parts or {}),
         }
 
     @property
@@ -203,10 +207,13 @@ def results_csv(results: list[dict]) -> bytes:
             "expected_capture_size",
             "padding_tokens",
             "sample_reasons",
+            "decode_batch_size",  # mixed rows: the decode part (the prefill part is the rest)
+            "decode_kv_read_tokens",
         ]
     )
     for row in results:
-        kind, k, b, n = point_key(row["point"])
+        kind, k, b, n = point_key(row["point"])[:4]
+        decode = row["point"].get("decode") or {}
         phases, graph = row.get("phases") or {}, row.get("graph") or {}
         writer.writerow(
             [
@@ -225,6 +232,8 @@ def results_csv(results: list[dict]) -> bytes:
                 graph.get("expected_capture_size", ""),
                 graph.get("padding_tokens", ""),
                 " ".join(row["sample_reasons"]),
+                decode.get("batch_size", ""),
+                decode.get("total_kv_read_tokens", ""),
             ]
         )
     return text.getvalue().encode()

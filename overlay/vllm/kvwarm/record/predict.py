@@ -33,7 +33,7 @@ from .runs import Row
 STEP, FORWARD = "step", "forward"
 BASES = (STEP, FORWARD)
 MEASURED, COMPOSED = "measured", "composed"  # how a prediction was made
-MIXED = "mixed"  # the point_type of a mixed row (a later schema adds it; read here ahead of it)
+MIXED = v.MIXED  # the point_type of a mixed row
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class MixedRow:
     prefill_b: int
     prefill_n: int
     prefill_p: int
-    median_ms: float
+    median_ms: float | None  # the step basis (None: its phases were not all recorded)
     phases_ms: dict[str, float]
 
 
@@ -161,14 +161,23 @@ def row_value(row: Row, basis: str) -> float | None:
 def read_mixed_rows(artifact: dict) -> list[MixedRow]:
     """The artifact's measured mixed rows: point {"point_type": "mixed", "decode":
     {batch_size, total_kv_read_tokens}, "prefill": {batch_size, total_prefill_tokens,
-    total_kv_read_tokens}}, median_seconds and phases as other rows have them."""
+    total_kv_read_tokens}} (and the step's totals, as other rows have them), median_seconds and
+    phases. A row whose samples time its shot's forward (sample_kind shot_forward, as the
+    sweep's mixed rows do) is read as a prefill row is: its step is its phases summed (None
+    where one lacks), its forward its median."""
     rows = []
     for r in artifact.get("results") or []:
         point = r.get("point") or {}
         if point.get("point_type") != MIXED:
             continue
         d, p = point.get("decode") or {}, point.get("prefill") or {}
-        phases = r.get("phases") or {}
+        phases = {name: t * 1e3 for name, t in (r.get("phases") or {}).items() if isinstance(t, (int, float))}
+        median_ms = r["median_seconds"] * 1e3
+        if r.get("sample_kind") == v.SHOT_FORWARD:
+            median_ms, phases = (
+                sum(phases[name] for name in v.PHASES) if all(name in phases for name in v.PHASES) else None,
+                {**phases, "forward": median_ms},
+            )
         rows.append(
             MixedRow(
                 d["batch_size"],
@@ -176,8 +185,8 @@ def read_mixed_rows(artifact: dict) -> list[MixedRow]:
                 p["batch_size"],
                 p["total_prefill_tokens"],
                 p["total_kv_read_tokens"],
-                r["median_seconds"] * 1e3,
-                {name: t * 1e3 for name, t in phases.items() if isinstance(t, (int, float))},
+                median_ms,
+                phases,
             )
         )
     return rows

@@ -21,9 +21,20 @@ def _object(required: dict, optional: dict | None = None) -> dict:
     return {"type": "object", "required": list(required), "properties": {**required, **(optional or {})}}
 
 
+PART = {"type": "object", "properties": {"total_kv_read_tokens": COUNT, "batch_size": POSITIVE}}
 POINT = _object(
     {"total_kv_read_tokens": COUNT, "batch_size": POSITIVE},
-    {"point_type": {"enum": list(v.POINT_TYPES)}, "total_prefill_tokens": COUNT},
+    {
+        "point_type": {"enum": list(v.ROW_POINT_TYPES)},
+        "total_prefill_tokens": COUNT,
+        # a mixed point's parts (its totals are the step's)
+        "decode": {**PART, "required": ["total_kv_read_tokens", "batch_size"]},
+        "prefill": {
+            **PART,
+            "required": ["total_prefill_tokens", "total_kv_read_tokens", "batch_size"],
+            "properties": {**PART["properties"], "total_prefill_tokens": POSITIVE},
+        },
+    },
 )
 NULLABLE_SECONDS = {"type": ["number", "null"], "minimum": 0}
 PHASES = {

@@ -30,13 +30,16 @@ SPLIT_SIZES = ("prefill_cudagraph_capture_token_sizes", "decode_cudagraph_captur
 
 
 def point_key(point: dict) -> tuple:
-    """A point's identity across ranks and runs (rows of schema 1 and 2 are decode points)."""
-    return (
+    """A point's identity across ranks and runs (rows of schema 1 and 2 are decode points):
+    (kind, K, B, N), and for a mixed point its decode part's (B, K) after them."""
+    key = (
         point.get("point_type", v.DECODE),
         point["total_kv_read_tokens"],
         point["batch_size"],
         point.get("total_prefill_tokens", 0),
     )
+    decode = point.get("decode")
+    return key + (decode["batch_size"], decode["total_kv_read_tokens"]) if decode else key
 
 
 def balanced(total: int, parts: int) -> list[int]:
@@ -141,8 +144,10 @@ def expected_graph(config: GraphConfig, tokens: int, requests: int) -> dict:
 
 def step_tokens(point: dict) -> tuple[int, int]:
     """(tokens, requests) of one step of a point: decode, one token per request; prefill, N
-    new tokens over B requests."""
+    new tokens over B requests; mixed, one token per decode request and the prefill part's N."""
     batch = point["batch_size"]
+    if point.get("point_type") == v.MIXED:
+        return point["decode"]["batch_size"] + point["total_prefill_tokens"], batch
     return (
         (point.get("total_prefill_tokens") or batch, batch) if point.get("point_type") == v.PREFILL else (batch, batch)
     )

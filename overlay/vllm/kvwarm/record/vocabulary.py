@@ -20,7 +20,10 @@ STATUSES = (RUNNING, COMPLETE, FAILED)
 
 # --- a point's kind (point.point_type) --------------------------------------------------------
 DECODE, PREFILL = "decode", "prefill"
-POINT_TYPES = (DECODE, PREFILL)
+POINT_TYPES = (DECODE, PREFILL)  # the plain kinds, which the tables, reports and exports read
+# a step of decodes and a prefill part at once; its point also holds its parts (record.artifact)
+MIXED = "mixed"
+ROW_POINT_TYPES = (*POINT_TYPES, MIXED)
 
 # --- the phases of a timed step (a row's `phases`: the median of each over its timed steps) ---
 # schedule: vLLM's own schedule(); forward: from its end to update_from_output (the executor:
@@ -37,7 +40,7 @@ LOOPS = (LOOP_SYNC, LOOP_BATCH_QUEUE)
 STEP = "step"  # a whole step window, from one update's end to the next (decode)
 SHOT_FORWARD = "shot_forward"  # a prefill shot's forward: from the end of its schedule() to its output
 SAMPLE_KINDS = (STEP, SHOT_FORWARD)
-SAMPLE_KIND_OF = {DECODE: STEP, PREFILL: SHOT_FORWARD}
+SAMPLE_KIND_OF = {DECODE: STEP, PREFILL: SHOT_FORWARD, MIXED: SHOT_FORWARD}  # mixed: timed as its prefill shot
 
 # --- kv_seed_regime: what the KV a row's steps read was ------------------------------------
 REAL_KV = "real_kv"  # borrowed from chains of real text

@@ -34,6 +34,7 @@ from pathlib import Path
 from ..record import vocabulary as v
 from ..record.combined import rank_path
 from .grid_settings import check_grid
+from .points import check_budget
 from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
 from .settings import SettingsError
 from .trace_grid import caps_of, check_given
@@ -138,7 +139,9 @@ def run(argv: list[str]) -> int:
         os.environ,
     )
     try:
-        read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it
+        inputs = read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it
+        if spec.get("points"):  # a given budget refuses mixed points before the engine loads
+            check_budget(inputs.points, engine_args_from(engine_argv, spec).max_num_batched_tokens, spec["points"])
         if args.grid_from:  # a trace of another model or layout: refused before the engine loads
             check_given(spec["grid_from"], engine_args_from(engine_argv, spec))
         elif args.grid is not None:

@@ -60,11 +60,12 @@ from .plan import (
     SweepSetup,
     injected_contexts,
     plan_digest,
+    plan_mixed_rung,
     plan_prefill_rung,
     plan_rungs,
     trim_rung,
 )
-from .points import DecodePoint, PrefillPoint
+from .points import DecodePoint, MixedPoint, PrefillPoint
 from .prefill import TailText, prefixes_missing
 from .prefill_points import PrefillPoints
 from .prefill_runner import PrefillRunner
@@ -84,7 +85,7 @@ END_WAIT_SECONDS = 60.0
 class Sweep(PrefillPoints):
     def __init__(
         self,
-        points: list[DecodePoint | PrefillPoint],
+        points: list[DecodePoint | PrefillPoint | MixedPoint],
         chain_tokens: Callable[[int, int], list[int]] | None,
         config: SweepConfig,
         *,
@@ -120,7 +121,7 @@ class Sweep(PrefillPoints):
         self._queue: list[PointPlan] = []
         self._point: DecodeSteps | None = None  # the decode point being measured
         self._catchups: CatchUps | None = None
-        self._prefill: PrefillRunner | None = None  # the prefill point being measured
+        self._prefill: PrefillRunner | None = None  # the prefill (or mixed: MixedRunner) point being measured
         self._restaging: PointPlan | None = None  # a prefill point waiting for its chains again
         self._graphs = graphs
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
@@ -249,6 +250,8 @@ class Sweep(PrefillPoints):
         kvm = scheduler.kv_cache_manager
         if rung.prefill:
             plan_prefill_rung(rung, prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
+        elif rung.mixed:
+            plan_mixed_rung(rung, prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size), self.config)
         elif rung.depth:
             trim_rung(rung, group_layouts(kvm), self.config, min(r["usable_blocks"] for r in records))
         digest = self.plan_digest(rung)
@@ -348,7 +351,7 @@ class Sweep(PrefillPoints):
         if any(r["restage"] for r in records):
             self._restage(scheduler, plan, [r["rank"] for r in records if r["restage"]])
             return
-        if plan.prefill:
+        if plan.prefill or plan.mixed:
             self._start_prefill(scheduler, plan)
             return
         point, config = plan.point, self.config

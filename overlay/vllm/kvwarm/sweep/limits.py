@@ -11,16 +11,20 @@ the point, the limit and the fix.
   boundaries), each request fits max_model_len, and its shot fits the KV pool beside its
   rung's chains (as deep as the rung's deepest prefix, whatever the file's order).
 - A prefill point with a prefix (P > 0) needs the prefix cache: without it nothing is found.
+- A mixed point is one step: its decode requests' tokens and its prefill part's N fit
+  max_num_batched_tokens, and its prefill part passes the prefill checks (so that the engine
+  runs it unchunked beside the decodes). This slice measures mixed points at one data-parallel
+  rank on attention-only layouts; elsewhere they are refused.
 """
 
 from __future__ import annotations
 
 from ..kv.arithmetic import chain_blocks
-from ..kv.layout import group_layouts
+from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import new_request_blocks, prefix_unit
 from ..record import vocabulary as v
 from .plan import CHAIN_DEPTH_MARGIN
-from .points import PointsFileError, PrefillPoint
+from .points import MixedPoint, PointsFileError, PrefillPoint, check_budget
 
 
 class SweepRefused(ValueError):
@@ -63,7 +67,11 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str, free:
     max_model_len = vllm_config.model_config.max_model_len
     if free is None:
         free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
-    prefill = [p for p in points if isinstance(p, PrefillPoint)]
+    _check_mixed(points, vllm_config, layouts, source)
+    # a mixed point's prefill part runs beside its own chains, checked as a prefill point of its own rung
+    prefill = [p for p in points if isinstance(p, PrefillPoint)] + [
+        p.prefill for p in points if isinstance(p, MixedPoint)
+    ]
     prefixed = [p for p in prefill if p.total_kv_read_tokens]
     if prefixed and not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         raise PointsFileError(
@@ -112,6 +120,24 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str, free:
                 f"the rung's deepest prefix) and one shot need {need} KV blocks, the pool has {free} free; lower N "
                 "or P (of this point or of its rung's deepest) or give the engine more KV cache memory"
             )
+
+
+def _check_mixed(points: list, vllm_config, layouts, source: str) -> None:
+    mixed = [p for p in points if isinstance(p, MixedPoint)]
+    if not mixed:
+        return
+    check_budget(mixed, vllm_config.scheduler_config.max_num_batched_tokens, source)
+    dp = getattr(vllm_config.parallel_config, "data_parallel_size", 1)
+    if dp > 1:
+        raise PointsFileError(
+            f"{source}: mixed point {mixed[0].name()}: mixed points are measured at one data-parallel rank only so "
+            f"far, the engine runs {dp}; sweep them with --data-parallel-size 1 or drop them"
+        )
+    if any(g.kind != ATTENTION for g in layouts):
+        raise PointsFileError(
+            f"{source}: mixed point {mixed[0].name()}: mixed points are measured on attention-only models so far, "
+            "this model keeps recurrent state; drop the mixed points to sweep it"
+        )
 
 
 def _name(point: PrefillPoint) -> str:

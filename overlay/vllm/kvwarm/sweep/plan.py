@@ -24,7 +24,7 @@ from ..kv.arithmetic import trim_depth
 from ..kv.catchup import planned_catchup_blocks
 from ..kv.layout import GroupLayout
 from ..record.vocabulary import COPY, EXACT, FAKE_FALLBACK
-from .points import DecodePoint, PrefillPoint
+from .points import DecodePoint, MixedPoint, PrefillPoint, mixed_decode_steps
 
 # A parked chain has sampled a token or two (async scheduling) after its prompt; at
 # max_model_len vLLM would finish it, freeing the blocks its shadows borrow.
@@ -78,6 +78,10 @@ class PointPlan:
     def prefill(self) -> bool:
         return isinstance(self.point, PrefillPoint)
 
+    @property
+    def mixed(self) -> bool:
+        return isinstance(self.point, MixedPoint)
+
 
 @dataclass
 class Rung:
@@ -88,6 +92,7 @@ class Rung:
     chains: list = field(default_factory=list)
     started: float = 0.0
     prefill: bool = False  # a rung of prefill points (its chains hold their prefixes)
+    mixed: bool = False  # a rung of mixed points (its chains lend to both parts)
 
     def plans(self) -> list[PointPlan]:
         """The rung's points in the order they run: on real KV (a real prefix), then fake."""
@@ -103,8 +108,9 @@ def injected_contexts(point: DecodePoint) -> list[int]:
 def plan_rungs(
     points: list[DecodePoint | PrefillPoint], decode_steps: int, max_model_len: int, real: bool = True
 ) -> list[Rung]:
-    """The prefill rungs, then the decode rungs: one rung per batch size, largest first, its
-    points deepest first; `decode_steps`: SweepConfig.decode_steps."""
+    """The prefill rungs, then the decode rungs, then the mixed ones: one rung per batch size
+    (a mixed rung's: its chains, the larger part's batch), largest first, its points deepest
+    first; `decode_steps`: SweepConfig.decode_steps."""
     prefill = [p for p in points if isinstance(p, PrefillPoint)]
     decode = [p for p in points if isinstance(p, DecodePoint)]
     rungs = []
@@ -121,7 +127,16 @@ def plan_rungs(
         # admitted one token short: the chain holds that much, the admission token and the steps
         depth = max(max(injected_contexts(p)) for p in rung_points) + 1 + decode_steps
         rungs.append(Rung(batch, min(depth, max_model_len - CHAIN_DEPTH_MARGIN), rung_points))
+    mixed = [p for p in points if isinstance(p, MixedPoint)]
+    for batch, rung_points in _by_batch(mixed, key=mixed_chains):
+        rung_points.sort(key=lambda p: (p.decode.total_kv_read_tokens, p.prefill.total_kv_read_tokens), reverse=True)
+        rungs.append(Rung(batch, 0, rung_points, mixed=True) if real else Rung(batch, 0, [], rung_points, mixed=True))
     return rungs
+
+
+def mixed_chains(point: MixedPoint) -> int:
+    """The chains a mixed point borrows: chain i lends to decode request i and prefix i."""
+    return max(point.decode.batch_size, point.prefill.batch_size)
 
 
 def trim_rung(rung: Rung, layouts: list[GroupLayout], config: SweepConfig, usable: int) -> None:
@@ -159,13 +174,24 @@ def plan_digest(points: list[DecodePoint | PrefillPoint], config: SweepConfig, r
     return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
 
 
-def _by_batch(points: list) -> list[tuple[int, list]]:
+def _by_batch(points: list, key=lambda p: p.batch_size) -> list[tuple[int, list]]:
     by_batch: dict[int, list] = {}
     for point in points:
-        by_batch.setdefault(point.batch_size, []).append(point)
+        by_batch.setdefault(key(point), []).append(point)
     return sorted(by_batch.items(), reverse=True)
 
 
 def plan_prefill_rung(rung: Rung, unit: int) -> None:
     """A prefill rung's chains are as deep as its deepest prefix (none without a prefix)."""
     rung.depth = max((max(p.prefixes(unit)) for p in rung.points), default=0)
+
+
+def plan_mixed_rung(rung: Rung, unit: int, config: SweepConfig) -> None:
+    """A mixed rung's chains cover its deepest decode part (contexts, the admission token and
+    the steps it runs) and its deepest prefix."""
+    steps = mixed_decode_steps(config.decode_steps)
+    depth = max(
+        (max(max(injected_contexts(p.decode)) + 1 + steps, max(p.prefill.prefixes(unit))) for p in rung.points),
+        default=0,
+    )
+    rung.depth = min(depth, config.max_model_len - CHAIN_DEPTH_MARGIN) if depth else 0

@@ -1,15 +1,20 @@
-"""The points a sweep measures, from the established points file (schema v1, per DP rank):
+"""The points a sweep measures, from the points file (per DP rank):
 
-    {"schema_version": 1,
+    {"schema_version": 2,
      "decode":  [{"total_kv_read_tokens": K, "batch_size": B}, ...],
-     "prefill": [{"total_prefill_tokens": N, "total_kv_read_tokens": P, "batch_size": B}, ...]}
+     "prefill": [{"total_prefill_tokens": N, "total_kv_read_tokens": P, "batch_size": B}, ...],
+     "mixed":   [{"decode": {decode point}, "prefill": {prefill point}}, ...]}
+
+Schema v1 (Dynamo's shape) is the same without `mixed`, and still read.
 
 A decode point is B requests whose contexts partition K (as equal as possible), decoding one
 token each per step. A prefill point is one step of B brand-new requests: request i computes
 new_i tokens (a balanced split of N, each at least 1) on top of a prefix-cache hit of kv_i
 tokens (a balanced split of P in whole prefix blocks, at least one each when P > 0; the block
 is the engine's, so that split is made once the engine is known: PrefillPoint.prefixes).
-Either list may be empty or missing, not both. Every problem is a PointsFileError that names
+A mixed point is one step holding both: a decode part's B_d requests (one token each, at their
+contexts) and a prefill part's B_p new requests, B_d + N_p tokens in all.
+The lists may be empty or missing, not all. Every problem is a PointsFileError that names
 the file, the entry and the fix.
 """
 
@@ -21,8 +26,10 @@ from pathlib import Path
 
 from ..record.shape import balanced
 
-SCHEMA_VERSION = 1
-TOP_LEVEL_KEYS = ("decode", "prefill", "schema_version")
+SCHEMA_VERSION = 2  # v2 adds `mixed`
+READS = (1, 2)  # v1: Dynamo's shape (decode and prefill)
+TOP_LEVEL_KEYS = ("decode", "mixed", "prefill", "schema_version")
+MIXED_KEYS = ("decode", "prefill")
 DECODE_KEYS = ("batch_size", "total_kv_read_tokens")
 PREFILL_KEYS = ("batch_size", "total_kv_read_tokens", "total_prefill_tokens")
 
@@ -80,6 +87,43 @@ class PrefillPoint:
         token it samples (the first request: both splits put their larger parts first)."""
         prefix = largest_part(self._prefix_blocks(unit), self.batch_size) * unit if self.total_kv_read_tokens else 0
         return prefix + largest_part(self.total_prefill_tokens, self.batch_size) + 1
+
+
+@dataclass(frozen=True)
+class MixedPoint:
+    """One step of a decode part's requests (one token each) and a prefill part's new ones."""
+
+    decode: DecodePoint
+    prefill: PrefillPoint
+
+    @property
+    def batch_size(self) -> int:
+        """The step's requests (what max_num_seqs must hold)."""
+        return self.decode.batch_size + self.prefill.batch_size
+
+    @property
+    def step_tokens(self) -> int:
+        """The tokens the step computes: one per decode request and the prefill part's N."""
+        return self.decode.batch_size + self.prefill.total_prefill_tokens
+
+    def name(self) -> str:
+        d, p = self.decode, self.prefill
+        return (
+            f"decode B={d.batch_size} K={d.total_kv_read_tokens} + prefill B={p.batch_size} "
+            f"N={p.total_prefill_tokens} P={p.total_kv_read_tokens}"
+        )
+
+
+def mixed_decode_steps(steady_steps: int) -> int:
+    """The steps a mixed point's decode requests run after their admission: one per shot
+    (the warm one and `steady_steps` measured), each possibly followed by a step without a
+    shot (under vLLM's batch queue a shot's requests leave one step late), and one more."""
+    return 2 * (steady_steps + 1) + 1
+
+
+def takes_tails(points: list) -> bool:
+    """Whether any point computes new prompt tokens (a prefill point, a mixed one's part)."""
+    return any(isinstance(p, (PrefillPoint, MixedPoint)) for p in points)
 
 
 def largest_part(total: int, parts: int) -> int:
@@ -150,28 +194,51 @@ def _prefill_point(entry, where: str, max_model_len: int) -> PrefillPoint:
     return point
 
 
-def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> list[DecodePoint | PrefillPoint]:
-    """The points of a parsed points file, prefill points first; `steady_steps` is the steady
-    steps each decode request decodes after its context, which must still fit in max_model_len."""
-    if not isinstance(data, dict):
-        raise PointsFileError(f"{source}: expected a JSON object with schema_version and decode and/or prefill")
-    version = data.get("schema_version")
-    if type(version) is not int or version != SCHEMA_VERSION:  # true and 1.0 equal 1, and are not it
+def _mixed_point(entry, where: str, max_model_len: int, steady_steps: int) -> MixedPoint:
+    if not isinstance(entry, dict) or set(entry) != set(MIXED_KEYS):
+        _known_keys(entry if isinstance(entry, dict) else {}, MIXED_KEYS, where)
         raise PointsFileError(
-            f"{source}: schema_version is {version!r}; this sweep reads schema_version {SCHEMA_VERSION} (the integer)"
+            f"{where}: expected an object with a 'decode' part (total_kv_read_tokens, batch_size) and a "
+            "'prefill' part (total_prefill_tokens, total_kv_read_tokens, batch_size)"
         )
-    _known_keys(data, TOP_LEVEL_KEYS, source)
-    lists = {kind: data.get(kind, []) for kind in ("prefill", "decode")}
+    steps = mixed_decode_steps(steady_steps)
+    return MixedPoint(
+        _decode_point(entry["decode"], f"{where}.decode", max_model_len, steps),
+        _prefill_point(entry["prefill"], f"{where}.prefill", max_model_len),
+    )
+
+
+def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> list:
+    """The points of a parsed points file, prefill points first, then decode, then mixed;
+    `steady_steps` is the steady steps each decode request decodes after its context, which
+    must still fit in max_model_len."""
+    if not isinstance(data, dict):
+        raise PointsFileError(f"{source}: expected a JSON object with schema_version and decode, prefill or mixed")
+    version = data.get("schema_version")
+    if type(version) is not int or version not in READS:  # true and 1.0 equal 1, and are not it
+        raise PointsFileError(
+            f"{source}: schema_version is {version!r}; this sweep reads schema_version "
+            f"{' or '.join(map(str, READS))} (the integer; {SCHEMA_VERSION} for mixed points)"
+        )
+    if version == 1 and "mixed" in data:
+        raise PointsFileError(
+            f"{source}: 'mixed' points need schema_version {SCHEMA_VERSION}; set it to {SCHEMA_VERSION}"
+        )
+    _known_keys(data, TOP_LEVEL_KEYS if version > 1 else tuple(k for k in TOP_LEVEL_KEYS if k != "mixed"), source)
+    lists = {kind: data.get(kind, []) for kind in ("prefill", "decode", "mixed")}
     for kind, entries in lists.items():
         if not isinstance(entries, list):
             raise PointsFileError(f"{source}: '{kind}' must be a list of points")
     if not any(lists.values()):
-        raise PointsFileError(f"{source}: 'decode' and 'prefill' are both empty: give at least one point")
+        raise PointsFileError(f"{source}: 'decode', 'prefill' and 'mixed' are all empty: give at least one point")
     prefill = [_prefill_point(e, f"{source}: prefill[{i}]", max_model_len) for i, e in enumerate(lists["prefill"])]
     decode = [
         _decode_point(e, f"{source}: decode[{i}]", max_model_len, steady_steps) for i, e in enumerate(lists["decode"])
     ]
-    for kind, points in (("prefill", prefill), ("decode", decode)):
+    mixed = [
+        _mixed_point(e, f"{source}: mixed[{i}]", max_model_len, steady_steps) for i, e in enumerate(lists["mixed"])
+    ]
+    for kind, points in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
         first: dict = {}
         for i, point in enumerate(points):
             if point in first:
@@ -180,10 +247,23 @@ def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> li
                     "keyed by their point, so a repeat would be lost)"
                 )
             first[point] = i
-    return [*prefill, *decode]
+    return [*prefill, *decode, *mixed]
 
 
-def load_points(path: str | Path, max_model_len: int, steady_steps: int) -> list[DecodePoint | PrefillPoint]:
+def check_budget(points: list, budget: int | None, source: str) -> None:
+    """Each mixed point's step fits the engine's token budget (max_num_batched_tokens), or
+    the engine would chunk its prefill part: refused, naming the point and the fix."""
+    for point in points:
+        if budget is not None and isinstance(point, MixedPoint) and point.step_tokens > budget:
+            raise PointsFileError(
+                f"{source}: mixed point {point.name()}: its step computes {point.decode.batch_size} decode + "
+                f"{point.prefill.total_prefill_tokens} prefill = {point.step_tokens} tokens, beyond "
+                f"max_num_batched_tokens {budget}, so the engine would chunk the prefill part; lower N or the "
+                f"decode batch, or start the engine with --max-num-batched-tokens {point.step_tokens} or more"
+            )
+
+
+def load_points(path: str | Path, max_model_len: int, steady_steps: int) -> list:
     path = Path(path)
     try:
         text = path.read_text()

@@ -1,9 +1,10 @@
-"""The prefill points of a sweep's controller (sweep.controller.Sweep takes these methods):
+"""The prefill (and mixed) points of a sweep's controller (sweep.controller.Sweep takes these methods):
 a point's runner started once the ranks met (sweep.prefill_runner), its shots queued one per
 step, and a restage every rank takes part in (decided at the point's meeting)."""
 
 from __future__ import annotations
 
+from .mixed_runner import MixedRunner
 from .phase import Phase
 from .plan import PointPlan
 from .prefill_runner import Next, PrefillRunner
@@ -11,12 +12,16 @@ from .prefill_runner import Next, PrefillRunner
 
 class PrefillPoints:
     def _start_prefill(self, scheduler, plan: PointPlan) -> None:
-        """The point's prefixes, then its warm shot; the measured shots follow one per step."""
+        """The point's prefixes, then its warm shot; the measured shots follow one per step
+        (a mixed point's beside its decode part's shadows, once they are admitted)."""
         ids = (len(self.rows), self._number)
-        trailing = 1 if self._meetings.exchange.size > 1 else 0  # ranks a step apart (sweep.prefill_runner)
-        self._prefill = PrefillRunner(
-            scheduler, plan, self._rung.chains, self._tails, self.config.steady_steps, ids, trailing
-        )
+        if plan.mixed:  # at one rank (sweep.limits): no trailing shots
+            self._prefill = MixedRunner(scheduler, plan, self._rung.chains, self._tails, self.config, ids)
+        else:
+            trailing = 1 if self._meetings.exchange.size > 1 else 0  # ranks a step apart (sweep.prefill_runner)
+            self._prefill = PrefillRunner(
+                scheduler, plan, self._rung.chains, self._tails, self.config.steady_steps, ids, trailing
+            )
         self._gc.hold()
         self.phase = Phase.MEASURING
         self._next_shot(scheduler)

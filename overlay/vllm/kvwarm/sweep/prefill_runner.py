@@ -77,7 +77,10 @@ class PrefillRunner:
             seed_fake_prefixes(scheduler, self.shots, f"{ids[0]}_s{ids[1]}")
 
     def current_ids(self) -> set[str]:
-        """The ids of the current shot's requests (empty before the first)."""
+        """The ids of the requests the step may run: the current shot's (none before the first)."""
+        return self._shot_ids()
+
+    def _shot_ids(self) -> set[str]:
         shot = self.shots.current
         return {r.request_id for r in shot.requests} if shot else set()
 
@@ -112,11 +115,11 @@ class PrefillRunner:
         the shot, whichever loop runs; sweep.timing)."""
         shots = self.shots
         shot = shots.current
-        ids = self.current_ids()
+        ids = self._shot_ids()
         if shot is None or shot.done or not any(r.req_id in ids for r in output.scheduled_new_reqs):
             return
         shot.done = True
-        problem = verify_step(shots, shot, output)
+        problem = self._verify(shot, output)
         span = window.span if window is not None else None
         if problem is None and shot.timed and span is None:
             raise RuntimeError(
@@ -128,6 +131,10 @@ class PrefillRunner:
         elif shot.timed:
             shots.times.append(span.phases["forward"])
             shots.windows.append(span)
+
+    def _verify(self, shot: Shot, output) -> tuple[str, str] | None:
+        """The shot's step held exactly the point's shape (else the reason and detail)."""
+        return verify_step(self.shots, shot, output)
 
     def release(self, scheduler) -> None:
         """Give back the point's fake prefixes (at its end, or when it starts over)."""

@@ -43,7 +43,7 @@ from .grid_settings import GridLaying, grid_settings, wants_grid
 from .limits import SweepRefused, check_engine, check_points
 from .loop import loop_record, trailing_steps
 from .plan import SweepConfig, SweepSetup
-from .points import DecodePoint, PointsFileError, PrefillPoint, load_points
+from .points import DecodePoint, MixedPoint, PointsFileError, PrefillPoint, load_points, mixed_decode_steps, takes_tails
 from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
 from .trace_grid import check_engine as check_trace_engine
@@ -95,7 +95,7 @@ def read_inputs(
             "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
         )
     conversations, held_out, digest = load_halves(settings.dataset)
-    if not held_out and (points_path is None or any(isinstance(p, PrefillPoint) for p in points)):
+    if not held_out and (points_path is None or takes_tails(points)):
         raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
     dataset = {
         "path": str(settings.dataset),
@@ -108,7 +108,11 @@ def read_inputs(
 
 def chain_depth_needed(point, decode_steps: int, kv_cache_manager) -> int:
     """Tokens of chain text a point needs: a decode point's longest request (over its
-    `decode_steps`, SweepConfig.decode_steps), a prefill point's deepest prefix."""
+    `decode_steps`, SweepConfig.decode_steps), a prefill point's deepest prefix, a mixed
+    point's deeper of its parts' (its decode part runs a step per shot and more)."""
+    if isinstance(point, MixedPoint):
+        steps = mixed_decode_steps(decode_steps)
+        return max(point.decode.tokens_spanned(steps), chain_depth_needed(point.prefill, steps, kv_cache_manager))
     if isinstance(point, PrefillPoint):
         return max(
             point.prefixes(prefix_unit(group_layouts(kv_cache_manager), kv_cache_manager.block_pool.hash_block_size))
@@ -253,7 +257,7 @@ class SweepRun:
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
             chain_text = ChainText(inputs.conversations, encode)
             tails = tail_tokens(inputs.held_out or [], encode)
-            if tails is None and any(isinstance(p, PrefillPoint) for p in points):
+            if tails is None and takes_tails(points):
                 raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
         meta.state_mode = decision.mode if reason is None else None
         meta.warm_eligible, meta.skip_reason = reason is None, reason

@@ -1,0 +1,126 @@
+"""One mixed point being measured inside a sweep (sweep.controller drives it): one step that
+holds exactly the decode part's requests (shadows one token each at their contexts, on real
+KV as decode points' are, or fake KV) and the prefill part's new requests (their new tokens on
+a real prefix, as prefill points' shots are; sweep.prefill).
+
+The decode part's shadows are queued first and admitted alone (their admission step is
+scaffolding, untimed). From the next step on they decode one token a step, and each step a
+shot of the prefill part can join them: the first shot warms up, untimed, then the measured
+shots, each with fresh tails. A shot joins once the last one's requests are gone; under
+vLLM's batch queue, where they leave a step late, the step scheduled while a shot's is in
+flight runs nothing (current_ids), so every other step is empty. The shadows run enough
+steps (points.mixed_decode_steps) and are aborted when the point ends.
+
+A shot's step is checked to hold exactly the shadows, one token each, and the shot's B_p
+requests, N new tokens and a hit of P (else the point is skipped with the measured_*
+reason); its time is its span's forward, as a prefill shot's (sweep.timing), every sample
+kept, the upper median the row's. The shadows advance a token a step, as a decode point's
+do: the decode part's K is the one of the first step after the admission.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ..kv.injector import Admission
+from ..record import vocabulary as v
+from ..record.artifact import PointRow
+from .plan import PointPlan, SweepConfig, injected_contexts
+from .points import mixed_decode_steps
+from .prefill import Shot, TailText, verify_step
+from .prefill_runner import Next, PrefillRunner
+
+
+class MixedRunner(PrefillRunner):
+    def __init__(self, scheduler, plan: PointPlan, chains: list, tails: TailText, config: SweepConfig, ids: tuple):
+        """`chains`: the rung's (chain i lends to decode request i and to prefix i; none on
+        fake KV); `ids`: (the point's index, the sweep's number)."""
+        point = plan.point
+        super().__init__(scheduler, PointPlan(point.prefill, plan.real), chains, tails, config.steady_steps, ids)
+        self.mixed_plan, self._config = plan, config
+        contexts = injected_contexts(point.decode)
+        steps = mixed_decode_steps(config.decode_steps)
+        if plan.real:
+            admission = Admission(
+                chains[: point.decode.batch_size], contexts, steps, fork=config.fork, state_mode=config.state_mode
+            )
+        else:
+            vocab = scheduler.vllm_config.model_config.get_vocab_size()
+            admission = Admission(None, contexts, steps, vocab_size=vocab)
+        self.admission = scheduler.kvwarm_injector.queue(admission)
+
+    def _shadow_ids(self) -> set[str]:
+        return {r.request_id for r in self.admission.shadows}
+
+    def current_ids(self) -> set[str]:
+        """The shadows and the current shot's requests: all the step may run. Under vLLM's
+        batch queue the step after a shot's is scheduled before the shot's output is in: it
+        runs nothing (the shadows are held a step), so the loop waits for the shot's output
+        alone and the shot's forward is its own step's."""
+        shot = self.shots.current
+        if shot is not None and not shot.done and all(r.num_computed_tokens for r in shot.requests):
+            return self._shot_ids()  # scheduled (its prompt counted computed), not yet taken in
+        return self._shadow_ids() | self._shot_ids()
+
+    def request_ids(self) -> list[str]:
+        return [*self._shadow_ids(), *super().request_ids()]
+
+    def next_shot(self, scheduler) -> Next:
+        """No shot before the shadows are admitted (their admission step runs alone)."""
+        if self.admission.failure is not None and self.shots.failure is None:
+            self.shots.failure = (v.POINT_SKIP_REASON, self.admission.failure)
+        if self.shots.failure is not None:
+            return Next.DONE
+        if not self.admission.shadows:
+            return Next.SHOT
+        return super().next_shot(scheduler)
+
+    def _verify(self, shot: Shot, output) -> tuple[str, str] | None:
+        """The step ran every shadow, one token each, and besides them exactly the shot."""
+        shadows = self._shadow_ids()
+        scheduled = output.num_scheduled_tokens
+        ran = [i for i in shadows if scheduled.get(i) == 1]
+        if len(ran) != len(shadows):
+            return v.BATCH_SIZE_MISMATCH, (
+                f"{v.BATCH_SIZE_MISMATCH}: the step ran {len(ran)} of the decode part's {len(shadows)} request(s) "
+                "at one token each"
+            )
+        rest = {i: n for i, n in scheduled.items() if i not in shadows}
+        return verify_step(
+            self.shots, shot, SimpleNamespace(num_scheduled_tokens=rest, scheduled_new_reqs=output.scheduled_new_reqs)
+        )
+
+    def finish(self, scheduler) -> PointRow:
+        """End the point: the shadows (and a shot) still there are aborted; its mixed row."""
+        if not self.admission.shadows:
+            scheduler.kvwarm_injector.drop_pending()  # never admitted: nothing of it is registered
+        row = super().finish(scheduler)
+        return self._mixed_row(row)
+
+    def _mixed_row(self, row: PointRow) -> PointRow:
+        """The prefill part's row as the step's: its totals, its parts and its regime."""
+        point, config = self.mixed_plan.point, self._config
+        decode_b = point.decode.batch_size
+        decode_k = sum(self.admission.contexts) + decode_b  # the first step after the admission
+        row.point_type = v.MIXED
+        row.parts = {
+            "decode": {"batch_size": decode_b, "total_kv_read_tokens": decode_k},
+            "prefill": {
+                "batch_size": point.prefill.batch_size,
+                "total_prefill_tokens": point.prefill.total_prefill_tokens,
+                "total_kv_read_tokens": point.prefill.total_kv_read_tokens,
+            },
+        }
+        row.total_kv_read_tokens += decode_k
+        row.batch_size += decode_b
+        if row.skipped:
+            return row
+        if decode_k != point.decode.total_kv_read_tokens:
+            row.sample_reasons.append(v.CONTEXT_CLAMPED)
+        if self.mixed_plan.real:
+            row.kv_seed_regime = v.REAL_KV
+            row.sample_reasons.append(v.STAMP_REAL_KV)
+        else:
+            row.kv_seed_regime = config.fake_regime
+            row.sample_reasons += [v.STAMP_FAKE_FALLBACK] if config.fake_regime == v.FAKE_FALLBACK else []
+        return row
