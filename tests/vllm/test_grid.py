@@ -382,8 +382,8 @@ def test_the_graphs_take_the_prefill_and_decode_sizes_vllm_resolves_apart_where_
     assert graphs.capture_sizes == (1, 2, 3, 4, 8, 16, 48)
     if split:
         assert (graphs.decode_capture_sizes, graphs.prefill_capture_sizes) == ((1, 3, 6), (16, 48))
-        assert expected_graph(graphs, "decode", 5)["expected_capture_size"] == 6
-        assert expected_graph(graphs, "prefill", 9)["expected_capture_size"] == 16
+        assert expected_graph(graphs, 5, 5)["expected_capture_size"] == 6
+        assert expected_graph(graphs, 9, 1)["expected_capture_size"] == 16
     else:
         assert graphs.decode_capture_sizes == (1, 2, 3, 4, 8) and graphs.prefill_capture_sizes == (
             1,
@@ -394,4 +394,4 @@ def test_the_graphs_take_the_prefill_and_decode_sizes_vllm_resolves_apart_where_
             16,
             48,
         )
-        assert expected_graph(graphs, "decode", 5)["expected_capture_size"] == 8
+        assert expected_graph(graphs, 5, 5)["expected_capture_size"] == 8
