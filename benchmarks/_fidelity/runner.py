@@ -53,8 +53,15 @@ def run_case(name: str, out: Path, settings: Settings) -> None:
         model = getattr(tiny_models, case.maker)(Path(tmp) / name)
         conversations, _ = load_dataset(tiny_models.write_sharegpt(Path(tmp) / "sharegpt.json"))
         started = time.perf_counter()
+        # The run steps the engine core one step at a time (EngineCore.step), so the sync loop and
+        # its adapter; on CUDA vLLM would resolve async scheduling on and the adapter refuse it.
         engine = LLMEngine.from_engine_args(
-            EngineArgs(model=str(model), scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler", **case.engine)
+            EngineArgs(
+                model=str(model),
+                scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+                async_scheduling=False,
+                **case.engine,
+            )
         )
         start_seconds = time.perf_counter() - started
         if settings.pin and settings.isolate:
