@@ -70,7 +70,8 @@ def kit_manifest(kit: Path) -> dict:
     path = kit / part_folder(1) / MANIFEST
     if not path.is_file():
         raise BuildError(
-            f"{kit} holds no kit ({path} is missing)", "make it first: nox -s kit-0.25 (or kvwarm-build kit)"
+            f"{kit} holds no kit ({path} is missing)",
+            "make it first: nox -s kit-S, S the kit file's release (or kvwarm-build kit)",
         )
     return json.loads(path.read_text())
 
