@@ -31,20 +31,20 @@ def _resolved(tmp_path, *args: str):
     return config.scheduler_config.scheduler_cls, config.scheduler_config.async_scheduling
 
 
-def test_the_command_picks_the_async_adapter_where_vllm_turns_async_scheduling_on(tmp_path, as_on_cuda):
+def test_the_command_picks_the_async_adapter_where_vllm_turns_async_scheduling_on(tmp_path, as_on_cuda, engine_cli):
     """Nothing asked: vLLM's default (on, where nothing rules it out) and the async adapter."""
     assert _resolved(tmp_path) == (ASYNC, True)
 
 
-def test_the_command_picks_the_sync_adapter_where_async_scheduling_is_off(tmp_path, as_on_cuda):
+def test_the_command_picks_the_sync_adapter_where_async_scheduling_is_off(tmp_path, as_on_cuda, engine_cli):
     assert _resolved(tmp_path, "--no-async-scheduling") == (SYNC, False)
 
 
-def test_on_the_cpu_platform_the_command_picks_the_sync_adapter_whatever_is_asked(tmp_path):
+def test_on_the_cpu_platform_the_command_picks_the_sync_adapter_whatever_is_asked(tmp_path, engine_cli):
     assert _resolved(tmp_path, "--async-scheduling") == (SYNC, False)
 
 
-def test_a_scheduler_class_given_is_kept(tmp_path, as_on_cuda):
+def test_a_scheduler_class_given_is_kept(tmp_path, as_on_cuda, engine_cli):
     assert _resolved(tmp_path, "--scheduler-cls", SYNC) == (SYNC, True)  # the adapter refuses it at start
 
 

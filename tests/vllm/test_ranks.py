@@ -702,7 +702,7 @@ def test_a_prefix_lost_on_one_rank_rebuilds_the_chains_on_every_rank(tmp_path, m
 
 
 def test_the_command_refuses_data_parallel_over_ray_where_the_platform_names_no_ray_device(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, monkeypatch, engine_cli
 ):
     """vLLM's Ray launcher places each rank on the Ray resource its platform names; the CPU
     platform names none (vLLM stops with an assertion before any engine core exists)."""

@@ -115,7 +115,8 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
         kinds.add((bool(want["decode"]), bool(want["chunks"])))
     assert kinds == {(True, False), (False, True), (True, True)}  # decode, prefill and mixed steps
     assert any(line["prefill"]["continuations"] for line in steps)
-    assert any(line["prefill"]["prefix_tokens"] and not line["prefill"]["continuations"] for line in steps)
+    # a prefix hit (prefix tokens on a first chunk) is held to the scheduler's own line by line
+    # above; whether the arrivals make one depends on when a release caches a prompt's blocks
     # the windows: the ones the adapter's timer closed (the sweep's basis), in order
     windows = [s for s in steps if s["wall"] is not None]
     assert len(windows) == len(steps) - 1 and steps[0]["wall"] is None  # no window before the first
