@@ -363,7 +363,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(default=False)
 def builds(session: nox.Session) -> None:
     """Every release's patched cuda wheel, two builds at a time (each is mostly one core's
-    work); `-- --check-reproducible X.Y` builds that one twice, `-- --jobs N`."""
+    work); `-- --only X.Y` (repeatable) builds those only, `-- --check-reproducible X.Y`
+    builds that one twice, `-- --jobs N`."""
     _tooling(session)
     _kvwarm_build(session, "build-all", *session.posargs)
 
@@ -409,13 +410,14 @@ def gpu_smoke_all(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def tests(session: nox.Session) -> None:
-    """Everything CI runs: lint, tooling tests, lint-patches, then each release's tier
-    (releases.toml's rule): builds, upstream, unit and engine tests; the smoke and every
-    benchmark's quick mode on the newest CPU release."""
+    """Everything CI runs: lint, tooling tests, lint-patches (every series), then each
+    release's tier (releases.toml's rule): the builds, upstream and unit tests of the rows
+    with a role; the engine tests, the smoke and every benchmark's quick mode on the newest
+    CPU release."""
     lint(session)  # seconds: a style slip fails before minutes of builds
     tooling(session)
     for release, got, why in sessions.ci_tiers(RELEASES):
-        session.log(f"{release.version}: {', '.join(got)} ({why})")
+        session.log(f"{release.version}: {', '.join(got) or 'its series in lint-patches'} ({why})")
     for name, posargs in sessions.ci_plan(RELEASES):
         session.notify(name, posargs=posargs)
 

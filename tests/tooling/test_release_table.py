@@ -11,6 +11,7 @@ import pytest
 from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml, make_patches
 
 from kvwarm_build import project, sessions
+from kvwarm_build.builds.build_all import chosen
 from kvwarm_build.errors import BuildError
 from kvwarm_build.releases import load_releases
 from kvwarm_build.upstream.stock_check import file_problems
@@ -56,17 +57,24 @@ def test_adding_the_cpu_flavour_entry_is_the_only_change_for_the_engine_and_smok
 def test_every_release_in_the_project_table_gets_its_sessions_in_ci_order():
     releases = load_releases(project.RELEASES)
     names = sessions.ci_sessions(releases)
-    assert names[:2] == ["lint-patches", "builds"]  # `builds` makes every release's wheel
+    assert names[:2] == ["lint-patches", "builds"]  # lint-patches checks every release's series
+    built = {r.short for r in sessions.built_in_ci(releases)}
     for release in releases:
-        assert f"unit-{release.short}" in names
+        assert (f"unit-{release.short}" in names) == (release.short in built)
         assert (f"upstream-tests-{release.short}" in names) == (release.short in sessions.gated_releases(releases))
         has_cpu = "cpu" in release.flavours
         assert has_cpu == (release.cpu_tier_missing is None)
         assert (f"engine-{release.short}" in names) == (release.short in sessions.engine_releases(releases))
     cpu = [r for r in releases if "cpu" in r.flavours]
     newest_cpu = {f"engine-{cpu[-1].short}", f"smoke-cpu-{cpu[-1].short}", f"bench-{cpu[-1].short}"}
-    assert {f"engine-{cpu[0].short}", *newest_cpu} <= set(names)
+    assert newest_cpu <= set(names)
     assert {f"upstream-tests-{releases[0].short}", f"upstream-tests-{releases[-1].short}"} <= set(names)
+    assert {releases[0].short, releases[-1].short, cpu[-1].short} <= built
+    assert [r.shipped_by for r in releases if r.shipped_by][-1] in {r.shipped_by for r in releases if r.short in built}
+    only = dict(sessions.ci_plan(releases))["builds"]
+    assert [only[i + 1] for i, arg in enumerate(only) if arg == "--only"] == [
+        r.short for r in releases if r.short in built
+    ]
     kinds = [n.rsplit("-", 1)[0] for n in names[2:]]
     assert kinds == sorted(kinds, key=sessions.CI_KINDS.index)
 
@@ -104,7 +112,7 @@ def test_ci_plan_checks_the_newest_build_for_reproducibility_and_leaves_images_t
     plan = sessions.ci_plan([older, newest])
     assert [name for name, _ in plan] == sessions.ci_sessions([older, newest])
     assert {name: args for name, args in plan if args} == {
-        "builds": ["--check-reproducible", "9.9"],
+        "builds": ["--only", "9.8", "--only", "9.9", "--check-reproducible", "9.9"],
         "bench-9.9": [sessions.QUICK_FLAG],
     }
     assert not [name for name, _ in plan if name.startswith("image")]
@@ -123,23 +131,17 @@ def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
     table = [oldest, middle, older_pin, pinned, newest_cpu, no_cpu]
     tiers = {release.short: (got, why) for release, got, why in sessions.ci_tiers(table)}
     gated = ["build", "upstream-tests", "unit"]
-    assert tiers["9.6"] == (
-        [*gated, "engine"],
-        "the oldest and the oldest with a CPU engine; smoke-cpu, consumers in the matrix",
-    )
-    assert tiers["9.7"] == (
-        ["build", "unit"],
-        "between the releases with a role; upstream-tests, engine, smoke-cpu, consumers in the matrix",
-    )
-    assert tiers["9.7.5"] == (
+    assert tiers["9.6"] == (gated, "the oldest; engine, smoke-cpu, consumers in the matrix")
+    everything = "build, upstream-tests, unit, engine, smoke-cpu, consumers in the matrix"
+    assert tiers["9.7"] == ([], f"between the releases with a role; {everything}")
+    assert tiers["9.7.5"] == ([], f"the release ai-dynamo==8.0.0 pins (an older pin); {everything}")
+    assert tiers["9.8"] == (
         ["build", "unit"],
         (
-            "the release ai-dynamo==8.0.0 pins (an older pin than the newest); "
+            "the release ai-dynamo==9.0.0 pins (the newest pin); "
             "upstream-tests, engine, smoke-cpu, consumers in the matrix"
         ),
     )
-    assert tiers["9.8"][0] == gated
-    assert tiers["9.8"][1].startswith("the release ai-dynamo==9.0.0 pins (the newest pin); engine")
     assert tiers["9.9"] == (
         ["build", "unit", "engine", "smoke-cpu", "bench"],
         "the newest with a CPU engine; upstream-tests, consumers in the matrix",
@@ -149,20 +151,27 @@ def test_ci_tiers_follow_the_releases_roles_and_say_why(tree):
     assert tiers["9.10"][1].endswith("; its build checked for reproducibility")
     names = sessions.ci_sessions(table)
     assert [n for n in names if n.startswith(("engine-", "smoke-cpu-", "bench-"))] == [
-        "engine-9.6",
         "engine-9.9",
         "smoke-cpu-9.9",
         "bench-9.9",
     ]
-    assert [n for n in names if n.startswith("upstream-tests-")] == [
-        "upstream-tests-9.6",
-        "upstream-tests-9.8",
-        "upstream-tests-9.10",
-    ]
+    assert [n for n in names if n.startswith("upstream-tests-")] == ["upstream-tests-9.6", "upstream-tests-9.10"]
+    assert [n for n in names if n.startswith("unit-")] == ["unit-9.6", "unit-9.8", "unit-9.9", "unit-9.10"]
     assert not [n for n in names if n.startswith("consumers-")]
-    assert {"engine-9.7", "engine-9.8", "upstream-tests-9.7", "upstream-tests-9.7.5", "upstream-tests-9.9"} <= set(
+    assert {"engine-9.6", "engine-9.8", "unit-9.7", "unit-9.7.5", "upstream-tests-9.8"} <= set(
         sessions.matrix_sessions(table)
     )
+
+
+def test_builds_makes_the_releases_named_with_only_and_those_checked(tree):
+    older = _cpu_release(tree, short="9.8", version="9.8.0")
+    newest = _cpu_release(tree)
+    table = [older, newest]
+    assert chosen(table, [], set()) == table
+    assert chosen(table, ["9.8.0"], set()) == [older]
+    assert chosen(table, ["9.8"], {"9.9"}) == table
+    with pytest.raises(BuildError, match="unknown release '9.7'"):
+        chosen(table, ["9.7"], set())
 
 
 def test_the_consumers_read_with_the_dynamo_release_the_table_names(tree):

@@ -49,10 +49,11 @@ def cmd_build(args) -> int:
 
 
 def cmd_build_all(args) -> int:
-    from .builds.build_all import build_all
+    from .builds.build_all import build_all, chosen
 
     releases = load_releases(args.releases)
     checked = {find_release(releases, name).short for name in args.check_reproducible}
+    releases = chosen(releases, args.only, checked)
     options = ["--releases", str(args.releases), "--dist", str(args.dist)]
     build_all(releases, args.jobs, checked, options + (["--cache", str(args.cache)] if args.cache else []))
     return 0
@@ -226,6 +227,9 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         metavar="RELEASE",
         help="build this release twice and compare bytes (repeatable)",
+    )
+    ba.add_argument(
+        "--only", action="append", default=[], metavar="RELEASE", help="build only this release (repeatable)"
     )
     ba.set_defaults(func=cmd_build_all)
     with_release("install-built", cmd_install_built, "install the built wheel into this venv (--no-deps)", flavour=True)

@@ -88,17 +88,17 @@ def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
     return [k for k in of if k not in CPU_ENGINE_KINDS or release.cpu_tier_missing is None]
 
 
-# The CI tiers, a property of the table (releases.toml says the same), sized to CI's hour:
-# every release gets its build and the unit tests (with stock-check): each has its own
-# series, and the overlay's probes meet its real classes there. The upstream gate runs on
-# the oldest row and the newest (the two ends of the series' history) and on the release
-# the newest Dynamo pin names (`shipped_by`: what Dynamo's users run now, and the Dynamo the
-# consumers read with); an older pin's gate runs in the matrix (3 to 4 minutes each, and
-# its series has the shape of its neighbours'; its --full gate is recorded when it is
-# added). The CPU engine tier runs on the oldest release with a CPU engine (its copy-on-write
-# backport) and the newest (the engine users run now, with the multi-rank engines, the smoke
-# and every benchmark's quick mode). Everything else (the other releases' gates and engines, the consumers, the images
-# on a stand-in base, every build checked for reproducibility) runs in `nox -s matrix`.
+# The CI tiers, a property of the table (releases.toml says the same), sized to CI's hour
+# from measured sessions (docs/measurements.md): every release's series is linted and
+# checked against a fresh export (lint-patches). The rows with a role get their build and
+# the unit tests (with stock-check), where the overlay's probes meet their real classes: the
+# oldest and the newest row (the two ends of the series' history), the newest Dynamo pin
+# (`shipped_by`: what Dynamo's users run now) and the newest row with a CPU engine. The
+# upstream gate runs on the two ends. The CPU engine tiers (the engine with the multi-rank
+# engines, the smoke, every benchmark's quick mode) run on the newest row with a CPU
+# engine. Everything else (the rows between, an older pin, the other gates and engines, the
+# consumers, the images on a stand-in base, every build checked for reproducibility) runs
+# in `nox -s matrix`, which a maintainer runs before a release.
 
 
 def newest_cpu_release(releases: list[Release]) -> Release | None:
@@ -112,42 +112,41 @@ def gated_releases(releases: list[Release]) -> dict[str, str]:
     for role, rows in (("the oldest", releases[:1]), ("the newest", releases[-1:])):
         for release in rows:
             why.setdefault(release.short, []).append(role)
-    pinned = [r for r in releases if r.shipped_by]
-    if pinned:
-        why.setdefault(pinned[-1].short, []).append(f"the release {pinned[-1].shipped_by} pins (the newest pin)")
     return {short: " and ".join(roles) for short, roles in why.items()}
 
 
-def older_pins(releases: list[Release]) -> dict[str, str]:
-    """The rows a Dynamo release pins other than the newest pin (by short name), each with
-    its role: their gates run in the matrix."""
+def pins(releases: list[Release]) -> dict[str, str]:
+    """The rows a Dynamo release pins (by short name), each with its role: the newest pin
+    gets its build and unit tests in CI, an older pin's run in the matrix."""
     pinned = [r for r in releases if r.shipped_by]
-    return {r.short: f"the release {r.shipped_by} pins (an older pin than the newest)" for r in pinned[:-1]}
+    newest = {pinned[-1].short} if pinned else set()
+    return {
+        r.short: f"the release {r.shipped_by} pins ({'the newest pin' if r.short in newest else 'an older pin'})"
+        for r in pinned
+    }
 
 
 def engine_releases(releases: list[Release]) -> dict[str, str]:
-    """The releases CI runs engine-S for (by short name), each with why: the oldest and the
-    newest with a CPU engine."""
-    cpu = [r for r in releases if r.cpu_tier_missing is None]
-    why: dict[str, str] = {}
-    if cpu:
-        why[cpu[0].short] = "the oldest with a CPU engine"
-        why[cpu[-1].short] = "the newest with a CPU engine" if len(cpu) > 1 else "the only one with a CPU engine"
-    return why
+    """The releases CI runs engine-S for (by short name), each with why: the newest with a
+    CPU engine (the engine users run now; the overlay's engine code is the same on every
+    release, and the older engines run in the matrix)."""
+    newest_cpu = newest_cpu_release(releases)
+    return {newest_cpu.short: "the newest with a CPU engine"} if newest_cpu is not None else {}
 
 
 def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
     """Per release: the session kinds CI runs for it, and why (printed by `tests`)."""
-    newest_cpu = newest_cpu_release(releases)
-    gated, engines, older = gated_releases(releases), engine_releases(releases), older_pins(releases)
+    gated, engines, pinned = gated_releases(releases), engine_releases(releases), pins(releases)
+    newest_pin = [short for short, role in pinned.items() if "the newest pin" in role]
     tiers = []
     for release in releases:
-        got = ["build", *(["upstream-tests"] if release.short in gated else []), "unit"]
+        roles = [r for r in (gated.get(release.short), pinned.get(release.short), engines.get(release.short)) if r]
+        has_role = release.short in (*gated, *engines, *newest_pin)
+        got = ["build", *(["upstream-tests"] if release.short in gated else []), "unit"] if has_role else []
         if release.short in engines:
-            got += ["engine", *(["smoke-cpu", "bench"] if release is newest_cpu else [])]
-        roles = [r for r in (gated.get(release.short), older.get(release.short), engines.get(release.short)) if r]
+            got += ["engine", "smoke-cpu", "bench"]
         why = " and ".join(roles) or "between the releases with a role"
-        skipped = [k for k in kinds(release, MATRIX_KINDS) if k not in got]
+        skipped = [k for k in ("build", *kinds(release, MATRIX_KINDS)) if k not in got]
         if skipped:
             why += f"; {', '.join(skipped)} in the matrix"
         if release.cpu_tier_missing:
@@ -156,6 +155,11 @@ def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
             why += "; its build checked for reproducibility"
         tiers.append((release, got, why))
     return tiers
+
+
+def built_in_ci(releases: list[Release]) -> list[Release]:
+    """The releases whose wheels CI's `builds` makes: those whose tier has a build."""
+    return [release for release, got, _ in ci_tiers(releases) if "build" in got]
 
 
 def ci_sessions(releases: list[Release]) -> list[str]:
@@ -182,10 +186,12 @@ def matrix_sessions(releases: list[Release]) -> list[str]:
 
 def ci_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     """What `nox -s tests` starts after lint and the tooling tests, each session with its
-    arguments: ci_sessions, the newest release's build checked for reproducibility. The
-    Dockerfile is checked statically by the tooling tests; its real build on a stand-in
-    base (image-standin-S: 4 min warm, 7 from an empty cache) runs in the matrix."""
-    return _with_arguments(ci_sessions(releases), releases[-1:])
+    arguments: ci_sessions, `builds` making the wheels of the tiers with a build
+    (built_in_ci), the newest release's checked for reproducibility. The Dockerfile is
+    checked statically by the tooling tests; its real build on a stand-in base
+    (image-standin-S: 4 min warm, 7 from an empty cache) runs in the matrix."""
+    only = [arg for r in built_in_ci(releases) for arg in ("--only", r.short)]
+    return _with_arguments(ci_sessions(releases), releases[-1:], only)
 
 
 def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
@@ -193,10 +199,12 @@ def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
     return _with_arguments(matrix_sessions(releases), releases)
 
 
-def _with_arguments(names: list[str], checked: list[Release]) -> list[tuple[str, list[str] | None]]:
-    """Each session with its arguments: `builds` checks these releases' builds, `bench-S`
-    runs the quick modes, the rest none."""
-    builds_args = [arg for r in checked for arg in ("--check-reproducible", r.short)]
+def _with_arguments(
+    names: list[str], checked: list[Release], only: list[str] = ()
+) -> list[tuple[str, list[str] | None]]:
+    """Each session with its arguments: `builds` makes the wheels `only` names (all when
+    empty) and checks these releases' builds, `bench-S` runs the quick modes, the rest none."""
+    builds_args = [*only, *(arg for r in checked for arg in ("--check-reproducible", r.short))]
 
     def arguments(name: str) -> list[str] | None:
         if name == "builds":

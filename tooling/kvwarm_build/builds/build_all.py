@@ -14,7 +14,16 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import BuildError
-from ..releases import Release
+from ..releases import Release, find_release
+
+
+def chosen(releases: list[Release], only: list[str], checked: set[str]) -> list[Release]:
+    """The releases `only` names (versions or short names; every release when empty), in
+    table order, with those checked for reproducibility (a check builds its release)."""
+    if not only:
+        return releases
+    named = {find_release(releases, name).short for name in only} | checked
+    return [r for r in releases if r.short in named]
 
 
 def build_all(releases: list[Release], jobs: int, reproducible: set[str], cli_args: list[str]) -> None:
