@@ -10,6 +10,7 @@ from pathlib import Path
 from . import vocabulary as v
 from .combined import rank_path
 from .runs import READS
+from .shape import point_key
 
 RANK_TYPES = {v.RANK, "rank"}  # ours, and the tag of schema 1 and 2
 COMBINED_TYPES = {v.COMBINED, "combined"}
@@ -97,7 +98,15 @@ def load_sweep(arg: str | Path) -> SweepRecord:
     if artifact.get("artifact_type") in COMBINED_TYPES:
         size = len(artifact.get("ranks") or []) or size
         paths = [root / rank_path(r) for r in range(size)]
+        missing = [str(p.relative_to(root)) for p in paths if not p.is_file()]
+        if missing:
+            raise ExportError(
+                f"{root}: the combined view names {size} data-parallel ranks and {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not here; where each node wrote its own --out, "
+                f"copy every node's dp<R>/ folder into {root}"
+            )
         ranks = [_read(p) for p in paths]
+        _one_sweep(ranks, paths)
     elif size > 1:
         raise ExportError(
             f"{file}: one rank's artifact of a sweep on {size} data-parallel ranks; Dynamo's files "
@@ -108,6 +117,29 @@ def load_sweep(arg: str | Path) -> SweepRecord:
     for p, a in zip(paths, ranks):
         _final(a, p)
     return SweepRecord(root, ranks, paths)
+
+
+def _one_sweep(ranks: list[dict], paths: list[Path]) -> None:
+    """Every rank's artifact is of the same sweep: dp<r>/ holds rank r of as many ranks, of the
+    same build, and (where two ranks completed) with the same points, which every rank of one
+    sweep measures or skips together."""
+    size, first = len(ranks), ranks[0]
+    fix = "gather the dp<R>/ folders of one sweep into its --out folder"
+    for r, (artifact, path) in enumerate(zip(ranks, paths)):
+        layout = artifact.get("layout") or {}
+        said = (layout.get("data_parallel_rank", 0), layout.get("data_parallel_size", 1))
+        if said != (r, size):
+            raise ExportError(f"{path}: rank {said[0]} of {said[1]}, where rank {r} of {size} belongs; {fix}")
+        if artifact.get("build") != first.get("build"):
+            raise ExportError(f"{path}: another build than {paths[0]}'s, so another sweep; {fix}")
+        complete = artifact.get("status") == first.get("status") == v.COMPLETE
+        if complete and _points(artifact) != _points(first):
+            raise ExportError(f"{path}: other points than {paths[0]}'s, so another sweep; {fix}")
+
+
+def _points(artifact: dict) -> set[tuple]:
+    entries = [*artifact.get("results", []), *artifact.get("skipped_points", [])]
+    return {point_key(e.get("point") or {}) for e in entries}
 
 
 PREFIXED = "prefill points with a prefix (P > 0)"
