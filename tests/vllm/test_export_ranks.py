@@ -64,3 +64,14 @@ def test_a_failed_sweeps_ranks_may_hold_different_points_and_still_export(tmp_pa
     write_combined(root, 2)  # the combined view of the two, as the sweep writes it
     record = export.load_sweep(root)
     assert [len(a["results"]) for a in record.ranks] == [2, 1]
+
+
+def test_a_grid_sweep_without_rows_reads_its_kinds_from_the_grid_in_its_folder(tmp_path, monkeypatch):
+    root = tmp_path / "s"
+    write_rank(root, [])
+    artifact = json.loads((root / "sweep.json").read_text())
+    artifact["config"]["points"] = "grid.json"  # as a generated grid is recorded
+    (root / "sweep.json").write_text(json.dumps(artifact))
+    (root / "grid.json").write_text(json.dumps({"schema_version": 2, "prefill": [{"N": 64, "P": 0, "B": 1}]}))
+    monkeypatch.chdir(tmp_path)  # not the sweep's folder: the bare name alone would not be found
+    assert export.load_sweep(root).kinds() == ["prefill"]

@@ -42,16 +42,22 @@ class SweepRecord:
             for entry in [*artifact.get("results", []), *artifact.get("skipped_points", [])]
         }
         if not found:
-            found = _points_file_kinds((self.ranks[0].get("config") or {}).get("points"))
+            found = _points_file_kinds((self.ranks[0].get("config") or {}).get("points"), self.root)
         return [kind for kind in v.POINT_TYPES if kind in found] or [v.DECODE]
 
 
-def _points_file_kinds(path) -> set[str]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (TypeError, OSError, ValueError):
+def _points_file_kinds(path, root: Path) -> set[str]:
+    """The kinds a points file lists: as the sweep recorded its path, else in the sweep's
+    folder (a generated grid is recorded as OUT/grid.json's bare name)."""
+    if not isinstance(path, str) or not path:
         return set()
-    return {kind for kind in v.POINT_TYPES if isinstance(data, dict) and data.get(kind)}
+    for candidate in (Path(path), root / Path(path).name):
+        try:
+            data = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        return {kind for kind in v.POINT_TYPES if isinstance(data, dict) and data.get(kind)}
+    return set()
 
 
 def _read(path: Path) -> dict:
