@@ -11,7 +11,7 @@ from test_export import decode_row, dp_sweep, dynamo_files, write_rank
 from vllm.kvwarm.__main__ import main
 from vllm.kvwarm.record import export
 from vllm.kvwarm.record import vocabulary as v
-from vllm.kvwarm.record.combined import write_combined
+from vllm.kvwarm.record.combined import write_combined, write_view
 
 
 def test_a_rank_folder_left_on_another_node_is_named_with_how_to_gather_it(tmp_path, capsys):
@@ -75,3 +75,19 @@ def test_a_grid_sweep_without_rows_reads_its_kinds_from_the_grid_in_its_folder(t
     (root / "grid.json").write_text(json.dumps({"schema_version": 2, "prefill": [{"N": 64, "P": 0, "B": 1}]}))
     monkeypatch.chdir(tmp_path)  # not the sweep's folder: the bare name alone would not be found
     assert export.load_sweep(root).kinds() == ["prefill"]
+
+
+def test_a_rank_the_others_gave_up_on_exports_as_failed_with_the_views_reason(tmp_path):
+    root = tmp_path / "s"
+    survivor = write_rank(root / "dp0", [decode_row(100, 1), decode_row(200, 1)], rank=0, size=2)
+    killed = write_rank(root / "dp1", [decode_row(100, 1)], rank=1, size=2, status=v.RUNNING)
+    with pytest.raises(export.ExportError, match="status 'running'"):  # no final view yet
+        write_combined(root, 2)
+        export.load_sweep(root)
+    write_view(root, [survivor, killed], lost={1: "rank 0 gave up on it: no meeting record within 1 s"})
+    record = export.load_sweep(root)
+    assert [a["status"] for a in record.ranks] == [v.COMPLETE, v.FAILED]
+    assert record.ranks[1]["error"] == "rank 0 gave up on it: no meeting record within 1 s"
+    files = dynamo_files(root, tmp_path / "b.json")  # each rank's file with its own status, as Dynamo's
+    assert [f["status"] for f in files] == [v.COMPLETE, v.FAILED] and not files[1]["valid"]
+    assert files[1]["error"] == "rank 0 gave up on it: no meeting record within 1 s"

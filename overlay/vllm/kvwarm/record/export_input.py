@@ -111,7 +111,7 @@ def load_sweep(arg: str | Path) -> SweepRecord:
                 f"{'is' if len(missing) == 1 else 'are'} not here; where each node wrote its own --out, "
                 f"copy every node's dp<R>/ folder into {root}"
             )
-        ranks = [_read(p) for p in paths]
+        ranks = _given_up(artifact, [_read(p) for p in paths])
         _one_sweep(ranks, paths)
     elif size > 1:
         raise ExportError(
@@ -123,6 +123,23 @@ def load_sweep(arg: str | Path) -> SweepRecord:
     for p, a in zip(paths, ranks):
         _final(a, p)
     return SweepRecord(root, ranks, paths)
+
+
+def _given_up(view: dict, ranks: list[dict]) -> list[dict]:
+    """A rank whose own record still says running (it was killed) but which the final
+    combined view counts as failed (the others gave up on it) exports as failed, with the
+    view's reason."""
+    if view.get("status") == v.RUNNING:
+        return ranks
+    said = {s.get("rank"): s for s in view.get("ranks") or [] if isinstance(s, dict)}
+    marked = []
+    for rank, artifact in enumerate(ranks):
+        summary = said.get(rank) or {}
+        if artifact.get("status") == v.RUNNING and summary.get("status") == v.FAILED:
+            reason = summary.get("error") or "the other ranks gave up on it"
+            artifact = {**artifact, "status": v.FAILED, "error": reason}
+        marked.append(artifact)
+    return marked
 
 
 def _one_sweep(ranks: list[dict], paths: list[Path]) -> None:
