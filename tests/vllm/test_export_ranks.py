@@ -81,8 +81,8 @@ def test_a_rank_the_others_gave_up_on_exports_as_failed_with_the_views_reason(tm
     root = tmp_path / "s"
     survivor = write_rank(root / "dp0", [decode_row(100, 1), decode_row(200, 1)], rank=0, size=2)
     killed = write_rank(root / "dp1", [decode_row(100, 1)], rank=1, size=2, status=v.RUNNING)
-    with pytest.raises(export.ExportError, match="status 'running'"):  # no final view yet
-        write_combined(root, 2)
+    write_combined(root, 2)  # rank 1 still running: no final view yet
+    with pytest.raises(export.ExportError, match="status 'running'"):
         export.load_sweep(root)
     write_view(root, [survivor, killed], lost={1: "rank 0 gave up on it: no meeting record within 1 s"})
     record = export.load_sweep(root)

@@ -137,7 +137,7 @@ def engine_releases(releases: list[Release]) -> dict[str, str]:
 def ci_tiers(releases: list[Release]) -> list[tuple[Release, list[str], str]]:
     """Per release: the session kinds CI runs for it, and why (printed by `tests`)."""
     gated, engines, pinned = gated_releases(releases), engine_releases(releases), pins(releases)
-    newest_pin = [short for short, role in pinned.items() if "the newest pin" in role]
+    newest_pin = [r.short for r in releases if r.shipped_by][-1:]
     tiers = []
     for release in releases:
         roles = [r for r in (gated.get(release.short), pinned.get(release.short), engines.get(release.short)) if r]
@@ -164,8 +164,8 @@ def built_in_ci(releases: list[Release]) -> list[Release]:
 
 def ci_sessions(releases: list[Release]) -> list[str]:
     """What `nox -s tests` runs after the tooling tests: lint-patches, the builds (`builds`:
-    every release's, two at a time), then each kind for every release whose tier has it
-    (ci_tiers)."""
+    those of the tiers with a build, two at a time), then each kind for every release whose
+    tier has it (ci_tiers)."""
     tiers = ci_tiers(releases)
     names = ["lint-patches", "builds"]
     for kind in CI_KINDS:
@@ -200,11 +200,11 @@ def matrix_plan(releases: list[Release]) -> list[tuple[str, list[str] | None]]:
 
 
 def _with_arguments(
-    names: list[str], checked: list[Release], only: list[str] = ()
+    names: list[str], checked: list[Release], only: list[str] | None = None
 ) -> list[tuple[str, list[str] | None]]:
     """Each session with its arguments: `builds` makes the wheels `only` names (all when
     empty) and checks these releases' builds, `bench-S` runs the quick modes, the rest none."""
-    builds_args = [*only, *(arg for r in checked for arg in ("--check-reproducible", r.short))]
+    builds_args = [*(only or []), *(arg for r in checked for arg in ("--check-reproducible", r.short))]
 
     def arguments(name: str) -> list[str] | None:
         if name == "builds":

@@ -147,6 +147,7 @@ def _one_sweep(ranks: list[dict], paths: list[Path]) -> None:
     same build, and (where two ranks completed) with the same points, which every rank of one
     sweep measures or skips together."""
     size, first = len(ranks), ranks[0]
+    first_points = _points(first)
     fix = "gather the dp<R>/ folders of one sweep into its --out folder"
     for r, (artifact, path) in enumerate(zip(ranks, paths)):
         layout = artifact.get("layout") or {}
@@ -156,7 +157,7 @@ def _one_sweep(ranks: list[dict], paths: list[Path]) -> None:
         if artifact.get("build") != first.get("build"):
             raise ExportError(f"{path}: another build than {paths[0]}'s, so another sweep; {fix}")
         complete = artifact.get("status") == first.get("status") == v.COMPLETE
-        if complete and _points(artifact) != _points(first):
+        if complete and _points(artifact) != first_points:
             raise ExportError(f"{path}: other points than {paths[0]}'s, so another sweep; {fix}")
 
 
