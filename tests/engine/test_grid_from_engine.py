@@ -79,12 +79,18 @@ def test_a_grid_from_a_trace_gives_a_table_that_covers_every_traced_step(tmp_pat
         (120, 0),
         (120, 64),
     }
+    assert grid["mixed"] == [  # over the one mixed step
+        {
+            "decode": {"total_kv_read_tokens": 200, "batch_size": 2},
+            "prefill": {"total_prefill_tokens": 64, "total_kv_read_tokens": 0, "batch_size": 1},
+        }
+    ]
     assert artifact["kvwarm"]["grid"]["trace"] == str(trace)
     assert {r["kv_seed_regime"] for r in artifact["results"]} <= {"real_kv", "real_prefix", "not_applicable"}
     result = validate(str(out), str(trace))
     summary = result.summary()
     assert summary["steps"] == 9 and summary["coverage"] == 100.0
-    assert summary["mixed_predictor"] == "composed" and summary["decode_mape"] is not None
+    assert summary["mixed_predictor"] == "measured" and summary["decode_mape"] is not None
 
 
 def test_a_trace_of_another_model_is_refused_before_the_engine_loads(tmp_path, capsys, monkeypatch):

@@ -214,11 +214,13 @@ def test_a_grid_sweep_lays_its_axes_around_the_capture_sizes_it_is_given(tmp_pat
     1, 2, 4 and 128. Its decode batches keep every C / C + 1 pair up to the limit
     (max_num_seqs 8); the prefill axis's doubling tail would start at 256, the limit
     (max_num_batched_tokens), so a cap of 2 keeps its first unit and the limit."""
-    caps = {"decode_batches": 20, "kv_ladder": 2, "prefill_tokens": 2, "capture_sizes": [1, 2, 4, 128]}
+    caps = {"decode_batches": 20, "kv_ladder": 2, "prefill_tokens": 2, "mixed": 1, "capture_sizes": [1, 2, 4, 128]}
     artifact = _moe_sweep(tmp_path, monkeypatch, "--grid", json.dumps(caps))
     grid = artifact["kvwarm"]["grid"]
     assert grid["decode_batches"] == [1, 2, 3, 4, 5, 8]
     assert grid["prefill_tokens"] == [1, 2, 3, 4, 5, 256]  # B = 1: 1, 2, 3 and 256; B = 4: 4, 5 and 256
     assert grid["points"] == len(artifact["results"]) and (tmp_path / "out" / "grid.json").exists()
-    assert {r["point"]["point_type"] for r in artifact["results"]} == {"prefill", "decode"}
+    # one data-parallel rank of an attention-only model: the grid lays mixed points too
+    assert {r["point"]["point_type"] for r in artifact["results"]} == {"prefill", "decode", "mixed"}
+    assert grid["mixed_note"] is None
     assert artifact["kvwarm"]["cudagraph"]["mode"] == "NONE"

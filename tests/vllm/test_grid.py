@@ -1,6 +1,6 @@
 """The generated grid and the graph every row expects: axes laid around the capture sizes,
 C / C + 1 pairs never broken by thinning, powers of two without graphs, and a grid sweep
-configured through additional_config on a real Scheduler."""
+configured through additional_config on a real Scheduler (its mixed points: test_grid_mixed)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from vllm.kvwarm.sweep.controller import Sweep
 from vllm.kvwarm.sweep.graphs import graph_config
 from vllm.kvwarm.sweep.grid import GridLimits, axis, decode_grid, prefill_grid, thin
 from vllm.kvwarm.sweep.plan import SweepConfig
-from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint, parse_points
+from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint, parse_points
 
 SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512)
 GRAPHS = GraphConfig(
@@ -208,13 +208,10 @@ def test_a_grid_sweep_writes_its_points_file_and_every_row_records_its_graph(tmp
         )
         for r in artifact["results"]
     ]
-    assert sorted(measured) == sorted(
-        ("prefill", p.total_prefill_tokens, p.total_kv_read_tokens, p.batch_size)
-        if isinstance(p, PrefillPoint)
-        else ("decode", 0, p.total_kv_read_tokens, p.batch_size)
-        for p in grid
-    )
-    assert any(isinstance(p, DecodePoint) for p in grid) and any(isinstance(p, PrefillPoint) for p in grid)
+    assert sorted(measured) == sorted(_row_key(p) for p in grid)
+    assert {type(p) for p in grid} == {DecodePoint, PrefillPoint, MixedPoint}
+    assert json.loads((out / "grid.json").read_text())["schema_version"] == 2  # it holds mixed points
+    assert artifact["kvwarm"]["grid"]["mixed_note"] is None
     assert artifact["kvwarm"]["grid"]["points"] == len(grid) and artifact["kvwarm"]["cudagraph"] == graphs.record()
     for row in artifact["results"]:  # the CPU platform captures nothing: every row eager, and says why
         graph = row["graph"]
@@ -225,6 +222,16 @@ def test_a_grid_sweep_writes_its_points_file_and_every_row_records_its_graph(tmp
         )
         assert graph["reasons"][0] == "cudagraph_disabled"
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def _row_key(p) -> tuple:
+    """(point_type, N, K, B) as a row of the point records them (a mixed row's are its step's)."""
+    if isinstance(p, MixedPoint):
+        k = p.decode.total_kv_read_tokens + p.prefill.total_kv_read_tokens
+        return ("mixed", p.prefill.total_prefill_tokens, k, p.decode.batch_size + p.prefill.batch_size)
+    if isinstance(p, PrefillPoint):
+        return ("prefill", p.total_prefill_tokens, p.total_kv_read_tokens, p.batch_size)
+    return ("decode", 0, p.total_kv_read_tokens, p.batch_size)
 
 
 def test_a_grid_sweeps_record_names_its_points_file_by_its_path(tmp_path, monkeypatch):

@@ -1,27 +1,30 @@
 """`sweep --grid-from TRACE`: the axes laid over a trace's shapes (ends, graph boundaries,
-density), a grid under which the predictor reads every traced step without extrapolating,
-the engine's limits kept, and a trace of another engine refused: before the engine loads
-where the command's arguments tell, and on a real Scheduler against what it resolved."""
+density), a grid under which the predictor reads every traced step without extrapolating
+(mixed steps from mixed points laid over them), the engine's limits kept, and a trace of
+another engine refused: before the engine loads where the command's arguments tell, and on
+a real Scheduler against what it resolved."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
 from kvwarm_testing.traces import header, step, write_trace
-from vllm.kvwarm.record.predict import Predictor
+from vllm.kvwarm.record.predict import MixedRow, Predictor
 from vllm.kvwarm.record.runs import Row
 from vllm.kvwarm.record.shape import GraphConfig
 from vllm.kvwarm.record.trace_reader import Step, Trace, TraceError
 from vllm.kvwarm.sweep.grid import GridLimits, deepest_kv
-from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint
+from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint
 from vllm.kvwarm.sweep.settings import SettingsError
 from vllm.kvwarm.sweep.trace_grid import (
     TRACE_CAPS,
     caps_of,
     decode_points,
+    mixed_points,
     prefill_points,
     shapes,
     spread,
@@ -70,9 +73,23 @@ def traced_steps() -> list[Step]:
 
 def table_over(points: list) -> Predictor:
     """A table measured at the points (values from any smooth function: only coverage matters)."""
-    rows = []
+    rows, mixed = [], []
     for p in points:
-        if isinstance(p, DecodePoint):
+        if isinstance(p, MixedPoint):
+            d, f = p.decode, p.prefill
+            ms = 1 + d.total_kv_read_tokens / 1e3 + f.total_prefill_tokens / 1e2
+            mixed.append(
+                MixedRow(
+                    d.batch_size,
+                    d.total_kv_read_tokens,
+                    f.batch_size,
+                    f.total_prefill_tokens,
+                    f.total_kv_read_tokens,
+                    ms,
+                    {},
+                )
+            )
+        elif isinstance(p, DecodePoint):
             rows.append(
                 Row(p.total_kv_read_tokens, p.batch_size, "legacy", [], 1 + p.total_kv_read_tokens / 1e3, 0, 0, [])
             )
@@ -94,7 +111,7 @@ def table_over(points: list) -> Predictor:
                     phases_ms=phases,
                 )
             )
-    return Predictor(rows, [])
+    return Predictor(rows, mixed)
 
 
 def test_the_grid_covers_every_traced_step_without_extrapolation():
@@ -111,6 +128,7 @@ def test_the_grid_covers_every_traced_step_without_extrapolation():
                 s.decode_requests, s.decode_kv_tokens, s.prefill_requests, s.prefill_new_tokens, s.prefill_prefix_tokens
             )
         assert got is not None and got.inside, s
+        assert got.how == "measured", s  # the mixed steps too: from the mixed points' rows
     batches = sorted({p.batch_size for p in points if isinstance(p, DecodePoint)})
     assert {8, 9, 16, 17} <= set(batches) and batches[0] == 3 and batches[-1] == 30  # boundaries, ends
     assert len(batches) < 28
@@ -126,6 +144,94 @@ def test_points_stay_within_the_engines_limits():
     # the deepest whole-block prefix that does stands in (4096 - 4 - 1 - 100 = 3991 -> 3984)
     assert max(p.total_kv_read_tokens for p in prefill) == 3984
     assert all(p.total_kv_read_tokens % unit == 0 and p.tokens_spanned(unit) <= 4096 - 4 for p in prefill)
+
+
+def mixed_step(b: int, k: int, bp: int, n: int, p: int) -> Step:
+    return Step(0, 0, 0.01, {}, b, k, bp, n, p)
+
+
+# two mixed steps: a budget-filling chunk (4 + 505 of 512 tokens) on no prefix, and a smaller
+# one on a prefix of 10 blocks beside a wider, deeper decode part
+MIXED_STEPS = [mixed_step(4, 4 * 100, 1, 505, 0), mixed_step(20, 20 * 150, 1, 300, 160)]
+
+
+def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
+    """Written from the rule (docs/sweep.md, the grid from a trace), not by the grid's code:
+    with the default cap of 2 each axis holds the traced ends: decode batches 4 and 20 (each
+    at its own step's K: 400 and 3000), one prefill request, N 300 and 505, prefixes of 0 and
+    10 blocks (160 tokens), crossed. Beside 20 decode requests 505 new tokens would be 525 of
+    the 512 the step holds: clamped to 492."""
+    points = mixed_points(shapes(MIXED_STEPS), GRAPHS, LIMITS, TRACE_CAPS)
+    laid = {
+        (
+            p.decode.batch_size,
+            p.decode.total_kv_read_tokens,
+            p.prefill.batch_size,
+            p.prefill.total_prefill_tokens,
+            p.prefill.total_kv_read_tokens,
+        )
+        for p in points
+    }
+    assert laid == {
+        (4, 400, 1, 300, 0),
+        (4, 400, 1, 300, 160),
+        (4, 400, 1, 505, 0),
+        (4, 400, 1, 505, 160),
+        (20, 3000, 1, 300, 0),
+        (20, 3000, 1, 300, 160),
+        (20, 3000, 1, 492, 0),
+        (20, 3000, 1, 492, 160),
+    }
+    assert len(points) == len(laid)  # each once
+    for s in MIXED_STEPS:  # every traced mixed step is a laid point
+        assert (
+            s.decode_requests,
+            s.decode_kv_tokens,
+            s.prefill_requests,
+            s.prefill_new_tokens,
+            s.prefill_prefix_tokens,
+        ) in laid
+    # a mixed step's parts still feed the decode and prefill axes (the composed prediction reads them)
+    found = shapes(MIXED_STEPS)
+    # (the capture sizes between 4 and 20 are on the batch axis, but no step reads their curves)
+    assert {p.batch_size for p in decode_points(found, GRAPHS, LIMITS, TRACE_CAPS)} == {4, 20}
+    assert {p.total_prefill_tokens for p in prefill_points(found, GRAPHS, LIMITS, TRACE_CAPS)} == {300, 505}
+    assert [
+        p for p in trace_grid(Trace(Path("t"), {}, {}, MIXED_STEPS), GRAPHS, LIMITS) if isinstance(p, MixedPoint)
+    ] == points
+
+
+def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_limits():
+    """Three steps and a cap of 3: every traced value on each axis; a decode part as deep as
+    max_model_len allows over a mixed point's 9 decode steps (a traced context of 4090 tokens
+    per request comes down to 4096 - 4 - 9 - 1 = 4082), and a prefix too deep beside its new
+    tokens gives way to the deepest whole-block prefix that fits (4096 - 4 - 1 - 200 = 3891 ->
+    3888 = 243 blocks)."""
+    steps = [*MIXED_STEPS, mixed_step(2, 2 * 4090, 1, 200, 3984)]
+    points = mixed_points(shapes(steps), GRAPHS, LIMITS, {**TRACE_CAPS, "mixed": 3})
+    assert sorted({p.decode.batch_size for p in points}) == [2, 4, 20]
+    assert sorted({p.prefill.total_prefill_tokens for p in points}) == [200, 300, 492, 505]
+    assert max(p.decode.total_kv_read_tokens for p in points if p.decode.batch_size == 2) == 2 * 4082
+    assert sorted({p.prefill.total_kv_read_tokens for p in points if p.prefill.total_prefill_tokens == 200}) == [
+        0,
+        160,
+        3888,
+    ]
+    for p in points:
+        assert p.decode.batch_size + p.prefill.total_prefill_tokens <= 512
+        assert -(-p.decode.total_kv_read_tokens // p.decode.batch_size) + 1 + 9 <= 4096 - 4
+        assert p.prefill.total_kv_read_tokens % 16 == 0
+        assert p.prefill.total_kv_read_tokens + p.prefill.total_prefill_tokens + 1 <= 4096 - 4
+
+
+@pytest.mark.parametrize("gate", [{"data_parallel_size": 2}, {"attention_only": False}])
+def test_no_mixed_point_is_laid_where_the_engine_cannot_measure_them(gate):
+    limits = dataclasses.replace(LIMITS, **gate)
+    trace = Trace(Path("t"), {}, {}, MIXED_STEPS)
+    assert mixed_points(shapes(MIXED_STEPS), GRAPHS, limits, TRACE_CAPS) == []
+    assert trace_grid(trace, GRAPHS, limits) == [
+        p for p in trace_grid(trace, GRAPHS, LIMITS) if not isinstance(p, MixedPoint)
+    ]
 
 
 def test_caps_are_checked_by_name():
@@ -146,6 +252,7 @@ def matching_trace(folder, model_dir, **resolved) -> None:
     steps = [step(0, None, (2, 60))]
     steps += [step(i, 5.0, (b, b * c)) for i, (b, c) in enumerate([(1, 30), (2, 90), (3, 150), (3, 40)], start=1)]
     steps += [step(i, 7.0, (0, 0), (1, n, p)) for i, (n, p) in enumerate([(32, 0), (100, 48), (64, 16)], start=5)]
+    steps.append(step(8, 8.0, (2, 120), (1, 32, 0)))  # a mixed step
     write_trace(folder, steps, head=head)
 
 
@@ -180,8 +287,11 @@ def test_a_grid_from_a_trace_sweeps_on_a_real_scheduler_and_its_table_covers_the
     tokens = sorted({p.total_prefill_tokens for p in grid if isinstance(p, PrefillPoint)})
     assert (tokens[0], tokens[-1]) == (32, 100)  # the ends (with any capture size between)
     assert {p.total_kv_read_tokens for p in grid if isinstance(p, PrefillPoint)} == {0, 48}
+    assert [p for p in grid if isinstance(p, MixedPoint)] == [MixedPoint(DecodePoint(120, 2), PrefillPoint(32, 0, 1))]
+    assert json.loads((out / "grid.json").read_text())["schema_version"] == 2
     result = validate(str(out), str(trace))
-    assert result.summary()["coverage"] == 100.0 and result.summary()["steps"] == 7
+    summary = result.summary()
+    assert summary["coverage"] == 100.0 and summary["steps"] == 8 and summary["mixed_predictor"] == "measured"
     assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 

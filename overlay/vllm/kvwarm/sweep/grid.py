@@ -12,11 +12,23 @@ laid around the engine's CUDA-graph capture sizes (sweep.graphs), where step tim
            max_model_len - 1 tokens), at small batch sizes and a few prefix depths (none, a
            quarter and a half of max_model_len per request, in whole prefix blocks); at each
            depth the values past what max_model_len leaves are clamped to that top.
+  mixed    at a few decode batches (the decode batch axis up to max_num_seqs - 1 and
+           max_num_batched_tokens - 1, thinned to the "mixed" cap without its pairs: a
+           mixed step's graph goes by its tokens), each at its ladder's ends (2B and the
+           deepest its requests reach over the steps they run, their chains beside a
+           chunk's shot in the pool: mixed_deepest), a prefill part of one request of the
+           chunk budget (max_num_batched_tokens - B new tokens) and of a quarter of it, on
+           no prefix and on one chunk's (whole prefix blocks, at most half of what
+           max_model_len leaves; new tokens past what it leaves clamped to that top). Every
+           mixed point is one step within the budget, max_num_seqs and max_model_len, and
+           its rung within the pool (mixed_fits). None where the engine cannot measure
+           mixed points (sweep.limits.mixed_refusal; `mixed_note` says why).
 
 Each axis is thinned to a cap of values (CAPS; "grid": {...} in the sweep's config sets
 them) on a log scale (`thin`): its first unit, its doubling tail and its limit are always
-kept, and C / C + 1 pairs are kept or dropped whole. The grid is a points file (schema v1),
-written beside the artifact for the user to edit and pass back.
+kept, and C / C + 1 pairs are kept or dropped whole. The grid is a points file (schema v1,
+v2 where it holds mixed points), written beside the artifact for the user to edit and pass
+back.
 """
 
 from __future__ import annotations
@@ -26,11 +38,13 @@ import math
 from dataclasses import dataclass
 
 from ..record.shape import GraphConfig
-from .plan import CHAIN_DEPTH_MARGIN
-from .points import DecodePoint, PrefillPoint
+from .limits import mixed_refusal
+from .plan import CHAIN_DEPTH_MARGIN, mixed_chains
+from .points import SCHEMA_VERSION, DecodePoint, MixedPoint, PointsFileError, PrefillPoint, mixed_decode_steps
 
 PREFILL_BATCHES = (1, 4)
-CAPS = {"decode_batches": 12, "kv_ladder": 6, "prefill_tokens": 16}
+CAPS = {"decode_batches": 12, "kv_ladder": 6, "prefill_tokens": 16, "mixed": 3}
+POOL_SHARE = 0.8  # of the pool's tokens a rung's chains and shots may take (the rest: slack)
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,8 @@ class GridLimits:
     num_blocks: int
     block_size: int  # the attention block size
     prefix_unit: int  # a prefix is whole blocks of this
+    data_parallel_size: int = 1  # as launched (sweep.ranks): mixed points at one rank only
+    attention_only: bool = True  # no recurrent state: mixed points on these only
 
 
 @dataclass(frozen=True)
@@ -121,7 +137,7 @@ def deepest_kv(batch: int, limits: GridLimits) -> int:
     max_model_len, and the chains' K tokens plus each shadow's tail of a couple of blocks
     within the pool."""
     per_request = limits.max_model_len - limits.steady_steps - 1 - CHAIN_DEPTH_MARGIN
-    return min(batch * per_request, int(0.8 * limits.kv_cache_tokens) - 2 * batch * limits.block_size)
+    return min(batch * per_request, int(POOL_SHARE * limits.kv_cache_tokens) - 2 * batch * limits.block_size)
 
 
 def decode_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> list[DecodePoint]:
@@ -154,22 +170,122 @@ def prefill_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> 
     return points
 
 
+def mixed_note(limits: GridLimits) -> str | None:
+    """Why a grid on this engine lays no mixed point (None: it lays them where they fit)."""
+    return mixed_refusal(limits.data_parallel_size, limits.attention_only)
+
+
+def mixed_batch_limit(graphs: GraphConfig, limits: GridLimits) -> int:
+    """The widest decode part: a feasible decode batch, one request and one token short of
+    max_num_seqs and the token budget (the prefill part's)."""
+    return min(feasible_batch(graphs, limits), graphs.max_num_seqs - 1, graphs.max_num_batched_tokens - 1)
+
+
+def mixed_deepest(batch: int, graphs: GraphConfig, limits: GridLimits) -> int:
+    """The deepest decode part of `batch` requests a grid lays in a mixed point: each context
+    with the steps a mixed point's decode requests run within max_model_len less the chains'
+    margin, and its chains beside a chunk's shot (max_num_batched_tokens - B new tokens, a
+    block, the shadows' tails) within POOL_SHARE of the pool (rung_tokens)."""
+    steps, block = mixed_decode_steps(limits.steady_steps), limits.block_size
+    chunk = graphs.max_num_batched_tokens - batch
+    pool = int(POOL_SHARE * limits.kv_cache_tokens) - 2 * batch * block - chunk - block
+    return batch * min(limits.max_model_len - CHAIN_DEPTH_MARGIN - steps - 1, pool // batch - steps - 1)
+
+
+def mixed_fits(point: MixedPoint, graphs: GraphConfig, limits: GridLimits, kept: list = ()) -> bool:
+    """Whether a grid may lay a mixed point beside the mixed points `kept` so far: its step
+    within the token budget and max_num_seqs; its decode part at 2B or deeper, its longest
+    request (context, admission token and the steps a mixed point's decode requests run) and
+    its prefill part's (prompt and sampled token, in whole prefix blocks) within max_model_len
+    less the chains' margin; and its rung (the kept points of its chain count, and it) within
+    POOL_SHARE of the pool (rung_tokens), as deepest_kv holds a decode rung."""
+    decode, prefill = point.decode, point.prefill
+    if point.step_tokens > graphs.max_num_batched_tokens or point.batch_size > graphs.max_num_seqs:
+        return False
+    try:
+        spanned = prefill.tokens_spanned(limits.prefix_unit)
+    except PointsFileError:
+        return False
+    longest = decode.tokens_spanned(mixed_decode_steps(limits.steady_steps))
+    if (
+        decode.total_kv_read_tokens < 2 * decode.batch_size
+        or max(longest, spanned) > limits.max_model_len - CHAIN_DEPTH_MARGIN
+    ):
+        return False
+    rung = [p for p in kept if mixed_chains(p) == mixed_chains(point)] + [point]
+    return rung_tokens(rung, limits) <= POOL_SHARE * limits.kv_cache_tokens
+
+
+def rung_tokens(rung: list[MixedPoint], limits: GridLimits) -> int:
+    """The most tokens a rung of mixed points holds at once: its chains (one per request of
+    the larger part, each as deep as the rung's deepest part: a decode request's context,
+    admission token and steps, or a prefix) and beside them its largest shot (the shadows'
+    tails of two blocks each, the prefill part's new tokens and a block per request)."""
+    steps, unit, block = mixed_decode_steps(limits.steady_steps), limits.prefix_unit, limits.block_size
+    depth = max(max(p.decode.tokens_spanned(steps), *p.prefill.prefixes(unit)) for p in rung)
+    shot = max(
+        2 * p.decode.batch_size * block + p.prefill.total_prefill_tokens + p.prefill.batch_size * block for p in rung
+    )
+    return mixed_chains(rung[0]) * depth + shot
+
+
+def lay_mixed(candidates: list[MixedPoint], graphs: GraphConfig, limits: GridLimits) -> list[MixedPoint]:
+    """The candidates a grid lays, in their order: each once, where it fits beside those kept
+    before it (mixed_fits)."""
+    kept: list[MixedPoint] = []
+    for point in candidates:
+        if point not in kept and mixed_fits(point, graphs, limits, kept):
+            kept.append(point)
+    return kept
+
+
+def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> list[MixedPoint]:
+    """Per decode batch B (the decode batch axis thinned to caps["mixed"], without its pairs)
+    and K at its ladder's ends, one prefill request of the chunk (max_num_batched_tokens - B)
+    and of a quarter of it, on no prefix and on one chunk's (whole blocks, at most half of
+    max_model_len); a value past what max_model_len leaves the request is clamped to that top.
+    None where the engine cannot measure mixed points (mixed_note)."""
+    widest = mixed_batch_limit(graphs, limits)
+    if mixed_note(limits) is not None or widest < 1:
+        return []
+    unit, budget = limits.prefix_unit, graphs.max_num_batched_tokens
+    room = limits.max_model_len - CHAIN_DEPTH_MARGIN  # a request's tokens, its sampled one among them
+    batches = axis(graphs.decode_capture_sizes, widest)
+    candidates = []
+    for batch in thin(batches.values, set(), caps["mixed"]):
+        chunk = budget - batch
+        depth = unit * (min(chunk, room // 2) // unit)
+        deepest = mixed_deepest(batch, graphs, limits)
+        if deepest < 2 * batch:
+            continue
+        for k in _ladder(batch, deepest, 2):
+            for prefix in sorted({0, depth} if depth >= unit else {0}):
+                for n in sorted({min(n, room - 1 - prefix) for n in (chunk, max(1, chunk // 4))}):
+                    if n >= 1:
+                        candidates.append(MixedPoint(DecodePoint(k, batch), PrefillPoint(n, prefix, 1)))
+    return lay_mixed(candidates, graphs, limits)
+
+
 def points_file(points: list) -> dict:
-    """The grid as a points file (schema v1)."""
-    return {
-        "schema_version": 1,
-        "prefill": [
-            {
-                "total_prefill_tokens": p.total_prefill_tokens,
-                "total_kv_read_tokens": p.total_kv_read_tokens,
-                "batch_size": p.batch_size,
-            }
-            for p in points
-            if isinstance(p, PrefillPoint)
-        ],
-        "decode": [
-            {"total_kv_read_tokens": p.total_kv_read_tokens, "batch_size": p.batch_size}
-            for p in points
-            if isinstance(p, DecodePoint)
-        ],
+    """The grid as a points file: schema v1 (Dynamo's shape), v2 where it holds mixed points."""
+    mixed = [p for p in points if isinstance(p, MixedPoint)]
+    data = {
+        "schema_version": SCHEMA_VERSION if mixed else 1,
+        "prefill": [_prefill_entry(p) for p in points if isinstance(p, PrefillPoint)],
+        "decode": [_decode_entry(p) for p in points if isinstance(p, DecodePoint)],
     }
+    if mixed:
+        data["mixed"] = [{"decode": _decode_entry(p.decode), "prefill": _prefill_entry(p.prefill)} for p in mixed]
+    return data
+
+
+def _prefill_entry(p: PrefillPoint) -> dict:
+    return {
+        "total_prefill_tokens": p.total_prefill_tokens,
+        "total_kv_read_tokens": p.total_kv_read_tokens,
+        "batch_size": p.batch_size,
+    }
+
+
+def _decode_entry(p: DecodePoint) -> dict:
+    return {"total_kv_read_tokens": p.total_kv_read_tokens, "batch_size": p.batch_size}

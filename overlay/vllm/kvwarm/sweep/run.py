@@ -38,7 +38,7 @@ from .engine_record import run_record
 from .exchange import make_exchange
 from .gate import content_reason, model_gate_reason
 from .graphs import graph_config
-from .grid import GridLimits, decode_grid, points_file, prefill_grid
+from .grid import GridLimits, decode_grid, mixed_grid, mixed_note, points_file, prefill_grid
 from .grid_settings import GridLaying, grid_settings, wants_grid
 from .limits import SweepRefused, check_engine, check_points
 from .loop import loop_record, trailing_steps
@@ -294,12 +294,15 @@ class SweepRun:
             num_blocks=pool["num_blocks"],
             block_size=max(attention),
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
+            data_parallel_size=self.layout.data_parallel_size,
+            attention_only=all(g.kind == ATTENTION for g in layouts),
         )
-        points = []
+        points, note = [], mixed_note(limits)
         if trace is not None:
             laid = trace_grid(trace, laying.axes, limits, laying.trace_caps)
         else:
-            laid = prefill_grid(laying.axes, limits, laying.caps) + decode_grid(laying.axes, limits, laying.caps)
+            axes, caps = laying.axes, laying.caps
+            laid = prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps) + mixed_grid(axes, limits, caps)
         for point in laid:
             try:  # with the points kept so far: a deeper prefix deepens its rung-mates' chains
                 check_points([*points, point], vllm_config, kvm, GRID_FILE, free=pool["usable_blocks"])
@@ -322,6 +325,7 @@ class SweepRun:
             "decode_batches": sorted({p.batch_size for p in points if isinstance(p, DecodePoint)}),
             "prefill_tokens": sorted({p.total_prefill_tokens for p in points if isinstance(p, PrefillPoint)}),
             "points": len(points),
+            "mixed_note": note,  # why no mixed point was laid (null: laid where they fit)
             "pool": dict(pool),
             **({"trace": str(trace.root)} if trace else {}),
         }
@@ -334,6 +338,7 @@ class SweepRun:
                 else ""
             )
             + (f": {path}" if self.layout.data_parallel_rank == 0 else f" (rank 0 writes it to its OUT/{GRID_FILE})")
+            + (f"; no mixed points: {note}" if note else "")
         )
         return points
 

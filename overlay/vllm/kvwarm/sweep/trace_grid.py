@@ -14,11 +14,18 @@ table predicts every traced step without extrapolating (record.predict's coverag
            request in whole prefix blocks (shallowest rounded down, deepest up), crossed;
            each axis as the batch axis: ends, boundaries, every value or quantiles.
   mixed    a mixed step's decode part joins the decode shapes and its prefill part the
-           prefill shapes (the composed prediction reads both); `mixed_points` is where
-           mixed points will be laid once the sweep measures them.
+           prefill shapes (the composed prediction reads both), and mixed points are laid
+           over the mixed steps: the decode part's batch axis and, per batch, its KV axis
+           as decode's (without capture sizes: a mixed step's graph goes by its tokens),
+           crossed with the prefill part's batch, new-token and prefix axes as prefill's;
+           a prefill part past the token budget beside its decode part is clamped to it,
+           a prefix too deep for max_model_len gives way to the deepest that fits, and the
+           rungs are held to the pool as --grid's (sweep.grid.lay_mixed). None where the
+           engine cannot measure mixed points (sweep.grid.mixed_note).
 
-Each axis is capped (TRACE_CAPS; "grid_caps" in the config sets them). The points the engine
-cannot run as one step are left out by the same checks as --grid (sweep.run). A trace of
+Each axis is capped (TRACE_CAPS; "grid_caps" in the config sets them; "mixed" caps each of
+the mixed points' five axes). The points the engine cannot run as one step are left out by
+the same checks as --grid (sweep.run). A trace of
 another model, layout or step-time setting is refused: before the engine loads where the
 command's arguments tell (`check_given`), and once it is up against everything the engine
 resolved (`check_engine`), so the table made here is one `validate` accepts.
@@ -32,12 +39,29 @@ from dataclasses import dataclass
 from ..record.shape import GraphConfig
 from ..record.trace_reader import MIXED, Step, Trace, TraceError, read_trace
 from ..record.validate_match import Provenance, loop_refusal, match, model_name, refusal
-from .grid import GridLimits, axis, deepest_kv, feasible_batch, thin
+from .grid import (
+    GridLimits,
+    axis,
+    deepest_kv,
+    feasible_batch,
+    lay_mixed,
+    mixed_batch_limit,
+    mixed_deepest,
+    mixed_note,
+    thin,
+)
 from .plan import CHAIN_DEPTH_MARGIN
-from .points import DecodePoint, PrefillPoint
+from .points import DecodePoint, MixedPoint, PrefillPoint
 from .settings import SettingsError
 
-TRACE_CAPS = {"decode_batches": 12, "kv_ladder": 6, "prefill_batches": 3, "prefill_tokens": 8, "prefix_depths": 4}
+TRACE_CAPS = {
+    "decode_batches": 12,
+    "kv_ladder": 6,
+    "prefill_batches": 3,
+    "prefill_tokens": 8,
+    "prefix_depths": 4,
+    "mixed": 2,
+}
 
 
 @dataclass(frozen=True)
@@ -140,10 +164,40 @@ def prefill_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps:
     return points
 
 
-def mixed_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: dict) -> list:
-    """Mixed points over the traced mixed steps: none until the sweep measures mixed points
-    (their parts are covered by decode_points and prefill_points meanwhile)."""
-    return []
+def mixed_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: dict) -> list[MixedPoint]:
+    """Mixed points over the traced mixed steps: the decode parts' (B, K) axes crossed with the
+    prefill parts' (B, N, P) axes, each spread over what the mixed steps ran within caps["mixed"]
+    values; N past the budget beside the decode part is clamped to it, a prefix too deep for
+    max_model_len gives way to the deepest that fits; none where mixed points cannot run."""
+    widest = mixed_batch_limit(graphs, limits)
+    if not found.mixed or mixed_note(limits) is not None or widest < 1:
+        return []
+    cap, unit, budget = caps["mixed"], limits.prefix_unit, graphs.max_num_batched_tokens
+    room = limits.max_model_len - CHAIN_DEPTH_MARGIN  # a request's tokens, its sampled one among them
+    decode = []
+    batches = spread([m[0] for m in found.mixed], (), 1, widest, cap)
+    for i, batch in enumerate(batches):
+        contexts = [round(k * batch / b) for b, k, *_ in found.mixed if _near(batches, i, b)]
+        deepest = mixed_deepest(batch, graphs, limits)
+        if contexts and deepest >= 2 * batch:
+            decode += [(batch, k) for k in spread(contexts, (), 2 * batch, deepest, cap)]
+    candidates = []
+    batches = spread([m[2] for m in found.mixed], (), 1, graphs.max_num_seqs - 1, cap)
+    for i, batch in enumerate(batches):
+        near = [(n * batch / b, p / b / unit) for _, _, b, n, p in found.mixed if _near(batches, i, b)]
+        if not near:
+            continue
+        blocks = [u for _, u in near]  # the ends rounded outwards, as prefill's
+        shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
+        depths = spread([shallow, deep, *(round(u) for u in blocks)], (), shallow, deep, cap)
+        for n in spread([round(n) for n, _ in near], (), batch, budget - 1, cap):
+            top = (room - 1 - math.ceil(n / batch)) // unit  # the deepest prefix beside n, in blocks
+            for u in sorted({min(u, top) for u in depths if min(u, top) >= 0}):
+                for b, k in decode:
+                    fill = min(n, budget - b)
+                    if fill >= batch:
+                        candidates.append(MixedPoint(DecodePoint(k, b), PrefillPoint(fill, u * unit * batch, batch)))
+    return lay_mixed(candidates, graphs, limits)
 
 
 def caps_of(asked) -> dict:
