@@ -146,7 +146,7 @@ def serve(model: Path, dataset: Path, out: Path, load: Load, pinned: bool) -> Se
 
         served.steps, served.counted = settled(counts)
     _, steps = trace_lines(trace)
-    served.sending = sum(1 for s in steps if s["outputs"])
-    served.mixed = sum(1 for s in steps if s["decode"]["requests"] and s["prefill"]["requests"])
+    served.sending = sum(1 for s in steps if s.outputs)
+    served.mixed = sum(1 for s in steps if s.decode_requests and s.prefill_requests)
     served.load_average = os.getloadavg()
     return served

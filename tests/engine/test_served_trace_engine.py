@@ -60,18 +60,18 @@ def test_the_trace_holds_every_step_the_server_counts(tmp_path):
     assert header["type"] == "kvwarm_trace" and header["model"] == str(model)
     assert header["engine_loop"]["loop"] == "sync"
     assert header["log_stats"] is True
-    assert [s["step"] for s in steps] == list(range(len(steps)))
-    sent = [s for s in steps if s["outputs"]]
-    silent = [s for s in steps if not s["outputs"]]
+    assert [s.number for s in steps] == list(range(len(steps)))
+    sent = [s for s in steps if s.outputs]
+    silent = [s for s in steps if not s.outputs]
     assert len(sent) == counted  # the rule, both ways
-    assert sum(s["outputs"] for s in steps) == generated
-    assert silent and all(s["decode"]["requests"] == 0 and s["prefill"]["requests"] for s in silent)
-    mixed = [s for s in steps if s["decode"]["requests"] and s["prefill"]["requests"]]
-    assert mixed and any(s["prefill"]["continuations"] for s in steps)
-    assert max(s["prefill"]["new_tokens"] for s in steps) <= budget
+    assert sum(s.outputs for s in steps) == generated
+    assert silent and all(s.decode_requests == 0 and s.prefill_requests for s in silent)
+    mixed = [s for s in steps if s.decode_requests and s.prefill_requests]
+    assert mixed and any(s.continuations for s in steps)
+    assert max(s.prefill_new_tokens for s in steps) <= budget
     # every window but those after an idle wait (the first included) has its wall and phases
-    assert sum(s["wall"] is None for s in steps) < len(steps) / 4
+    assert sum(s.wall is None for s in steps) < len(steps) / 4
     for s in steps:
-        if s["wall"] is not None:
-            assert sum(s["phases"].values()) == pytest.approx(s["wall"], rel=1e-3, abs=1e-6)
-            assert s["phases"]["forward"] > 0
+        if s.wall is not None:
+            assert sum(s.phases.values()) == pytest.approx(s.wall, rel=1e-3, abs=1e-6)
+            assert s.phases["forward"] > 0

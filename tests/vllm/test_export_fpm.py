@@ -41,39 +41,35 @@ def test_each_traced_step_is_one_fpm_of_dynamos_shape(tmp_path, batch_queue, cap
         metrics = line["metrics"]
         assert sorted(line) == ["metrics", "received_at_ns"] and isinstance(line["received_at_ns"], int)
         assert _json_types(metrics) == shape
-        assert metrics["counter_id"] == step["step"] + 1 and metrics["dp_rank"] == 0
-        assert metrics["wall_time"] == (step["wall"] if step["wall"] is not None else step["span"]) > 0
+        assert metrics["counter_id"] == step.number + 1 and metrics["dp_rank"] == 0
+        assert metrics["wall_time"] == (step.wall if step.wall is not None else step.span) > 0
         s, q = metrics["scheduled_requests"], metrics["queued_requests"]
-        assert (s["num_decode_requests"], s["sum_decode_kv_tokens"]) == (
-            step["decode"]["requests"],
-            step["decode"]["kv_tokens"],
-        )
+        assert (s["num_decode_requests"], s["sum_decode_kv_tokens"]) == (step.decode_requests, step.decode_kv_tokens)
         assert (s["num_prefill_requests"], s["sum_prefill_tokens"], s["sum_prefill_kv_tokens"]) == (
-            step["prefill"]["requests"],
-            step["prefill"]["new_tokens"],
-            step["prefill"]["prefix_tokens"],
+            step.prefill_requests,
+            step.prefill_new_tokens,
+            step.prefill_prefix_tokens,
         )
-        assert s["var_prefill_length"] == step["prefill"]["prompt_var"]
-        assert (q["num_prefill_requests"], q["sum_prefill_tokens"]) == (
-            step["queued"]["requests"],
-            step["queued"]["tokens"],
-        )
+        assert s["var_prefill_length"] == step.prefill_prompt_var
+        assert (q["num_prefill_requests"], q["sum_prefill_tokens"]) == (step.queued["requests"], step.queued["tokens"])
     at = [line["received_at_ns"] for line in captured]
-    assert at == sorted(at) and at[-1] - at[0] == pytest.approx((steps[-1]["at"] - steps[0]["at"]) * 1e9, abs=2e3)
+    assert at == sorted(at) and at[-1] - at[0] == pytest.approx((steps[-1].at - steps[0].at) * 1e9, abs=2e3)
 
 
 def test_ranks_merge_in_the_order_of_their_steps_and_a_torn_line_is_reported(tmp_path, capsys):
     trace = made_trace(tmp_path)
     _, steps = read(trace)
     lines = (trace / "trace-dp0.jsonl").read_text().splitlines()
-    later = [json.dumps({**json.loads(lines[0]), "rank": 1})]
+    first = {**json.loads(lines[0]), "dp_size": 2}  # two ranks of one deployment, as the reader requires
+    (trace / "trace-dp0.jsonl").write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    later = [json.dumps({**first, "rank": 1})]
     later += [json.dumps({**json.loads(x), "at": json.loads(x)["at"] + 0.0005}) for x in lines[1:]]
     (trace / "trace-dp1.jsonl").write_text("\n".join(later) + '\n{"step": 99, "at"')
     assert export([str(trace), "--to", "fpm", "--out", str(tmp_path / "out" / "fpm.jsonl")]) == 0
     assert "torn last line, skipped" in capsys.readouterr().err
     captured = _captured(tmp_path / "out" / "fpm.jsonl")
     order = [(c["metrics"]["dp_rank"], c["metrics"]["counter_id"]) for c in captured]
-    assert order == [(rank, s["step"] + 1) for s in steps for rank in (0, 1)]
+    assert order == [(rank, s.number + 1) for s in steps for rank in (0, 1)]
 
 
 def test_rotated_files_are_read_oldest_first(tmp_path):

@@ -84,7 +84,7 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
     seen = Observed(scheduler)
     serve(scheduler, EngineLoop(scheduler, batch_queue, clock, forward_seconds), MIXED_ARRIVALS)
     header, steps = read(out)
-    assert header["type"] == "kvwarm_trace" and header["schema_version"] == 1
+    assert header["type"] == "kvwarm_trace" and header["schema_version"] == 2
     assert header["engine_loop"] == loop_record(scheduler)  # the sweep artifact's record, same code
     assert header["engine_loop"]["loop"] == ("batch_queue" if batch_queue else "sync")
     assert header["model"] == scheduler.vllm_config.model_config.model
@@ -93,43 +93,40 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
     assert len(read_back.steps) == len(steps)
     assert Provenance.of_trace(read_back.header).loop == header["engine_loop"]["loop"]
     traced = [o for o in seen.order if o.total_num_scheduled_tokens]
-    assert [s["step"] for s in steps] == list(range(len(traced))) and len(traced) > 10
+    assert [s.number for s in steps] == list(range(len(traced))) and len(traced) > 10
     kinds = set()
-    for line, output in zip(steps, traced):
+    for line, output in zip(steps, traced):  # the recorder's raw numbers, composed by the reader
         want = seen.by_output[id(output)]
         news = [n for n, *_ in want["chunks"]]
-        assert line["decode"] == {
-            "requests": len(want["decode"]),
-            "kv_tokens": sum(want["decode"]),
-            "kv_var": pytest.approx(_pvar(want["decode"])),
-        }
-        assert line["prefill"] == {
-            "requests": len(news),
-            "new_tokens": sum(news),
-            "prefix_tokens": sum(before for _, before, *_ in want["chunks"]),
-            "new_var": pytest.approx(_pvar(news)),
-            "prompt_var": pytest.approx(_pvar([p for _, _, p, _ in want["chunks"]])),
-            "continuations": sum(later and 0 < before < p for _, before, p, later in want["chunks"]),
-        }
-        assert line["outputs"] == want["outputs"] and line["spec_tokens"] == 0 and line["preempted"] == 0
+        assert (line.decode_requests, line.decode_kv_tokens) == (len(want["decode"]), sum(want["decode"]))
+        assert line.decode_kv_var == pytest.approx(_pvar(want["decode"]))
+        assert (line.prefill_requests, line.prefill_new_tokens, line.prefill_prefix_tokens) == (
+            len(news),
+            sum(news),
+            sum(before for _, before, *_ in want["chunks"]),
+        )
+        assert line.prefill_new_var == pytest.approx(_pvar(news))
+        assert line.prefill_prompt_var == pytest.approx(_pvar([p for _, _, p, _ in want["chunks"]]))
+        assert line.continuations == sum(later and 0 < before < p for _, before, p, later in want["chunks"])
+        assert line.outputs == want["outputs"] and line.spec_tokens == 0 and line.preempted == 0
         kinds.add((bool(want["decode"]), bool(want["chunks"])))
     assert kinds == {(True, False), (False, True), (True, True)}  # decode, prefill and mixed steps
-    assert any(line["prefill"]["continuations"] for line in steps)
+    assert any(line.continuations for line in steps)
     # a prefix hit (prefix tokens on a first chunk) is held to the scheduler's own line by line
     # above; whether the arrivals make one depends on when a release caches a prompt's blocks
     # the windows: the ones the adapter's timer closed (the sweep's basis), in order
-    windows = [s for s in steps if s["wall"] is not None]
-    assert len(windows) == len(steps) - 1 and steps[0]["wall"] is None  # no window before the first
+    windows = [s for s in steps if s.wall is not None]
+    assert len(windows) == len(steps) - 1 and steps[0].wall is None  # no window before the first
     for line in windows:
-        assert sum(line["phases"].values()) == pytest.approx(line["wall"])
-        assert line["at"] - steps[line["step"] - 1]["at"] == pytest.approx(line["wall"], abs=2e-6)
+        assert sum(line.phases.values()) == pytest.approx(line.wall)
+        assert line.at - steps[line.number - 1].at == pytest.approx(line.wall, abs=2e-6)
     if not batch_queue:  # one step at a time: the window is the step's own forward
         for line, output in zip(steps, traced):
-            if line["wall"] is not None:
-                assert line["wall"] == pytest.approx(forward_seconds(output))
-                assert line["phases"]["forward"] == pytest.approx(forward_seconds(output))
+            if line.wall is not None:
+                assert line.wall == pytest.approx(forward_seconds(output))
+                assert line.phases["forward"] == pytest.approx(forward_seconds(output))
     else:  # the batch queue: a step's span starts at its own schedule(), before the window does
-        assert any(line["span"] > line["wall"] for line in windows)
+        assert any(line.span > line.wall for line in windows)
 
 
 @pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
@@ -143,9 +140,9 @@ def test_a_step_after_an_idle_wait_has_no_wall(tmp_path, cls, batch_queue):
     run(loop)
     scheduler.kvwarm_trace.close()
     _, steps = read(out)
-    first_of_later = next(i for i, s in enumerate(steps) if s["prefill"]["requests"] and i > 0)
-    assert steps[first_of_later]["wall"] is None and steps[first_of_later]["at"] - steps[first_of_later - 1]["at"] > 5
-    walls = [s["wall"] for i, s in enumerate(steps) if i not in (0, first_of_later)]
+    first_of_later = next(i for i, s in enumerate(steps) if s.prefill_requests and i > 0)
+    assert steps[first_of_later].wall is None and steps[first_of_later].at - steps[first_of_later - 1].at > 5
+    walls = [s.wall for i, s in enumerate(steps) if i not in (0, first_of_later)]
     assert walls and all(w is not None and w < 1 for w in walls)
 
 
@@ -182,7 +179,7 @@ def test_the_sweeps_own_steps_are_left_out_and_the_served_ones_between_points_ar
     swept = [o for o in seen.order if set(o.num_scheduled_tokens) - users]
     assert swept and len(steps) == len(served) > 0  # every step of users' requests alone, none of the sweep's
     for line, output in zip(steps, served):
-        assert line["decode"]["requests"] + line["prefill"]["requests"] == len(output.num_scheduled_tokens)
+        assert line.decode_requests + line.prefill_requests == len(output.num_scheduled_tokens)
 
 
 def test_the_trace_off_keeps_no_timer_and_records_nothing(tmp_path):

@@ -82,6 +82,11 @@ def rotated_trace(tmp_path: Path, files: int, requests: int, max_tokens: int) ->
     return out
 
 
-def read(out: Path, name: str = "trace-dp0.jsonl") -> tuple[dict, list[dict]]:
-    lines = (out / name).read_text().splitlines()
-    return json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+def read(out: Path) -> tuple[dict, list]:
+    """Rank 0's header as written, and every step as validate reads it (record.trace_reader's
+    Steps: the raw numbers composed); no steps where the recorder wrote none."""
+    from vllm.kvwarm.record.trace_reader import read_trace
+
+    header = json.loads((out / "trace-dp0.jsonl").read_text().splitlines()[0])
+    lines = (out / "trace-dp0.jsonl").read_text().splitlines()
+    return header, (read_trace(out).steps if len(lines) > 1 else [])

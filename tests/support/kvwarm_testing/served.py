@@ -114,15 +114,18 @@ def metric(server_url: str, name: str) -> float:
     return sum(values)
 
 
-def trace_lines(folder: Path, rank: int = 0) -> tuple[dict, list[dict]]:
-    """A rank's trace read back as its header and step records, oldest first (no checks: the
-    tests check the lines themselves)."""
-    files = sorted(folder.glob(f"trace-dp{rank}.*.jsonl"), key=lambda p: -int(p.name.split(".")[1]))
-    header, steps = None, []
-    for path in [*files, folder / f"trace-dp{rank}.jsonl"]:
-        lines = path.read_text().splitlines()
-        header = header or json.loads(lines[0])
-        steps += [json.loads(line) for line in lines[1:]]
+def trace_lines(folder: Path, rank: int = 0) -> tuple[dict, list]:
+    """A rank's header as written and its steps as validate reads them (record.trace_reader's
+    Steps, every file oldest first); no steps while the recorder has written none."""
+    from vllm.kvwarm.record.trace_reader import TraceError, read_trace
+
+    header = json.loads((folder / f"trace-dp{rank}.jsonl").read_text().splitlines()[0])
+    try:
+        steps = [s for s in read_trace(folder).steps if s.rank == rank]
+    except TraceError as err:
+        if "an empty trace" not in str(err):
+            raise
+        steps = []
     return header, steps
 
 

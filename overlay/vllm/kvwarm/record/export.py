@@ -24,7 +24,7 @@ from pathlib import Path
 from . import vocabulary as v
 from .combined import rank_path
 from .export_dynamo import AGG, rank_artifacts
-from .export_fpm import TraceExportError, is_trace, write_fpm
+from .export_fpm import TraceError, is_trace, write_fpm
 from .export_input import ExportError, SweepRecord, load_sweep, without_prefix
 from .export_profiler import write_tables
 from .files import write_atomically
@@ -165,7 +165,7 @@ def run(argv: list[str]) -> int:
 def _run_fpm(folder: str, out: str | None) -> int:
     try:
         path, left_out, trace = write_fpm(folder, out)
-    except (TraceExportError, OSError) as err:
+    except (TraceError, OSError) as err:
         print(f"kvwarm export: {err}", file=sys.stderr)
         return 2
     for torn in trace.torn:

@@ -1,6 +1,6 @@
-"""A served-step trace read back (the recorder's format, version 1: docs/validate.md): every
-rank's file and its rotated predecessors, oldest first, each header checked, every step line
-turned into a `Step`.
+"""A served-step trace read back (the recorder's format, versions 1 and 2: docs/validate.md):
+every rank's file and its rotated predecessors, oldest first, each header checked, every
+step line turned into a `Step` (record.trace_steps composes version 2's raw numbers).
 
 A torn last line (the process died mid-write) is reported, not fatal; any other line that is
 not a step is an error naming the file and the line. A trace without a single step is
@@ -16,46 +16,15 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .trace_steps import DECODE, KINDS, MIXED, PARSERS, PREFILL, Step, TraceError, parse_step
+
+__all__ = ["DECODE", "KINDS", "MIXED", "PREFILL", "Step", "Trace", "TraceError", "read_trace"]
+
 TRACE_TYPE = "kvwarm_trace"
-READS = (1,)  # the trace schema versions this reader knows
+READS = tuple(PARSERS)  # the trace schema versions this reader knows
 TIMING_BASIS = "update_to_update"  # the only timing basis a trace may have: the sweep's decode window
-DECODE, PREFILL, MIXED = "decode", "prefill", "mixed"  # a step's kind (an idle step is never written)
-KINDS = (DECODE, PREFILL, MIXED)
 # trace-dp<R>.jsonl (the current file) and trace-dp<R>.<k>.jsonl (rotated, k = 1 the newest)
 FILE_NAME = re.compile(r"^trace-dp(\d+)(?:\.(\d+))?\.jsonl$")
-
-
-class TraceError(ValueError):
-    """A trace that cannot be read: the message names the file (and line), what is wrong and the fix."""
-
-
-@dataclass(frozen=True)
-class Step:
-    """One traced engine step, in the trace's own units (tokens, seconds)."""
-
-    rank: int
-    number: int  # this rank's step counter
-    wall: float | None  # the window since the previous update end (None: the rank's first step)
-    phases: dict[str, float]
-    decode_requests: int
-    decode_kv_tokens: int  # the decode requests' contexts, summed
-    prefill_requests: int
-    prefill_new_tokens: int
-    prefill_prefix_tokens: int  # computed or cache-hit before this chunk, summed
-    spec_tokens: int = 0
-    graph_mode: str | None = None
-    padded_tokens: int | None = None
-
-    @property
-    def kind(self) -> str:
-        if self.decode_requests and self.prefill_requests:
-            return MIXED
-        return PREFILL if self.prefill_requests else DECODE
-
-    @property
-    def depth(self) -> int:
-        """The KV already in the cache that the step reads: decode contexts and prefill prefixes."""
-        return self.decode_kv_tokens + self.prefill_prefix_tokens
 
 
 @dataclass
@@ -74,14 +43,6 @@ class Trace:
     @property
     def dp_size(self) -> int:
         return int(self.header.get("dp_size") or 1)
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _seconds(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 def rank_files(root: Path) -> dict[int, list[Path]]:
@@ -123,50 +84,6 @@ def _header(path: Path, line: str, rank: int) -> dict:
     return header
 
 
-def parse_step(record, rank: int, where: str) -> Step:
-    """One step line's record as a Step; TraceError naming `where` and the field when it is not one."""
-    if not isinstance(record, dict):
-        raise TraceError(f"{where}: not a step record (a JSON {type(record).__name__})")
-    decode, prefill = record.get("decode"), record.get("prefill")
-    phases = record.get("phases")
-    problems = [
-        name
-        for name, ok in (
-            ("step", _count(record.get("step"))),
-            ("wall", record.get("wall") is None or _seconds(record.get("wall"))),
-            ("phases", isinstance(phases, dict) and all(_seconds(t) for t in phases.values() if t is not None)),
-            ("decode.requests", isinstance(decode, dict) and _count(decode.get("requests"))),
-            ("decode.kv_tokens", isinstance(decode, dict) and _count(decode.get("kv_tokens"))),
-            ("prefill.requests", isinstance(prefill, dict) and _count(prefill.get("requests"))),
-            ("prefill.new_tokens", isinstance(prefill, dict) and _count(prefill.get("new_tokens"))),
-            ("prefill.prefix_tokens", isinstance(prefill, dict) and _count(prefill.get("prefix_tokens"))),
-            ("spec_tokens", record.get("spec_tokens") is None or _count(record.get("spec_tokens"))),
-        )
-        if not ok
-    ]
-    if problems:
-        raise TraceError(
-            f"{where}: not a step record ({', '.join(problems)} missing or not a count/seconds); "
-            "the file was not written by the trace recorder, or was edited"
-        )
-    graph = record.get("graph") if isinstance(record.get("graph"), dict) else {}
-    padded = graph.get("padded_tokens")
-    return Step(
-        rank=rank,
-        number=record["step"],
-        wall=record["wall"],
-        phases={p: t for p, t in phases.items() if t is not None},
-        decode_requests=decode["requests"],
-        decode_kv_tokens=decode["kv_tokens"],
-        prefill_requests=prefill["requests"],
-        prefill_new_tokens=prefill["new_tokens"],
-        prefill_prefix_tokens=prefill["prefix_tokens"],
-        spec_tokens=record.get("spec_tokens") or 0,
-        graph_mode=graph.get("mode") if isinstance(graph.get("mode"), str) else None,
-        padded_tokens=padded if _count(padded) else None,
-    )
-
-
 def _parses(line: str) -> bool:
     try:
         json.loads(line)
@@ -201,7 +118,7 @@ def _read_file(path: Path, rank: int, trace: Trace) -> dict | None:
                 f"{path}: line {number} is not JSON, and is not the file's last line (a torn write can only "
                 "be the last); the file was edited or damaged"
             ) from None
-        trace.steps.append(parse_step(record, rank, f"{path}: line {number}"))
+        trace.steps.append(parse_step(record, rank, f"{path}: line {number}", header["schema_version"]))
     return header
 
 

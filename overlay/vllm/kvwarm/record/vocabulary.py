@@ -144,7 +144,7 @@ STATE_MISSING = "state_missing"
 
 # --- the served-step trace (docs/validate.md#the-trace): served.recorder writes it ----------
 TRACE_TYPE = "kvwarm_trace"  # the header's `type`
-TRACE_SCHEMA_VERSION = 1
+TRACE_SCHEMA_VERSION = 2  # 2: raw per-request numbers, composed when read (1: composed lines)
 TRACE_BASIS = "update_to_update"  # a step's `wall`: one update end to the next, as a decode row's
 TRACE_CLOCK = "perf_counter"
 

@@ -2,18 +2,19 @@
 (docs/validate.md#the-trace; the format's words are record.vocabulary's TRACE_*).
 
 The adapter calls `scheduled()` at the end of each schedule() and `updated()` after each
-update_from_output(). In the step they keep references and a few numbers (the
-SchedulerOutput, the queues' contents, the window the adapter's StepTimer closed, how
-many request outputs the step sent); the writer's thread (served.writer) turns them into
-lines later (served.shape). A step is traced when it scheduled tokens and the sweep, where
-one is configured, held none of its own requests in it (Sweep.runs_own_requests); its
-number counts traced steps. Its `wall` is the window the timer closed (one update end to
-the next: a decode row's basis), null where the window holds an idle wait: the engine
-had no request and no step in flight when the previous window closed, so it waited for
-work before this step (a rank's first step has no window either). Its `span` is its own
-schedule() entry to its update end (what Dynamo's FPM falls back to after an idle wait).
-Its `gc`: the collections Python's collector ran in the window, in any thread, and their time
-(a served engine collects as it goes; a sweep holds its collector still in timed steps).
+update_from_output(). In the step they keep references and a few numbers (the parts of the
+SchedulerOutput a line reads, the queues' contents, the window the adapter's StepTimer
+closed, how many request outputs the step sent); the writer's thread (served.writer) turns
+them into lines later (served.shape: raw numbers; the reader composes them). A step is
+traced when it scheduled tokens and the sweep, where one is configured, held none of its own
+requests in it (Sweep.runs_own_requests); its number counts traced steps. Its `wall` is the
+window the timer closed (one update end to the next: a decode row's basis), null where the
+window holds an idle wait: the engine had no request and no step in flight when the previous
+window closed, so it waited for work before this step (a rank's first step has no window
+either). Its `span` is its own schedule() entry to its update end (what Dynamo's FPM falls
+back to after an idle wait). Its `gc`: the collections Python's collector ran in the window,
+in any thread, and their time (a served engine collects as it goes; a sweep holds its
+collector still in timed steps).
 """
 
 from __future__ import annotations
@@ -28,14 +29,10 @@ from ..sweep.engine_record import run_record
 from ..sweep.loop import loop_record
 from ..sweep.ranks import rank_layout
 from .settings import TraceSettings
-from .shape import StepShapes, graph, queued
+from .shape import RawSteps, graph, parts, queued
 from .writer import TraceFiles, TraceWriter, line
 
 MAX_IN_FLIGHT = 16  # as the StepTimer's: outputs scheduled and not yet taken in
-
-
-def _seconds(value: float | None) -> float | None:
-    return None if value is None else round(value, 7)
 
 
 def trace_header(scheduler, settings: TraceSettings, started: datetime) -> dict:
@@ -72,7 +69,7 @@ class TraceRecorder:
         header = trace_header(scheduler, settings, started)
         self.rank = header["rank"]
         self._preempted = RequestStatus.PREEMPTED
-        self._shapes = StepShapes(scheduler.requests)
+        self._raw = RawSteps(scheduler.requests)
         files = TraceFiles(settings.out, self.rank, header, settings.max_file_bytes, settings.files)
         self.path = files.path
         self.writer = TraceWriter(files, self.render)
@@ -112,27 +109,28 @@ class TraceRecorder:
         stats = getattr(runner_output, "cudagraph_stats", None)
         span = timer.last_span if number is not None else None
         collected, self._gc = self._gc, [0, 0.0, self._gc[2]]
-        self.writer.submit((number, output, waiting, end, window, span, waited, sent, stats, collected))
+        self.writer.submit((number, parts(output), waiting, end, window, span, waited, sent, stats, collected))
 
     # --- in the writer's thread ---------------------------------------------------------------
 
     def render(self, item) -> str | None:
-        number, output, waiting, end, window, span, waited, sent, stats, collected = item
-        shape = self._shapes.observe(output)  # every output: it keeps the prompt lengths
+        number, step_parts, waiting, end, window, span, waited, sent, stats, collected = item
+        raw = self._raw.observe(step_parts)  # every step: it keeps the prompt lengths
         if number is None:
             return None
         record = {
             "step": number,
-            "at": round(end - self._t0, 6),
-            "wall": None if waited or window is None else _seconds(window.wall),
-            "span": _seconds(span.wall) if span is not None else None,
-            "phases": {k: _seconds(t) for k, t in window.phases.items()} if window is not None else {},
-            **shape,
+            "at": end - self._t0,
+            "wall": None if waited or window is None else window.wall,
+            "span": span.wall if span is not None else None,
+            "phases": window.phases if window is not None else {},
+            **raw,
             "queued": queued(waiting, self._preempted),
             "outputs": sent,
-            "graph": graph(stats),
-            "gc": {"collections": collected[0], "seconds": _seconds(collected[1])},
+            "gc": collected[:2],
         }
+        if stats is not None:
+            record["graph"] = graph(stats)
         return line(record)
 
     def close(self) -> None:
