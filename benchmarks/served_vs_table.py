@@ -58,7 +58,7 @@ def target_met(summary: dict, bands: dict) -> bool:
 
 def trace_share(trace: Path) -> float | None:
     """The adapter's own part of a served step (the trace's hooks: the `sweep` phase), median."""
-    shares = [s["phases"]["sweep"] / s["wall"] for s in trace_lines(trace)[1] if s["wall"]]
+    shares = [s.phases["sweep"] / s.wall for s in trace_lines(trace)[1] if s.wall]
     return statistics.median(shares) if shares else None
 
 

@@ -28,11 +28,11 @@ def decode_rows(artifact: dict) -> dict[int, list[tuple[int, dict, float]]]:
     return rows
 
 
-def matched(trace, artifact: dict) -> list[tuple[dict, tuple]]:
+def matched(trace, artifact: dict) -> list[tuple[object, tuple]]:  # (record.trace_steps.Step, row)
     rows, pairs = decode_rows(artifact), []
     for step in trace_lines(trace)[1]:
-        b, k = step["decode"]["requests"], step["decode"]["kv_tokens"]
-        if step["wall"] is None or step["prefill"]["requests"] or not b or b not in rows:
+        b, k = step.decode_requests, step.decode_kv_tokens
+        if step.wall is None or step.prefill_requests or not b or b not in rows:
             continue
         row = min(rows[b], key=lambda r: abs(r[0] - k))
         if abs(row[0] - k) <= MATCH_TOLERANCE * max(k, 1):
@@ -49,7 +49,7 @@ def compare(trace, artifact: dict) -> dict | None:
     for phase in (*PHASES, "wall"):
         diffs, ratios = [], []
         for step, (_, phases, median) in pairs:
-            served = step["wall"] if phase == "wall" else step["phases"].get(phase, 0.0)
+            served = step.wall if phase == "wall" else step.phases.get(phase, 0.0)
             row = median if phase == "wall" else phases.get(phase) or 0.0
             diffs.append((served - row) * 1e3)
             if row > 0:

@@ -2,8 +2,10 @@
 writes anything: the engine's thread appends a tuple of references to a queue (`submit`);
 a daemon thread wakes every FLUSH_SECONDS, turns each into a JSON line (`render`, which may
 say None: nothing to write), writes it to a buffered file and flushes once per wake-up. It
-hands the GIL back after every line (time.sleep(0)), so the engine's thread never waits
-behind a whole batch of formatting.
+hands the GIL back after every line, so the engine's thread never waits behind a whole
+batch of formatting: with os.sched_yield(), which lets go of the GIL and the core for a
+thread that waits for either; time.sleep(0) did the same at about 20 times the CPU on a
+virtual host (it arms a timer: docs/measurements.md).
 
 Bounded: at most MAX_PENDING items wait; beyond that an item is dropped and counted (the
 steps' numbers then skip, and the count is logged at the end). Each file is rotated once it
@@ -17,9 +19,9 @@ trace stops; a line that cannot be rendered is logged once and skipped.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
@@ -135,7 +137,7 @@ class TraceWriter:
                     wrote = True
                 except OSError as err:
                     self._fail(err)
-            time.sleep(0)  # the GIL back to the engine's thread between lines
+            os.sched_yield()  # the GIL back to the engine's thread between lines
         if wrote and not self._broken:
             try:
                 self._files.flush()
