@@ -30,7 +30,14 @@ from vllm.kvwarm.record.validate_output import text, write
 from .serving import cores, engine_args, pinning_env
 
 TOPOLOGIES = ("in-process", "served")
-QUICK_CAPS = {"decode_batches": 3, "kv_ladder": 3, "prefill_batches": 1, "prefill_tokens": 2, "prefix_depths": 1, "mixed": 1}
+QUICK_CAPS = {
+    "decode_batches": 3,
+    "kv_ladder": 3,
+    "prefill_batches": 1,
+    "prefill_tokens": 2,
+    "prefix_depths": 1,
+    "mixed": 1,
+}
 
 
 def sweep_table(

@@ -203,6 +203,44 @@ def test_a_grid_sweep_with_prefill_points_on_two_ranks_with_unequal_pools_lays_o
     assert len(combined["results"]) == len(points[0])
 
 
+def test_mixed_points_run_in_lockstep_on_two_data_parallel_ranks_each_step_their_exact_shape(inputs, tmp_path):
+    """A points file of mixed points and a decode point on two data-parallel ranks of the MoE:
+    every rank measures every mixed point as one step of its decode part's shadows beside its
+    prefill part's requests on a real prefix (the step's shape is checked per shot on each
+    rank: a step of another shape would be a skip), and the combined view holds them."""
+    out = tmp_path / "out"
+    prefill = {"total_prefill_tokens": 96, "total_kv_read_tokens": 128, "batch_size": 1}
+    mixed = [
+        {"decode": {"total_kv_read_tokens": 300, "batch_size": 2}, "prefill": prefill},
+        {"decode": {"total_kv_read_tokens": 120, "batch_size": 1}, "prefill": {**prefill, "total_kv_read_tokens": 0}},
+    ]
+    points = tmp_path / "points.json"
+    points.write_text(
+        json.dumps({"schema_version": 2, "decode": [{"total_kv_read_tokens": 200, "batch_size": 2}], "mixed": mixed})
+    )
+    rc = run_command(
+        ["--points", str(points), "--out", str(out), *engine_args(inputs["moe"], "--data-parallel-size", "2")],
+        _env(inputs, KVWARM_TEST_CPU_ALL_GATHERV="1", **OWN_FOLDERS),
+        tmp_path / "cmd.log",
+    )
+    assert rc == 0, (tmp_path / "cmd.log").read_text()[-3000:]
+    ranks = [json.loads(rank_artifact(out, r, own_folders=True).read_text()) for r in range(2)]
+    for rank, artifact in enumerate(ranks):
+        assert artifact["status"] == "complete" and artifact["skipped_points"] == [], artifact.get("error")
+        assert artifact["layout"]["data_parallel_rank"] == rank
+        rows = [r for r in artifact["results"] if r["point"]["point_type"] == "mixed"]
+        assert sorted(
+            (r["point"]["decode"]["batch_size"], r["point"]["prefill"]["total_kv_read_tokens"]) for r in rows
+        ) == [(1, 0), (2, 128)]
+        for row in rows:
+            assert row["sample_kind"] == "shot_forward" and len(row["steady_seconds"]) == 3
+            assert all(t > 0 for t in row["steady_seconds"])
+        assert [r["point"]["point_type"] for r in artifact["results"]].count("decode") == 1
+    combined = json.loads((out / "sweep.json").read_text())
+    assert combined["status"] == "complete"
+    assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [(0, "complete", 3), (1, "complete", 3)]
+
+
 # Below vLLM's grace between the SIGTERM and the SIGKILL it sends the surviving engine cores
 # when one dies (5 s), so the survivor records why it stops before it is killed.
 KILL_TIMEOUT = 3

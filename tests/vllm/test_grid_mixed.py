@@ -96,13 +96,7 @@ def test_a_small_pool_holds_the_mixed_rungs_chains_beside_their_shots():
 
 @pytest.mark.parametrize(
     "gate, said",
-    [
-        (
-            {"data_parallel_size": 2},
-            "mixed points are measured at one data-parallel rank only so far, the engine runs 2",
-        ),
-        ({"attention_only": False}, "mixed points are measured on attention-only models so far"),
-    ],
+    [({"attention_only": False}, "mixed points are measured on attention-only models so far")],
 )
 def test_a_grid_lays_no_mixed_point_where_the_engine_cannot_measure_them_and_says_why(gate, said):
     limits = dataclasses.replace(LIMITS, **gate)

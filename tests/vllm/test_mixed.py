@@ -133,25 +133,19 @@ def test_the_engine_limits_refuse_mixed_points_it_cannot_run_as_one_step(tmp_pat
         )
 
 
-def test_mixed_points_are_refused_at_the_data_parallel_size_the_engine_was_launched_with(tmp_path, monkeypatch):
-    """vLLM resets a dense model's data-parallel size to 1 before the scheduler is built; the
-    ranks still meet (sweep.ranks), so the launch size is the one mixed points are refused at."""
+def test_mixed_points_pass_the_checks_at_a_launched_data_parallel_size_of_two(tmp_path, monkeypatch):
+    """The ranks meet at every shot of a mixed point as of a prefill point (the two-rank sweep:
+    tests/engine/test_multi_rank.py), so a launch of two ranks refuses none."""
     from vllm.kvwarm.sweep import ranks
 
     scheduler = make_scheduler(tmp_path, num_blocks=128)
-    assert scheduler.vllm_config.parallel_config.data_parallel_size == 1
     monkeypatch.setattr(ranks, "_launch_data_parallel_size", 2)
-    with pytest.raises(PointsFileError) as err:
-        check_points(
-            [MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 0, 1))],
-            scheduler.vllm_config,
-            scheduler.kv_cache_manager,
-            "points.json",
-        )
-    assert str(err.value) == (
-        "points.json: mixed point decode B=2 K=200 + prefill B=1 N=64 P=0: mixed points are measured at one "
-        "data-parallel rank only so far, the engine runs 2; sweep them with --data-parallel-size 1 or drop them"
-    )
+    point = MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 0, 1))
+    check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    budget = scheduler.vllm_config.scheduler_config.max_num_batched_tokens
+    over = MixedPoint(DecodePoint(200, 2), PrefillPoint(budget - 1, 0, 1))  # two decode tokens beside
+    with pytest.raises(PointsFileError, match=f"= {budget + 1} tokens, beyond max_num_batched_tokens {budget}"):
+        check_points([over], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
 
 
 # --- the steps, on the real scheduler ------------------------------------------------------

@@ -55,7 +55,6 @@ class GridLimits:
     num_blocks: int
     block_size: int  # the attention block size
     prefix_unit: int  # a prefix is whole blocks of this
-    data_parallel_size: int = 1  # as launched (sweep.ranks): mixed points at one rank only
     attention_only: bool = True  # no recurrent state: mixed points on these only
 
 
@@ -172,7 +171,7 @@ def prefill_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> 
 
 def mixed_note(limits: GridLimits) -> str | None:
     """Why a grid on this engine lays no mixed point (None: it lays them where they fit)."""
-    return mixed_refusal(limits.data_parallel_size, limits.attention_only)
+    return mixed_refusal(limits.attention_only)
 
 
 def mixed_batch_limit(graphs: GraphConfig, limits: GridLimits) -> int:

@@ -13,9 +13,10 @@ the point, the limit and the fix.
 - A prefill point with a prefix (P > 0) needs the prefix cache: without it nothing is found.
 - A mixed point is one step: its decode requests' tokens and its prefill part's N fit
   max_num_batched_tokens, and its prefill part passes the prefill checks (so that the engine
-  runs it unchunked beside the decodes). This slice measures mixed points at one data-parallel
-  rank (as launched) on attention-only layouts; elsewhere they are refused (`mixed_refusal`,
-  by which a generated grid lays none).
+  runs it unchunked beside the decodes). Mixed points are measured on attention-only
+  layouts, at any data-parallel size (the ranks meet at every shot as for prefill points);
+  on a layout with recurrent state they are refused (`mixed_refusal`, by which a generated
+  grid lays none).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from ..kv.prefix import new_request_blocks, prefix_unit
 from ..record import vocabulary as v
 from .plan import CHAIN_DEPTH_MARGIN
 from .points import MixedPoint, PointsFileError, PrefillPoint, check_budget
-from .ranks import rank_layout
 
 
 class SweepRefused(ValueError):
@@ -124,11 +124,9 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str, free:
             )
 
 
-def mixed_refusal(data_parallel_size: int, attention_only: bool) -> str | None:
+def mixed_refusal(attention_only: bool) -> str | None:
     """Why this engine cannot measure mixed points (None: it can): the gates of this slice,
     which a points file's mixed points are refused by and a generated grid lays none by."""
-    if data_parallel_size > 1:
-        return f"mixed points are measured at one data-parallel rank only so far, the engine runs {data_parallel_size}"
     if not attention_only:
         return "mixed points are measured on attention-only models so far, this model keeps recurrent state"
     return None
@@ -139,12 +137,9 @@ def _check_mixed(points: list, vllm_config, layouts, source: str) -> None:
     if not mixed:
         return
     check_budget(mixed, vllm_config.scheduler_config.max_num_batched_tokens, source)
-    # the size the engine was launched with: vLLM resets a dense model's to 1 (sweep.ranks)
-    dp = rank_layout(vllm_config.parallel_config).data_parallel_size
-    why = mixed_refusal(dp, all(g.kind == ATTENTION for g in layouts))
+    why = mixed_refusal(all(g.kind == ATTENTION for g in layouts))
     if why:
-        fix = "sweep them with --data-parallel-size 1 or drop them" if dp > 1 else "drop the mixed points to sweep it"
-        raise PointsFileError(f"{source}: mixed point {mixed[0].name()}: {why}; {fix}")
+        raise PointsFileError(f"{source}: mixed point {mixed[0].name()}: {why}; drop the mixed points to sweep it")
 
 
 def _name(point: PrefillPoint) -> str:

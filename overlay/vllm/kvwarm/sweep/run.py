@@ -294,7 +294,6 @@ class SweepRun:
             num_blocks=pool["num_blocks"],
             block_size=max(attention),
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
-            data_parallel_size=self.layout.data_parallel_size,
             attention_only=all(g.kind == ATTENTION for g in layouts),
         )
         points, note = [], mixed_note(limits)
