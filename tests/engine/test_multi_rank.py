@@ -175,7 +175,7 @@ def test_a_grid_sweep_with_prefill_points_on_two_ranks_with_unequal_pools_lays_o
     rank writing to a folder of its own: both complete the same grid, prefill and decode
     points, laid in the smaller pool; rank 0 alone writes grid.json; the view is complete."""
     out = tmp_path / "out"
-    caps = {"decode_batches": 2, "kv_ladder": 2, "prefill_tokens": 2}
+    caps = {"decode_batches": 2, "kv_ladder": 2, "prefill_tokens": 2, "mixed": 1}
     rc = run_command(
         ["--grid", json.dumps(caps), "--out", str(out), *engine_args(inputs["llama"], "--data-parallel-size", "2")],
         _env(inputs, KVWARM_TEST_RANK_BLOCKS="0:300,1:240", **OWN_FOLDERS),
@@ -191,11 +191,11 @@ def test_a_grid_sweep_with_prefill_points_on_two_ranks_with_unequal_pools_lays_o
     assert grids[0] == grids[1] and grids[0]["pool"]["num_blocks"] == min(pools)
     points = [sorted(json.dumps(r["point"], sort_keys=True) for r in a["results"]) for a in ranks]
     assert points[0] == points[1] and len(points[0]) == grids[0]["points"]
-    assert {r["point"]["point_type"] for r in ranks[0]["results"]} == {"prefill", "decode"}
+    assert {r["point"]["point_type"] for r in ranks[0]["results"]} == {"prefill", "decode", "mixed"}
     assert {r["kv_seed_regime"] for r in ranks[0]["results"]} <= {"real_kv", "real_prefix", "not_applicable"}
     assert all(a["status"] == "complete" and a["skipped_points"] == [] for a in ranks)
     grid_file = json.loads((out / "grid.json").read_text())
-    assert len(grid_file["prefill"]) + len(grid_file["decode"]) == grids[0]["points"]
+    assert sum(len(grid_file[kind]) for kind in ("prefill", "decode", "mixed")) == grids[0]["points"]
     assert not (rank_out(out, 1) / "grid.json").exists()
     combined = json.loads((out / "sweep.json").read_text())
     assert combined["status"] == "complete"

@@ -84,7 +84,8 @@ def write_final(root: str | Path, ranks: list[dict | None], environ) -> list[Pat
     """The sweep's hook once every rank's record is final (`ranks`: each rank's artifact, as
     the rank that holds them all has them): with DYN_FPM_BENCHMARK_OUTPUT_PATH set, Dynamo's
     artifact at that path, every rank's file. ExportError where a rank's record is missing or
-    was never finished (a rank given up on): Dynamo's files hold every rank's steps."""
+    still running: Dynamo's files hold every rank's steps (the store's view hands a rank it
+    gave up on here as failed, with why: sweep.exchange.view)."""
     out = environ.get(OUTPUT_ENV)
     if not out:
         return []

@@ -157,7 +157,7 @@ class CombinedView:
         if not ending and now - self._wrote_at < self._write_cost / WRITE_SHARE:
             return  # a long sweep's view: written again once its last write is paid for
         if ending:  # handed on first: whoever waits for the final view finds Dynamo's files there
-            self._hand_over(ranks)
+            self._hand_over(ranks, lost)
         self.combined = write_view(self.exchange.root, ranks, lost)
         self._written = made_of
         self._wrote_at = time.monotonic()
@@ -183,11 +183,18 @@ class CombinedView:
                 self.exchange.close()
                 return
 
-    def _hand_over(self, ranks: list[dict | None]) -> None:
+    def _hand_over(self, ranks: list[dict | None], lost: dict[int, str]) -> None:
+        """Every rank's final record to `on_final`; a rank given up on while its own record
+        still says running goes as failed with the reason, as the final view counts it (and as
+        `export` from the command line reads it: record.export_input)."""
         callback = self.exchange.on_final
         if callback is None:
             return
+        marked = [
+            {**a, "status": v.FAILED, "error": lost[r]} if a and r in lost and a["status"] == v.RUNNING else a
+            for r, a in enumerate(ranks)
+        ]
         try:
-            callback(ranks)
+            callback(marked)
         except Exception:
             logger.exception("[kvwarm sweep dp0] handing the final records on failed")
