@@ -87,6 +87,5 @@ def read(out: Path) -> tuple[dict, list]:
     Steps: the raw numbers composed); no steps where the recorder wrote none."""
     from vllm.kvwarm.record.trace_reader import read_trace
 
-    header = json.loads((out / "trace-dp0.jsonl").read_text().splitlines()[0])
     lines = (out / "trace-dp0.jsonl").read_text().splitlines()
-    return header, (read_trace(out).steps if len(lines) > 1 else [])
+    return json.loads(lines[0]), (read_trace(out).steps if len(lines) > 1 else [])

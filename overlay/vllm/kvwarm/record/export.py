@@ -24,10 +24,11 @@ from pathlib import Path
 from . import vocabulary as v
 from .combined import rank_path
 from .export_dynamo import AGG, rank_artifacts
-from .export_fpm import TraceError, is_trace, write_fpm
+from .export_fpm import is_trace, write_fpm
 from .export_input import ExportError, SweepRecord, load_sweep, without_prefix
 from .export_profiler import write_tables
 from .files import write_atomically
+from .trace_reader import TraceError
 
 OUTPUT_ENV = "DYN_FPM_BENCHMARK_OUTPUT_PATH"  # Dynamo's own variable for its artifact's path
 DYNAMO, PROFILER, FPM = "dynamo", "profiler", "fpm"

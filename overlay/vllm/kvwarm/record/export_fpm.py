@@ -28,7 +28,7 @@ from datetime import datetime
 from pathlib import Path
 
 from .files import write_atomically
-from .trace_reader import FILE_NAME, Step, Trace, TraceError, read_trace
+from .trace_reader import FILE_NAME, Step, Trace, read_trace
 
 FPM_VERSION = 1
 FPM_FILE = "fpm.jsonl"
@@ -97,6 +97,3 @@ def write_fpm(folder: str | Path, out: str | Path | None = None) -> tuple[Path, 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(path, "".join(lines).encode())
     return path, left_out, trace
-
-
-__all__ = ["TraceError", "fpm", "fpm_lines", "is_trace", "write_fpm"]

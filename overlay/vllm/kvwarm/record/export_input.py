@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import vocabulary as v
-from .combined import rank_path
+from .combined import given_up, rank_path
 from .runs import READS
 from .shape import point_key
 
@@ -131,15 +131,8 @@ def _given_up(view: dict, ranks: list[dict]) -> list[dict]:
     view's reason."""
     if view.get("status") == v.RUNNING:
         return ranks
-    said = {s.get("rank"): s for s in view.get("ranks") or [] if isinstance(s, dict)}
-    marked = []
-    for rank, artifact in enumerate(ranks):
-        summary = said.get(rank) or {}
-        if artifact.get("status") == v.RUNNING and summary.get("status") == v.FAILED:
-            reason = summary.get("error") or "the other ranks gave up on it"
-            artifact = {**artifact, "status": v.FAILED, "error": reason}
-        marked.append(artifact)
-    return marked
+    failed = [s for s in view.get("ranks") or [] if isinstance(s, dict) and s.get("status") == v.FAILED]
+    return given_up(ranks, {s.get("rank"): s.get("error") or "the other ranks gave up on it" for s in failed})
 
 
 def _one_sweep(ranks: list[dict], paths: list[Path]) -> None:

@@ -17,7 +17,7 @@ import time
 from vllm.logger import init_logger
 
 from ...record import vocabulary as v
-from ...record.combined import write_view
+from ...record.combined import given_up, write_view
 from ..ranks import RankFailed
 from .records import rows_record, summary_record
 
@@ -190,11 +190,7 @@ class CombinedView:
         callback = self.exchange.on_final
         if callback is None:
             return
-        marked = [
-            {**a, "status": v.FAILED, "error": lost[r]} if a and r in lost and a["status"] == v.RUNNING else a
-            for r, a in enumerate(ranks)
-        ]
         try:
-            callback(marked)
+            callback(given_up(ranks, lost))
         except Exception:
             logger.exception("[kvwarm sweep dp0] handing the final records on failed")
