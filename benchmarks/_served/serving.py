@@ -2,15 +2,8 @@
 loaded by vLLM's own client with random and ShareGPT-format prompts at Poisson arrivals,
 the worker on a core of its own or not; what the trace and the server counted.
 
-Pinned, as a real host pins an engine: once the server is up, every thread of the engine-core
-process (its main thread, which runs the model, its input, output and ZMQ threads, the
-trace's writer) is moved to the last core, every thread of the API server process to the
-others, and the client starts there (sched_setaffinity per thread: a mask is per thread;
-VLLM_CPU_OMP_THREADS_BIND=<that core> too, though on its own it left the engine core's main
-thread on every core here). The server is not restricted before it starts: its engine core
-would inherit the mask. Where each engine-core thread may run is read back from /proc and
-printed. Unpinned: nobody is pinned (VLLM_CPU_OMP_THREADS_BIND=nobind), server, client and
-engine share every core.
+Pinned or not as benchmarks/_served/pinning.py says (the executor's worker process on a core
+of its own, everything else on the others); the client runs beside the server.
 """
 
 from __future__ import annotations
@@ -31,6 +24,9 @@ from kvwarm_testing.served import (
     sharegpt_dataset,
     trace_lines,
 )
+
+from .pinning import cores, pin_session, pinning_env
+from .pinning import placement as where
 
 
 @dataclass(frozen=True)
@@ -56,58 +52,13 @@ class Served:
 
 def engine_args(model: Path, budget: int) -> list[str]:
     """The engine arguments the server and both tables share: the engine tests' (tiny model,
-    eager, prefix caching), experts in parallel (the warm-up's gate), the adapter, `budget`."""
-    args = multi_rank.engine_args(model, "--enable-expert-parallel", "--scheduler-cls", ADAPTER)
+    eager, prefix caching), experts in parallel (the warm-up's gate), the adapter, `budget`,
+    and the executor a CPU server resolves to (the model in a worker process: pinning.py)."""
+    args = multi_rank.engine_args(
+        model, "--enable-expert-parallel", "--scheduler-cls", ADAPTER, "--distributed-executor-backend", "mp"
+    )
     args[args.index("--max-num-batched-tokens") + 1] = str(budget)
     return args
-
-
-def cores() -> tuple[set[int], int | None]:
-    """(the cores the rest runs on, the worker's core) when pinned; None where one core is all."""
-    mine = sorted(os.sched_getaffinity(0))
-    return (set(mine[:-1]), mine[-1]) if len(mine) > 1 else (set(mine), None)
-
-
-def pinning_env(pinned: bool) -> dict[str, str]:
-    _, worker = cores()
-    return {"VLLM_CPU_OMP_THREADS_BIND": str(worker) if pinned and worker is not None else "nobind"}
-
-
-def thread_cores(pid: int) -> dict[str, str]:
-    """Each thread name of a process with the cores it may run on (/proc)."""
-    found: dict[str, set[str]] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            name = (task / "comm").read_text().strip()
-            allowed = next(
-                line.split(":", 1)[1].strip()
-                for line in (task / "status").read_text().splitlines()
-                if line.startswith("Cpus_allowed_list")
-            )
-        except (OSError, StopIteration):
-            continue
-        found.setdefault(allowed, set()).add(name)
-    return {cpus: ", ".join(sorted(names)[:6]) + (" ..." if len(names) > 6 else "") for cpus, names in found.items()}
-
-
-def pin_threads(pid: int, cpus: set[int]) -> None:
-    """Every thread of process `pid` onto `cpus` (an affinity mask is per thread)."""
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cpus)
-        except OSError:  # gone meanwhile
-            continue
-
-
-def engine_core_pid(server_pid: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == server_pid and b"EngineCore" in (entry / "cmdline").read_bytes():
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
 
 
 def serve(model: Path, dataset: Path, out: Path, load: Load, pinned: bool) -> Served:
@@ -118,20 +69,15 @@ def serve(model: Path, dataset: Path, out: Path, load: Load, pinned: bool) -> Se
     rest, worker = cores()
     on = rest if pinned and worker is not None else None
     with api_server(args, pinning_env(pinned), out / "server.log") as server:
-        core = engine_core_pid(server.pid)
-        if on:
-            if core is None:
-                raise SystemExit(f"no engine-core process under the API server {server.pid}: cannot pin it")
-            pin_threads(core, {worker})
-            pin_threads(server.pid, on)
+        if on and not pin_session(server.pid):
+            raise SystemExit(f"no executor worker process under the API server {server.pid}: cannot pin it")
         placement = (
-            f"pinned: engine core on core {worker}, API server and client on cores {sorted(rest)} "
-            "(sched_setaffinity per thread once the server is up)"
+            f"pinned: the executor's worker on core {worker}, API server, engine core and client on cores "
+            f"{sorted(rest)} (sched_setaffinity per thread once the server is up)"
             if on
             else "unpinned: VLLM_CPU_OMP_THREADS_BIND=nobind, server, client and engine on every core"
         )
-        if core is not None:
-            placement += "; engine-core threads: " + "; ".join(f"[{c}] {n}" for c, n in thread_cores(core).items())
+        placement += "; threads: " + where(server.pid)
         served = Served(trace, pinned, placement)
         datasets = [
             random_dataset(2 * load.budget, load.output_len, 0.5),

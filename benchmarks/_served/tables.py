@@ -9,27 +9,30 @@ row, issue 40 item 5):
               stepped inside the command's process, no input or output thread;
   served      VLLM_ENABLE_V1_MULTIPROCESSING=1: the engine core in its own process (vLLM's
               EngineCoreProc, with its input and output threads), as under a server.
-Pinned as the served engine core: the sweep command (and every process it starts) on the
-worker's core alone (sched_setaffinity as it starts; VLLM_CPU_OMP_THREADS_BIND the same core).
+Pinned as the served engine (pinning.py): the sweep command on the other cores from its
+start, and its executor's worker process on the worker's core alone once it exists.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kvwarm_testing.engine import CPU_ENGINE_ENV
-from kvwarm_testing.served import run_on
 from vllm.kvwarm.record.predict import STEP
 from vllm.kvwarm.record.validate import ValidateError
 from vllm.kvwarm.record.validate import validate as hold_against
 from vllm.kvwarm.record.validate_output import text, write
 
-from .serving import cores, engine_args, pinning_env
+from .pinning import cores, pin_session, pinning_env
+from .serving import engine_args
 
 TOPOLOGIES = ("in-process", "served")
+SWEEP_TIMEOUT = 3600.0
 QUICK_CAPS = {
     "decode_batches": 3,
     "kv_ladder": 3,
@@ -52,16 +55,35 @@ def sweep_table(
     )
     argv = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--grid-from", str(trace), "--out", str(out)]
     argv += ["--grid-caps", json.dumps(caps)] if caps else []
-    _, worker = cores()
-    on = {worker} if pinned and worker is not None else None
+    rest, worker = cores()
+    on = pinned and worker is not None
     log = out.with_suffix(".log")
     out.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:
-        done = run_on([*argv, *engine_args(model, budget)], on, 3600, env=env, stdout=stream)
+        process = subprocess.Popen(
+            [*argv, *engine_args(model, budget)], env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        if on:
+            os.sched_setaffinity(process.pid, rest)
+        returncode = watch(process, on, SWEEP_TIMEOUT)
     artifact = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else {}
-    if done.returncode != 0 or artifact.get("status") != "complete":
-        raise SystemExit(f"the sweep for {out.name} did not complete ({done.returncode}); see {log}")
+    if returncode != 0 or artifact.get("status") != "complete":
+        raise SystemExit(f"the sweep for {out.name} did not complete ({returncode}); see {log}")
     return out, artifact
+
+
+def watch(process: subprocess.Popen, pin: bool, timeout: float) -> int:
+    """Wait for the sweep; while `pin`, pin its worker process as soon as it exists."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise
+            if pin and pin_session(process.pid):
+                pin = False
 
 
 def validate(table: Path, trace: Path, out: Path, basis: str = STEP) -> tuple[dict, dict]:

@@ -60,6 +60,9 @@ def test_the_trace_holds_every_step_the_server_counts(tmp_path):
     assert header["type"] == "kvwarm_trace" and header["model"] == str(model)
     assert header["engine_loop"]["loop"] == "sync"
     assert header["log_stats"] is True
+    # under a server vLLM's CPU platform runs the model in a worker process: a table for this
+    # trace must be swept with the same executor (validate refuses another)
+    assert header["engine"]["resolved"]["distributed_executor_backend"] == "mp"
     assert [s.number for s in steps] == list(range(len(steps)))
     sent = [s for s in steps if s.outputs]
     silent = [s for s in steps if not s.outputs]

@@ -111,6 +111,7 @@ def test_a_sweep_writes_a_complete_artifact_with_every_point_on_real_kv(tmp_path
     assert resolved["enforce_eager"] is True and list(resolved["block_sizes"].values()) == [32]
     assert resolved["model_type"] == "llama" and resolved["architectures"] == ["LlamaForCausalLM"]
     assert resolved["enable_chunked_prefill"] is True and resolved["async_scheduling"] is False  # the CPU platform
+    assert resolved["distributed_executor_backend"] == "uni"  # the engine core and its model in this process
     # one step at a time on CPU, so the command picked the sync adapter
     assert artifact["kvwarm"]["engine_loop"] == {
         "loop": "sync",

@@ -246,6 +246,10 @@ def test_a_kind_the_table_has_no_rows_for_is_reported_not_covered(tmp_path):
         ({"resolved": {"cudagraph_capture_sizes": [1, 2, 4]}}, "resolved.cudagraph_capture_sizes"),
         ({"build": {"version": "9.9.1+kvwarm.4"}}, "build.version"),
         ({"hardware": {"cpu": "Intel Xeon"}}, "hardware.cpu"),
+        (
+            {"resolved": {"distributed_executor_backend": "uni"}},
+            "resolved.distributed_executor_backend (trace 'mp', table 'uni'; the trace's: --distributed-executor-backend mp)",
+        ),
     ],
 )
 def test_a_trace_and_a_table_that_differ_in_a_step_time_field_are_refused_naming_it(tmp_path, table_changes, named):

@@ -38,6 +38,7 @@ RESOLVED = {
     "async_scheduling": False,
     "enable_chunked_prefill": True,
     "long_prefill_token_threshold": 0,
+    "distributed_executor_backend": "mp",  # what a CPU server resolves to
 }
 HARDWARE = {"cpu": "AMD EPYC 7B13", "cores": 2, "gpus": [], "driver": None, "cuda_runtime": None, "python": "3.12"}
 LAYOUT = {

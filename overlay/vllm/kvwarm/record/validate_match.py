@@ -30,6 +30,7 @@ STEP_TIME_FIELDS = (
     "resolved.cudagraph_mode",
     "resolved.cudagraph_capture_sizes",
     "resolved.mamba_cache_mode",
+    "resolved.distributed_executor_backend",
     "layout.tensor_parallel_size",
     "layout.data_parallel_size",
     "layout.pipeline_parallel_size",
@@ -55,6 +56,8 @@ NOTED_FIELDS = (
     "torch",
 )
 MISSING = object()
+# The engine argument that sets a step-time field where its name does not say it.
+ARGUMENT_HINTS = {"resolved.distributed_executor_backend": "--distributed-executor-backend"}
 
 
 def model_name(model) -> str | None:
@@ -145,7 +148,9 @@ class Difference:
     table: object
 
     def said(self, other: str = "table") -> str:
-        return f"{self.field} (trace {self.trace!r}, {other} {self.table!r})"
+        hint = ARGUMENT_HINTS.get(self.field)
+        given = f"; the trace's: {hint} {self.trace}" if hint and self.trace is not None else ""
+        return f"{self.field} (trace {self.trace!r}, {other} {self.table!r}{given})"
 
     def __str__(self) -> str:
         return self.said()

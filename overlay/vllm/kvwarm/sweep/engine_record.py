@@ -49,7 +49,16 @@ def resolved_engine_args(scheduler) -> dict:
         "enable_chunked_prefill": bool(getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False)),
         "long_prefill_token_threshold": getattr(vllm_config.scheduler_config, "long_prefill_token_threshold", None),
         "parallel": parallel_record(vllm_config.parallel_config),
+        # where the model runs: in the engine core's process ("uni") or in worker processes
+        # ("mp", which vLLM's CPU platform forces under a server): a step of each differs
+        "distributed_executor_backend": executor_backend(vllm_config.parallel_config),
     }
+
+
+def executor_backend(parallel_config) -> str | None:
+    """The executor backend as vLLM resolved it: its name, or a custom executor class's name."""
+    backend = getattr(parallel_config, "distributed_executor_backend", None)
+    return backend.__name__ if isinstance(backend, type) else None if backend is None else str(backend)
 
 
 # The parallel settings, as vLLM resolved them, that Dynamo's engine block carries besides the

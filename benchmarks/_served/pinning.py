@@ -1,0 +1,96 @@
+"""Where the served benchmark's processes run, the same for the served engine and the tables.
+
+vLLM's CPU platform runs the model in a worker process of its own whenever the engine core
+runs in a process of its own (it turns the "uni" executor into "mp"), so a served step is the
+engine core handing the step to the worker and waiting for its output. Both sides therefore
+use the mp executor (serving.engine_args), and both are pinned alike, as a host that gives the
+model's worker cores of its own: every thread of the executor's worker process on the last
+core alone; everything else (the API server, the engine core, which waits on the worker's
+queue, the client; or the sweep command) on the other cores. The worker's OpenMP thread is
+bound there by vLLM too (VLLM_CPU_OMP_THREADS_BIND=<that core>). Affinity masks are per
+thread, so they are set per thread once the worker exists; what ran where is read back from
+/proc and printed. Unpinned: nobody is pinned (VLLM_CPU_OMP_THREADS_BIND=nobind).
+
+Pinning the engine core together with its worker on one core (this benchmark's first way)
+made the served forward 1.3-1.4x the table's: the engine core's wait for the worker took the
+worker's core (docs/measurements.md, "Served steps against tables").
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+WORKER_TITLE = b"::Worker"  # vLLM's title for an executor worker process (VLLM::Worker...)
+
+
+def cores() -> tuple[set[int], int | None]:
+    """(the cores the rest runs on, the worker's core) when pinned; None where one core is all."""
+    mine = sorted(os.sched_getaffinity(0))
+    return (set(mine[:-1]), mine[-1]) if len(mine) > 1 else (set(mine), None)
+
+
+def pinning_env(pinned: bool) -> dict[str, str]:
+    _, worker = cores()
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(worker) if pinned and worker is not None else "nobind"}
+
+
+def session_processes(sid: int) -> dict[int, bytes]:
+    """Every live process of session `sid` with its command line (its title, where set)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getsid(int(entry.name)) == sid:
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+    return found
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (an affinity mask is per thread)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+        except OSError:  # gone meanwhile
+            continue
+
+
+def pin_session(sid: int) -> bool:
+    """The worker processes of session `sid` on the worker's core, the rest elsewhere; False
+    while no worker process exists yet (nothing is moved then)."""
+    rest, worker = cores()
+    processes = session_processes(sid)
+    workers = {pid for pid, cmdline in processes.items() if WORKER_TITLE in cmdline}
+    if not workers or worker is None:
+        return False
+    for pid in processes:
+        pin_threads(pid, {worker} if pid in workers else rest)
+    return True
+
+
+def thread_cores(pid: int) -> dict[str, str]:
+    """Each thread name of a process with the cores it may run on (/proc)."""
+    found: dict[str, set[str]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            allowed = next(
+                line.split(":", 1)[1].strip()
+                for line in (task / "status").read_text().splitlines()
+                if line.startswith("Cpus_allowed_list")
+            )
+        except (OSError, StopIteration):
+            continue
+        found.setdefault(allowed, set()).add(name)
+    return {cpus: ", ".join(sorted(names)[:6]) + (" ..." if len(names) > 6 else "") for cpus, names in found.items()}
+
+
+def placement(sid: int) -> str:
+    """Where each process of session `sid` may run, thread by thread, in words."""
+    said = []
+    for pid, cmdline in sorted(session_processes(sid).items()):
+        title = cmdline.split(b"\0")[0].decode(errors="replace").rsplit("/", 1)[-1][:40]
+        said.append(f"{title}: " + "; ".join(f"[{c}] {n}" for c, n in thread_cores(pid).items()))
+    return " | ".join(said)
