@@ -7,9 +7,13 @@ use the mp executor (serving.engine_args), and both are pinned alike, as a host 
 model's worker cores of its own: every thread of the executor's worker process on the last
 core alone; everything else (the API server, the engine core, which waits on the worker's
 queue, the client; or the sweep command) on the other cores. The worker's OpenMP thread is
-bound there by vLLM too (VLLM_CPU_OMP_THREADS_BIND=<that core>). Affinity masks are per
-thread, so they are set per thread once the worker exists; what ran where is read back from
-/proc and printed. Unpinned: nobody is pinned (VLLM_CPU_OMP_THREADS_BIND=nobind).
+bound there by vLLM too (VLLM_CPU_OMP_THREADS_BIND=<that core>). The worker and the engine
+core also run at a higher priority (nice -10, where permitted) on both sides: the API server
+and the client share the engine core's core here, and on a real host they would not delay it;
+it also keeps other jobs on a shared host from taking the engine's cores. Affinity masks
+and priorities are per thread, so they are set per thread once the worker exists; what ran
+where is read back from /proc and printed. Unpinned: nobody is pinned or raised
+(VLLM_CPU_OMP_THREADS_BIND=nobind).
 
 Pinning the engine core together with its worker on one core (this benchmark's first way)
 made the served forward 1.3-1.4x the table's: the engine core's wait for the worker took the
@@ -22,6 +26,8 @@ import os
 from pathlib import Path
 
 WORKER_TITLE = b"::Worker"  # vLLM's title for an executor worker process (VLLM::Worker...)
+ENGINE_CORE_TITLE = b"::EngineCore"
+PRIORITY = -10  # the engine's processes ahead of the rest of the host: as on cores of their own
 
 
 def cores() -> tuple[set[int], int | None]:
@@ -57,16 +63,28 @@ def pin_threads(pid: int, cpus: set[int]) -> None:
             continue
 
 
-def pin_session(sid: int) -> bool:
-    """The worker processes of session `sid` on the worker's core, the rest elsewhere; False
-    while no worker process exists yet (nothing is moved then)."""
+def raise_priority(pid: int) -> None:
+    """Every thread of process `pid` at PRIORITY, where this user may (else left as it is)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(task.name), PRIORITY)
+        except OSError:  # gone meanwhile, or not permitted
+            continue
+
+
+def pin_session(sid: int, engine_core: int | None = None) -> bool:
+    """The worker processes of session `sid` on the worker's core, the rest elsewhere, the
+    workers and the engine core (its title's, or `engine_core` where it runs in a command's own
+    process) ahead of the rest; False while no worker process exists yet (nothing is moved)."""
     rest, worker = cores()
     processes = session_processes(sid)
     workers = {pid for pid, cmdline in processes.items() if WORKER_TITLE in cmdline}
     if not workers or worker is None:
         return False
-    for pid in processes:
+    for pid, cmdline in processes.items():
         pin_threads(pid, {worker} if pid in workers else rest)
+        if pid in workers or pid == engine_core or ENGINE_CORE_TITLE in cmdline:
+            raise_priority(pid)
     return True
 
 
@@ -92,5 +110,9 @@ def placement(sid: int) -> str:
     said = []
     for pid, cmdline in sorted(session_processes(sid).items()):
         title = cmdline.split(b"\0")[0].decode(errors="replace").rsplit("/", 1)[-1][:40]
-        said.append(f"{title}: " + "; ".join(f"[{c}] {n}" for c, n in thread_cores(pid).items()))
+        try:
+            nice = os.getpriority(os.PRIO_PROCESS, pid)
+        except OSError:
+            continue
+        said.append(f"{title} (nice {nice}): " + "; ".join(f"[{c}] {n}" for c, n in thread_cores(pid).items()))
     return " | ".join(said)

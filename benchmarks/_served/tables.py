@@ -65,15 +65,16 @@ def sweep_table(
         )
         if on:
             os.sched_setaffinity(process.pid, rest)
-        returncode = watch(process, on, SWEEP_TIMEOUT)
+        returncode = watch(process, on, topology != "served", SWEEP_TIMEOUT)
     artifact = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else {}
     if returncode != 0 or artifact.get("status") != "complete":
         raise SystemExit(f"the sweep for {out.name} did not complete ({returncode}); see {log}")
     return out, artifact
 
 
-def watch(process: subprocess.Popen, pin: bool, timeout: float) -> int:
-    """Wait for the sweep; while `pin`, pin its worker process as soon as it exists."""
+def watch(process: subprocess.Popen, pin: bool, in_process: bool, timeout: float) -> int:
+    """Wait for the sweep; while `pin`, pin its worker process as soon as it exists (and raise
+    the command's own process, where the engine core runs `in_process`)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -82,7 +83,7 @@ def watch(process: subprocess.Popen, pin: bool, timeout: float) -> int:
             if time.monotonic() > deadline:
                 process.kill()
                 raise
-            if pin and pin_session(process.pid):
+            if pin and pin_session(process.pid, engine_core=process.pid if in_process else None):
                 pin = False
 
 
