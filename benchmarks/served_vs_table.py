@@ -146,6 +146,8 @@ def main() -> None:
             "forward_bias": f.get("decode_bias"),
             "prefill_mape": s.get("prefill_mape"),
             "mixed_mape": s.get("mixed_mape"),
+            "mixed_predictor": s.get("mixed_predictor"),
+            "mixed_composed_mape": s.get("mixed_composed_mape"),
             "noise": s.get("noise"),
             "coverage": s.get("coverage"),
             "steps": s.get("steps"),

@@ -18,6 +18,7 @@ from vllm.kvwarm.record.trace_reader import TraceError, read_trace
 from vllm.kvwarm.record.validate import ValidateError, validate
 from vllm.kvwarm.record.validate_cli import run
 from vllm.kvwarm.record.validate_metrics import band
+from vllm.kvwarm.record.validate_output import text
 
 
 def phases(forward_ms: float, host_ms: float = 1.0) -> dict:
@@ -347,3 +348,41 @@ def test_the_command_prints_the_table_and_refuses_bad_input_with_exit_2(tmp_path
     assert main(["validate", str(table), str(tmp_path / "nowhere"), "--out", str(tmp_path / "r2")]) == 2
     assert "not a folder; pass the folder the trace setting wrote" in capsys.readouterr().err
     assert not (tmp_path / "r2").exists()
+
+
+def mixed(decode_k: int, forward_ms: float) -> PointRow:
+    """A measured mixed row (its forward; its step 1 ms more): 2 decodes at `decode_k` beside one prefill of 200 new tokens on a
+    prefix of 500 (the served trace's mixed step's prefill part)."""
+    parts = {
+        "decode": {"batch_size": 2, "total_kv_read_tokens": decode_k},
+        "prefill": {"batch_size": 1, "total_prefill_tokens": 200, "total_kv_read_tokens": 500},
+    }
+    return PointRow(
+        decode_k + 500,
+        3,
+        "real_kv",
+        [],
+        [forward_ms / 1e3],
+        forward_ms / 1e3,
+        point_type="mixed",
+        total_prefill_tokens=200,
+        phases=phases(forward_ms),
+        parts=parts,
+    )
+
+
+def test_mixed_steps_from_measured_rows_are_also_composed_for_comparison(tmp_path):
+    # the trace's mixed step (2 decodes at 200 beside 1 x 200 new on 500) ran 11 ms: the mixed
+    # rows' steps (forward + 1 ms of schedule) at K 100 and 300, 10 and 12 ms, give 11.0 halfway
+    # (error 0); the composition gives 11.5 (+4.545 %)
+    rows = DECODE_ROWS + PREFILL_ROWS + [mixed(100, 9.0), mixed(300, 11.0)]
+    table = write_table(tmp_path / "table", rows)
+    result = validate(str(table), str(served_trace(tmp_path / "trace")))
+    summary = result.summary()
+    assert summary["mixed_predictor"] == "measured" and summary["mixed_mape"] == pytest.approx(0.0)
+    assert summary["mixed_composed_mape"] == pytest.approx(100 * 0.5 / 11)
+    assert summary["mixed_composed_bias"] == pytest.approx(100 * 0.5 / 11)
+    assert "mixed, composed as planners do" in text(result) and "MAPE 4.55%" in text(result)
+    # without mixed rows there is nothing to compare: the composition is the prediction
+    plain = validate(str(write_table(tmp_path / "plain", DECODE_ROWS + PREFILL_ROWS)), str(tmp_path / "trace"))
+    assert plain.summary()["mixed_composed_mape"] is None and "composed as planners do" not in text(plain)

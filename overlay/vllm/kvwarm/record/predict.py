@@ -236,6 +236,11 @@ class Predictor:
         if self.mixed:
             est = self.mixed.at(prefill_b, prefill_n, prefill_p, decode_b, decode_k)
             return None if est is None else Prediction(est.ms, est.inside, MEASURED)
+        return self.composed_step(decode_b, decode_k, prefill_b, prefill_n, prefill_p)
+
+    def composed_step(self, decode_b: int, decode_k: int, prefill_b: int, prefill_n: int, prefill_p: int):
+        """A mixed step as planners compose it from the pure rows (also where mixed rows exist:
+        validate prints it beside the measured prediction)."""
         prefill, decode = self.prefill_step(prefill_b, prefill_n, prefill_p), self.decode_step(decode_b, decode_k)
         if prefill is None or decode is None:
             return None

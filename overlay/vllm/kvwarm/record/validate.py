@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import vocabulary as v
 from .export_input import ExportError, SweepRecord, load_sweep
-from .predict import MIXED, STEP, Predictor, read_mixed_rows
+from .predict import MEASURED, MIXED, STEP, Predictor, read_mixed_rows
 from .runs import ReportError, locate, read_rows
 from .trace_reader import KINDS, Step, Trace, TraceError, read_trace
 from .validate_match import Match, Provenance, loop_refusal, match, refusal
@@ -93,6 +93,8 @@ class Validation:
     excluded: dict[str, int] = field(default_factory=dict)
     torn: list[str] = field(default_factory=list)
     how: dict[str, str | None] = field(default_factory=dict)  # per kind: measured, composed, None
+    # mixed steps predicted by composition too, where mixed rows predicted them: the comparison
+    composed: list[Scored] = field(default_factory=list)
 
     def of_kind(self, kind: str) -> list[Scored]:
         return [s for s in self.scored if s.step.kind == kind]
@@ -119,6 +121,8 @@ class Validation:
             line.update({f"{kind}_{name}": f[name] for name in ("mape", "p95", "bias", "coverage", "noise", "steps")})
         line["noise"] = line["decode_noise"]
         line["mixed_predictor"] = self.how.get(MIXED) if self.of_kind(MIXED) else None
+        composed = figures(self.composed) if self.composed else {}
+        line.update({f"mixed_composed_{name}": composed.get(name) for name in ("mape", "bias", "coverage")})
         line.update(basis=self.basis, excluded=sum(self.excluded.values()), torn_lines=len(self.torn))
         return line
 
@@ -189,5 +193,9 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
             continue
         predictor = by_rank[min(step.rank, len(by_rank) - 1)]
         result.scored.append(Scored(step, served, predict(predictor, step)))
+        if step.kind == MIXED and predictor.kinds()[MIXED] == MEASURED:
+            prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens)
+            composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill)
+            result.composed.append(Scored(step, served, composed))
     mark_noise(result.scored)
     return result

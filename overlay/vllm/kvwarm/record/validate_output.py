@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .files import write_atomically
 from .validate import Validation
+from .validate_metrics import figures
 
 CSV_COLUMNS = [
     "rank",
@@ -61,6 +62,12 @@ def text(result: Validation) -> str:
         lines.append(_line(label, "all", k))
     if result.how.get("mixed") == "composed" and result.of_kind("mixed"):
         lines.append("mixed*: composed (the prefill row plus the decode curve's marginal): the table has no mixed rows")
+    if result.composed:
+        c = figures(result.composed)
+        lines.append(
+            f"mixed, composed as planners do (the prefill row plus the decode curve's marginal), beside the "
+            f"measured rows: MAPE {_pct(c['mape'])}, bias {_pct(c['bias'], True)}, coverage {_pct(c['coverage'])}"
+        )
     lines.append(
         f"coverage {_pct(s['coverage'])}; noise: the trace's repeat noise (served steps of one shape), "
         "the floor under MAPE"
