@@ -144,3 +144,109 @@ def test_prefill_and_decode_points_on_the_hybrid_run_on_real_prefixes_and_real_k
         ("decode", "real_kv"),
     ]
     assert sweep.reset_prefix_cache_ok
+
+
+def test_mixed_points_on_the_hybrid_in_exact_state_hold_their_shape_on_real_kv(hybrid):
+    """Exact state (the build's default): a mixed point's decode shadows borrow from catch-ups
+    parked at their own contexts, as a decode point's do, and every shot's step holds exactly
+    the decode part's shadows at one token each and the prefill part's new requests, their new
+    tokens and their hit (vLLM's own counts; new tokens within a state block: align mode stops
+    a prefill at the last boundary before its prompt's end). The mixed rows carry the exact
+    state stamps the decode row of the same model gets, at their own contexts."""
+    import itertools
+
+    from vllm.kvwarm.kv.injector import SHADOW_PREFIX
+    from vllm.kvwarm.kv.prefix import prefix_unit
+    from vllm.kvwarm.sweep.controller import Sweep
+    from vllm.kvwarm.sweep.limits import check_points
+    from vllm.kvwarm.sweep.plan import SweepConfig
+    from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint
+    from vllm.kvwarm.sweep.prefill import PREFILL_PREFIX
+
+    scheduler, core = hybrid.scheduler, hybrid.core
+    kvm = scheduler.kv_cache_manager
+    decision = decide_state_mode(kvm, group_layouts(kvm), {})
+    assert decision.mode == "exact"
+    unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
+    assert unit > 24  # the new tokens below stay within a state block
+    draws = {}
+
+    def chain_tokens(i: int, depth: int) -> list[int]:
+        tokens = draws.setdefault(i, random.Random(i).choices(range(3, 400), k=2048))
+        return tokens[:depth]
+
+    mixed = [
+        MixedPoint(DecodePoint(900, 2), PrefillPoint(24, unit, 1)),
+        MixedPoint(DecodePoint(301, 2), PrefillPoint(30, 0, 2)),
+    ]
+    check_points(mixed, scheduler.vllm_config, kvm, "points.json", state_mode=decision.mode)
+    config = SweepConfig(steady_steps=3, max_model_len=2048, state_mode=decision.mode, state_lending=decision.lending)
+    sweep = Sweep(
+        [DecodePoint(900, 2), *mixed],
+        chain_tokens,
+        config,
+        clock=itertools.count().__next__,
+        progress=lambda _: None,
+        tail_tokens=random.Random(9).choices(range(3, 400), k=512),
+        vocab_size=400,
+    )
+    outputs = []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        outputs.append(output)
+        return output
+
+    scheduler.schedule, scheduler.kvwarm_sweep = recording_schedule, sweep
+    try:
+        for _ in range(3000):
+            if sweep.done:
+                break
+            core.step()
+    finally:
+        scheduler.kvwarm_sweep = None
+        del scheduler.schedule
+    decode_row, *mixed_rows = sweep.rows
+    assert decode_row.sample_reasons == ["kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=450"]
+    assert [(r.point_type, r.kv_seed_regime, r.sample_reasons) for r in mixed_rows] == [
+        ("mixed", "real_kv", ["prefill_real_seed", "kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=450"]),
+        ("mixed", "real_kv", ["kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=151"]),
+    ], [r.detail for r in mixed_rows]
+    assert [r.point["decode"] for r in mixed_rows] == [
+        {"batch_size": 2, "total_kv_read_tokens": 900},
+        {"batch_size": 2, "total_kv_read_tokens": 301},
+    ]
+
+    def composition(output) -> tuple:
+        """(shadows, their tokens, shot requests, their new tokens, their hit, others)."""
+        scheduled = output.num_scheduled_tokens
+        shadows = [i for i in scheduled if i.startswith(SHADOW_PREFIX)]
+        shot = [r for r in output.scheduled_new_reqs if r.req_id.startswith(PREFILL_PREFIX)]
+        others = set(scheduled) - set(shadows) - {r.req_id for r in shot}
+        hit = sum(r.num_computed_tokens for r in shot)
+        return (
+            len(shadows),
+            sorted({scheduled[i] for i in shadows}),
+            len(shot),
+            sum(scheduled[r.req_id] for r in shot),
+            hit,
+            len(others),
+        )
+
+    shots = [composition(o) for o in outputs if composition(o)[2]]
+    assert shots == [(2, [1], 1, 24, unit, 0)] * 4 + [(2, [1], 2, 30, 0, 0)] * 4  # the warm shot and 3 timed
+    for row in mixed_rows:
+        assert len(row.samples) == 3 and all(t > 0 for t in row.samples)
+        assert row.median_seconds == sorted(row.samples)[1]
+    # Two catch-ups per point, each run from the last boundary state the chains cached to its
+    # context (one short of the point's) and never decoded; none ran beside a shot (`others`
+    # above is 0).
+    catchups: dict[str, int] = {}
+    for output in outputs:
+        for rid, n in output.num_scheduled_tokens.items():
+            if "catchup" in rid:
+                catchups[rid] = catchups.get(rid, 0) + n
+    assert sorted(catchups.values()) == sorted([449 % unit] * 4 + [150 % unit, 149 % unit])
+    assert not [r for r in scheduler.requests if "catchup" in r]
+    assert sweep.reset_prefix_cache_ok

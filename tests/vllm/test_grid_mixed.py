@@ -96,13 +96,34 @@ def test_a_small_pool_holds_the_mixed_rungs_chains_beside_their_shots():
 
 @pytest.mark.parametrize(
     "gate, said",
-    [({"attention_only": False}, "mixed points are measured on attention-only models so far")],
+    [
+        ({"attention_only": False}, "and this sweep measures on fake KV"),
+        ({"attention_only": False, "state_mode": "inplace"}, "set DYN_BENCH_KV_WARMUP_STATE=exact or auto"),
+    ],
+    ids=["recurrent-state-on-fake-kv", "recurrent-state-in-place"],
 )
 def test_a_grid_lays_no_mixed_point_where_the_engine_cannot_measure_them_and_says_why(gate, said):
     limits = dataclasses.replace(LIMITS, **gate)
     assert mixed_grid(GRAPHS, limits) == [] and said in mixed_note(limits)
     assert mixed_note(LIMITS) is None
     assert decode_grid(GRAPHS, limits) == decode_grid(GRAPHS, LIMITS)  # the other kinds as before
+
+
+def test_a_grid_on_recurrent_state_lays_mixed_points_in_exact_state_with_room_for_the_catch_ups():
+    """Exact state (and copy) hands the state over, so the grid lays mixed points on a model
+    with recurrent state. In exact state each decode request's catch-up holds up to a state
+    block (here the prefix unit, 16) and a block beside the chains: B = 127 is held by
+    0.8 x 400000 less the tails (2 x 127 x 16), the catch-ups (127 x 32), the chunk (1921) and
+    a block (16) = 309935 tokens, 2440 per chain, 2430 per request; B = 1 and 9 stay at
+    max_model_len's 4082. Copy needs no catch-up: the attention-only grid."""
+    exact = dataclasses.replace(LIMITS, attention_only=False, state_mode="exact")
+    assert mixed_note(exact) is None
+    points = mixed_grid(GRAPHS, exact)
+    deepest = {b: max(p.decode.total_kv_read_tokens for p in points if p.decode.batch_size == b) for b in (1, 9, 127)}
+    assert deepest == {1: 4082, 9: 9 * 4082, 127: 127 * 2430}
+    attention = mixed_grid(GRAPHS, LIMITS)
+    assert [p for p in points if p.decode.batch_size < 127] == [p for p in attention if p.decode.batch_size < 127]
+    assert mixed_grid(GRAPHS, dataclasses.replace(LIMITS, attention_only=False, state_mode="copy")) == attention
 
 
 def test_the_grids_points_file_is_schema_1_without_mixed_points_and_2_with_them():
@@ -123,10 +144,10 @@ def test_the_grids_points_file_is_schema_1_without_mixed_points_and_2_with_them(
     assert parse_points(written, "grid.json", 1024, 3) == [*plain, mixed]
 
 
-def test_a_grid_on_a_model_with_recurrent_state_lays_no_mixed_point_and_says_why(tmp_path, monkeypatch):
-    """A hybrid layout (an align-mode state group beside attention): the engine refuses mixed
-    points there, so the grid lays none, its points file stays schema 1, and the record and
-    the log say why."""
+def test_a_grid_on_a_model_with_recurrent_state_on_fake_kv_lays_no_mixed_point_and_says_why(tmp_path, monkeypatch):
+    """A hybrid layout (an align-mode state group beside attention) with the warm-up off: no
+    state is handed over on fake KV, so the grid lays no mixed point, its points file stays
+    schema 1, and the record and the log say why."""
     from vllm.kvwarm.sweep import writer
 
     logged: list[str] = []
@@ -137,5 +158,8 @@ def test_a_grid_on_a_model_with_recurrent_state_lays_no_mixed_point_and_says_why
     written = json.loads((out / "grid.json").read_text())
     assert written["schema_version"] == 1 and "mixed" not in written and written["decode"]
     note = scheduler.kvwarm_run.writer.meta.grid["mixed_note"]  # the artifact's kvwarm.grid from its next write
-    assert note == "mixed points are measured on attention-only models so far, this model keeps recurrent state"
+    assert note == (
+        "this model keeps recurrent state, which a mixed point's decode part takes over on real KV only (exact "
+        "state or copy), and this sweep measures on fake KV"
+    )
     assert any("generated a grid" in line and line.endswith(f"; no mixed points: {note}") for line in logged)

@@ -123,14 +123,28 @@ def test_the_engine_limits_refuse_mixed_points_it_cannot_run_as_one_step(tmp_pat
             scheduler.kv_cache_manager,
             "points.json",
         )
-    hybrid = make_scheduler(tmp_path / "hybrid", num_blocks=128, block_size=64, state_block_size=64, hash_block_size=16)
-    with pytest.raises(PointsFileError, match="mixed points are measured on attention-only models so far"):
-        check_points(
-            [MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 0, 1))],
-            hybrid.vllm_config,
-            hybrid.kv_cache_manager,
-            "points.json",
-        )
+
+
+@pytest.mark.parametrize(
+    "state_mode, refusal",
+    [
+        ("exact", None),
+        ("copy", None),
+        ("inplace", "state mode inplace lends the chains' own state block to the decode part"),
+        (None, "which a mixed point's decode part takes over on real KV only (exact state or copy), and this sweep"),
+    ],
+)
+def test_mixed_points_on_recurrent_state_pass_where_the_sweep_hands_the_state_over(tmp_path, state_mode, refusal):
+    hybrid = make_scheduler(tmp_path, num_blocks=128, block_size=64, state_block_size=64, hash_block_size=16)
+    points = [MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 0, 1))]
+    args = (points, hybrid.vllm_config, hybrid.kv_cache_manager, "points.json")
+    if refusal is None:
+        check_points(*args, state_mode=state_mode)
+        return
+    with pytest.raises(PointsFileError) as err:
+        check_points(*args, state_mode=state_mode)
+    assert str(err.value).startswith("points.json: mixed point decode B=2 K=200 + prefill B=1 N=64 P=0: this model")
+    assert refusal in str(err.value) and str(err.value).endswith("; drop the mixed points to sweep the rest")
 
 
 def test_mixed_points_pass_the_checks_at_a_launched_data_parallel_size_of_two(tmp_path, monkeypatch):
@@ -257,6 +271,102 @@ def test_mixed_points_on_fake_kv_run_the_same_step(tmp_path):
         ["prefill_fake_prefix", "kvwarm_fake_fallback"],
     )
     assert [_composition(o) for o in outputs if _composition(o)[2]] == [(2, [1], 1, 64, 32, 0)] * (1 + STEPS)
+    assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def _hybrid(tmp_path, cls=KvWarmScheduler, num_blocks=192):
+    """Attention and an align-mode state group, blocks of 32 tokens (the prefix unit too)."""
+    return make_scheduler(tmp_path, num_blocks=num_blocks, scheduler_cls=cls, block_size=32, state_block_size=32)
+
+
+@pytest.mark.parametrize(
+    "cls, batch_queue", [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)], ids=["sync", "async-batch-queue"]
+)
+def test_an_exact_state_mixed_points_decode_part_borrows_from_parked_catch_ups(tmp_path, cls, batch_queue):
+    """Exact state, as this build decides it: the decode part's shadows at contexts 99 (one
+    short of 100) borrow from catch-ups that find the chain's state at the boundary 96 and
+    compute 3 tokens, parked there (never decoded), before any shot; every shot's step holds
+    the two shadows at one token and the shot (24 new tokens on a hit of 64: within a state
+    block, since vLLM's align mode stops a prefill at the last boundary before the prompt's
+    end); the row carries a decode row's exact-state stamps."""
+    from vllm.kvwarm.kv.layout import group_layouts
+    from vllm.kvwarm.kv.state_mode import decide_state_mode
+
+    scheduler = _hybrid(tmp_path, cls)
+    decision = decide_state_mode(scheduler.kv_cache_manager, group_layouts(scheduler.kv_cache_manager), {})
+    assert decision.mode == "exact"
+    catchups = []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        catchups.extend((r, n) for r, n in output.num_scheduled_tokens.items() if "catchup" in r)
+        return output
+
+    scheduler.schedule = recording_schedule
+    clock = ManualClock()
+    loop = EngineLoop(scheduler, batch_queue, clock, lambda o: FORWARD_PER_TOKEN * o.total_num_scheduled_tokens)
+    point = MixedPoint(DecodePoint(200, 2), PrefillPoint(24, 64, 1))
+    sweep = _sweep([point], clock, state_mode=decision.mode, state_lending=decision.lending)
+    outputs = _run(scheduler, sweep, loop=loop)
+    (row,) = sweep.rows
+    assert (row.point["point_type"], row.kv_seed_regime) == ("mixed", "real_kv"), row.detail
+    assert row.sample_reasons == ["prefill_real_seed", "kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=100"]
+    assert sorted(n for _, n in catchups) == [3, 3]  # once each, from the boundary 96: never decoded
+    assert [_composition(o) for o in outputs if _composition(o)[2]] == [(2, [1], 1, 24, 64, 0)] * (1 + STEPS)
+    first_shot = next(i for i, o in enumerate(outputs) if _composition(o)[2])
+    assert all(not any("catchup" in r for r in o.num_scheduled_tokens) for o in outputs[first_shot:])
+    assert row.samples == pytest.approx([FORWARD_PER_TOKEN * 26] * STEPS)
+    assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
+    assert not [r for r in scheduler.requests if "catchup" in r]
+
+
+def test_a_copy_state_mixed_point_reads_the_chains_state_and_is_stamped_with_its_depth(tmp_path):
+    """Copy: no catch-up; the shadows copy the chain's state at its whole depth (the decode
+    part's context 99, the admission token and the 9 steps its requests run: 109)."""
+    scheduler = _hybrid(tmp_path)
+    clock = ManualClock()
+    loop = EngineLoop(scheduler, False, clock, lambda o: FORWARD_PER_TOKEN * o.total_num_scheduled_tokens)
+    sweep = _sweep([MixedPoint(DecodePoint(200, 2), PrefillPoint(24, 64, 1))], clock, state_mode="copy")
+    outputs = _run(scheduler, sweep, loop=loop)
+    (row,) = sweep.rows
+    assert row.sample_reasons == ["prefill_real_seed", "kvwarm_real_kv", "kvwarm_state_copy", "kvwarm_state_depth=109"]
+    assert [_composition(o) for o in outputs if _composition(o)[2]] == [(2, [1], 1, 24, 64, 0)] * (1 + STEPS)
+    assert not any("catchup" in r for o in outputs for r in o.num_scheduled_tokens)
+    assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+def test_an_exact_mixed_point_whose_catch_ups_do_not_fit_is_skipped_by_name_and_the_next_runs(tmp_path, monkeypatch):
+    """As if every boundary state had been evicted: each catch-up would recompute its whole
+    context, which the pool cannot hold beside the chains, so the point is skipped, named,
+    after the ranks meet, as a decode point is; the next point of the rung is measured."""
+    from vllm.kvwarm.sweep import catchups
+
+    scheduler = _hybrid(tmp_path, num_blocks=40)
+    real_lookup = catchups.cached_tokens
+    deep = MixedPoint(DecodePoint(600, 2), PrefillPoint(24, 64, 1))
+    monkeypatch.setattr(
+        catchups, "cached_tokens", lambda kvm, r: 0 if r.num_prompt_tokens == 299 else real_lookup(kvm, r)
+    )
+    meetings = []
+    sweep = _sweep(
+        [deep, MixedPoint(DecodePoint(60, 2), PrefillPoint(24, 0, 1))], state_mode="exact", state_lending="copy"
+    )
+    post = sweep._meetings.exchange.post
+    sweep._meetings.exchange.post = lambda kind, record: (meetings.append(kind), post(kind, record))[1]
+    _run(scheduler, sweep, loop=EngineLoop(scheduler, False, ManualClock()))
+    skipped, measured = sweep.rows
+    assert skipped.kv_seed_regime == "skip:decode_injection_failed" and "pool_exhausted" in skipped.detail
+    assert skipped.point == {
+        "point_type": "mixed",
+        "total_kv_read_tokens": 664,
+        "batch_size": 3,
+        "total_prefill_tokens": 24,
+        "decode": {"batch_size": 2, "total_kv_read_tokens": 600},
+        "prefill": {"batch_size": 1, "total_prefill_tokens": 24, "total_kv_read_tokens": 64},
+    }
+    assert measured.kv_seed_regime == "real_kv", measured.detail
+    assert meetings.count("caught_up") == 2  # the skipped point's meeting too
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 

@@ -224,7 +224,7 @@ def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_l
         assert p.prefill.total_kv_read_tokens + p.prefill.total_prefill_tokens + 1 <= 4096 - 4
 
 
-@pytest.mark.parametrize("gate", [{"attention_only": False}])
+@pytest.mark.parametrize("gate", [{"attention_only": False}, {"attention_only": False, "state_mode": "inplace"}])
 def test_no_mixed_point_is_laid_where_the_engine_cannot_measure_them(gate):
     limits = dataclasses.replace(LIMITS, **gate)
     trace = Trace(Path("t"), {}, {}, MIXED_STEPS)

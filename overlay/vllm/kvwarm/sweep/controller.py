@@ -286,9 +286,10 @@ class Sweep(PrefillPoints):
             scheduler.add_request(chain)
             rung.chains.append(chain)
         layouts = group_layouts(scheduler.kv_cache_manager)
-        if self.config.state_mode == v.EXACT or (rung.prefill and any(g.kind == STATE_ALIGN for g in layouts)):
+        prefixes = rung.prefill or rung.mixed
+        if self.config.state_mode == v.EXACT or (prefixes and any(g.kind == STATE_ALIGN for g in layouts)):
             # One state block per prefill step: every boundary state is cached, for the
-            # catch-ups (exact state) and for prefill points' hits at block boundaries.
+            # catch-ups (exact state) and for prefill (and mixed) points' hits at block boundaries.
             self._chunk_cap = PrefillChunkCap(scheduler, state_block_size(layouts))
             self._chunk_cap.apply()
         self.phase = Phase.BUILDING
@@ -382,6 +383,9 @@ class Sweep(PrefillPoints):
     def _after_catch_up(self, scheduler, records: list[dict]) -> None:
         check_same_point(records)
         catchups = self._catchups
+        if catchups.plan.mixed:
+            self._mixed_caught_up(scheduler, catchups)
+            return
         if catchups.short:
             self._finish_point(skipped_row(catchups.plan.point, v.POINT_SKIP_REASON, catchups.short), scheduler)
             return

@@ -16,7 +16,8 @@ laid around the engine's CUDA-graph capture sizes (sweep.graphs), where step tim
            max_num_batched_tokens - 1, thinned to the "mixed" cap without its pairs: a
            mixed step's graph goes by its tokens), each at its ladder's ends (2B and the
            deepest its requests reach over the steps they run, their chains beside a
-           chunk's shot in the pool: mixed_deepest), a prefill part of one request of the
+           chunk's shot, and in exact state their catch-ups, in the pool: mixed_deepest),
+           a prefill part of one request of the
            chunk budget (max_num_batched_tokens - B new tokens) and of a quarter of it, on
            no prefix and on one chunk's (whole prefix blocks, at most half of what
            max_model_len leaves; new tokens past what it leaves clamped to that top). Every
@@ -38,6 +39,7 @@ import math
 from dataclasses import dataclass
 
 from ..record.shape import GraphConfig
+from ..record.vocabulary import EXACT
 from .limits import mixed_refusal
 from .plan import CHAIN_DEPTH_MARGIN, mixed_chains
 from .points import SCHEMA_VERSION, DecodePoint, MixedPoint, PointsFileError, PrefillPoint, mixed_decode_steps
@@ -55,7 +57,8 @@ class GridLimits:
     num_blocks: int
     block_size: int  # the attention block size
     prefix_unit: int  # a prefix is whole blocks of this
-    attention_only: bool = True  # no recurrent state: mixed points on these only
+    attention_only: bool = True  # no recurrent state
+    state_mode: str | None = None  # the sweep's hand-off of recurrent state (SweepConfig.state_mode)
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,7 @@ def prefill_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> 
 
 def mixed_note(limits: GridLimits) -> str | None:
     """Why a grid on this engine lays no mixed point (None: it lays them where they fit)."""
-    return mixed_refusal(limits.attention_only)
+    return mixed_refusal(limits.attention_only, limits.state_mode)
 
 
 def mixed_batch_limit(graphs: GraphConfig, limits: GridLimits) -> int:
@@ -184,10 +187,10 @@ def mixed_deepest(batch: int, graphs: GraphConfig, limits: GridLimits) -> int:
     """The deepest decode part of `batch` requests a grid lays in a mixed point: each context
     with the steps a mixed point's decode requests run within max_model_len less the chains'
     margin, and its chains beside a chunk's shot (max_num_batched_tokens - B new tokens, a
-    block, the shadows' tails) within POOL_SHARE of the pool (rung_tokens)."""
+    block, the shadows' tails and catch-ups) within POOL_SHARE of the pool (rung_tokens)."""
     steps, block = mixed_decode_steps(limits.steady_steps), limits.block_size
     chunk = graphs.max_num_batched_tokens - batch
-    pool = int(POOL_SHARE * limits.kv_cache_tokens) - 2 * batch * block - chunk - block
+    pool = int(POOL_SHARE * limits.kv_cache_tokens) - 2 * batch * block - catchup_tokens(batch, limits) - chunk - block
     return batch * min(limits.max_model_len - CHAIN_DEPTH_MARGIN - steps - 1, pool // batch - steps - 1)
 
 
@@ -219,13 +222,24 @@ def rung_tokens(rung: list[MixedPoint], limits: GridLimits) -> int:
     """The most tokens a rung of mixed points holds at once: its chains (one per request of
     the larger part, each as deep as the rung's deepest part: a decode request's context,
     admission token and steps, or a prefix) and beside them its largest shot (the shadows'
-    tails of two blocks each, the prefill part's new tokens and a block per request)."""
+    tails of two blocks each and their catch-ups, the prefill part's new tokens and a block per
+    request)."""
     steps, unit, block = mixed_decode_steps(limits.steady_steps), limits.prefix_unit, limits.block_size
     depth = max(max(p.decode.tokens_spanned(steps), *p.prefill.prefixes(unit)) for p in rung)
     shot = max(
-        2 * p.decode.batch_size * block + p.prefill.total_prefill_tokens + p.prefill.batch_size * block for p in rung
+        2 * p.decode.batch_size * block
+        + catchup_tokens(p.decode.batch_size, limits)
+        + p.prefill.total_prefill_tokens
+        + p.prefill.batch_size * block
+        for p in rung
     )
     return mixed_chains(rung[0]) * depth + shot
+
+
+def catchup_tokens(batch: int, limits: GridLimits) -> int:
+    """In exact state, the tokens a decode part's catch-ups hold at most beside its chains
+    (sweep.catchups): per shadow the state block past its last cached boundary, and a block."""
+    return batch * (limits.prefix_unit + limits.block_size) if limits.state_mode == EXACT else 0
 
 
 def lay_mixed(candidates: list[MixedPoint], graphs: GraphConfig, limits: GridLimits) -> list[MixedPoint]:

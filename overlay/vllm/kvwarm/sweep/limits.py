@@ -13,10 +13,13 @@ the point, the limit and the fix.
 - A prefill point with a prefix (P > 0) needs the prefix cache: without it nothing is found.
 - A mixed point is one step: its decode requests' tokens and its prefill part's N fit
   max_num_batched_tokens, and its prefill part passes the prefill checks (so that the engine
-  runs it unchunked beside the decodes). Mixed points are measured on attention-only
-  layouts, at any data-parallel size (the ranks meet at every shot as for prefill points);
-  on a layout with recurrent state they are refused (`mixed_refusal`, by which a generated
-  grid lays none).
+  runs it unchunked beside the decodes). Mixed points are measured at any data-parallel
+  size (the ranks meet at every shot as for prefill points), on attention-only layouts and
+  on layouts with recurrent state whose sweep hands the state over on real KV by exact
+  state (the decode part's catch-ups, sweep.catchups) or copy. Elsewhere they are refused
+  (`mixed_refusal`, by which a generated grid lays none): in place lends the chains' own
+  state block to the decode part, the chains whose cached prefixes the prefill part hits,
+  and a sweep on fake KV has no hand-off at all.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 from ..kv.arithmetic import chain_blocks
 from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import new_request_blocks, prefix_unit
+from ..kv.state_mode import STATE_ENV
 from ..record import vocabulary as v
 from .plan import CHAIN_DEPTH_MARGIN
 from .points import MixedPoint, PointsFileError, PrefillPoint, check_budget
@@ -51,9 +55,12 @@ def check_engine(vllm_config) -> None:
         )
 
 
-def check_points(points: list, vllm_config, kv_cache_manager, source: str, free: int | None = None) -> None:
+def check_points(
+    points: list, vllm_config, kv_cache_manager, source: str, free: int | None = None, state_mode: str | None = None
+) -> None:
     """`free`: the blocks the pool check allows (default: this pool's free ones, less any
-    watermark; a grid under data parallel passes the ranks' smallest)."""
+    watermark; a grid under data parallel passes the ranks' smallest); `state_mode`: how the
+    sweep hands recurrent state over (SweepConfig.state_mode; None: on fake KV, or no state)."""
     scheduler_config = vllm_config.scheduler_config
     max_seqs = scheduler_config.max_num_seqs
     too_wide = sorted({p.batch_size for p in points if p.batch_size > max_seqs})
@@ -69,7 +76,7 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str, free:
     max_model_len = vllm_config.model_config.max_model_len
     if free is None:
         free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
-    _check_mixed(points, vllm_config, layouts, source)
+    _check_mixed(points, vllm_config, layouts, source, state_mode)
     # a mixed point's prefill part runs beside its own chains, checked as a prefill point of its own rung
     prefill = [p for p in points if isinstance(p, PrefillPoint)] + [
         p.prefill for p in points if isinstance(p, MixedPoint)
@@ -124,22 +131,33 @@ def check_points(points: list, vllm_config, kv_cache_manager, source: str, free:
             )
 
 
-def mixed_refusal(attention_only: bool) -> str | None:
-    """Why this engine cannot measure mixed points (None: it can): the gates of this slice,
-    which a points file's mixed points are refused by and a generated grid lays none by."""
-    if not attention_only:
-        return "mixed points are measured on attention-only models so far, this model keeps recurrent state"
-    return None
+def mixed_refusal(attention_only: bool, state_mode: str | None = None) -> str | None:
+    """Why this engine cannot measure mixed points (None: it can), which a points file's mixed
+    points are refused by and a generated grid lays none by. `state_mode`: as check_points'."""
+    if attention_only or state_mode in (v.EXACT, v.COPY):
+        return None
+    if state_mode == v.INPLACE:
+        return (
+            "this model keeps recurrent state, and state mode inplace lends the chains' own state block to the "
+            f"decode part, the chains whose cached prefixes the prefill part reads (set {STATE_ENV}=exact or auto "
+            "to measure them)"
+        )
+    return (
+        "this model keeps recurrent state, which a mixed point's decode part takes over on real KV only (exact "
+        "state or copy), and this sweep measures on fake KV"
+    )
 
 
-def _check_mixed(points: list, vllm_config, layouts, source: str) -> None:
+def _check_mixed(points: list, vllm_config, layouts, source: str, state_mode: str | None) -> None:
     mixed = [p for p in points if isinstance(p, MixedPoint)]
     if not mixed:
         return
     check_budget(mixed, vllm_config.scheduler_config.max_num_batched_tokens, source)
-    why = mixed_refusal(all(g.kind == ATTENTION for g in layouts))
+    why = mixed_refusal(all(g.kind == ATTENTION for g in layouts), state_mode)
     if why:
-        raise PointsFileError(f"{source}: mixed point {mixed[0].name()}: {why}; drop the mixed points to sweep it")
+        raise PointsFileError(
+            f"{source}: mixed point {mixed[0].name()}: {why}; drop the mixed points to sweep the rest"
+        )
 
 
 def _name(point: PrefillPoint) -> str:

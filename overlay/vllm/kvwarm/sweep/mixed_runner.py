@@ -1,7 +1,9 @@
 """One mixed point being measured inside a sweep (sweep.controller drives it): one step that
 holds exactly the decode part's requests (shadows one token each at their contexts, on real
 KV as decode points' are, or fake KV) and the prefill part's new requests (their new tokens on
-a real prefix, as prefill points' shots are; sweep.prefill).
+a real prefix, as prefill points' shots are; sweep.prefill). In exact state the decode part's
+shadows borrow from catch-ups, as a decode point's do (sweep.catchups): the controller
+prefills and parks them first and hands the runner their admission.
 
 The decode part's shadows are queued first and admitted alone (their admission step is
 scaffolding, untimed). From the next step on they decode one token a step, and each step a
@@ -15,7 +17,8 @@ A shot's step is checked to hold exactly the shadows, one token each, and the sh
 requests, N new tokens and a hit of P (else the point is skipped with the measured_*
 reason); its time is its span's forward, as a prefill shot's (sweep.timing), every sample
 kept, the upper median the row's. The shadows advance a token a step, as a decode point's
-do: the decode part's K is the one of the first step after the admission.
+do: the decode part's K is the one of the first step after the admission; on real KV the row
+carries the state stamps a decode row of the same shadows would (sweep.rows.state_reasons).
 """
 
 from __future__ import annotations
@@ -26,25 +29,37 @@ from ..kv.injector import Admission
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .plan import PointPlan, SweepConfig, injected_contexts
-from .points import mixed_decode_steps
+from .points import MixedPoint, mixed_decode_steps
 from .prefill import Shot, TailText, verify_step
 from .prefill_runner import Next, PrefillRunner
+from .rows import state_reasons
 
 
 class MixedRunner(PrefillRunner):
-    def __init__(self, scheduler, plan: PointPlan, chains: list, tails: TailText, config: SweepConfig, ids: tuple):
+    def __init__(
+        self,
+        scheduler,
+        plan: PointPlan,
+        chains: list,
+        tails: TailText,
+        config: SweepConfig,
+        ids: tuple,
+        drifted: set[str],
+        admission: Admission | None = None,
+    ):
         """`chains`: the rung's (chain i lends to decode request i and to prefix i; none on
-        fake KV); `ids`: (the point's index, the sweep's number)."""
+        fake KV); `ids`: (the point's index, the sweep's number); `drifted`: the chains an
+        in-place shadow has advanced (sweep.rows.state_reasons); `admission`: the decode
+        part's, where the controller made it (exact state: on the point's catch-ups)."""
         point = plan.point
         super().__init__(scheduler, PointPlan(point.prefill, plan.real), chains, tails, config.steady_steps, ids)
-        self.mixed_plan, self._config = plan, config
+        self.mixed_plan, self._config, self._drifted = plan, config, drifted
+        self._decode_chains = chains[: point.decode.batch_size]
         contexts = injected_contexts(point.decode)
         steps = mixed_decode_steps(config.decode_steps)
-        if plan.real:
-            admission = Admission(
-                chains[: point.decode.batch_size], contexts, steps, fork=config.fork, state_mode=config.state_mode
-            )
-        else:
+        if admission is None and plan.real:
+            admission = Admission(self._decode_chains, contexts, steps, fork=config.fork, state_mode=config.state_mode)
+        elif admission is None:
             vocab = scheduler.vllm_config.model_config.get_vocab_size()
             admission = Admission(None, contexts, steps, vocab_size=vocab)
         self.admission = scheduler.kvwarm_injector.queue(admission)
@@ -100,19 +115,7 @@ class MixedRunner(PrefillRunner):
     def _mixed_row(self, row: PointRow) -> PointRow:
         """The prefill part's row as the step's: its totals, its parts and its regime."""
         point, config = self.mixed_plan.point, self._config
-        decode_b = point.decode.batch_size
-        decode_k = sum(self.admission.contexts) + decode_b  # the first step after the admission
-        row.point_type = v.MIXED
-        row.parts = {
-            "decode": {"batch_size": decode_b, "total_kv_read_tokens": decode_k},
-            "prefill": {
-                "batch_size": point.prefill.batch_size,
-                "total_prefill_tokens": point.prefill.total_prefill_tokens,
-                "total_kv_read_tokens": point.prefill.total_kv_read_tokens,
-            },
-        }
-        row.total_kv_read_tokens += decode_k
-        row.batch_size += decode_b
+        decode_k = mixed_parts(row, point, self.admission.contexts)
         if row.skipped:
             return row
         if decode_k != point.decode.total_kv_read_tokens:
@@ -120,7 +123,44 @@ class MixedRunner(PrefillRunner):
         if self.mixed_plan.real:
             row.kv_seed_regime = v.REAL_KV
             row.sample_reasons.append(v.STAMP_REAL_KV)
+            row.sample_reasons += state_reasons(config, self.admission.contexts, self._decode_chains, self._drifted)
         else:
             row.kv_seed_regime = config.fake_regime
             row.sample_reasons += [v.STAMP_FAKE_FALLBACK] if config.fake_regime == v.FAKE_FALLBACK else []
         return row
+
+
+def mixed_parts(row: PointRow, point: MixedPoint, contexts: list[int]) -> int:
+    """Make the prefill part's row (measured or skipped) the mixed step's: its type, its
+    parts and its totals; the decode part's K (at `contexts`, as admitted), which is the
+    one of the first step after the admission."""
+    decode_b = point.decode.batch_size
+    decode_k = sum(contexts) + decode_b
+    row.point_type = v.MIXED
+    row.parts = {
+        "decode": {"batch_size": decode_b, "total_kv_read_tokens": decode_k},
+        "prefill": {
+            "batch_size": point.prefill.batch_size,
+            "total_prefill_tokens": point.prefill.total_prefill_tokens,
+            "total_kv_read_tokens": point.prefill.total_kv_read_tokens,
+        },
+    }
+    row.total_kv_read_tokens += decode_k
+    row.batch_size += decode_b
+    return decode_k
+
+
+def skipped_mixed_row(point: MixedPoint, reason: str, detail: str) -> PointRow:
+    """The row of a mixed point skipped before its runner started (exact state: its
+    catch-ups did not fit), shaped as the runner's skipped rows are."""
+    prefill = point.prefill
+    row = PointRow(
+        prefill.total_kv_read_tokens,
+        prefill.batch_size,
+        v.skip_regime(reason),
+        detail=detail,
+        point_type=v.PREFILL,
+        total_prefill_tokens=prefill.total_prefill_tokens,
+    )
+    mixed_parts(row, point, injected_contexts(point.decode))
+    return row

@@ -1,22 +1,39 @@
 """The prefill (and mixed) points of a sweep's controller (sweep.controller.Sweep takes these methods):
 a point's runner started once the ranks met (sweep.prefill_runner), its shots queued one per
-step, and a restage every rank takes part in (decided at the point's meeting)."""
+step, and a restage every rank takes part in (decided at the point's meeting). In exact state a
+mixed point's decode part first gets its catch-ups, as a decode point does (sweep.catchups):
+the controller prefills and parks them, the ranks meet, then the runner starts on them."""
 
 from __future__ import annotations
 
-from .mixed_runner import MixedRunner
+from ..kv.injector import Admission
+from ..record import vocabulary as v
+from .catchups import CatchUps, catchup_admission, start_catchups
+from .mixed_runner import MixedRunner, skipped_mixed_row
 from .phase import Phase
-from .plan import PointPlan
+from .plan import PointPlan, injected_contexts
+from .points import mixed_decode_steps
 from .prefill_runner import Next, PrefillRunner
 
 
 class PrefillPoints:
-    def _start_prefill(self, scheduler, plan: PointPlan) -> None:
+    def _start_prefill(self, scheduler, plan: PointPlan, admission: Admission | None = None) -> None:
         """The point's prefixes, then its warm shot; the measured shots follow one per step
-        (a mixed point's beside its decode part's shadows, once they are admitted)."""
+        (a mixed point's beside its decode part's shadows, once they are admitted; in exact
+        state once its catch-ups are parked: `admission`, their shadows)."""
+        config = self.config
+        if plan.mixed and plan.real and config.state_mode == v.EXACT and admission is None:
+            decode = plan.point.decode
+            chains = self._rung.chains[: decode.batch_size]
+            steps = mixed_decode_steps(config.decode_steps)
+            name = f"catchup{len(self.rows)}_s{self._number}"
+            self._catchups = start_catchups(scheduler, plan, chains, injected_contexts(decode), steps, config, name)
+            self.phase = Phase.CATCHING_UP
+            return
         ids = (len(self.rows), self._number)
-        if plan.mixed:  # at one rank (sweep.limits): no trailing shots
-            self._prefill = MixedRunner(scheduler, plan, self._rung.chains, self._tails, self.config, ids)
+        if plan.mixed:
+            chains = self._rung.chains
+            self._prefill = MixedRunner(scheduler, plan, chains, self._tails, config, ids, self._drifted, admission)
         else:
             trailing = 1 if self._meetings.exchange.size > 1 else 0  # ranks a step apart (sweep.prefill_runner)
             self._prefill = PrefillRunner(
@@ -25,6 +42,16 @@ class PrefillPoints:
         self._gc.hold()
         self.phase = Phase.MEASURING
         self._next_shot(scheduler)
+
+    def _mixed_caught_up(self, scheduler, catchups: CatchUps) -> None:
+        """Every rank's catch-ups are parked: the point's runner starts on them, or the point
+        is skipped where they did not fit (named, as a decode point's)."""
+        plan = catchups.plan
+        if catchups.short:
+            self._finish_point(skipped_mixed_row(plan.point, v.POINT_SKIP_REASON, catchups.short), scheduler)
+            return
+        chains = self._rung.chains[: plan.point.decode.batch_size]
+        self._start_prefill(scheduler, plan, catchup_admission(catchups, chains, self.config))
 
     def _next_shot(self, scheduler) -> None:
         if self._prefill.next_shot(scheduler) is Next.DONE:

@@ -32,14 +32,7 @@ def measured_row(
     measured = sum(contexts) + point.batch_size
     reasons = [v.CONTEXT_CLAMPED] if measured != point.total_kv_read_tokens else []
     if plan.real:
-        reasons.append(v.STAMP_REAL_KV)
-        # exact: the state stands at each shadow's context once its admission token is in
-        depth = max(contexts) + 1 if config.state_mode == v.EXACT else max(c.num_computed_tokens for c in chains)
-        reasons += v.state_stamps(config.state_mode, depth)
-        if config.state_mode == v.INPLACE:
-            ids = {c.request_id for c in chains}
-            reasons += [v.STATE_DRIFTED] if ids & drifted else []
-            drifted |= ids
+        reasons += [v.STAMP_REAL_KV, *state_reasons(config, contexts, chains, drifted)]
     elif config.fake_regime == v.FAKE_FALLBACK:
         reasons.append(v.STAMP_FAKE_FALLBACK)
     regime = v.REAL_KV if plan.real else config.fake_regime
@@ -47,6 +40,20 @@ def measured_row(
         measured, point.batch_size, regime, reasons, list(times), statistics.median_high(times), sample_kind=v.STEP
     )
     return stamp_noise(row)
+
+
+def state_reasons(config: SweepConfig, contexts: list[int], chains: list, drifted: set[str]) -> list[str]:
+    """The state stamps of shadows on real KV at `contexts` (as admitted), as measured_row's
+    arguments: the mode and the depth of the deepest state they read, and in place whether a
+    chain had drifted already (`drifted` updated here)."""
+    # exact: the state stands at each shadow's context once its admission token is in
+    depth = max(contexts) + 1 if config.state_mode == v.EXACT else max(c.num_computed_tokens for c in chains)
+    reasons = v.state_stamps(config.state_mode, depth)
+    if config.state_mode == v.INPLACE:
+        ids = {c.request_id for c in chains}
+        reasons += [v.STATE_DRIFTED] if ids & drifted else []
+        drifted |= ids
+    return reasons
 
 
 def stamp_noise(row: PointRow) -> PointRow:

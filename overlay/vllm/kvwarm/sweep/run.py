@@ -213,6 +213,7 @@ class SweepRun:
             raise SettingsError(f"{STATE_ENV}={decision.requested!r} is not one of {', '.join(v.STATE_MODES)}")
         meta.state_mode_requested = decision.requested
         reason = model_gate_reason(vllm_config, settings.warmup) or decision.reason
+        state_mode = decision.mode if reason is None else None  # None: on fake KV (or no state)
         encode = _tokenizer_encode(vllm_config.model_config) if reason is None else None
         common = {
             "progress": self.writer.progress,
@@ -230,14 +231,14 @@ class SweepRun:
 
             def lay_grid(pool: dict) -> SweepSetup:
                 laying = GridLaying(settings.steady_steps + trailing, caps, axes, pool, trace, spec.get("grid_caps"))
-                points = self._grid(scheduler, laying)
+                points = self._grid(scheduler, laying, state_mode)
                 return self._setup(scheduler, inputs, points, reason, decision, encode, trailing)
 
             provisional = SweepConfig(
                 settings.steady_steps, max_model_len, real=False, gc_hold=settings.gc_hold, trailing_steps=trailing
             )
             return Sweep([], None, provisional, lay_grid=lay_grid, **common)
-        check_points(inputs.points, vllm_config, kvm, f"points file {spec['points']}")
+        check_points(inputs.points, vllm_config, kvm, f"points file {spec['points']}", state_mode=state_mode)
         setup = self._setup(scheduler, inputs, inputs.points, reason, decision, encode, trailing)
         return Sweep(setup.points, setup.chain_tokens, setup.config, tail_tokens=setup.tail_tokens, **common)
 
@@ -278,11 +279,12 @@ class SweepRun:
         )
         return SweepSetup(points, chain_text, config, tails)
 
-    def _grid(self, scheduler, laying: GridLaying) -> list:
+    def _grid(self, scheduler, laying: GridLaying, state_mode: str | None) -> list:
         """The generated grid (around the capture sizes, or over a trace's shapes) in the
         laying's pool (the ranks' smallest: sweep.meetings.pool_record), less any point such
         an engine cannot run as one step; rank 0 writes it to OUT/grid.json (a points file to
-        edit and pass back), every rank records it."""
+        edit and pass back), every rank records it. `state_mode`: the sweep's hand-off of
+        recurrent state (None on fake KV)."""
         pool, trace = laying.pool, laying.trace
         kvm, vllm_config = scheduler.kv_cache_manager, scheduler.vllm_config
         layouts = group_layouts(kvm)
@@ -295,6 +297,7 @@ class SweepRun:
             block_size=max(attention),
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
             attention_only=all(g.kind == ATTENTION for g in layouts),
+            state_mode=state_mode,
         )
         points, note = [], mixed_note(limits)
         if trace is not None:
@@ -304,7 +307,7 @@ class SweepRun:
             laid = prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps) + mixed_grid(axes, limits, caps)
         for point in laid:
             try:  # with the points kept so far: a deeper prefix deepens its rung-mates' chains
-                check_points([*points, point], vllm_config, kvm, GRID_FILE, free=pool["usable_blocks"])
+                check_points([*points, point], vllm_config, kvm, GRID_FILE, pool["usable_blocks"], state_mode)
             except PointsFileError:
                 continue  # beyond what this engine runs as one step
             points.append(point)
