@@ -7,8 +7,8 @@ to a folder of its own, so nothing but the store carries anything between them; 
 killed mid-sweep is named by the survivor.
 
 Runs in its own pytest process (`-m multirank`); this process starts no engine itself. The
-MoE case, the forced plan mismatch and the per-rank folders need the test-only plugin
-(kvwarm_testing.plugin).
+MoE cases (the hybrid is one), the forced plan mismatch and the per-rank folders need the
+test-only plugin (kvwarm_testing.plugin).
 """
 
 from __future__ import annotations
@@ -44,12 +44,13 @@ POINTS = [(k, b) for b in (1, 2, 3) for k in range(60 * b, 60 * b + 14 * 40 * b,
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
-    from kvwarm_testing.tiny_models import make_tiny_llama, make_tiny_qwen3_moe, write_sharegpt
+    from kvwarm_testing.tiny_models import make_tiny_llama, make_tiny_qwen3_moe, make_tiny_qwen3_next, write_sharegpt
 
     root = tmp_path_factory.mktemp("multirank")
     return {
         "llama": make_tiny_llama(root / "tiny-llama"),
         "moe": make_tiny_qwen3_moe(root / "tiny-moe"),
+        "hybrid": make_tiny_qwen3_next(root / "tiny-qwen3-next"),
         "dataset": write_sharegpt(root / "sharegpt.json"),
         "root": root,
     }
@@ -239,6 +240,77 @@ def test_mixed_points_run_in_lockstep_on_two_data_parallel_ranks_each_step_their
     combined = json.loads((out / "sweep.json").read_text())
     assert combined["status"] == "complete"
     assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [(0, "complete", 3), (1, "complete", 3)]
+
+
+# The hybrid (an MoE, so its ranks step in lockstep) in align mode, bf16 with fp32 state.
+HYBRID = ["--dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float32", "--mamba-cache-mode", "align"]
+
+
+def test_mixed_points_on_a_hybrid_in_exact_state_hold_their_shape_on_two_data_parallel_ranks(inputs, tmp_path):
+    """The tiny Qwen3-Next on two data-parallel ranks in exact state (the build's default): a
+    first launch sweeps the decode point alone, its artifact giving the engine's state block
+    (vLLM sizes it in the workers); the second sweeps it with two mixed points whose prefill
+    part stays within a state block (align mode stops a prefill at the last boundary before
+    its prompt's end), on a prefix of one state block and on none. Every rank measures every
+    mixed step in its exact shape (a step of another shape would be a skip), with the state
+    stamps its decode row gets, and the combined view holds both ranks' rows."""
+    import math
+
+    decode = {"total_kv_read_tokens": 900, "batch_size": 2}
+    env = _env(inputs, KVWARM_TEST_CPU_ALL_GATHERV="1", **OWN_FOLDERS)
+    args = engine_args(inputs["hybrid"], *HYBRID, "--data-parallel-size", "2")
+    exact = ["kvwarm_real_kv", "kvwarm_state_exact"]
+
+    def sweep(name: str, points: dict) -> list[dict]:
+        out, file = tmp_path / name, tmp_path / f"{name}.json"
+        file.write_text(json.dumps({"schema_version": 2, **points}))
+        rc = run_command(["--points", str(file), "--out", str(out), *args], env, tmp_path / f"{name}.log")
+        assert rc == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+        ranks = [json.loads(rank_artifact(out, r, own_folders=True).read_text()) for r in range(2)]
+        for rank, artifact in enumerate(ranks):
+            assert artifact["status"] == "complete" and artifact["skipped_points"] == [], artifact.get("error")
+            assert artifact["layout"]["data_parallel_rank"] == rank
+            assert len(artifact["results"]) == len(points.get("decode", [])) + len(points.get("mixed", []))
+        combined = json.loads((out / "sweep.json").read_text())
+        assert combined["status"] == "complete"
+        assert [(r["rank"], r["status"], r["rows"]) for r in combined["ranks"]] == [
+            (r, "complete", len(ranks[0]["results"])) for r in range(2)
+        ]
+        return ranks
+
+    def reasons(row) -> list[str]:  # less the noise stamp a busy host may give any row
+        return [r for r in row["sample_reasons"] if r != "kvwarm_noisy"]
+
+    first = sweep("decode", {"decode": [decode]})
+    sizes = first[0]["config"]["engine_args"]["resolved"]["block_sizes"]
+    assert any("Mamba" in group for group in sizes), sizes  # state groups, in align mode
+    unit = math.lcm(*sizes.values())
+    assert unit > 24  # the prefill parts' new tokens per request stay within a state block
+    mixed = [
+        {"decode": decode, "prefill": {"total_prefill_tokens": 24, "total_kv_read_tokens": unit, "batch_size": 1}},
+        {
+            "decode": {"total_kv_read_tokens": 301, "batch_size": 2},
+            "prefill": {"total_prefill_tokens": 30, "total_kv_read_tokens": 0, "batch_size": 2},
+        },
+    ]
+    for artifact in sweep("mixed", {"decode": [decode], "mixed": mixed}):
+        assert artifact["config"]["engine_args"]["resolved"]["block_sizes"] == sizes
+        (decode_row,) = [r for r in artifact["results"] if r["point"]["point_type"] == "decode"]
+        assert (decode_row["kv_seed_regime"], reasons(decode_row)) == ("real_kv", [*exact, "kvwarm_state_depth=450"])
+        rows = sorted(
+            (r for r in artifact["results"] if r["point"]["point_type"] == "mixed"),
+            key=lambda r: -r["point"]["prefill"]["total_kv_read_tokens"],
+        )
+        assert [(r["point"]["decode"], r["point"]["prefill"]) for r in rows] == [
+            (m["decode"], m["prefill"]) for m in mixed
+        ]
+        assert [(r["kv_seed_regime"], reasons(r)) for r in rows] == [
+            ("real_kv", ["prefill_real_seed", *exact, "kvwarm_state_depth=450"]),
+            ("real_kv", [*exact, "kvwarm_state_depth=151"]),
+        ]
+        for row in rows:
+            assert row["sample_kind"] == "shot_forward" and len(row["steady_seconds"]) == 3
+            assert all(t > 0 for t in row["steady_seconds"])
 
 
 # Below vLLM's grace between the SIGTERM and the SIGKILL it sends the surviving engine cores
