@@ -61,7 +61,11 @@ def sweep_table(
     out.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:
         process = subprocess.Popen(
-            [*argv, *engine_args(model, budget)], env=env, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True
+            [*argv, *engine_args(model, budget)],
+            env=env,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         if on:
             os.sched_setaffinity(process.pid, rest)

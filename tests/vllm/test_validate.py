@@ -249,7 +249,10 @@ def test_a_kind_the_table_has_no_rows_for_is_reported_not_covered(tmp_path):
         ({"hardware": {"cpu": "Intel Xeon"}}, "hardware.cpu"),
         (
             {"resolved": {"distributed_executor_backend": "uni"}},
-            "resolved.distributed_executor_backend (trace 'mp', table 'uni'; the trace's: --distributed-executor-backend mp)",
+            (
+                "resolved.distributed_executor_backend (trace 'mp', table 'uni'; "
+                "the trace's: --distributed-executor-backend mp)"
+            ),
         ),
     ],
 )
@@ -351,8 +354,9 @@ def test_the_command_prints_the_table_and_refuses_bad_input_with_exit_2(tmp_path
 
 
 def mixed(decode_k: int, forward_ms: float) -> PointRow:
-    """A measured mixed row (its forward; its step 1 ms more): 2 decodes at `decode_k` beside one prefill of 200 new tokens on a
-    prefix of 500 (the served trace's mixed step's prefill part)."""
+    """A measured mixed row (its forward; its step 1 ms more): 2 decodes at `decode_k` beside
+    one prefill of 200 new tokens on a prefix of 500 (the served trace's mixed step's prefill
+    part)."""
     parts = {
         "decode": {"batch_size": 2, "total_kv_read_tokens": decode_k},
         "prefill": {"batch_size": 1, "total_prefill_tokens": 200, "total_kv_read_tokens": 500},
