@@ -78,6 +78,15 @@ BUILTIN_METHODS = frozenset(
     "wait",
     "popleft",  # threading.Thread, threading.Event, collections.deque
     "__name__",
+    "__file__",  # a module
+    "__index__",
+    "__float__",  # the number protocol (served.shape.plain)
+    "communicate",
+    "kill",
+    "returncode",  # subprocess.Popen (the trace's writer process)
+    "stat",
+    "st_size",
+    "fileno",  # pathlib.Path, os.stat_result, a file
 }
 
 

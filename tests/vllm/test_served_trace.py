@@ -30,7 +30,7 @@ from vllm.kvwarm.record.trace_reader import read_trace
 from vllm.kvwarm.record.validate_match import Provenance
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.served.settings import TraceSettingsError, trace_settings
-from vllm.kvwarm.served.writer import TraceFiles
+from vllm.kvwarm.served.sink import prepare
 from vllm.kvwarm.sweep.loop import loop_record
 
 LOOPS = [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)]
@@ -238,8 +238,7 @@ def test_an_earlier_runs_files_of_the_rank_are_replaced(tmp_path):
     out.mkdir()
     for name in ("trace-dp0.jsonl", "trace-dp0.3.jsonl", "trace-dp1.jsonl", "notes.txt"):
         (out / name).write_text("old\n")
-    files = TraceFiles(out, 0, {"type": "kvwarm_trace"}, 1 << 20, 4)
-    files.close()
+    prepare(out, 0, '{"type":"kvwarm_trace"}\n', "trace-dp0.jsonl")
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "trace-dp0.jsonl", "trace-dp1.jsonl"]
     assert json.loads((out / "trace-dp0.jsonl").read_text()) == {"type": "kvwarm_trace"}
 

@@ -2,7 +2,8 @@
 and the trace setting on, every step the engine runs outside a sweep is one JSON line.
 
   settings  the setting (additional_config's kvwarm_trace, or DYN_BENCH_TRACE_DIR) and its bounds
-  recorder  what the adapter calls in each step; the header; one line per traced step
-  shape     a step's composition, read from its SchedulerOutput in the writer's thread
-  writer    the files (rotated at a size cap) and the thread that writes them
+  recorder  what the adapter calls in each step; the header; each step's plain data
+  shape     a step's parts read from its SchedulerOutput as plain data, in the engine's thread
+  writer    the engine's side of the writer process: starts it, hands it the steps, waits for it
+  sink      the writer process (standard library alone): the lines, the files and their rotation
 """

@@ -2,19 +2,20 @@
 (docs/validate.md#the-trace; the format's words are record.vocabulary's TRACE_*).
 
 The adapter calls `scheduled()` at the end of each schedule() and `updated()` after each
-update_from_output(). In the step they keep references and a few numbers (the parts of the
-SchedulerOutput a line reads, the queues' contents, the window the adapter's StepTimer
-closed, how many request outputs the step sent); the writer's thread (served.writer) turns
-them into lines later (served.shape: raw numbers; the reader composes them). A step is
-traced when it scheduled tokens and the sweep, where one is configured, held none of its own
-requests in it (Sweep.runs_own_requests); its number counts traced steps. Its `wall` is the
-window the timer closed (one update end to the next: a decode row's basis), null where the
-window holds an idle wait: the engine had no request and no step in flight when the previous
-window closed, so it waited for work before this step (a rank's first step has no window
-either). Its `span` is its own schedule() entry to its update end (what Dynamo's FPM falls
-back to after an idle wait). Its `gc`: the collections Python's collector ran in the window,
-in any thread, and their time (a served engine collects as it goes; a sweep holds its
-collector still in timed steps).
+update_from_output(). In the step they take plain data (the parts of the SchedulerOutput a
+line reads, what the queues hold, the window the adapter's StepTimer closed, how many
+request outputs the step sent) and hand it, marshalled, to the trace's writer process
+(served.writer, served.sink), which keeps the prompt lengths, renders the lines and writes
+the files: nothing of vLLM's is kept past the step and no thread of the trace's runs in the
+engine's process. A step is traced when it scheduled tokens and the sweep, where one is
+configured, held none of its own requests in it (Sweep.runs_own_requests); its number
+counts traced steps. Its `wall` is the window the timer closed (one update end to the next:
+a decode row's basis), null where the window holds an idle wait: the engine had no request
+and no step in flight when the previous window closed, so it waited for work before this
+step (a rank's first step has no window either). Its `span` is its own schedule() entry to
+its update end (what Dynamo's FPM falls back to after an idle wait). Its `gc`: the
+collections Python's collector ran in the window, in any thread, and their time (a served
+engine collects as it goes; a sweep holds its collector still in timed steps).
 """
 
 from __future__ import annotations
@@ -24,13 +25,18 @@ import gc
 import time
 from datetime import UTC, datetime
 
+from vllm.logger import init_logger
+
 from ..record import vocabulary as v
 from ..sweep.engine_record import run_record
 from ..sweep.loop import loop_record
 from ..sweep.ranks import rank_layout
 from .settings import TraceSettings
-from .shape import RawSteps, graph, parts, queued
-from .writer import TraceFiles, TraceWriter, line
+from .shape import graph, parts, waiting
+from .sink import line
+from .writer import TraceWriter
+
+logger = init_logger(__name__)
 
 MAX_IN_FLIGHT = 16  # as the StepTimer's: outputs scheduled and not yet taken in
 
@@ -69,11 +75,10 @@ class TraceRecorder:
         header = trace_header(scheduler, settings, started)
         self.rank = header["rank"]
         self._preempted = RequestStatus.PREEMPTED
-        self._raw = RawSteps(scheduler.requests)
-        files = TraceFiles(settings.out, self.rank, header, settings.max_file_bytes, settings.files)
-        self.path = files.path
-        self.writer = TraceWriter(files, self.render)
-        self._scheduled: dict[int, tuple] = {}  # by id(SchedulerOutput): (held, queues after its schedule())
+        self.writer = TraceWriter(settings.out, self.rank, line(header), settings.max_file_bytes, settings.files)
+        self.path = self.writer.path
+        self._scheduled: dict[int, tuple] = {}  # by id(SchedulerOutput): (held, what waits after its schedule())
+        self._failed = False  # a hook failed (logged once); the trace goes on with the next step
         self._count = 0  # traced steps so far
         self._idle = True  # the last window closed with nothing to do (and the first has no start)
         self._gc = [0, 0.0, 0.0]  # collections and their seconds since the last update; the open one's start
@@ -88,50 +93,51 @@ class TraceRecorder:
             self._gc[0] += 1
             self._gc[1] += time.perf_counter() - self._gc[2]
 
-    # --- in the step (the engine's thread): references and a few numbers ---------------------
+    # --- in the step (the engine's thread): plain data, handed to the writer process ----------
 
-    def scheduled(self, output, held: bool, waiting: tuple) -> None:
-        """schedule() made `output`; `held`: the sweep's own requests may be in it; `waiting`:
-        the queues' contents it left."""
-        if len(self._scheduled) >= MAX_IN_FLIGHT:
-            del self._scheduled[next(iter(self._scheduled))]
-        self._scheduled[id(output)] = (held, waiting)
+    def scheduled(self, output, held: bool, queued: tuple) -> None:
+        """schedule() made `output`; `held`: the sweep's own requests may be in it; `queued`:
+        the requests its queues held after it."""
+        try:
+            if len(self._scheduled) >= MAX_IN_FLIGHT:
+                del self._scheduled[next(iter(self._scheduled))]
+            self._scheduled[id(output)] = (held, waiting(queued, self._preempted))
+        except Exception:  # noqa: BLE001  (a failure here must never reach the engine)
+            self._hook_failed()
 
     def updated(self, output, runner_output, engine_outputs, timer, window, end: float, has_requests: bool) -> None:
         """update_from_output took `output` in, ended at `end` (the timer's clock) and returned
         `engine_outputs`; `window`: what `timer` closed; `has_requests`: the scheduler's, after."""
-        held, waiting = self._scheduled.pop(id(output), (True, ()))
-        number = None
-        if not held and output.total_num_scheduled_tokens:
-            number, self._count = self._count, self._count + 1
-        waited, self._idle = self._idle, not has_requests and not self._scheduled
-        sent = sum(len(e.outputs) for e in engine_outputs.values()) if number is not None and engine_outputs else 0
-        stats = getattr(runner_output, "cudagraph_stats", None)
-        span = timer.last_span if number is not None else None
-        collected, self._gc = self._gc, [0, 0.0, self._gc[2]]
-        self.writer.submit((number, parts(output), waiting, end, window, span, waited, sent, stats, collected))
+        try:
+            held, waits = self._scheduled.pop(id(output), (True, ((), ())))
+            waited, self._idle = self._idle, not has_requests and not self._scheduled
+            collected, self._gc = self._gc, [0, 0.0, self._gc[2]]
+            if held or not output.total_num_scheduled_tokens:  # read for the prompt lengths alone
+                step = (None, None, None, None, None, parts(output), waits, 0, None, None)
+            else:
+                number, self._count = self._count, self._count + 1
+                span = timer.last_span
+                stats = getattr(runner_output, "cudagraph_stats", None)
+                step = (
+                    number,
+                    end - self._t0,
+                    None if waited or window is None else window.wall,
+                    span.wall if span is not None else None,
+                    window.phases if window is not None else {},
+                    parts(output),
+                    waits,
+                    sum(len(e.outputs) for e in engine_outputs.values()) if engine_outputs else 0,
+                    collected[:2],
+                    graph(stats),
+                )
+            self.writer.submit(step, end, self._idle)
+        except Exception:  # noqa: BLE001  (a failure here must never reach the engine)
+            self._hook_failed()
 
-    # --- in the writer's thread ---------------------------------------------------------------
-
-    def render(self, item) -> str | None:
-        number, step_parts, waiting, end, window, span, waited, sent, stats, collected = item
-        raw = self._raw.observe(step_parts)  # every step: it keeps the prompt lengths
-        if number is None:
-            return None
-        record = {
-            "step": number,
-            "at": end - self._t0,
-            "wall": None if waited or window is None else window.wall,
-            "span": span.wall if span is not None else None,
-            "phases": window.phases if window is not None else {},
-            **raw,
-            "queued": queued(waiting, self._preempted),
-            "outputs": sent,
-            "gc": collected[:2],
-        }
-        if stats is not None:
-            record["graph"] = graph(stats)
-        return line(record)
+    def _hook_failed(self) -> None:
+        if not self._failed:
+            self._failed = True
+            logger.exception("[kvwarm trace] a step could not be read; it is left out, the engine serves on")
 
     def close(self) -> None:
         if self._collected in gc.callbacks:

@@ -1,174 +1,173 @@
-"""The trace's files and the thread that writes them, so that a step never formats or
-writes anything: the engine's thread appends a tuple of references to a queue (`submit`);
-a daemon thread wakes every FLUSH_SECONDS, turns each into a JSON line (`render`, which may
-say None: nothing to write), writes it to a buffered file and flushes once per wake-up. It
-hands the GIL back after every line, so the engine's thread never waits behind a whole
-batch of formatting: with os.sched_yield(), which lets go of the GIL and the core for a
-thread that waits for either; time.sleep(0) did the same at about 20 times the CPU on a
-virtual host (it arms a timer: docs/measurements.md).
+"""The engine's side of the trace's writer process (served.sink): it starts the process,
+hands it the steps and, at close, waits for it. A step costs the engine's process one
+marshal dump (C) and, now and then, one write to a pipe; no thread of the trace's runs in
+the engine's process, so nothing competes with the engine's thread for the GIL.
 
-Bounded: at most MAX_PENDING items wait; beyond that an item is dropped and counted (the
-steps' numbers then skip, and the count is logged at the end). Each file is rotated once it
-would pass the size cap: trace-dp<R>.jsonl becomes trace-dp<R>.1.jsonl, .1 becomes .2 and so
-on, the oldest beyond the files kept removed; every file starts with the header. A rank's
-files of an earlier run in the same folder are removed when the trace starts (a folder holds
-one run per rank). Nothing here reaches the engine: a write that fails is logged once and the
-trace stops; a line that cannot be rendered is logged once and skipped.
+Each step's frame (a 4-byte length, the marshal dump) is appended to a buffer; the buffer
+goes to the pipe, which never blocks (non-blocking; what the pipe does not take waits for
+the next try), once it holds SEND_BYTES, once SEND_SECONDS passed since the last send, and
+whenever the engine is about to wait for work (so a trace is whole while the server idles).
+Bounded: at most MAX_PENDING_BYTES wait in the engine's process (beyond the pipe's own
+buffer); beyond that a step is dropped and counted (the steps' numbers then skip; the count
+is logged at close).
+
+Lifecycle: the process reads the pipe to its end. `close` (the engine core's shutdown, and
+atexit) sends what waits, closes the pipe, waits for the process and logs what it reports (a
+failed write, a step it could not render, the steps dropped); a process that does not end
+within the timeout is killed. If the engine's process dies, the pipe closes and the writer
+process ends by itself after writing what it had; it runs in a session of its own, so a
+Ctrl-C to the server's terminal does not cut it short. Nothing here reaches the engine: a
+writer process that is gone is logged once and the trace stops.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import marshal
 import os
-import re
-import threading
-from collections import deque
-from collections.abc import Callable
+import select
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from vllm.logger import init_logger
 
 from ..record import vocabulary as v
+from . import sink
+from .shape import plain
 
 logger = init_logger(__name__)
 
-FLUSH_SECONDS = 0.2
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode  # made once: json.dumps makes one per call
-MAX_PENDING = 100_000  # items waiting for the thread (about 20 s of steps at 5,000 steps/s)
-
-
-def line(record: dict) -> str:
-    return _ENCODE(record) + "\n"
-
-
-class TraceFiles:
-    """One rank's trace files: the current one open, the rotated ones behind it."""
-
-    def __init__(self, folder: Path, rank: int, header: dict, max_file_bytes: int, files: int):
-        self.folder, self.rank = folder, rank
-        self._header, self._max, self._keep = line(header), max_file_bytes, files
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            pattern = re.compile(rf"^trace-dp{rank}(\.\d+)?\.jsonl$")
-            for old in folder.iterdir():
-                if pattern.match(old.name):
-                    old.unlink()
-            self._open()
-        except OSError as err:
-            raise OSError(
-                f"the trace folder {folder} cannot be written ({err}); give kvwarm_trace an 'out' folder this "
-                "process may create and write"
-            ) from err
-
-    @property
-    def path(self) -> Path:
-        return self.folder / v.trace_file_name(self.rank)
-
-    def _open(self) -> None:
-        self._file = self.path.open("w", encoding="ascii", buffering=1 << 16)
-        self._file.write(self._header)
-        self._size = len(self._header)
-
-    def write(self, text: str) -> None:
-        if self._size + len(text) > self._max and self._size > len(self._header):
-            self._rotate()
-        self._file.write(text)
-        self._size += len(text)
-
-    def _rotate(self) -> None:
-        self._file.close()
-        name = v.trace_file_name
-        (self.folder / name(self.rank, self._keep - 1)).unlink(missing_ok=True)
-        for k in range(self._keep - 2, 0, -1):
-            older = self.folder / name(self.rank, k)
-            if older.exists():
-                older.replace(self.folder / name(self.rank, k + 1))
-        if self._keep > 1:
-            self.path.replace(self.folder / name(self.rank, 1))
-        self._open()
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
+SEND_BYTES = 64 << 10
+SEND_SECONDS = 0.1
+MAX_PENDING_BYTES = 32 << 20  # about 30,000 steps of 32 requests waiting for the writer process
+PIPE_BYTES = 1 << 20  # asked of the kernel for the pipe (Linux; the default stays where refused)
+SINK = Path(sink.__file__).resolve()
 
 
 class TraceWriter:
-    def __init__(self, files: TraceFiles, render: Callable[[object], str | None]):
-        self._files, self._render = files, render
-        self._pending: deque = deque()
-        self.dropped = 0
-        self.written = 0
-        self._broken = False
-        self._render_failed = False
-        self._stop = threading.Event()
+    def __init__(self, folder: Path, rank: int, header: str, max_file_bytes: int, files: int):
+        names = [v.trace_file_name(rank, k) for k in range(files)]
+        sink.prepare(folder, rank, header, names[0])  # raises OSError naming the folder
+        self.path = folder / names[0]
+        self.rank = rank
+        self.dropped = 0  # traced steps left out at the bound
+        self._stopped: str | None = None  # why the trace stopped in the engine's process
+        self._unmarshallable = False
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"kvwarm-trace-dp{files.rank}", daemon=True)
-        self._thread.start()
+        self._sent_at = 0.0
+        read, self._fd = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(SINK), str(os.getpid())],
+                stdin=read,
+                stdout=subprocess.PIPE,
+                start_new_session=True,
+            )
+        finally:
+            os.close(read)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        except (AttributeError, OSError):
+            pass
+        setup = {"folder": str(folder), "header": header, "max_file_bytes": max_file_bytes, "names": names}
+        data = marshal.dumps(setup)
+        self._pending = bytearray(len(data).to_bytes(4, "little") + data)
+        os.set_blocking(self._fd, False)
+        self._send(0.0)
 
-    def submit(self, item) -> None:
-        """From the engine's thread: never blocks, never raises."""
-        if len(self._pending) >= MAX_PENDING:
-            self.dropped += 1
+    def submit(self, step: tuple, now: float, idle: bool) -> None:
+        """From the engine's thread: never blocks, never raises. `step`: served.recorder's
+        frame, its step's number first (None: a step that is not traced); `now`: the step's
+        end on the adapter's clock; `idle`: the engine is about to wait for work."""
+        if self._stopped is not None:
             return
-        self._pending.append(item)
+        try:
+            data = marshal.dumps(step)
+        except ValueError:
+            data = self._slow(step)
+            if data is None:
+                return
+        pending = self._pending
+        if len(pending) >= MAX_PENDING_BYTES:
+            self.dropped += step[0] is not None
+            return
+        pending += len(data).to_bytes(4, "little")
+        pending += data
+        if idle or len(pending) >= SEND_BYTES or now - self._sent_at >= SEND_SECONDS:
+            self._send(now)
 
-    def _run(self) -> None:
-        while not self._stop.wait(FLUSH_SECONDS):
-            self._drain()
-        self._drain()
+    def _slow(self, step: tuple) -> bytes | None:
+        try:
+            return marshal.dumps(plain(step))
+        except (TypeError, ValueError):
+            if not self._unmarshallable:
+                self._unmarshallable = True
+                logger.exception("[kvwarm trace] a step's parts are not plain data; it is left out")
+            return None
 
-    def _drain(self) -> None:
-        pending, wrote = self._pending, False
-        while pending:
-            item = pending.popleft()
-            try:
-                text = self._render(item)
-            except Exception:  # a bug here must never reach the engine
-                if not self._render_failed:
-                    logger.exception("[kvwarm trace] a step could not be rendered; it is left out")
-                    self._render_failed = True
-                continue
-            if text is not None and not self._broken:
-                try:
-                    self._files.write(text)
-                    self.written += 1
-                    wrote = True
-                except OSError as err:
-                    self._fail(err)
-            os.sched_yield()  # the GIL back to the engine's thread between lines
-        if wrote and not self._broken:
-            try:
-                self._files.flush()
-            except OSError as err:
-                self._fail(err)
+    def _send(self, now: float) -> None:
+        try:
+            sent = os.write(self._fd, self._pending)
+        except BlockingIOError:
+            return
+        except OSError as err:
+            self._stop(f"the trace's writer process is gone ({err}, exit code {self.process.poll()})")
+            return
+        del self._pending[:sent]  # a bytearray drops its head without moving the rest
+        self._sent_at = now
 
-    def _fail(self, err: OSError) -> None:
-        self._broken = True
-        logger.error(
-            "[kvwarm trace] writing %s failed (%s); the trace stops here, the engine serves on", self._files.path, err
-        )
+    def _stop(self, why: str) -> None:
+        self._stopped = why
+        self._pending.clear()
+        logger.error("[kvwarm trace] %s; the trace stops here, the engine serves on", why)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Write what is pending and close the file (idempotent)."""
+        """Send what waits, end the writer process's input, wait for it and log its report
+        (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.error(
-                "[kvwarm trace] the writer did not finish within %.0f s; %d step(s) not written",
-                timeout,
-                len(self._pending),
-            )
-            return
+        deadline = time.monotonic() + timeout
+        while self._pending and self._stopped is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([], [self._fd], [], left)[1]:
+                break
+            self._send(0.0)
+        unsent = len(self._pending)
+        self._stopped = self._stopped or "closed"  # a step after this is not sent (the pipe is gone)
+        os.close(self._fd)
         try:
-            self._files.close()
-        except OSError as err:
-            self._fail(err)
+            out, _ = self.process.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            logger.error("[kvwarm trace] the writer process did not finish within %.0f s; it was stopped", timeout)
+            return
+        self._log(out, unsent)
+
+    def _log(self, out: bytes, unsent: int) -> None:
+        try:
+            report = json.loads(out.decode().strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            report = None
+        if report is None and self._stopped is None:
+            logger.error(
+                "[kvwarm trace] the writer process ended without its report (exit code %s); %s may be short",
+                self.process.returncode,
+                self.path,
+            )
+        if report is not None and report.get("failed"):
+            logger.error("[kvwarm trace] %s; the trace stops here, the engine serves on", report["failed"])
+        if report is not None and report.get("render_failed"):
+            logger.error("[kvwarm trace] a step could not be rendered, left out:\n%s", report["render_failed"])
+        if unsent:
+            logger.error("[kvwarm trace] %d byte(s) of steps could not be handed to the writer process", unsent)
         if self.dropped:
             logger.warning(
-                "[kvwarm trace] %d step(s) dropped: more than %d waited for the writer", self.dropped, MAX_PENDING
+                "[kvwarm trace] %d step(s) dropped: more than %d KiB waited for the writer process",
+                self.dropped,
+                MAX_PENDING_BYTES >> 10,
             )
