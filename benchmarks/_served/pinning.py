@@ -42,16 +42,26 @@ def pinning_env(pinned: bool) -> dict[str, str]:
 
 
 def session_processes(sid: int) -> dict[int, bytes]:
-    """Every live process of session `sid` with its command line (its title, where set)."""
-    found = {}
+    """Every live process of session `sid`, and their children in sessions of their own (the
+    trace's writer process), with its command line (its title, where set)."""
+    parents, lines, members = {}, {}, set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
+            pid = int(entry.name)
             try:
-                if os.getsid(int(entry.name)) == sid:
-                    found[int(entry.name)] = (entry / "cmdline").read_bytes()
-            except OSError:
+                stat = (entry / "stat").read_text()
+                parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+                lines[pid] = (entry / "cmdline").read_bytes()
+                if os.getsid(pid) == sid:
+                    members.add(pid)
+            except (OSError, IndexError, ValueError):
                 continue
-    return found
+    grown = True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in members} - members
+        members |= children
+        grown = bool(children)
+    return {pid: lines[pid] for pid in members}
 
 
 def pin_threads(pid: int, cpus: set[int]) -> None:
