@@ -1,6 +1,10 @@
-"""compare(), junit parsing and the test selection of the upstream-tests regression gate (no vLLM needed)."""
+"""compare(), junit parsing, the test selection and the platform of the upstream-tests regression gate
+(no vLLM needed)."""
 
+import dataclasses
 import io
+import os
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -8,15 +12,19 @@ from pathlib import Path
 import pytest
 
 from kvwarm_build.errors import BuildError
+from kvwarm_build.releases import load_releases
 from kvwarm_build.upstream.suite import (
     CONNECTOR_UNIT,
     CORE,
+    SITE_FILES,
     Selection,
     compare,
     extract_tests,
     gate,
+    gate_env,
     hub_ids,
     parse_junit,
+    prepare_site,
     run_gate,
 )
 
@@ -112,12 +120,10 @@ def test_extract_tests_refuses_foreign_dir(tmp_path):
 
 
 def test_the_site_folder_is_written_once_and_repaired_when_changed(tmp_path):
-    from kvwarm_build.upstream.suite import prepare_site
-
     site = prepare_site(tmp_path)
     shim = site / "sitecustomize.py"
     written = {p.name: p.stat().st_mtime_ns for p in site.iterdir()}
-    assert set(written) == {"sitecustomize.py", "kvwarm_fixtures.py"} and shim.read_text()
+    assert set(written) == {name for _, name in SITE_FILES} and shim.read_text()
     assert prepare_site(tmp_path) == site
     assert {p.name: p.stat().st_mtime_ns for p in site.iterdir()} == written  # left alone
     original = shim.read_text()
@@ -173,7 +179,8 @@ def test_a_tree_without_connector_tests_leaves_that_selection_out(tmp_path):
 @pytest.mark.parametrize("full", [False, True])
 def test_run_gate_runs_each_selection_and_keeps_a_missing_package_a_failure(tmp_path, full):
     root = _tests_tree(tmp_path / "src")
-    results = run_gate(sys.executable, root, tmp_path / "side", tmp_path / "hf", gate(root, full=full))
+    runs, env = gate(root, full=full), gate_env(cpu_platform=True)
+    results = run_gate(sys.executable, root, tmp_path / "side", tmp_path / "hf", runs, platform_env=env)
     stress = {f"tests.v1.core.test_marked::test_priority_scheduling_blast[{n}]" for n in (1, 2)}
     expected = {
         "tests.v1.core.test_marked::test_fast",
@@ -187,6 +194,82 @@ def test_run_gate_runs_each_selection_and_keeps_a_missing_package_a_failure(tmp_
     # compare() never counts it as a regression.
     assert [s for t, s in results.items() if "test_needs_pkg" in t] == ["error"]
     assert compare(results, dict(results))[0] == []
+
+
+PLATFORM_PROBES = """import os
+import pytest
+pytestmark = pytest.mark.cpu_test
+def test_cpu_platform(): assert os.environ.get("VLLM_TARGET_DEVICE") == "cpu"
+def test_refusal_lifted(): assert os.environ.get("KVWARM_CPU_PLATFORM_WITHOUT_TRITON") == "1"
+"""
+
+
+@pytest.mark.parametrize("cpu_platform", [True, False])
+def test_the_gate_runs_on_the_cpu_platform_lifting_the_refusal_where_the_row_says_never_the_caller_s(
+    tree, tmp_path, monkeypatch, cpu_platform
+):
+    path = tree["root"] / "releases.toml"
+    if not cpu_platform:
+        path.write_text(path.read_text().replace("build = 3", "build = 3\ncpu_platform = false"))
+    (release,) = load_releases(path)
+    root = tmp_path / "src"
+    (root / CORE).mkdir(parents=True)
+    (root / CORE / "test_platform.py").write_text(PLATFORM_PROBES)
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cuda")
+    monkeypatch.setenv("KVWARM_CPU_PLATFORM_WITHOUT_TRITON", "1")
+    env = gate_env(release.cpu_platform)
+    results = run_gate(sys.executable, root, tmp_path / "side", tmp_path / "hf", gate(root), platform_env=env)
+    module = "tests.v1.core.test_platform"
+    assert results == {
+        f"{module}::test_cpu_platform": "passed",
+        f"{module}::test_refusal_lifted": "failed" if cpu_platform else "passed",
+    }
+
+
+CPU_PLATFORM = """class CpuPlatform:
+    @classmethod
+    def check_and_update_config(cls, vllm_config):
+        if vllm_config == "x86 without triton":
+            REFUSAL
+        return "checked"
+"""
+
+
+@pytest.mark.parametrize("switch, refusal, expected", [
+    ("1", True, "checked"),
+    ("", True, "RuntimeError: vLLM on x86 CPUs requires Triton (triton-cpu)."),
+    ("1", False, "ImportError"),  # nothing to lift: the row's cpu_platform no longer fits
+    ("", False, "checked"),
+])  # fmt: skip
+def test_the_shim_lifts_the_cpu_platform_s_x86_triton_refusal_and_only_that(tmp_path, switch, refusal, expected):
+    from kvwarm_build.upstream._cpu_platform_shim import REFUSAL
+
+    fake = tmp_path / "fake" / "vllm" / "platforms"
+    fake.mkdir(parents=True)
+    for init in (fake / "__init__.py", fake.parent / "__init__.py"):
+        init.write_text("")
+    (fake / "cpu.py").write_text(CPU_PLATFORM.replace("REFUSAL", REFUSAL if refusal else "raise SystemExit(3)"))
+    site = prepare_site(tmp_path)
+    probe = (
+        "from vllm.platforms.cpu import CpuPlatform\n"
+        "try: print(CpuPlatform.check_and_update_config('x86 without triton' if " + repr(refusal) + " else 'x'))\n"
+        "except Exception as e: print(f'{type(e).__name__}: {e}')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{fake.parent.parent}"}
+    env["KVWARM_CPU_PLATFORM_WITHOUT_TRITON"] = switch
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False)
+    assert expected in run.stdout + run.stderr, run.stderr
+
+
+def test_stock_results_of_one_platform_are_not_reused_on_the_other(tree, tmp_path):
+    from kvwarm_build.upstream.run import _stock_key
+
+    (release,) = load_releases(tree["root"] / "releases.toml")
+    runs = gate(_tests_tree(tmp_path / "src"))
+    deps_site = tmp_path / "venvs" / "deps-9.9.1-abc" / "lib" / "python3.11" / "site-packages"
+    on_cpu = _stock_key(release, "cuda", runs, deps_site)
+    assert _stock_key(release, "cuda", runs, deps_site) == on_cpu
+    assert _stock_key(dataclasses.replace(release, cpu_platform=False), "cuda", runs, deps_site) != on_cpu
 
 
 def test_torchvision_goes_with_the_torch_of_the_deps_venv():

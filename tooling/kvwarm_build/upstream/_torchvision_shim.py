@@ -1,7 +1,7 @@
 """Let a CUDA torchvision wheel import on a CPU-only torch (tests' venv only).
 
-run_suite installs this as `sitecustomize` through PYTHONPATH, so it also acts
-in the subprocesses vLLM starts (model inspection runs in one).
+The gate's sitecustomize (_sitecustomize.py, on PYTHONPATH) imports this, so it also
+acts in the subprocesses vLLM starts (model inspection runs in one).
 
 torchvision's compiled ops (_C) link against libtorch_cuda and cannot load on
 the CPU torch build; torchvision then still registers fake kernels for

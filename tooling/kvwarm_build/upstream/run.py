@@ -21,23 +21,22 @@ from ..venvs.deps import ensure_deps_venv, ensure_layered_venv, install_wheel
 from ..venvs.installer import install
 from .hf_standins import seed_hf_cache
 from .suite import (
+    SITE_FILES,
     TEST_VENV_COMMON,
     TEST_VENV_NO_DEPS,
     compare,
     extract_tests,
     gate,
+    gate_env,
     hub_ids,
     prepare_site,
     run_gate,
     torchvision_for,
 )
 
-# Files that shape a run besides the wheel and the tests: stand-in recipes, the
-# torchvision shim, the fixtures plugin run_suite installs, and the selection itself.
-_RUN_INPUTS = [
-    Path(__file__).with_name(n)
-    for n in ("_make_standins.py", "_torchvision_shim.py", "_pytest_fixtures.py", "suite.py")
-]
+# Files that shape a run besides the wheel and the tests: stand-in recipes, the files
+# run_suite puts on PYTHONPATH (shims, fixtures plugin), and the selection itself.
+_RUN_INPUTS = [Path(__file__).with_name(n) for n in ("_make_standins.py", *(s for s, _ in SITE_FILES), "suite.py")]
 
 
 def _torch_in(deps_site: Path) -> str:
@@ -58,6 +57,8 @@ def _test_venv(cache: Path, release: Release, deps_site: Path, log, suffix: str 
 def _stock_key(release: Release, flavour: str, runs, deps_site: Path) -> str:
     return cache_key(
         release.flavour(flavour).wheel.sha256,
+        # vLLM's platform (cpu_platform): the same tests give other results on another one.
+        sorted(gate_env(release.cpu_platform).items()),
         release.sdist.sha256,
         runs,
         release.test_pins,
@@ -78,8 +79,10 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = F
     work = cache / "upstream" / release.version
     tests_root = extract_tests(sdist, work / "src")
     runs = gate(tests_root, full=full)
+    env = gate_env(release.cpu_platform)
+    where = "vLLM's CPU platform" + ("" if release.cpu_platform else ", its x86 Triton refusal lifted")
     log(
-        f"vLLM {release.version} own CPU tests on the {flavour} flavour"
+        f"vLLM {release.version} own CPU tests on the {flavour} flavour, {where}"
         f" ({'full' if full else 'without the stress cases; --full adds them'}):"
     )
     for run in runs:
@@ -95,7 +98,7 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = F
         log(f"stock results reused from {stock_cache}")
         log(f"running on patched {patched_wheel.name}")
         install_wheel(python, patched_wheel, cache, log)
-        patched = run_gate(str(python), tests_root, work / "patched", hf_home, runs)
+        patched = run_gate(str(python), tests_root, work / "patched", hf_home, runs, platform_env=env)
     else:
         stock_python = _test_venv(cache, release, deps_site, log, suffix="-stock")
         # From uv's cache, as the unit tests' stock venv has it: one unpack of the release
@@ -105,8 +108,10 @@ def run_upstream_tests(release: Release, cache: Path, dist: Path, full: bool = F
         prepare_site(tests_root)
         log(f"running on stock {stock_wheel.name} and patched {patched_wheel.name} side by side")
         with ThreadPoolExecutor(2) as pool:
-            stock_run = pool.submit(run_gate, str(stock_python), tests_root, work / "stock", hf_home, runs, True)
-            patched_run = pool.submit(run_gate, str(python), tests_root, work / "patched", hf_home, runs, True)
+            stock_run, patched_run = (
+                pool.submit(run_gate, str(side), tests_root, work / name, hf_home, runs, True, platform_env=env)
+                for side, name in ((stock_python, "stock"), (python, "patched"))
+            )
             stock, patched = stock_run.result(), patched_run.result()
         for side in ("stock", "patched"):
             for run in runs:

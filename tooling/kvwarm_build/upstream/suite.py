@@ -6,7 +6,8 @@ A regression gate: run the same selection on the stock and the patched wheel and
     root = extract_tests(sdist, work / "upstream-X.Y.Z")
     runs = gate(root, full=False)
     seed_hf_cache(hf_home / "hub", hub_ids(root, runs), python)
-    stock = run_gate(python, root, work / "stock", hf_home, runs)
+    env = gate_env(release.cpu_platform)
+    stock = run_gate(python, root, work / "stock", hf_home, runs, platform_env=env)
 
 The tests' venv (run.py): the release's deps venv (venvs/deps.py), the release's
 `test_pins` from releases.toml + TEST_VENV_COMMON, then `pip install --no-deps`
@@ -174,18 +175,40 @@ def hub_ids(tests_root: Path, runs: list[Selection]) -> set[str]:
     return found
 
 
+# What prepare_site puts in the site folder: source here, name there.
+SITE_FILES = (
+    ("_sitecustomize.py", "sitecustomize.py"),
+    ("_torchvision_shim.py", "kvwarm_torchvision_shim.py"),
+    ("_cpu_platform_shim.py", "kvwarm_cpu_platform_shim.py"),
+    ("_pytest_fixtures.py", "kvwarm_fixtures.py"),
+)
+
+
 def prepare_site(tests_root: Path) -> Path:
-    """The folder put on PYTHONPATH: sitecustomize reaches vLLM's own subprocesses too; the
-    fixtures plugin replaces what the cut-off root conftest would provide. Files already
-    in place are left alone, so runs sharing the tree never see a half-written one."""
+    """The folder put on PYTHONPATH: sitecustomize (the shims' import hooks) reaches vLLM's own
+    subprocesses too; the fixtures plugin replaces what the cut-off root conftest would
+    provide. Files already in place are left alone, so runs sharing the tree never see a
+    half-written one."""
     site = Path(tests_root).resolve() / "_kvwarm_site"
     site.mkdir(exist_ok=True)
-    for source, name in (("_torchvision_shim.py", "sitecustomize.py"), ("_pytest_fixtures.py", "kvwarm_fixtures.py")):
+    for source, name in SITE_FILES:
         wanted = (_HERE / source).read_bytes()
         target = site / name
         if not target.exists() or target.read_bytes() != wanted:
             shutil.copyfile(_HERE / source, target)
     return site
+
+
+PLATFORM_VARIABLES = ("VLLM_TARGET_DEVICE", "KVWARM_CPU_PLATFORM_WITHOUT_TRITON")
+
+
+def gate_env(cpu_platform: bool) -> dict[str, str]:
+    """The environment vLLM's tests run in: vLLM's CPU platform, where a release's row says
+    `cpu_platform = false` with its x86 Triton refusal lifted (_cpu_platform_shim.py): the
+    unspecified platform unit-S runs such a release on needs a DeviceConfig the tests pass,
+    and vLLM's own tests pass none."""
+    env = {"VLLM_TARGET_DEVICE": "cpu"}
+    return env if cpu_platform else {**env, "KVWARM_CPU_PLATFORM_WITHOUT_TRITON": "1"}
 
 
 def run_suite(
@@ -195,9 +218,13 @@ def run_suite(
     hf_home: Path,
     run: Selection,
     output: Path | None = None,
+    *,
+    platform_env: dict[str, str],
 ) -> dict[str, str]:
     """Run one selection; return {test_id: status}.
 
+    platform_env: gate_env(release.cpu_platform); neither VLLM_TARGET_DEVICE nor the
+    shim's switch is taken from the caller's environment.
     Output streams to the terminal, or into `output` (for runs side by side). Exit code 1
     (some tests failed) is a normal result; anything that leaves no junit report is a
     BuildError.
@@ -208,9 +235,11 @@ def run_suite(
     junit.unlink(missing_ok=True)  # never read a previous run's report
     site = prepare_site(tests_root)
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_")) and k not in PLATFORM_VARIABLES
+    }
+    env.update(platform_env)
     env.update(
-        VLLM_TARGET_DEVICE="cpu",
         HF_HOME=str(hf_home),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
@@ -229,7 +258,8 @@ def run_suite(
         "--tb=native",
         f"--junitxml={junit}", "-q", "--durations=10", *run.paths,
     ]  # fmt: skip
-    print(f"+ (cd {tests_root} && {' '.join(cmd)})" + (f" > {output}" if output else ""), flush=True)
+    shown = [f"{k}={v}" for k, v in sorted(platform_env.items())] + cmd
+    print(f"+ (cd {tests_root} && {' '.join(shown)})" + (f" > {output}" if output else ""), flush=True)
     if output is None:
         rc = subprocess.run(cmd, cwd=tests_root, env=env, check=False).returncode
     else:
@@ -253,13 +283,17 @@ def run_gate(
     hf_home: Path,
     runs: list[Selection],
     to_files: bool = False,
+    *,
+    platform_env: dict[str, str],
 ) -> dict[str, str]:
-    """Every selection in turn, junit (and with to_files, output) beside `prefix`; the merged results."""
+    """Every selection in turn, junit (and with to_files, output) beside `prefix`; the merged
+    results. platform_env: as run_suite's."""
     results: dict[str, str] = {}
     for run in runs:
         stem = f"{prefix.name}-{run.slug}"
         output = prefix.with_name(stem + ".log") if to_files else None
-        results.update(run_suite(python, tests_root, prefix.with_name(stem + ".xml"), hf_home, run, output))
+        junit = prefix.with_name(stem + ".xml")
+        results.update(run_suite(python, tests_root, junit, hf_home, run, output, platform_env=platform_env))
     return results
 
 
