@@ -16,10 +16,12 @@ under a server; a candidate source of the gap, issue 40 item 5). The pieces: ben
 
 Full: 120 requests per dataset (240) at 6 per second, 48 output tokens, the default grid
 caps; `--quick` (or KVWARM_BENCH_QUICK=1): 12 per dataset, 16 output tokens, a few points,
-pinned only, the warm-up-on table only. Timing figures mean something only on a quiet machine: the load average is
-printed beside them. The target (issue 40): decode MAPE <= max(3 %, 1.5 x the trace's
-repeat noise), |bias| <= 2 % in every KV band of 20 steps or more, coverage >= 95 %. The
-last line is the JSON result.
+pinned only, the warm-up-on table only. Timing figures mean something only on a quiet
+machine: the load average is printed beside them, and the host's own speed before each run
+(_served/floor.py): runs whose floors differ by more than the noise were made at two speeds
+of the host. The target (issue 40): decode MAPE <= max(3 %, 1.5 x the trace's repeat noise),
+|bias| <= 2 % in every KV band of 20 steps or more, coverage >= 95 %. The last line is the
+JSON result.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from _engine import release_label  # importing it sets the engine's environment
+from _served.floor import floor_ms, spread
 from _served.phases import compare, print_comparison
 from _served.serving import Load, serve
 from _served.tables import QUICK_CAPS, TOPOLOGIES, sweep_table, validate
@@ -79,9 +82,10 @@ def run(work: Path, topology: str) -> dict:
     load = QUICK_LOAD if QUICK else FULL_LOAD
     model = tiny_models.make_tiny_qwen3_moe(work / "tiny-moe", kv_heads=8)
     dataset = tiny_models.write_sharegpt(work / "sharegpt.json", conversations=256)
-    runs = {}
+    runs, floors = {}, {}
     for pinned in (True,) if QUICK else (True, False):
         name = "pinned" if pinned else "unpinned"
+        floors[f"served-{name}"] = floor_ms()
         served = serve(model, dataset, work / name, load, pinned)
         runs[name] = served
         share = trace_share(served.trace)
@@ -96,17 +100,24 @@ def run(work: Path, topology: str) -> dict:
         )
         if served.sending != served.counted:
             raise SystemExit("the trace's steps do not add up to the server's count of engine steps")
-    result = {"runs": runs, "holds": {}}
+    result = {"runs": runs, "holds": {}, "floors": floors}
     trace = runs["pinned"].trace
     for warmup in (True,) if QUICK else (True, False):
         name = f"warmup-{'on' if warmup else 'off'}"
         caps = QUICK_CAPS if QUICK else None
+        floors[f"table-{name}"] = floor_ms()
         table, artifact = sweep_table(
             trace, model, load.budget, dataset, work / "tables" / name, warmup, topology, True, caps
         )
         print(f"\n== table {name}: {len(artifact['results'])} rows, swept {topology}", flush=True)
         for served in runs.values():
             result["holds"][(name, served.trace.parent.name)] = hold(name, table, artifact, served.trace, work)
+    print(
+        "\n== the host's floor (a fixed matrix product on the worker's core, ms) before each run: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in floors.items())
+        + f"; spread {spread(floors)} % (figures compare runs made at these speeds)",
+        flush=True,
+    )
     return result
 
 
@@ -136,6 +147,8 @@ def main() -> None:
         "met": target_met(summary, main_hold["bands"]) if main_hold else None,
         "topology": args.topology,
         "load_average": round(os.getloadavg()[0], 2),
+        "host_floor_ms": {k: round(v, 4) for k, v in result["floors"].items()},
+        "host_floor_spread_pct": spread(result["floors"]),
     }
     for (name, trace), held in result["holds"].items():
         s, f = held["summary"], held["forward"]

@@ -29,6 +29,7 @@ from vllm.kvwarm.record.validate import validate as hold_against
 from vllm.kvwarm.record.validate_output import text, write
 
 from .pinning import cores, pin_session, pinning_env
+from .pinning import placement as where
 from .serving import engine_args
 
 TOPOLOGIES = ("in-process", "served")
@@ -89,6 +90,7 @@ def watch(process: subprocess.Popen, pin: bool, in_process: bool, timeout: float
                 raise
             if pin and pin_session(process.pid, engine_core=process.pid if in_process else None):
                 pin = False
+                print(f"  the sweep's processes: {where(process.pid)}", flush=True)
 
 
 def validate(table: Path, trace: Path, out: Path, basis: str = STEP) -> tuple[dict, dict]:

@@ -1,0 +1,53 @@
+"""The host's own speed at the moments the benchmark compares: a fixed matrix product (about
+a tiny model's step of compute) timed on the worker's core at the engine's priority, just
+before the served run and before each table. A table and a trace are comparable only where
+the host ran at one speed for both: a shared host can slow one of them by 20-30 % for minutes
+(seen here, docs/measurements.md), which no repeat inside either run shows. The spread of
+these floors is printed beside the figures and in the JSON line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .pinning import PRIORITY, cores
+
+PROBE = """
+import statistics, time, torch
+torch.set_num_threads(1)
+a, b = torch.randn(384, 384), torch.randn(384, 384)
+times = []
+for _ in range(300):
+    started = time.perf_counter()
+    torch.mm(a, b)
+    times.append(time.perf_counter() - started)
+print(statistics.median(times) * 1e3)
+"""
+
+
+def _placed(cpus: set[int]):
+    def place() -> None:
+        os.sched_setaffinity(0, cpus)
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, PRIORITY)
+        except OSError:  # not permitted: the probe runs at the default priority
+            pass
+
+    return place
+
+
+def floor_ms() -> float:
+    """The probe's median, in ms, on the worker's core (every core where there is one)."""
+    _, worker = cores()
+    cpus = {worker} if worker is not None else set(os.sched_getaffinity(0))
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, check=True, preexec_fn=_placed(cpus)
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def spread(floors: dict[str, float]) -> float | None:
+    """How far apart the floors are: the slowest over the fastest, less one, in percent."""
+    return round(100 * (max(floors.values()) / min(floors.values()) - 1), 2) if len(floors) > 1 else None
