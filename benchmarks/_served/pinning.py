@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvwarm_testing.multi_rank import session_processes
+
 WORKER_TITLE = b"::Worker"  # vLLM's title for an executor worker process (VLLM::Worker...)
 ENGINE_CORE_TITLE = b"::EngineCore"
 PRIORITY = -10  # the engine's processes ahead of the rest of the host: as on cores of their own
@@ -39,29 +41,6 @@ def cores() -> tuple[set[int], int | None]:
 def pinning_env(pinned: bool) -> dict[str, str]:
     _, worker = cores()
     return {"VLLM_CPU_OMP_THREADS_BIND": str(worker) if pinned and worker is not None else "nobind"}
-
-
-def session_processes(sid: int) -> dict[int, bytes]:
-    """Every live process of session `sid`, and their children in sessions of their own (the
-    trace's writer process), with its command line (its title, where set)."""
-    parents, lines, members = {}, {}, set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            pid = int(entry.name)
-            try:
-                stat = (entry / "stat").read_text()
-                parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-                lines[pid] = (entry / "cmdline").read_bytes()
-                if os.getsid(pid) == sid:
-                    members.add(pid)
-            except (OSError, IndexError, ValueError):
-                continue
-    grown = True
-    while grown:
-        children = {pid for pid, parent in parents.items() if parent in members} - members
-        members |= children
-        grown = bool(children)
-    return {pid: lines[pid] for pid in members}
 
 
 def pin_threads(pid: int, cpus: set[int]) -> None:

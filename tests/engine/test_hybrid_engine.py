@@ -98,14 +98,30 @@ def test_exact_state_shadows_decode_like_natural_requests_off_the_boundaries(hyb
     print_report(check_exact_state(hybrid, "qwen3-next", vocab=400), capsys)
 
 
+def counted_sweep(points, chain_tokens, config):
+    """The tests' in-process sweep: a counting clock (timings are not what is checked), tail
+    tokens drawn once, the tiny hybrid's vocabulary."""
+    import itertools
+
+    from vllm.kvwarm.sweep.controller import Sweep
+
+    return Sweep(
+        points,
+        chain_tokens,
+        config,
+        clock=itertools.count().__next__,
+        progress=lambda _: None,
+        tail_tokens=random.Random(9).choices(range(3, 400), k=512),
+        vocab_size=400,
+    )
+
+
 def test_prefill_and_decode_points_on_the_hybrid_run_on_real_prefixes_and_real_kv(hybrid):
     """Prefill points' prefixes are whole state blocks (a state is cached only at its
     boundaries), found with their state in vLLM's prefix cache; decode points follow in the
     same sweep, exact state by default."""
-    import itertools
 
     from vllm.kvwarm.kv.prefix import prefix_unit
-    from vllm.kvwarm.sweep.controller import Sweep
     from vllm.kvwarm.sweep.plan import SweepConfig
     from vllm.kvwarm.sweep.points import DecodePoint, PrefillPoint
 
@@ -121,15 +137,7 @@ def test_prefill_and_decode_points_on_the_hybrid_run_on_real_prefixes_and_real_k
 
     points = [PrefillPoint(48, 2 * unit, 2), PrefillPoint(32, 0, 1), DecodePoint(1800, 2)]
     config = SweepConfig(steady_steps=3, max_model_len=2048, state_mode=decision.mode, state_lending=decision.lending)
-    sweep = Sweep(
-        points,
-        chain_tokens,
-        config,
-        clock=itertools.count().__next__,
-        progress=lambda _: None,
-        tail_tokens=random.Random(9).choices(range(3, 400), k=512),
-        vocab_size=400,
-    )
+    sweep = counted_sweep(points, chain_tokens, config)
     scheduler.kvwarm_sweep = sweep
     try:
         for _ in range(2000):
@@ -153,11 +161,9 @@ def test_mixed_points_on_the_hybrid_in_exact_state_hold_their_shape_on_real_kv(h
     tokens and their hit (vLLM's own counts; new tokens within a state block: align mode stops
     a prefill at the last boundary before its prompt's end). The mixed rows carry the exact
     state stamps the decode row of the same model gets, at their own contexts."""
-    import itertools
 
     from vllm.kvwarm.kv.injector import SHADOW_PREFIX
     from vllm.kvwarm.kv.prefix import prefix_unit
-    from vllm.kvwarm.sweep.controller import Sweep
     from vllm.kvwarm.sweep.limits import check_points
     from vllm.kvwarm.sweep.plan import SweepConfig
     from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint
@@ -181,15 +187,7 @@ def test_mixed_points_on_the_hybrid_in_exact_state_hold_their_shape_on_real_kv(h
     ]
     check_points(mixed, scheduler.vllm_config, kvm, "points.json", state_mode=decision.mode)
     config = SweepConfig(steady_steps=3, max_model_len=2048, state_mode=decision.mode, state_lending=decision.lending)
-    sweep = Sweep(
-        [DecodePoint(900, 2), *mixed],
-        chain_tokens,
-        config,
-        clock=itertools.count().__next__,
-        progress=lambda _: None,
-        tail_tokens=random.Random(9).choices(range(3, 400), k=512),
-        vocab_size=400,
-    )
+    sweep = counted_sweep([DecodePoint(900, 2), *mixed], chain_tokens, config)
     outputs = []
     schedule = scheduler.schedule
 

@@ -174,18 +174,36 @@ def rank_artifact(out: Path, rank: int, own_folders: bool = False) -> Path:
     return (rank_out(out, rank) if own_folders else out) / f"dp{rank}" / "sweep.json"
 
 
+def session_processes(sid: int) -> dict[int, bytes]:
+    """Every live process of session `sid`, and their children in sessions of their own (the
+    trace's writer process), with its command line (its title, where set)."""
+    parents, lines, members = {}, {}, set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            pid = int(entry.name)
+            try:
+                stat = (entry / "stat").read_text()
+                parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+                lines[pid] = (entry / "cmdline").read_bytes()
+                if os.getsid(pid) == sid:
+                    members.add(pid)
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+    grown = True
+    while grown:
+        children = {pid for pid, parent in parents.items() if parent in members} - members
+        members |= children
+        grown = bool(children)
+    return {pid: lines[pid] for pid in members}
+
+
 def engine_core_pid(session: int, rank: int) -> int:
     """The engine-core process of DP rank `rank` among the processes of a session (vLLM titles
     it EngineCore_DP<R>)."""
     title = f"EngineCore_DP{rank}".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if os.getsid(int(entry.name)) == session and title in (entry / "cmdline").read_bytes():
-                return int(entry.name)
-        except OSError:  # gone meanwhile
-            continue
+    for pid, cmdline in session_processes(session).items():
+        if title in cmdline:
+            return pid
     raise AssertionError(f"no process titled {title.decode()} in session {session}")
 
 

@@ -183,17 +183,19 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
     except ReportError as err:
         raise ValidateError(str(err)) from None
     result = Validation(str(table.root), str(trace.root), basis, m, allow_loop_mismatch, torn=list(trace.torn))
+    kinds = [p.kinds() for p in by_rank]
     for kind in KINDS:
-        result.how[kind] = next((p.kinds()[kind] for p in by_rank if p.kinds()[kind]), None)
+        result.how[kind] = next((k[kind] for k in kinds if k[kind]), None)
     for step in trace.steps:
         served = served_ms(step, basis)
         reason = SPECULATIVE if step.spec_tokens else UNTIMED if served is None else None
         if reason:
             result.excluded[reason] = result.excluded.get(reason, 0) + 1
             continue
-        predictor = by_rank[min(step.rank, len(by_rank) - 1)]
+        rank = min(step.rank, len(by_rank) - 1)
+        predictor = by_rank[rank]
         result.scored.append(Scored(step, served, predict(predictor, step)))
-        if step.kind == MIXED and predictor.kinds()[MIXED] == MEASURED:
+        if step.kind == MIXED and kinds[rank][MIXED] == MEASURED:
             prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens)
             composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill)
             result.composed.append(Scored(step, served, composed))

@@ -30,7 +30,7 @@ from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .plan import PointPlan, SweepConfig, injected_contexts
 from .points import MixedPoint, mixed_decode_steps
-from .prefill import Shot, TailText, verify_step
+from .prefill import Shot, TailText, skipped_row, verify_step
 from .prefill_runner import Next, PrefillRunner
 from .rows import state_reasons
 
@@ -153,14 +153,6 @@ def mixed_parts(row: PointRow, point: MixedPoint, contexts: list[int]) -> int:
 def skipped_mixed_row(point: MixedPoint, reason: str, detail: str) -> PointRow:
     """The row of a mixed point skipped before its runner started (exact state: its
     catch-ups did not fit), shaped as the runner's skipped rows are."""
-    prefill = point.prefill
-    row = PointRow(
-        prefill.total_kv_read_tokens,
-        prefill.batch_size,
-        v.skip_regime(reason),
-        detail=detail,
-        point_type=v.PREFILL,
-        total_prefill_tokens=prefill.total_prefill_tokens,
-    )
+    row = skipped_row(point.prefill, reason, detail)
     mixed_parts(row, point, injected_contexts(point.decode))
     return row

@@ -193,18 +193,22 @@ def verify_step(shots: PrefillShots, shot: Shot, output) -> tuple[str, str] | No
     return None
 
 
+def skipped_row(point: PrefillPoint, reason: str, detail: str) -> PointRow:
+    """A prefill point's row, skipped with `reason` (also a mixed point's prefill part's)."""
+    return PointRow(
+        point.total_kv_read_tokens,
+        point.batch_size,
+        v.skip_regime(reason),
+        detail=detail,
+        point_type=v.PREFILL,
+        total_prefill_tokens=point.total_prefill_tokens,
+    )
+
+
 def prefill_row(shots: PrefillShots) -> PointRow:
     point = shots.point
     if shots.failure is not None:
-        reason, detail = shots.failure
-        return PointRow(
-            point.total_kv_read_tokens,
-            point.batch_size,
-            v.skip_regime(reason),
-            detail=detail,
-            point_type=v.PREFILL,
-            total_prefill_tokens=point.total_prefill_tokens,
-        )
+        return skipped_row(point, *shots.failure)
     stamps = {v.REAL_PREFIX: [v.STAMP_PREFILL_REAL_SEED], v.FAKE_PREFIX: [v.STAMP_PREFILL_FAKE_PREFIX]}
     row = PointRow(
         point.total_kv_read_tokens,
