@@ -12,7 +12,9 @@ on a core of its own, as on a real host (benchmarks/_served/serving.py says how;
 says where every engine-core thread ran); the unpinned trace (server, client and engine
 sharing the cores) is held against the same tables. The tables are swept in the sweep
 command's own process (`--topology served`: the engine core in a process of its own, as
-under a server; a candidate source of the gap, issue 40 item 5). The pieces: benchmarks/_served/.
+under a server; a candidate source of the gap, issue 40 item 5), each point settling for 24
+untimed steps of its shape and timing 7 (benchmarks/_served/tables.py says why). The pieces:
+benchmarks/_served/.
 
 Full: 120 requests per dataset (240) at 6 per second, 48 output tokens, the default grid
 caps; `--quick` (or KVWARM_BENCH_QUICK=1): 12 per dataset, 16 output tokens, a few points,
@@ -38,7 +40,7 @@ from _engine import release_label  # importing it sets the engine's environment
 from _served.floor import floor_ms, spread
 from _served.phases import compare, print_comparison
 from _served.serving import Load, serve
-from _served.tables import QUICK_CAPS, TOPOLOGIES, sweep_table, validate
+from _served.tables import QUICK_CAPS, SETTLE_STEPS, TIMED_STEPS, TOPOLOGIES, sweep_table, validate
 from kvwarm_testing import tiny_models
 from kvwarm_testing.served import trace_lines
 
@@ -109,7 +111,11 @@ def run(work: Path, topology: str) -> dict:
         table, artifact = sweep_table(
             trace, model, load.budget, dataset, work / "tables" / name, warmup, topology, True, caps
         )
-        print(f"\n== table {name}: {len(artifact['results'])} rows, swept {topology}", flush=True)
+        print(
+            f"\n== table {name}: {len(artifact['results'])} rows, swept {topology}, {SETTLE_STEPS} settle steps "
+            f"and {TIMED_STEPS} timed steps a point",
+            flush=True,
+        )
         for served in runs.values():
             result["holds"][(name, served.trace.parent.name)] = hold(name, table, artifact, served.trace, work)
     print(
@@ -146,6 +152,8 @@ def main() -> None:
         "target": "decode MAPE <= max(3 %, 1.5 x noise), |bias| <= 2 % per KV band of >= 20 steps, coverage >= 95 %",
         "met": target_met(summary, main_hold["bands"]) if main_hold else None,
         "topology": args.topology,
+        "settle_steps": SETTLE_STEPS,
+        "timed_steps": TIMED_STEPS,
         "load_average": round(os.getloadavg()[0], 2),
         "host_floor_ms": {k: round(v, 4) for k, v in result["floors"].items()},
         "host_floor_spread_pct": spread(result["floors"]),

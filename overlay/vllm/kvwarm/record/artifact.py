@@ -86,6 +86,7 @@ class KvwarmMeta:
     dataset: dict | None = None  # {path, sha256, collection_pool, conversations}
     stages: list[dict] = field(default_factory=list)  # one per rung built: batch, depth, build_seconds
     giant_kv_repeats: int = 1  # the steady steps timed per point
+    settle_steps: int = 0  # untimed steps of each point's shape before its timed ones
     giant_kv_threshold: int | None = None
     state_mode_requested: str | None = None  # DYN_BENCH_KV_WARMUP_STATE as given
     state_mode: str | None = None  # what the sweep used on a hybrid layout

@@ -78,6 +78,7 @@ KVWARM = _object(
     },
     {
         "noisy_spread": {"type": ["number", "null"], "minimum": 0},
+        "settle_steps": COUNT,
         "gc": {
             "type": ["object", "null"],
             "required": ["policy"],

@@ -356,10 +356,10 @@ class Sweep(PrefillPoints):
             self._start_prefill(scheduler, plan)
             return
         point, config = plan.point, self.config
-        contexts = injected_contexts(point)
+        contexts = injected_contexts(point, config.settle_steps)
         # Fake points below the giant-KV threshold keep the single step of the legacy path.
         timed = config.steady_steps if plan.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
-        steps = timed + config.trailing_steps  # what the requests run after their admission step
+        steps = config.settle_steps + timed + config.trailing_steps  # what they run after their admission
         chains = self._rung.chains[: point.batch_size]
         if plan.real and config.state_mode == v.EXACT:
             self._catchups = start_catchups(
@@ -394,8 +394,9 @@ class Sweep(PrefillPoints):
 
     def _measure(self, scheduler, plan: PointPlan, admission: Admission) -> None:
         """Queue the point's requests; its admission and timed steps follow (after_update)."""
-        timed = admission.steady_steps - self.config.trailing_steps
-        self._point = DecodeSteps(plan, scheduler.kvwarm_injector.queue(admission), self.clock, timed)
+        settle = self.config.settle_steps
+        timed = admission.steady_steps - self.config.trailing_steps - settle
+        self._point = DecodeSteps(plan, scheduler.kvwarm_injector.queue(admission), self.clock, timed, settle)
         self._gc.hold()
         self.phase = Phase.MEASURING
 

@@ -1,7 +1,9 @@
 """A decode point's steps once its requests are queued (sweep.controller drives it): the ids
 its steps may run (its shadows, once admitted), the admission step (scaffolding, not timed),
-then each steady step's time (the window the adapter's StepTimer closed, else the gap between
-consecutive update_from_output calls) until the point's steady steps are timed, and its row.
+the settle steps (SweepConfig.settle_steps: untimed, the requests admitted that many tokens
+short so that the timed steps read the point's K), then each steady step's time (the window
+the adapter's StepTimer closed, else the gap between consecutive update_from_output calls)
+until the point's steady steps are timed, and its row.
 A step that ran other than the point's B requests, one token each, skips the row
 (measured_batch_size_mismatch).
 
@@ -27,9 +29,10 @@ from .timing import Window, phase_medians
 
 
 class DecodeSteps:
-    def __init__(self, plan: PointPlan, admission: Admission, clock: Callable[[], float], timed: int):
-        """`timed`: the steady steps timed, of the admission's (the rest run untimed after them)."""
-        self.plan, self.admission, self._clock, self._timed = plan, admission, clock, timed
+    def __init__(self, plan: PointPlan, admission: Admission, clock: Callable[[], float], timed: int, settle: int = 0):
+        """`timed`: the steady steps timed, of the admission's, after `settle` untimed ones (the
+        rest run untimed after them)."""
+        self.plan, self.admission, self._clock, self._timed, self._settle = plan, admission, clock, timed, settle
         self._steps = 0  # steady steps run
         self._times: list[float] = []
         self._windows: list[Window] = []  # the timed steps' phases
@@ -62,7 +65,7 @@ class DecodeSteps:
                 + (f", {foreign} of them not the sweep's" if foreign else "")
             )
         self._steps += 1
-        if self._steps <= self._timed:
+        if self._settle < self._steps <= self._settle + self._timed:
             self._times.append(window.wall if window is not None else now - self._last_update)
             if window is not None:
                 self._windows.append(window)
@@ -74,6 +77,8 @@ class DecodeSteps:
         point = self.plan.point
         if self._mismatch:
             return skipped_row(point, v.BATCH_SIZE_MISMATCH, f"{v.BATCH_SIZE_MISMATCH}: {self._mismatch}")
-        row = measured_row(self.plan, self.admission.contexts, self._times, config, chains, drifted)
+        # the contexts the timed steps start from: the admission's, advanced by the settle steps
+        contexts = [c + self._settle for c in self.admission.contexts]
+        row = measured_row(self.plan, contexts, self._times, config, chains, drifted)
         row.phases = phase_medians(self._windows)
         return row

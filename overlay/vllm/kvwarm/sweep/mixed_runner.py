@@ -7,8 +7,9 @@ prefills and parks them first and hands the runner their admission.
 
 The decode part's shadows are queued first and admitted alone (their admission step is
 scaffolding, untimed). From the next step on they decode one token a step, and each step a
-shot of the prefill part can join them: the first shot warms up, untimed, then the measured
-shots, each with fresh tails. A shot joins once the last one's requests are gone; under
+shot of the prefill part can join them: the first shot warms up, untimed, then the settle
+shots (untimed; the shadows are admitted that many tokens short), then the measured shots,
+each with fresh tails. A shot joins once the last one's requests are gone; under
 vLLM's batch queue, where they leave a step late, the step scheduled while a shot's is in
 flight runs nothing (current_ids), so every other step is empty. The shadows run enough
 steps (points.mixed_decode_steps) and are aborted when the point ends.
@@ -17,7 +18,8 @@ A shot's step is checked to hold exactly the shadows, one token each, and the sh
 requests, N new tokens and a hit of P (else the point is skipped with the measured_*
 reason); its time is its span's forward, as a prefill shot's (sweep.timing), every sample
 kept, the upper median the row's. The shadows advance a token a step, as a decode point's
-do: the decode part's K is the one of the first step after the admission; on real KV the row
+do: the decode part's K is the one of the step before the first timed shot (the warm shot's,
+or the last settle shot's); on real KV the row
 carries the state stamps a decode row of the same shadows would (sweep.rows.state_reasons).
 """
 
@@ -52,10 +54,11 @@ class MixedRunner(PrefillRunner):
         in-place shadow has advanced (sweep.rows.state_reasons); `admission`: the decode
         part's, where the controller made it (exact state: on the point's catch-ups)."""
         point = plan.point
-        super().__init__(scheduler, PointPlan(point.prefill, plan.real), chains, tails, config.steady_steps, ids)
+        prefill_plan = PointPlan(point.prefill, plan.real)
+        super().__init__(scheduler, prefill_plan, chains, tails, config.steady_steps, ids, settle=config.settle_steps)
         self.mixed_plan, self._config, self._drifted = plan, config, drifted
         self._decode_chains = chains[: point.decode.batch_size]
-        contexts = injected_contexts(point.decode)
+        contexts = injected_contexts(point.decode, config.settle_steps)  # a token a shot: the settle shots'
         steps = mixed_decode_steps(config.decode_steps)
         if admission is None and plan.real:
             admission = Admission(self._decode_chains, contexts, steps, fork=config.fork, state_mode=config.state_mode)
@@ -115,7 +118,8 @@ class MixedRunner(PrefillRunner):
     def _mixed_row(self, row: PointRow) -> PointRow:
         """The prefill part's row as the step's: its totals, its parts and its regime."""
         point, config = self.mixed_plan.point, self._config
-        decode_k = mixed_parts(row, point, self.admission.contexts)
+        contexts = [c + config.settle_steps for c in self.admission.contexts]  # where the timed shots start
+        decode_k = mixed_parts(row, point, contexts)
         if row.skipped:
             return row
         if decode_k != point.decode.total_kv_read_tokens:
@@ -123,7 +127,7 @@ class MixedRunner(PrefillRunner):
         if self.mixed_plan.real:
             row.kv_seed_regime = v.REAL_KV
             row.sample_reasons.append(v.STAMP_REAL_KV)
-            row.sample_reasons += state_reasons(config, self.admission.contexts, self._decode_chains, self._drifted)
+            row.sample_reasons += state_reasons(config, contexts, self._decode_chains, self._drifted)
         else:
             row.kv_seed_regime = config.fake_regime
             row.sample_reasons += [v.STAMP_FAKE_FALLBACK] if config.fake_regime == v.FAKE_FALLBACK else []
@@ -132,8 +136,8 @@ class MixedRunner(PrefillRunner):
 
 def mixed_parts(row: PointRow, point: MixedPoint, contexts: list[int]) -> int:
     """Make the prefill part's row (measured or skipped) the mixed step's: its type, its
-    parts and its totals; the decode part's K (at `contexts`, as admitted), which is the
-    one of the first step after the admission."""
+    parts and its totals; the decode part's K (at `contexts`: as admitted, plus the settle
+    shots), which is the one of the step before the first timed shot."""
     decode_b = point.decode.batch_size
     decode_k = sum(contexts) + decode_b
     row.point_type = v.MIXED

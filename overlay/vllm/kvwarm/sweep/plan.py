@@ -45,11 +45,14 @@ class SweepConfig:
     # Untimed decode steps after the timed ones: 1 under vLLM's batch queue, where the window
     # of a point's last timed step holds the schedule() of the step after it (sweep.loop)
     trailing_steps: int = 0
+    # Untimed steps of a point's shape before its timed ones (settings.SETTLE_ENV): a decode
+    # point's requests are admitted that many tokens short, so its timed steps read its K
+    settle_steps: int = 0
 
     @property
     def decode_steps(self) -> int:
         """The steps a decode point's requests run after their admission step."""
-        return self.steady_steps + self.trailing_steps
+        return self.settle_steps + self.steady_steps + self.trailing_steps
 
     @property
     def hand_off(self) -> str | None:
@@ -99,10 +102,11 @@ class Rung:
         return [PointPlan(p, True) for p in self.points] + [PointPlan(p, False) for p in self.fake_points]
 
 
-def injected_contexts(point: DecodePoint) -> list[int]:
-    """One token short of each context (the admission step computes the last one); a
-    1-token context cannot be, so it is admitted at 1 and the point is clamped."""
-    return [max(1, c - 1) for c in point.contexts()]
+def injected_contexts(point: DecodePoint, settle: int = 0) -> list[int]:
+    """One token short of each context (the admission step computes the last one), and
+    `settle` more (the settle steps decode them); a context too short for that is admitted
+    at 1 and the point is clamped."""
+    return [max(1, c - 1 - settle) for c in point.contexts()]
 
 
 def plan_rungs(

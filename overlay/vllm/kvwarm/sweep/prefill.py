@@ -8,11 +8,12 @@ kv_i tokens, then its row.
                and hashed but never computed (kv.prefix.fake_prefix);
   P = 0        no prefix: the regime is not_applicable.
 
-One untimed warm shot of the same shape (other tails) runs first, then `steady_steps`
-measured shots, each with fresh tails; every shot's time is kept and the upper median is the
-row's. A shot's time is the forward phase of its step's own span (sweep.timing): from the end
-of the schedule() that scheduled that shot to the model output's arrival (the start of its
-update_from_output), under either engine loop; under vLLM's batch queue the loop's next
+One untimed warm shot of the same shape (other tails) runs first, and the settle shots
+(SweepConfig.settle_steps, untimed), then `steady_steps` measured shots, each with fresh
+tails; every shot's time is kept and the upper median is the row's. A shot's time is the
+forward phase of its step's own span (sweep.timing): from the end of the schedule() that
+scheduled that shot to the model output's arrival (the start of its update_from_output),
+under either engine loop; under vLLM's batch queue the loop's next
 schedule() (empty: the shot's requests are done, others are held) runs inside it, while the
 executor works. The row's phases are those spans' (schedule + sweep + forward + update = the
 span; its forward median is the row's median with an odd count). The hit is probed before a
@@ -85,6 +86,7 @@ class PrefillShots:
     salts: list[str | None]  # request i's cache salt (None: a salt of its own)
     steady_steps: int
     trailing: int = 0  # untimed shots after the timed ones (data parallel: sweep.prefill_runner)
+    settle: int = 0  # untimed shots after the warm one, before the timed ones (SweepConfig.settle_steps)
     seeds: list = field(default_factory=list)  # fake prefixes, freed with the point
     shots: list[Shot] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
@@ -97,8 +99,12 @@ class PrefillShots:
 
     @property
     def finished(self) -> bool:
-        """Failed, or every shot run: the warm one, the timed ones, the trailing ones."""
-        return self.failure is not None or len(self.shots) >= 1 + self.steady_steps + self.trailing
+        """Failed, or every shot run: the warm one, the settling, timed and trailing ones."""
+        return self.failure is not None or len(self.shots) >= 1 + self.settle + self.steady_steps + self.trailing
+
+    def next_is_timed(self) -> bool:
+        """Whether the next shot is a timed one (not the warm, a settling or a trailing one)."""
+        return 1 + self.settle <= len(self.shots) < 1 + self.settle + self.steady_steps
 
 
 def shot_requests(scheduler, shots: PrefillShots, tails: TailText, name: str) -> list:

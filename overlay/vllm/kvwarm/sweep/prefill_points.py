@@ -27,7 +27,9 @@ class PrefillPoints:
             chains = self._rung.chains[: decode.batch_size]
             steps = mixed_decode_steps(config.decode_steps)
             name = f"catchup{len(self.rows)}_s{self._number}"
-            self._catchups = start_catchups(scheduler, plan, chains, injected_contexts(decode), steps, config, name)
+            self._catchups = start_catchups(
+                scheduler, plan, chains, injected_contexts(decode, config.settle_steps), steps, config, name
+            )
             self.phase = Phase.CATCHING_UP
             return
         ids = (len(self.rows), self._number)
@@ -37,7 +39,7 @@ class PrefillPoints:
         else:
             trailing = 1 if self._meetings.exchange.size > 1 else 0  # ranks a step apart (sweep.prefill_runner)
             self._prefill = PrefillRunner(
-                scheduler, plan, self._rung.chains, self._tails, self.config.steady_steps, ids, trailing
+                scheduler, plan, self._rung.chains, self._tails, config.steady_steps, ids, trailing, config.settle_steps
             )
         self._gc.hold()
         self.phase = Phase.MEASURING

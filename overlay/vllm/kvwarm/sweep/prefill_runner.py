@@ -52,10 +52,11 @@ class PrefillRunner:
         steady_steps: int,
         ids: tuple,
         trailing: int = 0,
+        settle: int = 0,
     ):
         """The point's requests' prefixes (chain i's first kv_i tokens, fake prefixes, or
         none); `ids`: (the point's index, the sweep's number), which its requests' ids carry;
-        `trailing`: untimed shots after the timed ones."""
+        `trailing`: untimed shots after the timed ones; `settle`: untimed shots after the warm one."""
         point = plan.point
         kvm = scheduler.kv_cache_manager
         prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
@@ -71,7 +72,9 @@ class PrefillRunner:
             prompts = [[(i * 7919 + 31 * t + 2) % vocab for t in range(p)] for i, p in enumerate(prefixes)]
             salts = [None] * len(prefixes)
         self.plan = plan
-        self.shots = PrefillShots(point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps, trailing)
+        self.shots = PrefillShots(
+            point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps, trailing, settle
+        )
         self._tails, self._ids = tails, ids
         if regime == v.FAKE_PREFIX:
             seed_fake_prefixes(scheduler, self.shots, f"{ids[0]}_s{ids[1]}")
@@ -90,14 +93,15 @@ class PrefillRunner:
 
     def next_shot(self, scheduler) -> Next:
         """Queue the next shot once the last one's requests are gone (they finish after their
-        one token); the first shot warms up, untimed, and the trailing ones are untimed too."""
+        one token); the first shot warms up, untimed, and the settling and trailing ones are
+        untimed too."""
         shots = self.shots
         shot = shots.current
         if shot is not None and (not shot.done or any(r.request_id in scheduler.requests for r in shot.requests)):
             return Next.SHOT
         if shots.finished:
             return Next.DONE
-        timed = 1 <= len(shots.shots) <= shots.steady_steps
+        timed = shots.next_is_timed()
         index, number = self._ids
         requests = shot_requests(scheduler, shots, self._tails, f"{index}_{len(shots.shots)}_s{number}")
         problem = check_shot(scheduler, shots, requests)

@@ -83,7 +83,7 @@ def read_inputs(
     engine loop's untimed decode steps (sweep.loop)."""
     environ = os.environ if environ is None else environ
     settings = read_settings(environ)
-    steps = settings.steady_steps + trailing_steps
+    steps = settings.point_steps + trailing_steps
     points = (
         load_points(points_path, max_model_len=max_model_len, steady_steps=steps) if points_path is not None else []
     )
@@ -207,6 +207,7 @@ class SweepRun:
         meta.engine_loop = loop_record(scheduler)
         meta.enabled, meta.dataset = settings.warmup != "off", inputs.dataset
         meta.giant_kv_repeats, meta.giant_kv_threshold = settings.steady_steps, settings.giant_kv_threshold
+        meta.settle_steps = settings.settle_steps
         check_engine(vllm_config)
         decision = decide_state_mode(kvm, group_layouts(kvm), environ)
         if decision.reason == v.STATE_MODE_INVALID:
@@ -230,12 +231,17 @@ class SweepRun:
                 check_trace_engine(trace, self.writer.run, self.layout.as_dict(), vllm_config.model_config.model)
 
             def lay_grid(pool: dict) -> SweepSetup:
-                laying = GridLaying(settings.steady_steps + trailing, caps, axes, pool, trace, spec.get("grid_caps"))
+                laying = GridLaying(settings.point_steps + trailing, caps, axes, pool, trace, spec.get("grid_caps"))
                 points = self._grid(scheduler, laying, state_mode)
                 return self._setup(scheduler, inputs, points, reason, decision, encode, trailing)
 
             provisional = SweepConfig(
-                settings.steady_steps, max_model_len, real=False, gc_hold=settings.gc_hold, trailing_steps=trailing
+                settings.steady_steps,
+                max_model_len,
+                real=False,
+                gc_hold=settings.gc_hold,
+                trailing_steps=trailing,
+                settle_steps=settings.settle_steps,
             )
             return Sweep([], None, provisional, lay_grid=lay_grid, **common)
         check_points(inputs.points, vllm_config, kvm, f"points file {spec['points']}", state_mode=state_mode)
@@ -252,7 +258,7 @@ class SweepRun:
         chain_text, tails = None, None
         if reason is None:
             need = max(
-                (chain_depth_needed(p, settings.steady_steps + trailing, scheduler.kv_cache_manager) for p in points),
+                (chain_depth_needed(p, settings.point_steps + trailing, scheduler.kv_cache_manager) for p in points),
                 default=0,
             )
             reason = content_reason(inputs.conversations, encode, min(need, max_model_len))
@@ -276,6 +282,7 @@ class SweepRun:
             giant_kv_threshold=settings.giant_kv_threshold,
             gc_hold=settings.gc_hold,
             trailing_steps=trailing,
+            settle_steps=settings.settle_steps,
         )
         return SweepSetup(points, chain_text, config, tails)
 
@@ -411,6 +418,7 @@ def plan_inputs(spec: dict, settings: Settings, environ) -> dict:
         "grid_caps": spec.get("grid_caps"),
         "warmup": settings.warmup,
         "steady_steps": settings.steady_steps,
+        "settle_steps": settings.settle_steps,
         "giant_kv_threshold": settings.giant_kv_threshold,
         "gc_hold": settings.gc_hold,
         "state_mode": environ.get(STATE_ENV),

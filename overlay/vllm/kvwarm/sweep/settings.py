@@ -17,6 +17,11 @@ WARMUP_ENV = "DYN_BENCH_KV_WARMUP"
 REPEATS_ENV = "DYN_BENCH_GIANT_KV_REPEATS"
 THRESHOLD_ENV = "DYN_BENCH_GIANT_KV_THRESHOLD"
 DATASET_ENV = "DYN_BENCH_KV_WARMUP_DATASET"
+# Untimed steps of a point's own shape before its timed ones (decode steps, prefill and mixed
+# shots), beyond the one warm step every point has: a host whose cores run slower for a while
+# after the engine pauses between points needs them for rows of the steady state served
+# steps run in (docs/sweep.md#settle-steps).
+SETTLE_ENV = "DYN_BENCH_KV_WARMUP_SETTLE_STEPS"
 # on (default): Python's collector is held out of the timed steps (sweep.gc_hold); off: the
 # sweep leaves it as the engine has it.
 GC_ENV = "DYN_BENCH_KV_WARMUP_GC"
@@ -73,6 +78,12 @@ class Settings:
     rank_sync_port: int | None = None  # None: derived from the DP master port
     rank_timeout: int = DEFAULT_RANK_TIMEOUT
     rank_start_timeout: int | None = None  # None: the rank timeout
+    settle_steps: int = 0  # untimed steps of each point's shape before its timed ones
+
+    @property
+    def point_steps(self) -> int:
+        """The steps of a point's shape after its warm one: settling, then timed."""
+        return self.settle_steps + self.steady_steps
 
     @property
     def start_timeout(self) -> int:
@@ -124,6 +135,7 @@ def read_settings(environ: Mapping[str, str] | None = None) -> Settings:
     return Settings(
         warmup=warmup,
         steady_steps=_int(environ, REPEATS_ENV, default=3, minimum=1),
+        settle_steps=_int(environ, SETTLE_ENV, default=0, minimum=0),
         giant_kv_threshold=_int(environ, THRESHOLD_ENV, default=1_000_000, minimum=0),
         dataset=environ.get(DATASET_ENV) or None,
         gc_hold=_switch(environ, GC_ENV, default=True),
