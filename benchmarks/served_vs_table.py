@@ -164,6 +164,8 @@ def main() -> None:
         line[key] = {
             "decode_mape": s.get("decode_mape"),
             "decode_bias": s.get("decode_bias"),
+            "decode_steady_mape": s.get("decode_steady_mape"),
+            "decode_after_pause_share": s.get("decode_after_pause_share"),
             "forward_bias": f.get("decode_bias"),
             "prefill_mape": s.get("prefill_mape"),
             "mixed_mape": s.get("mixed_mape"),

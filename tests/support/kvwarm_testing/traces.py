@@ -82,14 +82,17 @@ def step(
     forward_ms: float | None = None,
     spec_tokens: int = 0,
     graph: dict | None = None,
+    span_ms: float | None = None,
 ) -> dict:
-    """One step line: decode (requests, kv_tokens), prefill (requests, new_tokens, prefix_tokens)."""
+    """One step line: decode (requests, kv_tokens), prefill (requests, new_tokens, prefix_tokens);
+    `span_ms`: its own schedule() to its update (none: the line has no span)."""
     wall = None if wall_ms is None else wall_ms / 1e3
     forward = (wall_ms * 0.8 if forward_ms is None else forward_ms) / 1e3 if wall_ms is not None else 0.0
     return {
         "step": n,
         "at": 0.01 * (n + 1),
         "wall": wall,
+        **({"span": span_ms / 1e3} if span_ms is not None else {}),
         "phases": {"schedule": 0.0001, "forward": forward, "update": 0.0001, "sweep": 0.0, "other": 0.0},
         "decode": {"requests": decode[0], "kv_tokens": decode[1], "kv_var": 0.0},
         "prefill": {

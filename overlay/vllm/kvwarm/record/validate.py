@@ -20,7 +20,7 @@ from .predict import MEASURED, MIXED, STEP, Predictor, read_mixed_rows
 from .runs import ReportError, locate, read_rows
 from .trace_reader import KINDS, Step, Trace, TraceError, read_trace
 from .validate_match import Match, Provenance, loop_refusal, match, refusal
-from .validate_metrics import Scored, by_band, figures, mark_noise
+from .validate_metrics import Scored, by_band, figures, mark_noise, pause_split, steps_since_pause
 
 SPECULATIVE, UNTIMED = "speculative", "untimed"  # why a step is left out
 
@@ -110,6 +110,7 @@ class Validation:
                     "predictor": self.how.get(kind),
                     "not_covered": None if self.how.get(kind) else NOT_COVERED[kind],
                     "bands": by_band(scored),
+                    "pauses": pause_split(scored),
                 }
         return out
 
@@ -120,6 +121,9 @@ class Validation:
             f = figures(self.of_kind(kind))
             line.update({f"{kind}_{name}": f[name] for name in ("mape", "p95", "bias", "coverage", "noise", "steps")})
         line["noise"] = line["decode_noise"]
+        pauses = pause_split(self.of_kind(v.DECODE))
+        line["decode_after_pause_share"] = pauses["share"]
+        line.update({f"decode_steady_{name}": pauses["others"][name] for name in ("mape", "bias")})
         line["mixed_predictor"] = self.how.get(MIXED) if self.of_kind(MIXED) else None
         composed = figures(self.composed) if self.composed else {}
         line.update({f"mixed_composed_{name}": composed.get(name) for name in ("mape", "bias", "coverage")})
@@ -186,6 +190,7 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
     kinds = [p.kinds() for p in by_rank]
     for kind in KINDS:
         result.how[kind] = next((k[kind] for k in kinds if k[kind]), None)
+    since = steps_since_pause(trace.steps)
     for step in trace.steps:
         served = served_ms(step, basis)
         reason = SPECULATIVE if step.spec_tokens else UNTIMED if served is None else None
@@ -194,7 +199,8 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
             continue
         rank = min(step.rank, len(by_rank) - 1)
         predictor = by_rank[rank]
-        result.scored.append(Scored(step, served, predict(predictor, step)))
+        pause = since[(step.rank, step.number)]
+        result.scored.append(Scored(step, served, predict(predictor, step), since_pause=pause))
         if step.kind == MIXED and kinds[rank][MIXED] == MEASURED:
             prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens)
             composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill)

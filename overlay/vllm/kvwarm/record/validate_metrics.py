@@ -12,6 +12,10 @@ coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repe
             time would score, the floor under any table's MAPE
   band      the step's depth (the KV already cached that it reads: decode contexts plus
             prefill prefixes) in BANDS
+  after a pause  the steps within AFTER_PAUSE_STEPS of a pause of their rank's engine (a
+            step without a window, as the first after the engine had nothing to run, or idle
+            PAUSE_SECONDS or more between a step's update and the next step's schedule()): a
+            table of steps run back to back does not predict them
 
 Plain data: nothing here imports vLLM.
 """
@@ -28,6 +32,9 @@ from .trace_reader import Step
 # lower edges of the KV-depth bands, in tokens: powers of four from 1Ki
 BAND_EDGES = (0, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
 SHAPE_BIN = 0.01  # token counts within 1 % of each other are the same shape for the noise
+# On the development host a served step ran 1.3x its shape's median in the first two steps
+# after a pause of the engine, 1.09x to the 9th, 1.00x from the 10th (docs/measurements.md)
+PAUSE_SECONDS, AFTER_PAUSE_STEPS = 0.005, 10
 
 
 def _tokens(n: int) -> str:
@@ -71,6 +78,11 @@ class Scored:
     prediction: Prediction | None
     noise: float | None = None  # |served - its shape's median| / median, percent (groups of >= 2)
     group: int = 1  # steps of its shape
+    since_pause: int = 0  # steps its rank's engine ran since it last paused (0: the first after it)
+
+    @property
+    def after_pause(self) -> bool:
+        return self.since_pause < AFTER_PAUSE_STEPS
 
     @property
     def error(self) -> float | None:
@@ -85,6 +97,30 @@ class Scored:
     @property
     def band(self) -> str:
         return band(self.step.depth)
+
+
+def steps_since_pause(steps: list[Step]) -> dict[tuple[int, int], int]:
+    """Per (rank, step number): the steps its rank ran since its engine last paused, in each
+    rank's order (every traced step counts, scored or not)."""
+    since, last = {}, {}
+    for step in sorted(steps, key=lambda s: (s.rank, s.number)):
+        idle = None if step.wall is None or step.span is None else step.wall - step.span
+        paused = idle is None or idle >= PAUSE_SECONDS
+        last[step.rank] = 0 if paused else last.get(step.rank, 0) + 1
+        since[(step.rank, step.number)] = last[step.rank]
+    return since
+
+
+def pause_split(scored: list[Scored]) -> dict:
+    """The figures of the steps after a pause and of the others, and the share of the first."""
+    after = [s for s in scored if s.after_pause]
+    return {
+        "within_steps": AFTER_PAUSE_STEPS,
+        "pause_seconds": PAUSE_SECONDS,
+        "share": 100 * len(after) / len(scored) if scored else None,
+        "after_pause": figures(after),
+        "others": figures([s for s in scored if not s.after_pause]),
+    }
 
 
 def mark_noise(scored: list[Scored]) -> None:

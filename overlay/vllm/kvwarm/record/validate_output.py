@@ -45,6 +45,18 @@ def _line(name: str, band: str, f: dict) -> str:
     )
 
 
+def _pauses(kind: str, split: dict) -> str | None:
+    """The kind's steps after a pause of the engine against the others, where it has both."""
+    after, others = split["after_pause"], split["others"]
+    if not after["predicted"] or not others["predicted"]:
+        return None
+    return (
+        f"{kind}: {after['steps']} step(s) ({_pct(split['share'])}) within {split['within_steps']} steps of a pause of "
+        f"the engine ({split['pause_seconds'] * 1e3:g} ms idle or more): MAPE {_pct(after['mape'])}, bias "
+        f"{_pct(after['bias'], True)}; the other steps: MAPE {_pct(others['mape'])}, bias {_pct(others['bias'], True)}"
+    )
+
+
 def text(result: Validation) -> str:
     """The table users read: per kind each band, then the kind over every band."""
     s = result.summary()
@@ -52,6 +64,7 @@ def text(result: Validation) -> str:
         f"table {result.table} against trace {result.trace}: {s['steps']} step(s) on the {result.basis} basis",
         f"{'kind':<8} {'band':<10} {'steps':>7} {'coverage':>9} {'MAPE':>8} {'P95':>8} {'bias':>9} {'noise':>8}",
     ]
+    pauses = []
     for kind, k in result.kinds().items():
         if k["not_covered"]:
             lines.append(f"{kind:<8} {'all':<10} {k['steps']:>7}  not covered: {k['not_covered']}")
@@ -60,6 +73,7 @@ def text(result: Validation) -> str:
             lines.append(_line(kind, band, f))
         label = f"{kind}*" if k["predictor"] == "composed" else kind
         lines.append(_line(label, "all", k))
+        pauses.append(_pauses(kind, k["pauses"]))
     if result.how.get("mixed") == "composed" and result.of_kind("mixed"):
         lines.append("mixed*: composed (the prefill row plus the decode curve's marginal): the table has no mixed rows")
     if result.composed:
@@ -72,6 +86,7 @@ def text(result: Validation) -> str:
         f"coverage {_pct(s['coverage'])}; noise: the trace's repeat noise (served steps of one shape), "
         "the floor under MAPE"
     )
+    lines += [p for p in pauses if p]
     for reason, count in result.excluded.items():
         lines.append(f"left out: {count} {reason} step(s)")
     for torn in result.torn:
