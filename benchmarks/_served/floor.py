@@ -1,9 +1,10 @@
 """The host's own speed at the moments the benchmark compares: a fixed matrix product (about
 a tiny model's step of compute) timed on the worker's core at the engine's priority, just
-before the served run and before each table. A table and a trace are comparable only where
-the host ran at one speed for both: a shared host can slow one of them by 20-30 % for minutes
-(seen here, docs/measurements.md), which no repeat inside either run shows. The spread of
-these floors is printed beside the figures and in the JSON line.
+before and just after the served run and each table (the first third of the products left
+out: this host runs a core slower for about 100 ms after a pause). A table and a trace are
+comparable only where the host ran at one speed for both: a shared host can slow one of them
+by 20-35 % for minutes (seen here, docs/measurements.md), which no repeat inside either run
+shows. The spread of these floors is printed beside the figures and in the JSON line.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import statistics, time, torch
 torch.set_num_threads(1)
 a, b = torch.randn(384, 384), torch.randn(384, 384)
 times = []
-for _ in range(300):
+for _ in range(450):
     started = time.perf_counter()
     torch.mm(a, b)
     times.append(time.perf_counter() - started)
-print(statistics.median(times) * 1e3)
+print(statistics.median(times[150:]) * 1e3)  # past the host's slow start after a pause
 """
 
 

@@ -9,7 +9,7 @@ import csv
 import json
 
 import pytest
-from kvwarm_testing.traces import header, step, write_table, write_trace
+from kvwarm_testing.traces import HARDWARE, header, step, write_table, write_trace
 from vllm.kvwarm.record.artifact import PointRow
 from vllm.kvwarm.record.combined import write_view
 from vllm.kvwarm.record.predict import FORWARD, MixedRow, Predictor, read_mixed_rows
@@ -301,6 +301,21 @@ def test_fields_that_do_not_change_a_step_are_noted_not_refused(tmp_path):
     table = write_table(tmp_path / "table", DECODE_ROWS, resolved={"max_num_seqs": 64, "num_gpu_blocks": 10})
     result = validate(str(table), str(served_trace(tmp_path / "trace")))
     assert {d.field for d in result.match.noted} == {"resolved.max_num_seqs", "resolved.num_gpu_blocks"}
+
+
+def test_a_table_swept_under_other_huge_pages_than_the_trace_is_noted(tmp_path):
+    trace = tmp_path / "trace"
+    write_trace(
+        trace,
+        [step(0, None, (2, 200)), step(1, 12.0, (2, 200))],
+        head=header(hardware={**HARDWARE, "transparent_hugepages": "madvise"}),
+    )
+    table = write_table(tmp_path / "table", DECODE_ROWS, hardware={**HARDWARE, "transparent_hugepages": "always"})
+    result = validate(str(table), str(trace))
+    assert [(d.field, d.trace, d.table) for d in result.match.noted] == [
+        ("hardware.transparent_hugepages", "madvise", "always")
+    ]
+    assert "differs, said and not refused: hardware.transparent_hugepages" in text(result)
 
 
 def test_an_async_trace_against_a_sync_table_is_refused_unless_allowed(tmp_path):

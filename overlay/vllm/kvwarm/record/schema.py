@@ -156,6 +156,7 @@ HARDWARE = {
         "gpus": {"type": "array"},
         "driver": NULLABLE_STRING,
         "cuda_runtime": NULLABLE_STRING,
+        "transparent_hugepages": NULLABLE_STRING,
     },
 }
 RANK_SUMMARY = _object(

@@ -53,6 +53,7 @@ NOTED_FIELDS = (
     "hardware.cores",
     "hardware.driver",
     "hardware.cuda_runtime",
+    "hardware.transparent_hugepages",
     "torch",
 )
 MISSING = object()

@@ -92,7 +92,7 @@ def text(result: Validation) -> str:
     for torn in result.torn:
         lines.append(f"torn last line, skipped: {torn}")
     for d in result.match.noted:
-        lines.append(f"differs, does not change a step's time: {d}")
+        lines.append(f"differs, said and not refused: {d}")
     if result.loop_mismatch_allowed and result.match.loop_differs:
         trace, table = result.match.loop
         lines.append(f"loop mismatch allowed: the trace ran the {trace} loop, the table the {table} one")

@@ -9,7 +9,9 @@ import dataclasses
 import enum
 import os
 import platform
+import re
 import sys
+from pathlib import Path
 
 from ..kv.layout import ATTENTION, group_layouts
 from ..record.shape import SPLIT_SIZES
@@ -110,6 +112,21 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# How the kernel backs memory with huge pages: a sweep on a 2-core VM ran its steps 5-25 %
+# apart from one process to the next under `madvise`, closer under `always` (measurements.md)
+HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_pages() -> str | None:
+    """The transparent huge page mode the kernel has selected (`[always] madvise never`:
+    always); None where the host does not say."""
+    try:
+        selected = re.search(r"\[(\w+)\]", HUGE_PAGES.read_text())
+    except OSError:
+        return None
+    return selected.group(1) if selected else None
+
+
 def _gpus() -> tuple[list[dict], str | None]:
     try:
         from vllm.third_party import pynvml
@@ -149,6 +166,7 @@ def hardware() -> dict:
         "driver": driver,
         "cuda_runtime": torch.version.cuda,
         "python": platform.python_version(),
+        "transparent_hugepages": _huge_pages(),
     }
 
 
