@@ -23,7 +23,7 @@ from collections.abc import Callable
 from ..kv.injector import Admission
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
-from .plan import PointPlan, SweepConfig
+from .plan import PointPlan, SweepConfig, settled_contexts
 from .rows import measured_row, skipped_row
 from .timing import Window, phase_medians
 
@@ -77,8 +77,7 @@ class DecodeSteps:
         point = self.plan.point
         if self._mismatch:
             return skipped_row(point, v.BATCH_SIZE_MISMATCH, f"{v.BATCH_SIZE_MISMATCH}: {self._mismatch}")
-        # the contexts the timed steps start from: the admission's, advanced by the settle steps
-        contexts = [c + self._settle for c in self.admission.contexts]
+        contexts = settled_contexts(self.admission.contexts, self._settle)
         row = measured_row(self.plan, contexts, self._times, config, chains, drifted)
         row.phases = phase_medians(self._windows)
         return row

@@ -112,8 +112,9 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-# How the kernel backs memory with huge pages: a sweep on a 2-core VM ran its steps 5-25 %
-# apart from one process to the next under `madvise`, closer under `always` (measurements.md)
+# How the kernel backs memory with huge pages, a host setting that can move a step's time; on
+# the development host three tables under `always` lay closer together than three under
+# `madvise`, in a spell when the host itself drifted (measurements.md): recorded, not settled
 HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 

@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from ..kv.injector import Admission
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
-from .plan import PointPlan, SweepConfig, injected_contexts
+from .plan import PointPlan, SweepConfig, injected_contexts, settled_contexts
 from .points import MixedPoint, mixed_decode_steps
 from .prefill import Shot, TailText, skipped_row, verify_step
 from .prefill_runner import Next, PrefillRunner
@@ -118,7 +118,7 @@ class MixedRunner(PrefillRunner):
     def _mixed_row(self, row: PointRow) -> PointRow:
         """The prefill part's row as the step's: its totals, its parts and its regime."""
         point, config = self.mixed_plan.point, self._config
-        contexts = [c + config.settle_steps for c in self.admission.contexts]  # where the timed shots start
+        contexts = settled_contexts(self.admission.contexts, config.settle_steps)
         decode_k = mixed_parts(row, point, contexts)
         if row.skipped:
             return row

@@ -109,6 +109,12 @@ def injected_contexts(point: DecodePoint, settle: int = 0) -> list[int]:
     return [max(1, c - 1 - settle) for c in point.contexts()]
 
 
+def settled_contexts(admitted: list[int], settle: int) -> list[int]:
+    """The contexts as admitted (injected_contexts) advanced by the `settle` steps: where
+    the point's timed steps start, the contexts its row reports."""
+    return [c + settle for c in admitted]
+
+
 def plan_rungs(
     points: list[DecodePoint | PrefillPoint], decode_steps: int, max_model_len: int, real: bool = True
 ) -> list[Rung]:
