@@ -37,7 +37,7 @@ import nox
 ROOT = Path(__file__).parent
 sys.path.insert(0, str(ROOT / "tooling"))
 
-from kvwarm_build import project, sessions
+from kvwarm_build import lanes, project, sessions
 from kvwarm_build.errors import BuildError
 from kvwarm_build.fetch import pip_config
 from kvwarm_build.gpu import gpu_missing_reason
@@ -422,12 +422,21 @@ def tests(session: nox.Session) -> None:
         session.notify(name, posargs=posargs)
 
 
-@nox.session(default=False)
+@nox.session(default=False, venv_backend="none")
 def matrix(session: nox.Session) -> None:
     """Every tier of every release, each build checked for reproducibility and each image
-    built on a stand-in base: what a maintainer runs before a release (docs/sessions.md)."""
-    for name, posargs in sessions.matrix_plan(RELEASES):
-        session.notify(name, posargs=posargs)
+    built on a stand-in base: what a maintainer runs before a release (docs/sessions.md).
+    Its sessions run in two lanes at once (`-- --lanes N`), each session its own nox."""
+    lanes_count = _asked(session, lanes.lanes_arguments, session.posargs)
+
+    def command(name: str, posargs: list[str] | None) -> list[str]:
+        return [sys.executable, "-m", "nox", "-f", __file__, "-s", name, *(["--", *posargs] if posargs else [])]
+
+    started = time.monotonic()
+    failed = lanes.run_plan(sessions.matrix_plan(RELEASES), lanes_count, command)
+    session.log(f"matrix: {time.monotonic() - started:.0f} s in {lanes_count} lane(s)")
+    if failed:
+        session.error(f"{len(failed)} session(s) failed: {', '.join(failed)}; each one's lines are led by its name")
 
 
 if sessions.missing_tiers(RELEASES):

@@ -8,12 +8,11 @@ line by line, each line led by its release.
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import BuildError
+from ..lanes import run_prefixed
 from ..releases import Release, find_release
 
 
@@ -32,17 +31,11 @@ def build_all(releases: list[Release], jobs: int, reproducible: set[str], cli_ar
     the command (--releases, --cache, --dist)."""
     if jobs < 1:
         raise BuildError(f"--jobs {jobs}: at least one build must run", "pass --jobs 1 or more")
-    printing = threading.Lock()
 
     def build(release: Release) -> int:
         check = ["--check-reproducible"] if release.short in reproducible else []
         cmd = [sys.executable, "-m", "kvwarm_build", *cli_args, "build", "--release", release.short, *check]
-        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-            for line in proc.stdout:
-                with printing:
-                    sys.stdout.write(f"[{release.version}] {line.rstrip()}\n")
-                    sys.stdout.flush()
-        return proc.returncode
+        return run_prefixed(cmd, release.version)
 
     # The longest (checked twice) first, so the last build to start is a short one.
     ordered = sorted(releases, key=lambda r: r.short not in reproducible)
