@@ -59,8 +59,8 @@ def test_mixed_points_are_read_from_schema_2_beside_the_other_kinds(tmp_path):
 @pytest.mark.parametrize(
     "content, message",
     [
-        ({"schema_version": 3, "mixed": [MIXED]}, r"schema_version is 3; this sweep reads schema_version 1 or 2"),
-        ({"schema_version": 1, "mixed": [MIXED]}, r"'mixed' points need schema_version 2; set it to 2"),
+        ({"schema_version": 4, "mixed": [MIXED]}, r"schema_version is 4; this sweep reads schema_version 1 or 2 or 3"),
+        ({"schema_version": 1, "mixed": [MIXED]}, r"'mixed' points need schema_version 2 or more; set it to 3"),
         ({"schema_version": 2, "mixed": [{"decode": MIXED["decode"]}]}, r"mixed\[0\]: expected an object with a"),
         (
             {"schema_version": 2, "mixed": [{**MIXED, "chunk": 1}]},

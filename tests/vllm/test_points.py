@@ -56,7 +56,7 @@ def test_prefill_points_split_n_evenly_and_p_in_whole_blocks(tmp_path):
     [
         ("{not json", "is not valid JSON"),
         ([], "expected a JSON object"),
-        ({"schema_version": 3, "decode": []}, "schema_version is 3"),
+        ({"schema_version": 4, "decode": []}, "schema_version is 4"),
         (
             {"schema_version": 1, "decode": [], "prefill": [{"total_prefill_tokens": 8}]},
             r"prefill\[0\]: batch_size must be a positive integer",

@@ -138,12 +138,32 @@ def test_points_stay_within_the_engines_limits():
     found = shapes([decode_step(4, 4 * 4090), decode_step(4, 4 * 100), prefill_step(1, 100, 4000)])
     decode = decode_points(found, GRAPHS, LIMITS, TRACE_CAPS)
     assert max(p.total_kv_read_tokens for p in decode) == deepest_kv(4, LIMITS) == 4 * (4096 - 3 - 1 - 4)
-    prefill = prefill_points(found, GRAPHS, LIMITS, TRACE_CAPS)
+    prefill = prefill_points(found.prefill, GRAPHS, LIMITS, TRACE_CAPS)
     unit = LIMITS.prefix_unit
     # a 4000-token prefix and 100 new tokens do not fit max_model_len with the sweep's margin:
     # the deepest whole-block prefix that does stands in (4096 - 4 - 1 - 100 = 3991 -> 3984)
     assert max(p.total_kv_read_tokens for p in prefill) == 3984
     assert all(p.total_kv_read_tokens % unit == 0 and p.tokens_spanned(unit) <= 4096 - 4 for p in prefill)
+
+
+def test_steps_that_continue_their_prompts_get_continuation_points_where_the_engine_measures_them():
+    # one new request's chunk (no prefix) and two later chunks of prompts (on 3 and 9 blocks)
+    new = prefill_step(1, 200, 0)
+    going_on = [dataclasses.replace(prefill_step(1, 256, u * 16), continuations=1) for u in (3, 9)]
+    both = dataclasses.replace(prefill_step(2, 300, 160), continuations=1)  # one of two continues: new
+    found = shapes([new, *going_on, both])
+    assert found.continued == [(1, 256, 48), (1, 256, 144)] and (2, 300, 160) in found.prefill
+    trace = Trace(Path("t"), {}, {}, [new, *going_on, both])
+    able = dataclasses.replace(LIMITS, continuations=True)
+    continued = [p for p in trace_grid(trace, GRAPHS, able) if p.continuation]
+    assert {(p.batch_size, p.total_prefill_tokens, p.total_kv_read_tokens) for p in continued} == {
+        (1, 256, 48),
+        (1, 256, 144),
+    }
+    # where the engine cannot (more than one rank, or no chunked prefill) they join the new ones
+    plain = trace_grid(trace, GRAPHS, LIMITS)
+    assert not any(isinstance(p, PrefillPoint) and p.continuation for p in plain)
+    assert {(p.total_prefill_tokens, p.total_kv_read_tokens) for p in plain} >= {(256, 48), (256, 144)}
 
 
 def mixed_step(b: int, k: int, bp: int, n: int, p: int) -> Step:
@@ -195,7 +215,7 @@ def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
     found = shapes(MIXED_STEPS)
     # (the capture sizes between 4 and 20 are on the batch axis, but no step reads their curves)
     assert {p.batch_size for p in decode_points(found, GRAPHS, LIMITS, TRACE_CAPS)} == {4, 20}
-    assert {p.total_prefill_tokens for p in prefill_points(found, GRAPHS, LIMITS, TRACE_CAPS)} == {300, 505}
+    assert {p.total_prefill_tokens for p in prefill_points(found.prefill, GRAPHS, LIMITS, TRACE_CAPS)} == {300, 505}
     assert [
         p for p in trace_grid(Trace(Path("t"), {}, {}, MIXED_STEPS), GRAPHS, LIMITS) if isinstance(p, MixedPoint)
     ] == points

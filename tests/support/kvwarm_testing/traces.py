@@ -83,9 +83,11 @@ def step(
     spec_tokens: int = 0,
     graph: dict | None = None,
     span_ms: float | None = None,
+    continuations: int = 0,
 ) -> dict:
     """One step line: decode (requests, kv_tokens), prefill (requests, new_tokens, prefix_tokens);
-    `span_ms`: its own schedule() to its update (none: the line has no span)."""
+    `span_ms`: its own schedule() to its update (none: the line has no span); `continuations`:
+    the prefill chunks that continue their prompt."""
     wall = None if wall_ms is None else wall_ms / 1e3
     forward = (wall_ms * 0.8 if forward_ms is None else forward_ms) / 1e3 if wall_ms is not None else 0.0
     return {
@@ -100,7 +102,7 @@ def step(
             "new_tokens": prefill[1],
             "prefix_tokens": prefill[2],
             "new_var": 0.0,
-            "continuations": 0,
+            "continuations": continuations,
         },
         "spec_tokens": spec_tokens,
         "queued": {"requests": 0, "tokens": 0},

@@ -19,7 +19,7 @@ from pathlib import Path
 from . import vocabulary as v
 from .files import write_atomically
 from .schema import validate
-from .shape import point_key
+from .shape import is_continuation, point_key
 
 
 def utc_now() -> str:
@@ -49,6 +49,8 @@ class PointRow:
     # mixed: the step's decode part {batch_size, total_kv_read_tokens} and prefill part
     # {batch_size, total_prefill_tokens, total_kv_read_tokens}; the totals above are the step's
     parts: dict[str, dict[str, int]] | None = None
+    # prefill: its requests were running, their prefix computed by an earlier step of their own
+    continuation: bool = False
 
     def __post_init__(self):
         if self.sample_kind is None:
@@ -62,6 +64,7 @@ class PointRow:
             "batch_size": self.batch_size,
             "total_prefill_tokens": self.total_prefill_tokens,
             **(self.parts or {}),
+            **({"continuation": True} if self.continuation else {}),
         }
 
     @property
@@ -210,6 +213,7 @@ def results_csv(results: list[dict]) -> bytes:
             "sample_reasons",
             "decode_batch_size",  # mixed rows: the decode part (the prefill part is the rest)
             "decode_kv_read_tokens",
+            "continuation",  # 1: the prefill requests were running ones (sweep.md#continuation-points)
         ]
     )
     for row in results:
@@ -235,6 +239,7 @@ def results_csv(results: list[dict]) -> bytes:
                 " ".join(row["sample_reasons"]),
                 decode.get("batch_size", ""),
                 decode.get("total_kv_read_tokens", ""),
+                1 if is_continuation(row["point"]) else "",
             ]
         )
     return text.getvalue().encode()

@@ -13,7 +13,7 @@ import statistics
 from dataclasses import dataclass
 
 from . import vocabulary as v
-from .shape import balanced, expected_graph, point_key, step_tokens
+from .shape import balanced, expected_graph, is_continuation, point_key, step_tokens
 
 NAMESPACE = "kvwarm_sweep"  # our blocks in Dynamo's artifact: at the top, per result, per skipped point
 FPM_VERSION = 1
@@ -26,14 +26,18 @@ def points_over_ranks(sweep, kind: str):
     each rank's measured rows by point, those skipped on some rank (with the first skipping
     rank's entry), and how many points the ranks recorded in all."""
     measured = [
-        {point_key(r["point"]): r for r in a.get("results", []) if point_key(r["point"])[0] == kind}
+        {
+            point_key(r["point"]): r
+            for r in a.get("results", [])
+            if point_key(r["point"])[0] == kind and not is_continuation(r["point"])  # Dynamo has no such point
+        }
         for a in sweep.ranks
     ]
     skipped: dict[tuple, dict] = {}
     for artifact in sweep.ranks:
         for entry in artifact.get("skipped_points", []):
             key = point_key(entry["point"])
-            if key[0] == kind:
+            if key[0] == kind and not is_continuation(entry["point"]):
                 skipped.setdefault(key, entry)
     everywhere = [key for key in measured[0] if all(key in m for m in measured[1:]) and key not in skipped]
     seen = set(skipped) | {key for m in measured for key in m}

@@ -15,6 +15,11 @@ Beyond the measured range on any axis the nearest segment is extended linearly (
 0) and the prediction is outside the table's range: `inside` says whether it needed no
 extrapolation at all (coverage). Rows measured twice count with their median.
 
+Continuation rows (a prefill row, or a mixed row's prefill part, whose requests were running
+ones: sweep.md#continuation-points) form surfaces of their own: a step whose every prefill
+chunk continues its prompt is predicted from them where the table has them, else from the
+rows of new requests, as every other step is.
+
 Each row gives a value on the basis chosen (BASES): `step`, the whole window from one update
 end to the next (a decode row's own sample; a prefill row's phases summed, since its samples
 time the forward alone), or `forward`, the forward phase (a decode row's phase, a prefill
@@ -28,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import vocabulary as v
-from .runs import Row
+from .runs import Row, read_rows
+from .shape import CONTINUATION, is_continuation
 
 STEP, FORWARD = "step", "forward"
 BASES = (STEP, FORWARD)
@@ -53,6 +59,7 @@ class MixedRow:
     prefill_p: int
     median_ms: float | None  # the step basis (None: its phases were not all recorded)
     phases_ms: dict[str, float]
+    continuation: bool = False  # its prefill part's requests were running ones
 
 
 @dataclass(frozen=True)
@@ -187,15 +194,30 @@ def read_mixed_rows(artifact: dict) -> list[MixedRow]:
                 p["total_kv_read_tokens"],
                 median_ms,
                 phases,
+                is_continuation(point),
             )
         )
     return rows
 
 
+def read_continuation_rows(artifact: dict, source: str) -> list[Row]:
+    """The artifact's measured continuation prefill rows, read as plain prefill rows are."""
+    results = [
+        {**r, "point": {key: x for key, x in r["point"].items() if key != CONTINUATION}}
+        for r in artifact.get("results") or []
+        if isinstance(r, dict)
+        and isinstance(r.get("point"), dict)
+        and r["point"].get("point_type") == v.PREFILL
+        and is_continuation(r["point"])
+    ]
+    return read_rows({**artifact, "results": results}, source) if results else []
+
+
 class Predictor:
     """A table's rows as surfaces on one basis."""
 
-    def __init__(self, rows: list[Row], mixed: list[MixedRow], basis: str = STEP):
+    def __init__(self, rows: list[Row], mixed: list[MixedRow], basis: str = STEP, continued: list[Row] = ()):
+        """`continued`: the continuation prefill rows (read_continuation_rows)."""
         if basis not in BASES:
             raise ValueError(f"basis {basis!r} is none of {', '.join(BASES)}")
         self.basis = basis
@@ -203,17 +225,10 @@ class Predictor:
         self.decode = DecodeSurface(
             _median_by([((r.b, r.k), ms) for r, ms in valued if r.kind == v.DECODE and ms is not None])
         )
-        prefill = _median_by([((r.b, r.k, r.n), ms) for r, ms in valued if r.kind == v.PREFILL and ms is not None])
-        self.prefill = PrefillSurface({key: _leaf(ms) for key, ms in prefill.items()})
-        by_prefill: dict[tuple[int, int, int], list[tuple[tuple, float]]] = {}
-        for m in mixed:
-            ms = m.median_ms if basis == STEP else m.phases_ms.get("forward")
-            if ms is not None:
-                by_prefill.setdefault((m.prefill_b, m.prefill_p, m.prefill_n), []).append(
-                    ((m.decode_b, m.decode_k), ms)
-                )
-        surfaces = {key: DecodeSurface(_median_by(items)) for key, items in by_prefill.items()}
-        self.mixed = PrefillSurface({key: surface.at for key, surface in surfaces.items()})
+        self.prefill = _prefill_surface(valued)
+        self.continued = _prefill_surface([(r, row_value(r, basis)) for r in continued])
+        self.mixed = _mixed_surface([m for m in mixed if not m.continuation], basis)
+        self.mixed_continued = _mixed_surface([m for m in mixed if m.continuation], basis)
 
     def kinds(self) -> dict[str, str | None]:
         """How each step kind is predicted: MEASURED, COMPOSED, or None (not covered)."""
@@ -221,28 +236,51 @@ class Predictor:
         return {
             v.DECODE: MEASURED if self.decode else None,
             v.PREFILL: MEASURED if self.prefill else None,
-            MIXED: MEASURED if self.mixed else composed,
+            MIXED: MEASURED if self.mixed or self.mixed_continued else composed,
         }
 
     def decode_step(self, b: int, k: int) -> Prediction | None:
         est = self.decode.at(b, k) if self.decode else None
         return None if est is None else Prediction(est.ms, est.inside, MEASURED)
 
-    def prefill_step(self, b: int, n: int, p: int) -> Prediction | None:
-        est = self.prefill.at(b, n, p) if self.prefill else None
+    def prefill_step(self, b: int, n: int, p: int, continuation: bool = False) -> Prediction | None:
+        surface = self.continued if continuation and self.continued else self.prefill
+        est = surface.at(b, n, p) if surface else None
         return None if est is None else Prediction(est.ms, est.inside, MEASURED)
 
-    def mixed_step(self, decode_b: int, decode_k: int, prefill_b: int, prefill_n: int, prefill_p: int):
-        if self.mixed:
-            est = self.mixed.at(prefill_b, prefill_n, prefill_p, decode_b, decode_k)
+    def mixed_step(
+        self, decode_b: int, decode_k: int, prefill_b: int, prefill_n: int, prefill_p: int, continuation: bool = False
+    ):
+        surface = self.mixed_continued if continuation and self.mixed_continued else self.mixed
+        if surface:
+            est = surface.at(prefill_b, prefill_n, prefill_p, decode_b, decode_k)
             return None if est is None else Prediction(est.ms, est.inside, MEASURED)
-        return self.composed_step(decode_b, decode_k, prefill_b, prefill_n, prefill_p)
+        return self.composed_step(decode_b, decode_k, prefill_b, prefill_n, prefill_p, continuation)
 
-    def composed_step(self, decode_b: int, decode_k: int, prefill_b: int, prefill_n: int, prefill_p: int):
+    def composed_step(
+        self, decode_b: int, decode_k: int, prefill_b: int, prefill_n: int, prefill_p: int, continuation: bool = False
+    ):
         """A mixed step as planners compose it from the pure rows (also where mixed rows exist:
         validate prints it beside the measured prediction)."""
-        prefill, decode = self.prefill_step(prefill_b, prefill_n, prefill_p), self.decode_step(decode_b, decode_k)
+        prefill = self.prefill_step(prefill_b, prefill_n, prefill_p, continuation)
+        decode = self.decode_step(decode_b, decode_k)
         if prefill is None or decode is None:
             return None
         marginal = max(0.0, decode.ms - self.decode.baseline())
         return Prediction(prefill.ms + marginal, prefill.inside and decode.inside, COMPOSED)
+
+
+def _prefill_surface(valued: list[tuple[Row, float | None]]) -> PrefillSurface:
+    prefill = _median_by([((r.b, r.k, r.n), ms) for r, ms in valued if r.kind == v.PREFILL and ms is not None])
+    return PrefillSurface({key: _leaf(ms) for key, ms in prefill.items()})
+
+
+def _mixed_surface(mixed: list[MixedRow], basis: str) -> PrefillSurface:
+    """Mixed rows located by their prefill part, each node a decode surface over the decode part."""
+    by_prefill: dict[tuple[int, int, int], list[tuple[tuple, float]]] = {}
+    for m in mixed:
+        ms = m.median_ms if basis == STEP else m.phases_ms.get("forward")
+        if ms is not None:
+            by_prefill.setdefault((m.prefill_b, m.prefill_p, m.prefill_n), []).append(((m.decode_b, m.decode_k), ms))
+    surfaces = {key: DecodeSurface(_median_by(items)) for key, items in by_prefill.items()}
+    return PrefillSurface({key: surface.at for key, surface in surfaces.items()})

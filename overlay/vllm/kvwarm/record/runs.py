@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import vocabulary as v
 from .artifact import KvwarmMeta
+from .shape import is_continuation
 
 READS = (1, 2, 3)  # schema versions this reader knows; fields it does not know are ignored
 
@@ -149,8 +150,8 @@ def read_rows(artifact: dict, source: str) -> list[Row]:
         where = f"{source}: results[{i}]"
         point = r.get("point") if isinstance(r, dict) else None
         steps = r.get("steady_seconds") if isinstance(r, dict) else None
-        if isinstance(point, dict) and point.get("point_type") == v.MIXED:
-            continue  # a mixed row is no plain table's (record.predict reads it apart)
+        if isinstance(point, dict) and (point.get("point_type") == v.MIXED or is_continuation(point)):
+            continue  # a mixed or continuation row is no plain table's (record.predict reads it apart)
         if (
             not isinstance(point, dict)
             or not _count(point.get("total_kv_read_tokens"))

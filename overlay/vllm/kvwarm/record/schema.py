@@ -27,12 +27,13 @@ POINT = _object(
     {
         "point_type": {"enum": list(v.ROW_POINT_TYPES)},
         "total_prefill_tokens": COUNT,
+        "continuation": {"type": "boolean"},  # a prefill row's requests were running ones
         # a mixed point's parts (its totals are the step's)
         "decode": {**PART, "required": ["total_kv_read_tokens", "batch_size"]},
         "prefill": {
             **PART,
             "required": ["total_prefill_tokens", "total_kv_read_tokens", "batch_size"],
-            "properties": {**PART["properties"], "total_prefill_tokens": POSITIVE},
+            "properties": {**PART["properties"], "total_prefill_tokens": POSITIVE, "continuation": {"type": "boolean"}},
         },
     },
 )

@@ -29,9 +29,20 @@ NONE = "NONE"  # vLLM's CUDAGraphMode.NONE, by name
 SPLIT_SIZES = ("prefill_cudagraph_capture_token_sizes", "decode_cudagraph_capture_request_sizes")
 
 
+CONTINUATION = "continuation"
+
+
+def is_continuation(point: dict) -> bool:
+    """Whether a row's prefill requests (a mixed row's prefill part's) were running ones,
+    their prefix computed by a lead step of their own (sweep.prefill)."""
+    prefill = point.get("prefill")
+    return point.get(CONTINUATION) is True or (isinstance(prefill, dict) and prefill.get(CONTINUATION) is True)
+
+
 def point_key(point: dict) -> tuple:
     """A point's identity across ranks and runs (rows of schema 1 and 2 are decode points):
-    (kind, K, B, N), and for a mixed point its decode part's (B, K) after them."""
+    (kind, K, B, N), for a mixed point its decode part's (B, K) after them, and a
+    continuation's mark last."""
     key = (
         point.get("point_type", v.DECODE),
         point["total_kv_read_tokens"],
@@ -39,7 +50,8 @@ def point_key(point: dict) -> tuple:
         point.get("total_prefill_tokens", 0),
     )
     decode = point.get("decode")
-    return key + (decode["batch_size"], decode["total_kv_read_tokens"]) if decode else key
+    key += (decode["batch_size"], decode["total_kv_read_tokens"]) if decode else ()
+    return key + (CONTINUATION,) if is_continuation(point) else key
 
 
 def balanced(total: int, parts: int) -> list[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import vocabulary as v
 from .export_input import ExportError, SweepRecord, load_sweep
-from .predict import MEASURED, MIXED, STEP, Predictor, read_mixed_rows
+from .predict import MEASURED, MIXED, STEP, Predictor, read_continuation_rows, read_mixed_rows
 from .runs import ReportError, locate, read_rows
 from .trace_reader import KINDS, Step, Trace, TraceError, read_trace
 from .validate_match import Match, Provenance, loop_refusal, match, refusal
@@ -57,7 +57,8 @@ def predictors(table: SweepRecord, basis: str) -> list[Predictor]:
     out = []
     for artifact, path in zip(table.ranks, table.paths):
         plain = {**artifact, "results": [r for r in artifact["results"] if r["point"].get("point_type") != MIXED]}
-        out.append(Predictor(read_rows(plain, str(path)), read_mixed_rows(artifact), basis))
+        continued = read_continuation_rows(artifact, str(path))
+        out.append(Predictor(read_rows(plain, str(path)), read_mixed_rows(artifact), basis, continued))
     return out
 
 
@@ -69,10 +70,16 @@ def served_ms(step: Step, basis: str) -> float | None:
 def predict(predictor: Predictor, step: Step):
     if step.kind == v.DECODE:
         return predictor.decode_step(step.decode_requests, step.decode_kv_tokens)
-    prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens)
+    prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens, continued(step))
     if step.kind == v.PREFILL:
         return predictor.prefill_step(*prefill)
     return predictor.mixed_step(step.decode_requests, step.decode_kv_tokens, *prefill)
+
+
+def continued(step: Step) -> bool:
+    """Whether every prefill chunk of the step continues its prompt (then continuation rows
+    predict it, where the table has them)."""
+    return 0 < step.continuations == step.prefill_requests
 
 
 NOT_COVERED = {
@@ -202,7 +209,7 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
         pause = since[(step.rank, step.number)]
         result.scored.append(Scored(step, served, predict(predictor, step), since_pause=pause))
         if step.kind == MIXED and kinds[rank][MIXED] == MEASURED:
-            prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens)
+            prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens, continued(step))
             composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill)
             result.composed.append(Scored(step, served, composed))
     mark_noise(result.scored)

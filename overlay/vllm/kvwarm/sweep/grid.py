@@ -42,7 +42,7 @@ from ..record.shape import GraphConfig
 from ..record.vocabulary import EXACT
 from .limits import mixed_refusal
 from .plan import CHAIN_DEPTH_MARGIN, mixed_chains
-from .points import SCHEMA_VERSION, DecodePoint, MixedPoint, PointsFileError, PrefillPoint, mixed_decode_steps
+from .points import CONTINUATION_SCHEMA, DecodePoint, MixedPoint, PointsFileError, PrefillPoint, mixed_decode_steps
 
 PREFILL_BATCHES = (1, 4)
 CAPS = {"decode_batches": 12, "kv_ladder": 6, "prefill_tokens": 16, "mixed": 3}
@@ -59,6 +59,7 @@ class GridLimits:
     prefix_unit: int  # a prefix is whole blocks of this
     attention_only: bool = True  # no recurrent state
     state_mode: str | None = None  # the sweep's hand-off of recurrent state (SweepConfig.state_mode)
+    continuations: bool = False  # continuation points can run: chunked prefill, one data-parallel rank
 
 
 @dataclass(frozen=True)
@@ -280,10 +281,12 @@ def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> li
 
 
 def points_file(points: list) -> dict:
-    """The grid as a points file: schema v1 (Dynamo's shape), v2 where it holds mixed points."""
+    """The grid as a points file of the oldest schema that holds it: v1 (Dynamo's shape), v2
+    where it holds mixed points, v3 where it holds continuations."""
     mixed = [p for p in points if isinstance(p, MixedPoint)]
+    prefill = [p for p in points if isinstance(p, PrefillPoint)] + [p.prefill for p in mixed]
     data = {
-        "schema_version": SCHEMA_VERSION if mixed else 1,
+        "schema_version": CONTINUATION_SCHEMA if any(p.continuation for p in prefill) else 2 if mixed else 1,
         "prefill": [_prefill_entry(p) for p in points if isinstance(p, PrefillPoint)],
         "decode": [_decode_entry(p) for p in points if isinstance(p, DecodePoint)],
     }
@@ -297,6 +300,7 @@ def _prefill_entry(p: PrefillPoint) -> dict:
         "total_prefill_tokens": p.total_prefill_tokens,
         "total_kv_read_tokens": p.total_kv_read_tokens,
         "batch_size": p.batch_size,
+        **({"continuation": True} if p.continuation else {}),
     }
 
 

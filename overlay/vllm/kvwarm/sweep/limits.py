@@ -11,6 +11,9 @@ the point, the limit and the fix.
   boundaries), each request fits max_model_len, and its shot fits the KV pool beside its
   rung's chains (as deep as the rung's deepest prefix, whatever the file's order).
 - A prefill point with a prefix (P > 0) needs the prefix cache: without it nothing is found.
+- A continuation point (its requests running, their prefix computed by a lead step of their
+  own) needs chunked prefill (else no prompt is continued in a later step) and one
+  data-parallel rank (a shot is two steps; ranks a step apart would time one beside the other's lead).
 - A mixed point is one step: its decode requests' tokens and its prefill part's N fit
   max_num_batched_tokens, and its prefill part passes the prefill checks (so that the engine
   runs it unchunked beside the decodes). Mixed points are measured at any data-parallel
@@ -31,6 +34,7 @@ from ..kv.state_mode import STATE_ENV
 from ..record import vocabulary as v
 from .plan import CHAIN_DEPTH_MARGIN
 from .points import MixedPoint, PointsFileError, PrefillPoint, check_budget
+from .ranks import rank_layout
 
 
 class SweepRefused(ValueError):
@@ -88,6 +92,7 @@ def check_points(
             f"{_name(prefixed[0])}), which only the prefix cache holds; start the engine with "
             "--enable-prefix-caching, or give those points P = 0"
         )
+    _check_continuations(prefill, vllm_config, source)
     splits = {}  # per point: its requests' prefixes and new tokens
     for point in prefill:
         where = f"{source}: prefill point {_name(point)}"
@@ -160,5 +165,24 @@ def _check_mixed(points: list, vllm_config, layouts, source: str, state_mode: st
         )
 
 
+def _check_continuations(prefill: list, vllm_config, source: str) -> None:
+    continued = [p for p in prefill if p.continuation]
+    if not continued:
+        return
+    where = f"{source}: prefill point {_name(continued[0])}"
+    if getattr(vllm_config.scheduler_config, "enable_chunked_prefill", True) is False:
+        raise PointsFileError(
+            f"{where}: a continuation is a prompt's later chunk, and this engine runs without chunked prefill, "
+            "so it never continues a prompt; start the engine with --enable-chunked-prefill or drop continuation"
+        )
+    if rank_layout(vllm_config.parallel_config).data_parallel_size > 1:
+        raise PointsFileError(
+            f"{where}: continuation points are measured at one data-parallel rank (a shot is two steps, and ranks "
+            "a step apart would time one beside another's lead step); sweep them with --data-parallel-size 1"
+        )
+
+
 def _name(point: PrefillPoint) -> str:
-    return f"N={point.total_prefill_tokens} P={point.total_kv_read_tokens} B={point.batch_size}"
+    return f"N={point.total_prefill_tokens} P={point.total_kv_read_tokens} B={point.batch_size}" + (
+        " (continuation)" if point.continuation else ""
+    )

@@ -74,10 +74,14 @@ class MixedRunner(PrefillRunner):
         """The shadows and the current shot's requests: all the step may run. Under vLLM's
         batch queue the step after a shot's is scheduled before the shot's output is in: it
         runs nothing (the shadows are held a step), so the loop waits for the shot's output
-        alone and the shot's forward is its own step's."""
+        alone and the shot's forward is its own step's. A continuation's lead step runs the
+        shot alone (the shadows advance a token a shot, as for new requests)."""
         shot = self.shots.current
-        if shot is not None and not shot.done and all(r.num_computed_tokens for r in shot.requests):
-            return self._shot_ids()  # scheduled (its prompt counted computed), not yet taken in
+        if shot is not None and not shot.done:
+            if self.shots.lead and not shot.led:
+                return set() if shot.lead_scheduled() else self._shot_ids()
+            if all(r.num_computed_tokens >= r.num_prompt_tokens for r in shot.requests):
+                return self._shot_ids()  # scheduled (its prompt counted computed), not yet taken in
         return self._shadow_ids() | self._shot_ids()
 
     def request_ids(self) -> list[str]:
@@ -104,9 +108,12 @@ class MixedRunner(PrefillRunner):
                 "at one token each"
             )
         rest = {i: n for i, n in scheduled.items() if i not in shadows}
-        return verify_step(
-            self.shots, shot, SimpleNamespace(num_scheduled_tokens=rest, scheduled_new_reqs=output.scheduled_new_reqs)
+        shot_only = SimpleNamespace(
+            num_scheduled_tokens=rest,
+            scheduled_new_reqs=output.scheduled_new_reqs,
+            scheduled_cached_reqs=output.scheduled_cached_reqs,
         )
+        return verify_step(self.shots, shot, shot_only)
 
     def finish(self, scheduler) -> PointRow:
         """End the point: the shadows (and a shot) still there are aborted; its mixed row."""
@@ -147,8 +154,10 @@ def mixed_parts(row: PointRow, point: MixedPoint, contexts: list[int]) -> int:
             "batch_size": point.prefill.batch_size,
             "total_prefill_tokens": point.prefill.total_prefill_tokens,
             "total_kv_read_tokens": point.prefill.total_kv_read_tokens,
+            **({"continuation": True} if point.prefill.continuation else {}),
         },
     }
+    row.continuation = False  # said in its prefill part
     row.total_kv_read_tokens += decode_k
     row.batch_size += decode_b
     return decode_k

@@ -1,17 +1,22 @@
 """The points a sweep measures, from the points file (per DP rank):
 
-    {"schema_version": 2,
+    {"schema_version": 3,
      "decode":  [{"total_kv_read_tokens": K, "batch_size": B}, ...],
-     "prefill": [{"total_prefill_tokens": N, "total_kv_read_tokens": P, "batch_size": B}, ...],
+     "prefill": [{"total_prefill_tokens": N, "total_kv_read_tokens": P, "batch_size": B,
+                  "continuation": false}, ...],
      "mixed":   [{"decode": {decode point}, "prefill": {prefill point}}, ...]}
 
-Schema v1 (Dynamo's shape) is the same without `mixed`, and still read.
+Schema v1 (Dynamo's shape) is the same without `mixed` and `continuation`, v2 without
+`continuation`; both are still read.
 
 A decode point is B requests whose contexts partition K (as equal as possible), decoding one
 token each per step. A prefill point is one step of B brand-new requests: request i computes
 new_i tokens (a balanced split of N, each at least 1) on top of a prefix-cache hit of kv_i
 tokens (a balanced split of P in whole prefix blocks, at least one each when P > 0; the block
 is the engine's, so that split is made once the engine is known: PrefillPoint.prefixes).
+A continuation prefill point (`"continuation": true`, P > 0) is the same step with its B
+requests running ones whose first P tokens an earlier step of their own computed: the later
+chunk of a chunked prompt (sweep.prefill).
 A mixed point is one step holding both: a decode part's B_d requests (one token each, at their
 contexts) and a prefill part's B_p new requests, B_d + N_p tokens in all.
 The lists may be empty or missing, not all. Every problem is a PointsFileError that names
@@ -26,12 +31,14 @@ from pathlib import Path
 
 from ..record.shape import balanced
 
-SCHEMA_VERSION = 2  # v2 adds `mixed`
-READS = (1, 2)  # v1: Dynamo's shape (decode and prefill)
+SCHEMA_VERSION = 3  # v2 adds `mixed`, v3 `continuation`
+READS = (1, 2, 3)  # v1: Dynamo's shape (decode and prefill)
+CONTINUATION_SCHEMA = 3
 TOP_LEVEL_KEYS = ("decode", "mixed", "prefill", "schema_version")
 MIXED_KEYS = ("decode", "prefill")
 DECODE_KEYS = ("batch_size", "total_kv_read_tokens")
 PREFILL_KEYS = ("batch_size", "total_kv_read_tokens", "total_prefill_tokens")
+CONTINUATION_KEY = "continuation"
 
 
 class PointsFileError(ValueError):
@@ -58,6 +65,7 @@ class PrefillPoint:
     total_prefill_tokens: int  # N: new tokens the step computes, summed over the batch
     total_kv_read_tokens: int  # P: prefix tokens the step reads from the cache, summed
     batch_size: int  # B
+    continuation: bool = False  # running requests, their first P tokens computed by an earlier step
 
     def new_tokens(self) -> list[int]:
         """B new-token counts summing to N, each at least 1."""
@@ -70,6 +78,11 @@ class PrefillPoint:
         if self.total_kv_read_tokens == 0:
             return [0] * self.batch_size
         return [n * unit for n in balanced(self._prefix_blocks(unit), self.batch_size)]
+
+    def lead(self, unit: int) -> int:
+        """The tokens each request computes in its shot's lead step (a continuation: one
+        prefix unit; else none, the shot is one step)."""
+        return unit if self.continuation else 0
 
     def _prefix_blocks(self, unit: int) -> int:
         blocks, rest = divmod(self.total_kv_read_tokens, unit)
@@ -110,7 +123,7 @@ class MixedPoint:
         d, p = self.decode, self.prefill
         return (
             f"decode B={d.batch_size} K={d.total_kv_read_tokens} + prefill B={p.batch_size} "
-            f"N={p.total_prefill_tokens} P={p.total_kv_read_tokens}"
+            f"N={p.total_prefill_tokens} P={p.total_kv_read_tokens}" + (" (continuation)" if p.continuation else "")
         )
 
 
@@ -167,12 +180,19 @@ def _decode_point(entry, where: str, max_model_len: int, steady_steps: int) -> D
     return point
 
 
-def _prefill_point(entry, where: str, max_model_len: int) -> PrefillPoint:
+def _prefill_point(entry, where: str, max_model_len: int, version: int = SCHEMA_VERSION) -> PrefillPoint:
     if not isinstance(entry, dict):
         raise PointsFileError(
             f"{where}: expected an object with total_prefill_tokens, total_kv_read_tokens and batch_size"
         )
-    _known_keys(entry, PREFILL_KEYS, where)
+    if CONTINUATION_KEY in entry and version < CONTINUATION_SCHEMA:
+        raise PointsFileError(
+            f"{where}: continuation needs schema_version {CONTINUATION_SCHEMA}; set it to {CONTINUATION_SCHEMA}"
+        )
+    _known_keys(entry, (*PREFILL_KEYS, CONTINUATION_KEY), where)
+    continuation = entry.get(CONTINUATION_KEY, False)
+    if not isinstance(continuation, bool):
+        raise PointsFileError(f"{where}: continuation must be true or false, got {continuation!r}")
     n = _int(entry.get("total_prefill_tokens"), "total_prefill_tokens", where, 1)
     p = _int(entry.get("total_kv_read_tokens", 0), "total_kv_read_tokens", where, 0)
     b = _int(entry.get("batch_size"), "batch_size", where, 1)
@@ -183,7 +203,12 @@ def _prefill_point(entry, where: str, max_model_len: int) -> PrefillPoint:
         )
     if 0 < p < b:
         raise PointsFileError(f"{where}: total_kv_read_tokens {p} gives a request no prefix; use 0 or at least {b}")
-    point = PrefillPoint(n, p, b)
+    if continuation and not p:
+        raise PointsFileError(
+            f"{where}: a continuation continues the P tokens its requests computed before, and P is 0; give "
+            "total_kv_read_tokens > 0 or drop continuation"
+        )
+    point = PrefillPoint(n, p, b, continuation)
     longest = largest_part(p, b) + largest_part(n, b) + 1  # whole blocks may move a few tokens: rechecked
     if longest > max_model_len:
         raise PointsFileError(
@@ -194,7 +219,7 @@ def _prefill_point(entry, where: str, max_model_len: int) -> PrefillPoint:
     return point
 
 
-def _mixed_point(entry, where: str, max_model_len: int, steady_steps: int) -> MixedPoint:
+def _mixed_point(entry, where: str, max_model_len: int, steady_steps: int, version: int) -> MixedPoint:
     if not isinstance(entry, dict) or set(entry) != set(MIXED_KEYS):
         _known_keys(entry if isinstance(entry, dict) else {}, MIXED_KEYS, where)
         raise PointsFileError(
@@ -204,7 +229,7 @@ def _mixed_point(entry, where: str, max_model_len: int, steady_steps: int) -> Mi
     steps = mixed_decode_steps(steady_steps)
     return MixedPoint(
         _decode_point(entry["decode"], f"{where}.decode", max_model_len, steps),
-        _prefill_point(entry["prefill"], f"{where}.prefill", max_model_len),
+        _prefill_point(entry["prefill"], f"{where}.prefill", max_model_len, version),
     )
 
 
@@ -218,12 +243,11 @@ def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> li
     if type(version) is not int or version not in READS:  # true and 1.0 equal 1, and are not it
         raise PointsFileError(
             f"{source}: schema_version is {version!r}; this sweep reads schema_version "
-            f"{' or '.join(map(str, READS))} (the integer; {SCHEMA_VERSION} for mixed points)"
+            f"{' or '.join(map(str, READS))} (the integer; 2 or more for mixed points, {CONTINUATION_SCHEMA} for "
+            "continuations)"
         )
     if version == 1 and "mixed" in data:
-        raise PointsFileError(
-            f"{source}: 'mixed' points need schema_version {SCHEMA_VERSION}; set it to {SCHEMA_VERSION}"
-        )
+        raise PointsFileError(f"{source}: 'mixed' points need schema_version 2 or more; set it to {SCHEMA_VERSION}")
     _known_keys(data, TOP_LEVEL_KEYS if version > 1 else tuple(k for k in TOP_LEVEL_KEYS if k != "mixed"), source)
     lists = {kind: data.get(kind, []) for kind in ("prefill", "decode", "mixed")}
     for kind, entries in lists.items():
@@ -231,12 +255,15 @@ def parse_points(data, source: str, max_model_len: int, steady_steps: int) -> li
             raise PointsFileError(f"{source}: '{kind}' must be a list of points")
     if not any(lists.values()):
         raise PointsFileError(f"{source}: 'decode', 'prefill' and 'mixed' are all empty: give at least one point")
-    prefill = [_prefill_point(e, f"{source}: prefill[{i}]", max_model_len) for i, e in enumerate(lists["prefill"])]
+    prefill = [
+        _prefill_point(e, f"{source}: prefill[{i}]", max_model_len, version) for i, e in enumerate(lists["prefill"])
+    ]
     decode = [
         _decode_point(e, f"{source}: decode[{i}]", max_model_len, steady_steps) for i, e in enumerate(lists["decode"])
     ]
     mixed = [
-        _mixed_point(e, f"{source}: mixed[{i}]", max_model_len, steady_steps) for i, e in enumerate(lists["mixed"])
+        _mixed_point(e, f"{source}: mixed[{i}]", max_model_len, steady_steps, version)
+        for i, e in enumerate(lists["mixed"])
     ]
     for kind, points in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
         first: dict = {}

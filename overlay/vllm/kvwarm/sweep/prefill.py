@@ -19,6 +19,14 @@ executor works. The row's phases are those spans' (schedule + sweep + forward + 
 span; its forward median is the row's median with an odd count). The hit is probed before a
 shot is queued; after its step the shot is checked: exactly its B requests, N new tokens, a
 hit of P tokens, else the point is skipped with the measured_* reason.
+
+A continuation point's shot is two steps: a lead step, untimed, in which each request (a
+hit of kv_i - u tokens, u the prefix unit) computes u tokens, its chunk capped at u
+(kv.catchup.PrefillChunkCap), then the shot's step, in which the same requests, running now,
+compute their new_i tokens on the kv_i tokens their lead step and their hit gave them: the
+later chunk of a chunked prompt. The lead step runs the shot alone; under vLLM's batch queue
+the step scheduled while it is in flight runs nothing, so the shot's step starts on an idle
+executor. Its check: exactly its B requests, running, N new tokens, P computed before.
 """
 
 from __future__ import annotations
@@ -74,6 +82,11 @@ class Shot:
     requests: list
     timed: bool
     done: bool = False
+    led: bool = False  # continuation: its lead step's output is in
+
+    def lead_scheduled(self) -> bool:
+        """Whether the shot's first step has been scheduled (vLLM counts the tokens computed then)."""
+        return all(r.num_computed_tokens for r in self.requests)
 
 
 @dataclass
@@ -87,11 +100,17 @@ class PrefillShots:
     steady_steps: int
     trailing: int = 0  # untimed shots after the timed ones (data parallel: sweep.prefill_runner)
     settle: int = 0  # untimed shots after the warm one, before the timed ones (SweepConfig.settle_steps)
+    lead: int = 0  # continuation: the tokens each request computes in its shot's lead step
     seeds: list = field(default_factory=list)  # fake prefixes, freed with the point
     shots: list[Shot] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     windows: list[Window] = field(default_factory=list)
     failure: tuple[str, str] | None = None  # (reason, detail): the point is skipped
+
+    @property
+    def hits(self) -> list[int]:
+        """The prefix each request's lookup finds: kv_i, less its lead step's tokens."""
+        return [p - self.lead for p in self.prefixes]
 
     @property
     def current(self) -> Shot | None:
@@ -114,7 +133,9 @@ def shot_requests(scheduler, shots: PrefillShots, tails: TailText, name: str) ->
     for i, (prompt, n, salt) in enumerate(zip(shots.prompts, shots.new, shots.salts)):
         request_id = f"{PREFILL_PREFIX}{name}_{i}"
         requests.append(
-            greedy_request(request_id, prompt + tails.take(n), 1, cache_salt=salt or request_id, block_hasher=hasher)
+            greedy_request(
+                request_id, prompt + tails.take(shots.lead + n), 1, cache_salt=salt or request_id, block_hasher=hasher
+            )
         )
     return requests
 
@@ -124,14 +145,14 @@ def check_shot(scheduler, shots: PrefillShots, requests: list) -> tuple[str, str
     lookup finds its prefix cached (reason, detail when not)."""
     kvm = scheduler.kv_cache_manager
     layouts = group_layouts(kvm)
-    need = sum(new_request_blocks(layouts, p, n) for p, n in zip(shots.prefixes, shots.new))
+    need = sum(new_request_blocks(layouts, h, shots.lead + n) for h, n in zip(shots.hits, shots.new))
     short = pool_shortfall(need, kvm.block_pool.get_num_free_blocks())
     if short:
         return v.PREFILL_INJECTION_FAILED, f"{v.POOL_EXHAUSTED}: {short} more free block(s) needed for the shot"
-    hits = [cached_tokens(kvm, r) if p else 0 for r, p in zip(requests, shots.prefixes)]
-    if hits != shots.prefixes:
+    hits = [cached_tokens(kvm, r) if h else 0 for r, h in zip(requests, shots.hits)]
+    if hits != shots.hits:
         reason = v.REAL_SEED_VALIDATION_FAILED if shots.regime == v.REAL_PREFIX else v.FAKE_PREFIX_VALIDATION_FAILED
-        return reason, f"the prefix cache holds {hits} of the prefixes {shots.prefixes}"
+        return reason, f"the prefix cache holds {hits} of the prefixes {shots.hits}"
     return None
 
 
@@ -140,8 +161,10 @@ def prefixes_missing(scheduler, point: PrefillPoint, chains: list) -> bool:
     no longer cached: then its rung's chains are built again before it starts."""
     kvm = scheduler.kv_cache_manager
     hasher = prefix_hasher(scheduler)
-    prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
-    for i, (chain, p) in enumerate(zip(chains, prefixes)):
+    unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
+    lead = point.lead(unit)
+    for i, (chain, p) in enumerate(zip(chains, point.prefixes(unit))):
+        p -= lead  # what a shot's lookup finds
         if not p:
             continue
         # a token past the prefix, as a shot's tail: the lookup may find the whole prefix, no more
@@ -172,29 +195,48 @@ def free_seeds(scheduler, shots: PrefillShots) -> None:
     shots.seeds = []
 
 
-def verify_step(shots: PrefillShots, shot: Shot, output) -> tuple[str, str] | None:
-    """After a shot's step: exactly its B requests, N new tokens, a hit of P tokens."""
+def _computed_before(output, ids: set[str]) -> dict[str, int]:
+    """Each of `ids` the step scheduled: the tokens computed before it (a new request's hit)."""
+    before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs if r.req_id in ids}
+    cached = output.scheduled_cached_reqs
+    before.update((i, n) for i, n in zip(cached.req_ids, cached.num_computed_tokens) if i in ids)
+    return before
+
+
+def verify_step(shots: PrefillShots, shot: Shot, output, lead_step: bool = False) -> tuple[str, str] | None:
+    """After a shot's step: exactly its B requests (new ones; a continuation's running ones),
+    N new tokens, P tokens computed before (a new request's hit). A continuation's lead step
+    (`lead_step`): its B new requests, `lead` tokens each, on their hits."""
     ids = {r.request_id for r in shot.requests}
     scheduled = output.num_scheduled_tokens
-    new = {r.req_id: r for r in output.scheduled_new_reqs if r.req_id in ids}
+    new = {r.req_id for r in output.scheduled_new_reqs if r.req_id in ids}
     point = shots.point
-    if set(scheduled) != ids or len(new) != point.batch_size:
+    running = bool(shots.lead) and not lead_step
+    if set(scheduled) != ids or len(new) != (0 if running else point.batch_size):
         foreign = len(set(scheduled) - ids)
+        what = f"{len(ids & set(scheduled)) - len(new)} running" if running else f"{len(new)}"
         return v.BATCH_SIZE_MISMATCH, (
-            f"{v.BATCH_SIZE_MISMATCH}: the step scheduled {len(scheduled)} request(s), {len(new)} of the point's "
-            f"{point.batch_size} new ones" + (f", {foreign} not the sweep's" if foreign else "")
+            f"{v.BATCH_SIZE_MISMATCH}: the step scheduled {len(scheduled)} request(s), {what} of the point's "
+            f"{point.batch_size} {'running' if running else 'new'} ones"
+            + (f", {foreign} not the sweep's" if foreign else "")
+        )
+    if lead_step and any(scheduled[i] != shots.lead for i in ids):
+        return v.PREFILL_TOKENS_MISMATCH, (
+            f"{v.PREFILL_TOKENS_MISMATCH}: the lead step computed {sorted(scheduled[i] for i in ids)} token(s), "
+            f"{shots.lead} each wanted (the engine did not cap the chunk)"
         )
     computed = sum(scheduled[i] for i in ids)
-    if computed != point.total_prefill_tokens:
+    if not lead_step and computed != point.total_prefill_tokens:
         return v.PREFILL_TOKENS_MISMATCH, (
             f"{v.PREFILL_TOKENS_MISMATCH}: the step computed {computed} new token(s), the point "
             f"{point.total_prefill_tokens} (the engine chunked a request)"
         )
-    hit = sum(r.num_computed_tokens for r in new.values())
-    if hit != point.total_kv_read_tokens:
+    hit = sum(_computed_before(output, ids).values())
+    want = sum(shots.hits) if lead_step else point.total_kv_read_tokens
+    if hit != want:
         return v.KV_READ_MISMATCH, (
-            f"{v.KV_READ_MISMATCH}: the step's requests found {hit} prefix token(s) cached, the point "
-            f"{point.total_kv_read_tokens}"
+            f"{v.KV_READ_MISMATCH}: the step's requests had {hit} token(s) computed or cached before it, the "
+            f"{'lead step' if lead_step else 'point'} {want}"
         )
     return None
 
@@ -208,6 +250,7 @@ def skipped_row(point: PrefillPoint, reason: str, detail: str) -> PointRow:
         detail=detail,
         point_type=v.PREFILL,
         total_prefill_tokens=point.total_prefill_tokens,
+        continuation=point.continuation,
     )
 
 
@@ -228,5 +271,6 @@ def prefill_row(shots: PrefillShots) -> PointRow:
         phases=phase_medians(shots.windows),
         sample_kind=v.SHOT_FORWARD,
         split={"prefix_tokens": list(shots.prefixes), "new_tokens": list(shots.new)},
+        continuation=point.continuation,
     )
     return stamp_noise(row)

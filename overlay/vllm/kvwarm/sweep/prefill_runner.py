@@ -12,12 +12,17 @@ Under data parallel the ranks start the point's shots one engine step apart at m
 shot is one step: so a timed shot of one rank could run beside another rank's idle step.
 `trailing` untimed shots after the timed ones (one per step of lag, as the warm shot before
 them) keep every timed shot beside a shot of the same shape on every other rank.
+
+A continuation point's shot runs a lead step first (sweep.prefill): while it is queued the
+engine's prefill chunks are capped at the lead (kv.catchup.PrefillChunkCap), and the cap is
+lifted before the next schedule(), so the shot's own step is the engine's as configured.
 """
 
 from __future__ import annotations
 
 import enum
 
+from ..kv.catchup import PrefillChunkCap
 from ..kv.layout import group_layouts
 from ..kv.prefix import prefix_unit
 from ..record import vocabulary as v
@@ -59,29 +64,37 @@ class PrefillRunner:
         `trailing`: untimed shots after the timed ones; `settle`: untimed shots after the warm one."""
         point = plan.point
         kvm = scheduler.kv_cache_manager
-        prefixes = point.prefixes(prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
+        unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
+        prefixes, lead = point.prefixes(unit), point.lead(unit)
+        hits = [p - lead for p in prefixes]  # a continuation's lead step computes the rest
         if not point.total_kv_read_tokens:
             regime, prompts, salts = v.NOT_APPLICABLE, [[] for _ in prefixes], [None] * len(prefixes)
         elif plan.real:
             regime = v.REAL_PREFIX
-            prompts = [c.prompt_token_ids[:p] for c, p in zip(chains, prefixes)]
+            prompts = [c.prompt_token_ids[:h] for c, h in zip(chains, hits)]
             salts = [c.cache_salt for c in chains]
         else:
             vocab = max(3, scheduler.vllm_config.model_config.get_vocab_size())
             regime = v.FAKE_PREFIX
-            prompts = [[(i * 7919 + 31 * t + 2) % vocab for t in range(p)] for i, p in enumerate(prefixes)]
+            prompts = [[(i * 7919 + 31 * t + 2) % vocab for t in range(h)] for i, h in enumerate(hits)]
             salts = [None] * len(prefixes)
         self.plan = plan
         self.shots = PrefillShots(
-            point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps, trailing, settle
+            point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps, trailing, settle, lead
         )
         self._tails, self._ids = tails, ids
+        self._cap: PrefillChunkCap | None = None  # while a continuation's lead step is queued
         if regime == v.FAKE_PREFIX:
             seed_fake_prefixes(scheduler, self.shots, f"{ids[0]}_s{ids[1]}")
 
     def current_ids(self) -> set[str]:
-        """The ids of the requests the step may run: the current shot's (none before the first)."""
-        return self._shot_ids()
+        """The ids of the requests the step may run: the current shot's (none before the
+        first, and none while a continuation's lead step is in flight)."""
+        return set() if self._lead_in_flight() else self._shot_ids()
+
+    def _lead_in_flight(self) -> bool:
+        shot = self.shots.current
+        return bool(self.shots.lead) and shot is not None and not shot.done and not shot.led and shot.lead_scheduled()
 
     def _shot_ids(self) -> set[str]:
         shot = self.shots.current
@@ -97,6 +110,8 @@ class PrefillRunner:
         untimed too."""
         shots = self.shots
         shot = shots.current
+        if self._cap is not None and shot.lead_scheduled():
+            self._lift_cap()
         if shot is not None and (not shot.done or any(r.request_id in scheduler.requests for r in shot.requests)):
             return Next.SHOT
         if shots.finished:
@@ -109,9 +124,17 @@ class PrefillRunner:
             shots.failure = problem
             return Next.DONE
         shots.shots.append(Shot(requests, timed))
+        if shots.lead:
+            self._cap = PrefillChunkCap(scheduler, shots.lead)
+            self._cap.apply()
         for request in requests:
             scheduler.add_request(request)
         return Next.SHOT
+
+    def _lift_cap(self) -> None:
+        if self._cap is not None:
+            self._cap.restore()
+            self._cap = None
 
     def step(self, output, window: Window | None) -> None:
         """After a step: the current shot's, if it ran in it, is checked and its time kept:
@@ -120,7 +143,16 @@ class PrefillRunner:
         shots = self.shots
         shot = shots.current
         ids = self._shot_ids()
-        if shot is None or shot.done or not any(r.req_id in ids for r in output.scheduled_new_reqs):
+        if shot is None or shot.done:
+            return
+        new = any(r.req_id in ids for r in output.scheduled_new_reqs)
+        if shots.lead and not shot.led:  # a continuation's lead step: checked, untimed
+            if new:
+                shot.led = True
+                shots.failure = verify_step(shots, shot, output, lead_step=True)
+                shot.done = shots.failure is not None
+            return
+        if not (any(i in ids for i in output.scheduled_cached_reqs.req_ids) if shots.lead else new):
             return
         shot.done = True
         problem = self._verify(shot, output)
@@ -141,7 +173,9 @@ class PrefillRunner:
         return verify_step(self.shots, shot, output)
 
     def release(self, scheduler) -> None:
-        """Give back the point's fake prefixes (at its end, or when it starts over)."""
+        """Give back the point's fake prefixes and the engine's chunk size (at its end, or
+        when it starts over)."""
+        self._lift_cap()
         free_seeds(scheduler, self.shots)
 
     def finish(self, scheduler) -> PointRow:

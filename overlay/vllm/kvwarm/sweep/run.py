@@ -305,6 +305,8 @@ class SweepRun:
             prefix_unit=prefix_unit(layouts, kvm.block_pool.hash_block_size),
             attention_only=all(g.kind == ATTENTION for g in layouts),
             state_mode=state_mode,
+            continuations=vllm_config.scheduler_config.enable_chunked_prefill is not False
+            and self.layout.data_parallel_size == 1,
         )
         points, note = [], mixed_note(limits)
         if trace is not None:

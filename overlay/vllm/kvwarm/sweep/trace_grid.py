@@ -13,6 +13,10 @@ table predicts every traced step without extrapolating (record.predict's coverag
            (ends, prefill capture sizes with C + 1, quantiles) and the prefix axis per
            request in whole prefix blocks (shallowest rounded down, deepest up), crossed;
            each axis as the batch axis: ends, boundaries, every value or quantiles.
+           Steps whose every prefill chunk continues its prompt get continuation points of
+           their own, laid the same way over them alone (at least one prefix block each),
+           where the engine can measure them (GridLimits.continuations); elsewhere they
+           join the other prefill steps.
   mixed    a mixed step's decode part joins the decode shapes and its prefill part the
            prefill shapes (the composed prediction reads both), and mixed points are laid
            over the mixed steps: the decode part's batch axis and, per batch, its KV axis
@@ -69,10 +73,11 @@ class Shapes:
     decode: list[tuple[int, int]]  # (B, K) per decode step and per mixed step's decode part
     prefill: list[tuple[int, int, int]]  # (B, N, P) per prefill step and per mixed step's prefill part
     mixed: list[tuple[int, int, int, int, int]]  # (B, K, B, N, P) per mixed step
+    continued: list[tuple[int, int, int]]  # (B, N, P) of those prefill parts whose every chunk continues
 
 
 def shapes(steps: list[Step]) -> Shapes:
-    decode, prefill, mixed = [], [], []
+    decode, prefill, mixed, continued = [], [], [], []
     for s in steps:
         if s.spec_tokens:  # a draft-token step is no table's shape
             continue
@@ -81,10 +86,10 @@ def shapes(steps: list[Step]) -> Shapes:
         if s.decode_requests:
             decode.append(d)
         if s.prefill_requests:
-            prefill.append(p)
+            (continued if 0 < s.continuations == s.prefill_requests else prefill).append(p)
         if s.kind == MIXED:
             mixed.append((*d, *p))
-    return Shapes(decode, prefill, mixed)
+    return Shapes(decode, prefill, mixed, continued)
 
 
 def spread(values: list[int], sizes: tuple[int, ...], lo: int, hi: int, cap: int) -> list[int]:
@@ -132,14 +137,18 @@ def _fits(point: PrefillPoint, limits: GridLimits) -> bool:
     return point.tokens_spanned(limits.prefix_unit) <= limits.max_model_len - CHAIN_DEPTH_MARGIN
 
 
-def prefill_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: dict) -> list[PrefillPoint]:
-    if not found.prefill:
+def prefill_points(
+    found: list[tuple[int, int, int]], graphs: GraphConfig, limits: GridLimits, caps: dict, continuation: bool = False
+) -> list[PrefillPoint]:
+    """Prefill points over the (B, N, P) of `found`; `continuation`: continuation points,
+    each request's prefix at least one block (what a lead step computes)."""
+    if not found:
         return []
     unit = limits.prefix_unit
-    batches = spread([b for b, _, _ in found.prefill], (), 1, graphs.max_num_seqs, caps["prefill_batches"])
+    batches = spread([b for b, _, _ in found], (), 1, graphs.max_num_seqs, caps["prefill_batches"])
     points = []
     for i, batch in enumerate(batches):
-        near = [(n * batch / b, p / b / unit) for b, n, p in found.prefill if _near(batches, i, b)]
+        near = [(n * batch / b, p / b / unit) for b, n, p in found if _near(batches, i, b)]
         if not near:
             continue
         tokens = spread(
@@ -149,15 +158,15 @@ def prefill_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps:
             graphs.max_num_batched_tokens,
             caps["prefill_tokens"],
         )
-        blocks = [u for _, u in near]
+        blocks = [max(u, continuation) for _, u in near]
         shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
         depths = set(spread([round(u) for u in blocks], (), shallow, deep, caps["prefix_depths"])) | {shallow, deep}
         for n in tokens:
-            laid = [PrefillPoint(n, u * unit * batch, batch) for u in sorted(depths)]
+            laid = [PrefillPoint(n, u * unit * batch, batch, continuation) for u in sorted(depths)]
             fitting = [p for p in laid if _fits(p, limits)]
             if len(fitting) < len(laid):  # the deepest prefix that still fits stands in for the rest
                 room = (limits.max_model_len - CHAIN_DEPTH_MARGIN - 1 - math.ceil(n / batch)) // unit
-                deepest = PrefillPoint(n, room * unit * batch, batch)
+                deepest = PrefillPoint(n, room * unit * batch, batch, continuation)
                 if room > 0 and _fits(deepest, limits) and deepest not in fitting:
                     fitting.append(deepest)
             points += fitting
@@ -213,11 +222,12 @@ def trace_grid(trace: Trace, graphs: GraphConfig, limits: GridLimits, asked_caps
     """Every point laid over the trace's shapes (prefill first, as a sweep runs them)."""
     caps = caps_of(asked_caps)
     found = shapes(trace.steps)
-    return (
-        prefill_points(found, graphs, limits, caps)
-        + decode_points(found, graphs, limits, caps)
-        + mixed_points(found, graphs, limits, caps)
-    )
+    if limits.continuations:
+        prefill = prefill_points(found.prefill, graphs, limits, caps)
+        prefill += prefill_points(found.continued, graphs, limits, caps, continuation=True)
+    else:
+        prefill = prefill_points(found.prefill + found.continued, graphs, limits, caps)
+    return prefill + decode_points(found, graphs, limits, caps) + mixed_points(found, graphs, limits, caps)
 
 
 def check_given(trace_dir: str, engine_args) -> Trace:
