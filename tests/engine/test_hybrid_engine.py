@@ -135,7 +135,10 @@ def test_prefill_and_decode_points_on_the_hybrid_run_on_real_prefixes_and_real_k
         tokens = draws.setdefault(i, random.Random(i).choices(range(3, 400), k=2048))
         return tokens[:depth]
 
-    points = [PrefillPoint(48, 2 * unit, 2), PrefillPoint(32, 0, 1), DecodePoint(1800, 2)]
+    # a continuation's lead step computes one state block (the whole step budget here) on a hit
+    # one block short; its chunk then runs on the running request's own state
+    continued = PrefillPoint(24, 2 * unit, 1, continuation=True)
+    points = [PrefillPoint(48, 2 * unit, 2), continued, PrefillPoint(32, 0, 1), DecodePoint(1800, 2)]
     config = SweepConfig(steady_steps=3, max_model_len=2048, state_mode=decision.mode, state_lending=decision.lending)
     sweep = counted_sweep(points, chain_tokens, config)
     scheduler.kvwarm_sweep = sweep
@@ -148,9 +151,11 @@ def test_prefill_and_decode_points_on_the_hybrid_run_on_real_prefixes_and_real_k
         scheduler.kvwarm_sweep = None
     assert [(r.point_type, r.kv_seed_regime) for r in sweep.rows] == [
         ("prefill", "real_prefix"),
+        ("prefill", "real_prefix"),
         ("prefill", "not_applicable"),
         ("decode", "real_kv"),
-    ]
+    ], [r.detail for r in sweep.rows]
+    assert sweep.rows[1].continuation and sweep.rows[1].split["prefix_tokens"] == [2 * unit]
     assert sweep.reset_prefix_cache_ok
 
 

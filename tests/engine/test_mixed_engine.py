@@ -45,6 +45,30 @@ def test_a_mixed_point_is_measured_as_one_step_of_decodes_and_a_prefill_on_real_
     assert (line["point_type"], line["decode_batch_size"], line["decode_kv_read_tokens"]) == ("mixed", "2", "300")
 
 
+def test_continuation_points_run_their_chunks_on_running_requests_on_real_kv(tmp_path, monkeypatch):
+    """A continuation prefill point and a mixed point with a continuation part (schema 3): each
+    shot a lead step, then the timed step of the same requests, running; a step of any other
+    shape would skip the point by name."""
+    points = tmp_path / "points.json"
+    part = {"total_prefill_tokens": 64, "total_kv_read_tokens": 128, "batch_size": 2, "continuation": True}
+    mixed = {"decode": {"total_kv_read_tokens": 300, "batch_size": 2}, "prefill": part}
+    points.write_text(json.dumps({"schema_version": 3, "prefill": [part], "mixed": [mixed]}))
+    artifact = _moe_sweep(tmp_path, monkeypatch, "--points", str(points))
+    assert not artifact["skipped_points"], artifact["skipped_points"]
+    prefill, mixed_row = artifact["results"]
+    assert prefill["point"] == {
+        "point_type": "prefill",
+        "total_kv_read_tokens": 128,
+        "batch_size": 2,
+        "total_prefill_tokens": 64,
+        "continuation": True,
+    }
+    assert prefill["kv_seed_regime"] == "real_prefix" and len(prefill["steady_seconds"]) == 3
+    assert mixed_row["point"]["prefill"]["continuation"] is True and mixed_row["kv_seed_regime"] == "real_kv"
+    lines = list(csv.DictReader((tmp_path / "out" / "sweep.csv").open()))
+    assert [line["continuation"] for line in lines] == ["1", "1"]
+
+
 def test_a_mixed_point_over_the_given_token_budget_is_refused_before_the_engine_starts(tmp_path, monkeypatch, capsys):
     from kvwarm_testing.real_kv import tiny_llama_config
     from vllm.kvwarm.sweep.command import run

@@ -109,6 +109,12 @@ def test_the_limits_refuse_continuations_without_chunked_prefill_or_beside_other
     with pytest.raises(PointsFileError, match=r"N=48 P=64 B=2 \(continuation\): .* --enable-chunked-prefill"):
         check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
     monkeypatch.setattr(scheduler.vllm_config.scheduler_config, "enable_chunked_prefill", True)
+    small = make_scheduler(tmp_path / "small", num_blocks=128, max_num_batched_tokens=64)
+    wide = PrefillPoint(20, 5 * BLOCK_SIZE, 5, continuation=True)  # 5 lead chunks of 16 > 64
+    with pytest.raises(
+        PointsFileError, match="lower batch_size to 4 or start the engine with --max-num-batched-tokens 80"
+    ):
+        check_points([wide], small.vllm_config, small.kv_cache_manager, "points.json")
     monkeypatch.setattr(ranks, "_launch_data_parallel_size", 2)
     with pytest.raises(PointsFileError, match="sweep them with --data-parallel-size 1"):
         check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")

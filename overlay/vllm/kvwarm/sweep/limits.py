@@ -12,8 +12,9 @@ the point, the limit and the fix.
   rung's chains (as deep as the rung's deepest prefix, whatever the file's order).
 - A prefill point with a prefix (P > 0) needs the prefix cache: without it nothing is found.
 - A continuation point (its requests running, their prefix computed by a lead step of their
-  own) needs chunked prefill (else no prompt is continued in a later step) and one
-  data-parallel rank (a shot is two steps; ranks a step apart would time one beside the other's lead).
+  own: one prefix block each, all in one step within max_num_batched_tokens) needs chunked
+  prefill (else no prompt is continued in a later step) and one data-parallel rank (a shot
+  is two steps; ranks a step apart would time one beside the other's lead).
 - A mixed point is one step: its decode requests' tokens and its prefill part's N fit
   max_num_batched_tokens, and its prefill part passes the prefill checks (so that the engine
   runs it unchunked beside the decodes). Mixed points are measured at any data-parallel
@@ -92,7 +93,7 @@ def check_points(
             f"{_name(prefixed[0])}), which only the prefix cache holds; start the engine with "
             "--enable-prefix-caching, or give those points P = 0"
         )
-    _check_continuations(prefill, vllm_config, source)
+    _check_continuations(prefill, vllm_config, unit, source)
     splits = {}  # per point: its requests' prefixes and new tokens
     for point in prefill:
         where = f"{source}: prefill point {_name(point)}"
@@ -165,10 +166,19 @@ def _check_mixed(points: list, vllm_config, layouts, source: str, state_mode: st
         )
 
 
-def _check_continuations(prefill: list, vllm_config, source: str) -> None:
+def _check_continuations(prefill: list, vllm_config, unit: int, source: str) -> None:
     continued = [p for p in prefill if p.continuation]
     if not continued:
         return
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    for point in continued:
+        if point.batch_size * point.lead(unit) > budget:
+            raise PointsFileError(
+                f"{source}: prefill point {_name(point)}: its lead step computes {point.lead(unit)} tokens (one prefix "
+                f"block) for each of its {point.batch_size} requests, beyond max_num_batched_tokens {budget}; lower "
+                f"batch_size to {max(1, budget // point.lead(unit))} or start the engine with "
+                f"--max-num-batched-tokens {point.batch_size * point.lead(unit)} or more"
+            )
     where = f"{source}: prefill point {_name(continued[0])}"
     if getattr(vllm_config.scheduler_config, "enable_chunked_prefill", True) is False:
         raise PointsFileError(
