@@ -160,6 +160,16 @@ def test_steps_that_continue_their_prompts_get_continuation_points_where_the_eng
         (1, 256, 48),
         (1, 256, 144),
     }
+    # a mixed step whose chunk continues gets a continuation mixed point; its lead step must fit
+    # the budget (a prefix block per request), so a batch that could not lead is left out
+    mixed = dataclasses.replace(mixed_step(4, 400, 1, 300, 64), continuations=1)
+    laid = mixed_points(shapes([mixed]).mixed_continued, GRAPHS, able, TRACE_CAPS, continuation=True)
+    assert {(p.prefill.total_prefill_tokens, p.prefill.total_kv_read_tokens, p.prefill.continuation) for p in laid} == {
+        (300, 64, True)
+    }
+    assert [p for p in trace_grid(Trace(Path("t"), {}, {}, [mixed]), GRAPHS, able) if isinstance(p, MixedPoint)] == laid
+    narrow = dataclasses.replace(GRAPHS, max_num_batched_tokens=47)  # 3 requests x 16 > 47
+    assert not prefill_points([(3, 300, 96)], narrow, able, TRACE_CAPS, continuation=True)
     # where the engine cannot (more than one rank, or no chunked prefill) they join the new ones
     plain = trace_grid(trace, GRAPHS, LIMITS)
     assert not any(isinstance(p, PrefillPoint) and p.continuation for p in plain)
@@ -181,7 +191,7 @@ def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
     at its own step's K: 400 and 3000), one prefill request, N 300 and 505, prefixes of 0 and
     10 blocks (160 tokens), crossed. Beside 20 decode requests 505 new tokens would be 525 of
     the 512 the step holds: clamped to 492."""
-    points = mixed_points(shapes(MIXED_STEPS), GRAPHS, LIMITS, TRACE_CAPS)
+    points = mixed_points(shapes(MIXED_STEPS).mixed, GRAPHS, LIMITS, TRACE_CAPS)
     laid = {
         (
             p.decode.batch_size,
@@ -228,7 +238,7 @@ def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_l
     tokens gives way to the deepest whole-block prefix that fits (4096 - 4 - 1 - 200 = 3891 ->
     3888 = 243 blocks)."""
     steps = [*MIXED_STEPS, mixed_step(2, 2 * 4090, 1, 200, 3984)]
-    points = mixed_points(shapes(steps), GRAPHS, LIMITS, {**TRACE_CAPS, "mixed": 3})
+    points = mixed_points(shapes(steps).mixed, GRAPHS, LIMITS, {**TRACE_CAPS, "mixed": 3})
     assert sorted({p.decode.batch_size for p in points}) == [2, 4, 20]
     assert sorted({p.prefill.total_prefill_tokens for p in points}) == [200, 300, 492, 505]
     assert max(p.decode.total_kv_read_tokens for p in points if p.decode.batch_size == 2) == 2 * 4082
@@ -248,7 +258,7 @@ def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_l
 def test_no_mixed_point_is_laid_where_the_engine_cannot_measure_them(gate):
     limits = dataclasses.replace(LIMITS, **gate)
     trace = Trace(Path("t"), {}, {}, MIXED_STEPS)
-    assert mixed_points(shapes(MIXED_STEPS), GRAPHS, limits, TRACE_CAPS) == []
+    assert mixed_points(shapes(MIXED_STEPS).mixed, GRAPHS, limits, TRACE_CAPS) == []
     assert trace_grid(trace, GRAPHS, limits) == [
         p for p in trace_grid(trace, GRAPHS, LIMITS) if not isinstance(p, MixedPoint)
     ]

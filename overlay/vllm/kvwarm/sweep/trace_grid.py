@@ -25,7 +25,9 @@ table predicts every traced step without extrapolating (record.predict's coverag
            a prefill part past the token budget beside its decode part is clamped to it,
            a prefix too deep for max_model_len gives way to the deepest that fits, and the
            rungs are held to the pool as --grid's (sweep.grid.lay_mixed). None where the
-           engine cannot measure mixed points (sweep.grid.mixed_note).
+           engine cannot measure mixed points (sweep.grid.mixed_note). Mixed steps whose
+           every prefill chunk continues its prompt get continuation mixed points of their
+           own where the engine measures continuations, as prefill steps do.
 
 Each axis is capped (TRACE_CAPS; "grid_caps" in the config sets them; "mixed" caps each of
 the mixed points' five axes). The points the engine cannot run as one step are left out by
@@ -74,10 +76,11 @@ class Shapes:
     prefill: list[tuple[int, int, int]]  # (B, N, P) per prefill step and per mixed step's prefill part
     mixed: list[tuple[int, int, int, int, int]]  # (B, K, B, N, P) per mixed step
     continued: list[tuple[int, int, int]]  # (B, N, P) of those prefill parts whose every chunk continues
+    mixed_continued: list[tuple[int, int, int, int, int]]  # the mixed steps among them
 
 
 def shapes(steps: list[Step]) -> Shapes:
-    decode, prefill, mixed, continued = [], [], [], []
+    decode, prefill, mixed, continued, mixed_continued = [], [], [], [], []
     for s in steps:
         if s.spec_tokens:  # a draft-token step is no table's shape
             continue
@@ -85,11 +88,12 @@ def shapes(steps: list[Step]) -> Shapes:
         p = (s.prefill_requests, s.prefill_new_tokens, s.prefill_prefix_tokens)
         if s.decode_requests:
             decode.append(d)
+        continues = 0 < s.continuations == s.prefill_requests
         if s.prefill_requests:
-            (continued if 0 < s.continuations == s.prefill_requests else prefill).append(p)
+            (continued if continues else prefill).append(p)
         if s.kind == MIXED:
-            mixed.append((*d, *p))
-    return Shapes(decode, prefill, mixed, continued)
+            (mixed_continued if continues else mixed).append((*d, *p))
+    return Shapes(decode, prefill, mixed, continued, mixed_continued)
 
 
 def spread(values: list[int], sizes: tuple[int, ...], lo: int, hi: int, cap: int) -> list[int]:
@@ -149,7 +153,7 @@ def prefill_points(
     points = []
     for i, batch in enumerate(batches):
         near = [(n * batch / b, p / b / unit) for b, n, p in found if _near(batches, i, b)]
-        if not near:
+        if not near or (continuation and not _leads_fit(batch, graphs, limits)):
             continue
         tokens = spread(
             [round(n) for n, _ in near],
@@ -173,39 +177,53 @@ def prefill_points(
     return points
 
 
-def mixed_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: dict) -> list[MixedPoint]:
-    """Mixed points over the traced mixed steps: the decode parts' (B, K) axes crossed with the
-    prefill parts' (B, N, P) axes, each spread over what the mixed steps ran within caps["mixed"]
-    values; N past the budget beside the decode part is clamped to it, a prefix too deep for
-    max_model_len gives way to the deepest that fits; none where mixed points cannot run."""
+def _leads_fit(batch: int, graphs: GraphConfig, limits: GridLimits) -> bool:
+    """Whether a continuation shot of `batch` requests has its lead step (a prefix block each) in one step."""
+    return batch * limits.prefix_unit <= graphs.max_num_batched_tokens
+
+
+def mixed_points(
+    found: list[tuple[int, int, int, int, int]],
+    graphs: GraphConfig,
+    limits: GridLimits,
+    caps: dict,
+    continuation: bool = False,
+) -> list[MixedPoint]:
+    """Mixed points over the traced mixed steps `found` ((B, K, B, N, P) each): the decode
+    parts' (B, K) axes crossed with the prefill parts' (B, N, P) axes, each spread over what the
+    mixed steps ran within caps["mixed"] values; N past the budget beside the decode part is
+    clamped to it, a prefix too deep for max_model_len gives way to the deepest that fits;
+    none where mixed points cannot run. `continuation`: continuation parts, each request's
+    prefix at least one block."""
     widest = mixed_batch_limit(graphs, limits)
-    if not found.mixed or mixed_note(limits) is not None or widest < 1:
+    if not found or mixed_note(limits) is not None or widest < 1:
         return []
     cap, unit, budget = caps["mixed"], limits.prefix_unit, graphs.max_num_batched_tokens
     room = limits.max_model_len - CHAIN_DEPTH_MARGIN  # a request's tokens, its sampled one among them
     decode = []
-    batches = spread([m[0] for m in found.mixed], (), 1, widest, cap)
+    batches = spread([m[0] for m in found], (), 1, widest, cap)
     for i, batch in enumerate(batches):
-        contexts = [round(k * batch / b) for b, k, *_ in found.mixed if _near(batches, i, b)]
+        contexts = [round(k * batch / b) for b, k, *_ in found if _near(batches, i, b)]
         deepest = mixed_deepest(batch, graphs, limits)
         if contexts and deepest >= 2 * batch:
             decode += [(batch, k) for k in spread(contexts, (), 2 * batch, deepest, cap)]
     candidates = []
-    batches = spread([m[2] for m in found.mixed], (), 1, graphs.max_num_seqs - 1, cap)
+    batches = spread([m[2] for m in found], (), 1, graphs.max_num_seqs - 1, cap)
     for i, batch in enumerate(batches):
-        near = [(n * batch / b, p / b / unit) for _, _, b, n, p in found.mixed if _near(batches, i, b)]
-        if not near:
+        near = [(n * batch / b, p / b / unit) for _, _, b, n, p in found if _near(batches, i, b)]
+        if not near or (continuation and not _leads_fit(batch, graphs, limits)):
             continue
-        blocks = [u for _, u in near]  # the ends rounded outwards, as prefill's
+        blocks = [max(u, continuation) for _, u in near]  # the ends rounded outwards, as prefill's
         shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
         depths = spread([shallow, deep, *(round(u) for u in blocks)], (), shallow, deep, cap)
         for n in spread([round(n) for n, _ in near], (), batch, budget - 1, cap):
             top = (room - 1 - math.ceil(n / batch)) // unit  # the deepest prefix beside n, in blocks
-            for u in sorted({min(u, top) for u in depths if min(u, top) >= 0}):
+            for u in sorted({min(u, top) for u in depths if min(u, top) >= continuation}):
                 for b, k in decode:
                     fill = min(n, budget - b)
                     if fill >= batch:
-                        candidates.append(MixedPoint(DecodePoint(k, b), PrefillPoint(fill, u * unit * batch, batch)))
+                        part = PrefillPoint(fill, u * unit * batch, batch, continuation)
+                        candidates.append(MixedPoint(DecodePoint(k, b), part))
     return lay_mixed(candidates, graphs, limits)
 
 
@@ -225,9 +243,12 @@ def trace_grid(trace: Trace, graphs: GraphConfig, limits: GridLimits, asked_caps
     if limits.continuations:
         prefill = prefill_points(found.prefill, graphs, limits, caps)
         prefill += prefill_points(found.continued, graphs, limits, caps, continuation=True)
+        mixed = mixed_points(found.mixed, graphs, limits, caps)
+        mixed += mixed_points(found.mixed_continued, graphs, limits, caps, continuation=True)
     else:
         prefill = prefill_points(found.prefill + found.continued, graphs, limits, caps)
-    return prefill + decode_points(found, graphs, limits, caps) + mixed_points(found, graphs, limits, caps)
+        mixed = mixed_points(found.mixed + found.mixed_continued, graphs, limits, caps)
+    return prefill + decode_points(found, graphs, limits, caps) + mixed
 
 
 def check_given(trace_dir: str, engine_args) -> Trace:
