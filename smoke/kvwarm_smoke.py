@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvwarm_testing.engine import engine_env, fp32_conv_refusal
+from kvwarm_testing.engine import engine_env, fp32_conv_refusal, fp32_moe_refusal, hybrid_kernel_refusal
 
 # Points per case: two rungs, deepest first; K/B stays within max_model_len less the steps.
 POINTS = [(1600, 2), (900, 2), (2400, 4), (1200, 4)]
@@ -251,13 +251,15 @@ def sweeps(args) -> int:
     dataset = write_sharegpt(work / "sharegpt.json", conversations=400)
     failures = 0
     cases = _cases(args.cases.split(","), Path(args.model) if args.model else None)
-    refusal, skipped = fp32_conv_refusal() if args.device == "cpu" else None, 0
+    refusals, skipped = {}, 0  # per maker: why this host's CPU engine cannot run it (probed once)
     for n, case in enumerate(cases):
-        if refusal and case["maker"] == "tiny_nemotron_h" and case["dtype"] == "float32":
-            _log(f"case {case['name']}: skipped: {refusal}")
+        model = _model(work, case["maker"], Path(args.model) if args.model else None)
+        if args.device == "cpu" and case["maker"] not in refusals:
+            refusals[case["maker"]] = _cpu_refusal(case, model)
+        if refusals.get(case["maker"]):
+            _log(f"case {case['name']}: skipped: {refusals[case['maker']]}")
             skipped += 1
             continue
-        model = _model(work, case["maker"], Path(args.model) if args.model else None)
         out = work / "sweeps" / case["name"]
         points = work / f"points-{case['name']}.json"
         points.write_text(
@@ -314,6 +316,19 @@ def sweeps(args) -> int:
     if not failures and {"moe", "moe-off"} <= {case["name"] for case in cases}:
         failures += _report_real_against_fake(work)
     return 1 if failures else 0
+
+
+def _cpu_refusal(case: dict, model: Path) -> str | None:
+    """Why this host's CPU engine cannot run the case's model (kvwarm_testing.engine's probes:
+    vLLM's own kernels on some CPUs); None when it can."""
+    fp32 = case["dtype"] == "float32"
+    if case["maker"] == "tiny_nemotron_h" and fp32:
+        return fp32_conv_refusal()
+    if case["maker"] == "tiny_qwen3_moe" and fp32:
+        return fp32_moe_refusal()
+    if case["maker"] == "tiny_qwen3_next" and case["dtype"] == "bfloat16":
+        return hybrid_kernel_refusal(model)
+    return None
 
 
 def _report_real_against_fake(work: Path) -> int:

@@ -33,6 +33,14 @@ EXPORTS_ENV = "KVWARM_EXPORTS"
 SCHEDULED_KEYS = ("num_prefill_requests", "sum_prefill_tokens", "sum_prefill_kv_tokens")
 
 
+def skip_where_not_made(folder: Path) -> None:
+    """The real sweeps skipped on this host (-m export says why in the folder): so do these."""
+    from kvwarm_testing.engine import EXPORTS_SKIPPED
+
+    if (folder / EXPORTS_SKIPPED).is_file():
+        pytest.skip(f"the real sweeps were not made here: {(folder / EXPORTS_SKIPPED).read_text()}")
+
+
 # --- Dynamo's code -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def dynamo():
@@ -651,6 +659,7 @@ def real(request):
     folder = os.environ.get(EXPORTS_ENV)
     if not folder:
         pytest.skip(f"{EXPORTS_ENV} is not set: `nox -s consumers-S` runs the real sweeps (-m export) first")
+    skip_where_not_made(Path(folder))
     work = Path(folder) / request.param
     assert work.is_dir(), f"{work}: the real sweep's exports are missing; see tests/engine/test_export_sweeps.py"
     dp, fixtures = REAL[request.param]
@@ -793,6 +802,7 @@ def test_a_real_served_traces_capture_is_read_by_the_planner(dynamo):
     folder = os.environ.get(EXPORTS_ENV)
     if not folder:
         pytest.skip(f"{EXPORTS_ENV} is not set: `nox -s consumers-S` serves the traced engine (-m export) first")
+    skip_where_not_made(Path(folder))
     served = Path(folder) / "served"
     assert served.is_dir(), f"{served}: the served trace's export is missing; see tests/engine/test_export_sweeps.py"
     fpms = check_capture(dynamo, served / "trace" / "fpm.jsonl")

@@ -4,6 +4,7 @@ environment (one home for it) and an `LLM` with handles on its scheduler and mod
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 # What every CPU engine here needs: one thread, a small KV cache, nothing from the hub.
 CPU_ENGINE_ENV = {
@@ -18,6 +19,8 @@ MULTI_RANK_ENV = {**CPU_ENGINE_ENV, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 BLOCK_SIZE = 32  # the tests' CPU block size
+# In the exports' folder (consumers-S): the real sweeps were not made here, and why.
+EXPORTS_SKIPPED = "SKIPPED"
 
 
 def use_in_process_engine(kv_cache_gib: int = 1) -> None:
@@ -42,6 +45,67 @@ def fp32_conv_refusal() -> str | None:
         ops.causal_conv1d_weight_pack(torch.zeros(64, 4))  # (channels, width): channels a multiple of 32
     except NotImplementedError as err:  # the dtype; any other error is the probe's own and is raised
         return f"this CPU has AVX-512 BF16, and vLLM's causal_conv1d weight prepack refuses fp32 here ({err})"
+    return None
+
+
+def fp32_moe_refusal() -> str | None:
+    """Why this host's CPU engine refuses an fp32 MoE (None when it takes one). On a CPU with
+    AMX tiles some releases' CPU fused MoE takes bf16 layers only and refuses the rest at
+    load (naming an alignment it did not check); probed by asking its own check about a
+    small fp32 layer of aligned sizes."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    try:
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import CPUFusedMOE
+    except ImportError:
+        return None
+    check = getattr(CPUFusedMOE, "check_grouped_gemm", None)
+    if check is None:
+        return None
+    layer = SimpleNamespace(w13_weight=torch.zeros(2, 64, 32), w2_weight=torch.zeros(2, 32, 32), activation=None)
+    try:
+        check(object.__new__(CPUFusedMOE), layer)
+    except RuntimeError as err:  # the refusal; any other error is the probe's own and is raised
+        return f"this CPU has AMX tiles, and vLLM's CPU fused MoE refuses an fp32 layer here ({str(err)[:100]}...)"
+    return None
+
+
+_GDN_PROBE = """
+import sys
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="bfloat16", mamba_ssm_cache_dtype="float32", mamba_cache_mode="align", seed=0,
+          enforce_eager=True, max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4)
+llm.generate([{"prompt_token_ids": list(range(3, 303))}], SamplingParams(max_tokens=1))
+"""
+
+
+def hybrid_kernel_refusal(model) -> str | None:
+    """Why this host's CPU engine cannot run the tiny Qwen3-Next (`model`, a folder) in bf16
+    (None when it can). On a CPU with AMX tiles some releases' gated-delta-rule prefill kernel
+    dies of an illegal instruction once a oneDNN AMX matmul has run before it in the process
+    (the engine's first prefill passes, the next one dies, killing the process); probed by
+    an engine of its own in a child process, a prefill after its warm-up. About 30 s, and
+    only on such a CPU."""
+    import signal
+    import subprocess
+    import sys
+
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    env = {**os.environ, **CPU_ENGINE_ENV, **IN_PROCESS}
+    probe = [sys.executable, "-c", _GDN_PROBE, str(model)]
+    done = subprocess.run(probe, check=False, env=env, capture_output=True, text=True)
+    if done.returncode == -signal.SIGILL:
+        return (
+            "this CPU has AMX tiles, and vLLM's CPU gated-delta-rule kernel dies of an illegal instruction after "
+            "an AMX matmul in the same process (probed: a prefill after the engine's warm-up)"
+        )
+    if done.returncode:
+        raise RuntimeError(f"the hybrid kernel probe failed (exit {done.returncode}): {done.stderr[-2000:]}")
     return None
 
 
