@@ -165,18 +165,29 @@ def test_a_continuation_shot_is_a_lead_step_then_its_running_requests_timed_step
 
 
 @LOOPS
-def test_a_mixed_points_continuation_runs_beside_the_decodes_and_its_lead_runs_alone(tmp_path, cls, batch_queue):
-    point = MixedPoint(DecodePoint(90, 3), PrefillPoint(40, 32, 2, continuation=True))
+@pytest.mark.parametrize("prefill_b", [1, 2])
+def test_a_mixed_points_continuation_runs_beside_the_decodes_and_its_lead_runs_alone(
+    tmp_path, cls, batch_queue, prefill_b
+):
+    """One request: vLLM lifts its long-prefill threshold for a lone eligible request, and the
+    held shadows must not count as eligible, or the lead step would run the whole prompt."""
+    point = MixedPoint(DecodePoint(90, 3), PrefillPoint(40, 32, prefill_b, continuation=True))
     rows, steps = _measure(tmp_path, cls, batch_queue, [point])
     (row,) = rows
     assert row.parts == {
         "decode": {"batch_size": 3, "total_kv_read_tokens": 90},
-        "prefill": {"batch_size": 2, "total_prefill_tokens": 40, "total_kv_read_tokens": 32, "continuation": True},
+        "prefill": {
+            "batch_size": prefill_b,
+            "total_prefill_tokens": 40,
+            "total_kv_read_tokens": 32,
+            "continuation": True,
+        },
     }
     assert "continuation" not in {k for k in row.point if k != "prefill"} and len(row.samples) == STEPS
     shots = [s for s in steps if s[0] or s[3]]
     # the lead step holds the shot alone; its timed step the three shadows one token each beside it
-    assert shots == [(2, 2 * BLOCK_SIZE, 0, 0, 0, 0, 0), (0, 0, 0, 2, 40, 32, 3)] * (1 + STEPS)
+    lead = (prefill_b, prefill_b * BLOCK_SIZE, 32 - prefill_b * BLOCK_SIZE, 0, 0, 0, 0)
+    assert shots == [lead, (0, 0, 0, prefill_b, 40, 32, 3)] * (1 + STEPS)
     assert row.samples == pytest.approx([FORWARD_PER_TOKEN * (3 + 40)] * STEPS)
 
 

@@ -134,8 +134,7 @@ class KvWarmSchedulerMixin:
         if sweep is not None:
             self._drive(self._sweep_step)
         measuring = sweep.measuring() if sweep is not None and not sweep.done else None
-        with lone_prefill_budget(self):  # a no-op unless chains are being built
-            output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
+        output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
         if self.kvwarm_trace is not None:
@@ -154,9 +153,7 @@ class KvWarmSchedulerMixin:
         if allowed is not None and not self._holds_others(allowed):
             allowed = None
         if allowed is None:
-            start = clock() if clock else 0.0
-            output = super().schedule(*args, **kwargs)
-            return output, start, clock() if clock else 0.0
+            return self._stock_schedule(clock, *args, **kwargs)
         held_running = [r for r in self.running if r.request_id not in allowed]
         self.running = [r for r in self.running if r.request_id in allowed]
         held = {}
@@ -167,15 +164,21 @@ class KvWarmSchedulerMixin:
             held[name] = others
             setattr(self, name, mine)
         try:
-            start = clock() if clock else 0.0
-            output = super().schedule(*args, **kwargs)
-            return output, start, clock() if clock else 0.0
+            return self._stock_schedule(clock, *args, **kwargs)
         finally:
             self.running = self.running + held_running
             for name, queue in held.items():  # what is still queued here (a preemption) goes first
                 for request in reversed(list(getattr(self, name))):
                     queue.prepend_request(request)
                 setattr(self, name, queue)
+
+    def _stock_schedule(self, clock, *args, **kwargs):
+        # The lone-request budget counts the requests this call sees (after the filter): a
+        # continuation's lead step beside held shadows is one eligible request to vLLM.
+        with lone_prefill_budget(self):  # a no-op unless a chunk cap is applied
+            start = clock() if clock else 0.0
+            output = super().schedule(*args, **kwargs)
+            return output, start, clock() if clock else 0.0
 
     def _holds_others(self, allowed: set[str]) -> bool:
         """Whether a request other than `allowed` is running or waiting."""
