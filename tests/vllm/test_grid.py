@@ -210,7 +210,7 @@ def test_a_grid_sweep_writes_its_points_file_and_every_row_records_its_graph(tmp
     ]
     assert sorted(measured) == sorted(_row_key(p) for p in grid)
     assert {type(p) for p in grid} == {DecodePoint, PrefillPoint, MixedPoint}
-    assert json.loads((out / "grid.json").read_text())["schema_version"] == 2  # it holds mixed points
+    assert json.loads((out / "grid.json").read_text())["schema_version"] == 3  # mixed points, continuations among them
     assert artifact["kvwarm"]["grid"]["mixed_note"] is None
     assert artifact["kvwarm"]["grid"]["points"] == len(grid) and artifact["kvwarm"]["cudagraph"] == graphs.record()
     for row in artifact["results"]:  # the CPU platform captures nothing: every row eager, and says why

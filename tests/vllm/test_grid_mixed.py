@@ -163,3 +163,15 @@ def test_a_grid_on_a_model_with_recurrent_state_on_fake_kv_lays_no_mixed_point_a
         "state or copy), and this sweep measures on fake KV"
     )
     assert any("generated a grid" in line and line.endswith(f"; no mixed points: {note}") for line in logged)
+
+
+def test_the_grids_mixed_parts_on_a_chunks_prefix_are_continuations_where_the_engine_measures_them():
+    """A served step's chunk on a chunk's prefix is a prompt's later chunk: a continuation."""
+    plain = mixed_grid(GRAPHS, LIMITS)
+    able = mixed_grid(GRAPHS, dataclasses.replace(LIMITS, continuations=True))
+    assert any(p.prefill.total_kv_read_tokens for p in plain)
+    assert not any(p.prefill.continuation for p in plain)
+    assert [(p.decode, p.prefill.total_prefill_tokens, p.prefill.total_kv_read_tokens) for p in able] == [
+        (p.decode, p.prefill.total_prefill_tokens, p.prefill.total_kv_read_tokens) for p in plain
+    ]
+    assert all(p.prefill.continuation == (p.prefill.total_kv_read_tokens > 0) for p in able)

@@ -257,8 +257,10 @@ def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> li
     """Per decode batch B (the decode batch axis thinned to caps["mixed"], without its pairs)
     and K at its ladder's ends, one prefill request of the chunk (max_num_batched_tokens - B)
     and of a quarter of it, on no prefix and on one chunk's (whole blocks, at most half of
-    max_model_len); a value past what max_model_len leaves the request is clamped to that top.
-    None where the engine cannot measure mixed points (mixed_note)."""
+    max_model_len): the later chunk of a chunked prompt, so a continuation where the engine
+    measures continuations (limits.continuations); a value past what max_model_len leaves the
+    request is clamped to that top. None where the engine cannot measure mixed points
+    (mixed_note)."""
     widest = mixed_batch_limit(graphs, limits)
     if mixed_note(limits) is not None or widest < 1:
         return []
@@ -276,7 +278,8 @@ def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> li
             for prefix in sorted({0, depth} if depth >= unit else {0}):
                 for n in sorted({min(n, room - 1 - prefix) for n in (chunk, max(1, chunk // 4))}):
                     if n >= 1:
-                        candidates.append(MixedPoint(DecodePoint(k, batch), PrefillPoint(n, prefix, 1)))
+                        part = PrefillPoint(n, prefix, 1, limits.continuations and prefix > 0)
+                        candidates.append(MixedPoint(DecodePoint(k, batch), part))
     return lay_mixed(candidates, graphs, limits)
 
 
