@@ -375,9 +375,13 @@ def generate(args) -> int:
 
     work = Path(args.work).resolve()
     model = _model(work, "tiny_qwen3_moe", Path(args.model) if args.model else None)
+    # Where this host's CPU engine refuses an fp32 MoE both builds run it in bf16, said here
+    refusal = fp32_moe_refusal() if args.device == "cpu" else None
+    if refusal:
+        _log(f"in bfloat16: {refusal}")
     engine = {
         "model": str(model),
-        "dtype": _dtype(args.device, "float32"),
+        "dtype": "bfloat16" if refusal else _dtype(args.device, "float32"),
         "max_model_len": MAX_MODEL_LEN,
         "seed": 0,
         "enable_prefix_caching": True,
