@@ -16,12 +16,13 @@ def test_a_lane_takes_whole_kinds_longest_first_and_keeps_the_plan_order():
     plan += [("bench-9.9", ["--quick"])]
     first, dealt = lanes.split(plan, 2)
     assert first == plan[:2]
-    # images (14 min) alone; gates (6), bench (5) and units (3) on the other lane
+    # longest first, each to the lighter lane: images (12 min), gates (10), units (8) beside
+    # the gates (18), bench (5) beside the images (17)
     assert [[name for name, _ in lane] for lane in dealt] == [
-        ["image-standin-9.8", "image-standin-9.9"],
-        ["upstream-tests-9.8", "upstream-tests-9.9", "unit-9.8", "unit-9.9", "bench-9.9"],
+        ["image-standin-9.8", "image-standin-9.9", "bench-9.9"],
+        ["upstream-tests-9.8", "upstream-tests-9.9", "unit-9.8", "unit-9.9"],
     ]
-    assert dealt[1][-1] == ("bench-9.9", ["--quick"])
+    assert dealt[0][-1] == ("bench-9.9", ["--quick"])
     one = lanes.split(plan, 1)[1]
     assert one == [plan[2:]]
 

@@ -21,15 +21,16 @@ from .errors import BuildError
 
 _PRINTING = threading.Lock()
 
-# Minutes a session of each kind took per release in the last whole matrix
-# (docs/measurements.md#the-whole-matrix): the weights lanes are balanced by.
+# Minutes a session of each kind took per release in two lanes on two cores
+# (docs/measurements.md#the-matrix-in-two-lanes-on-an-amx-host; smoke and consumers from
+# the matrix before): the weights lanes are balanced by.
 KIND_MINUTES = {
-    "image-standin": 7.0,
-    "upstream-tests": 3.0,
-    "smoke-cpu": 3.0,
-    "consumers": 2.5,
-    "engine": 2.0,
-    "unit": 1.5,
+    "image-standin": 6.0,
+    "upstream-tests": 5.0,
+    "engine": 5.5,
+    "smoke-cpu": 5.0,
+    "unit": 4.0,
+    "consumers": 4.0,
     "bench": 5.0,
 }
 UNKNOWN_KIND_MINUTES = 3.0
