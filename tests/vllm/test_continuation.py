@@ -3,7 +3,8 @@ prefix their own lead step computed. The points file's field and its errors, the
 the shots stepped against a real Scheduler (vLLM's sync loop and its batch queue), the model
 runner's part played by the test: each shot a lead step of its requests alone (u tokens
 each, u the prefix unit) and then its timed step (the same requests, running, N new tokens
-on P computed), alone or beside a mixed point's decodes."""
+on P computed), alone or beside a mixed point's decodes; and validate predicting the steps
+that continue a prompt from continuation rows."""
 
 from __future__ import annotations
 
@@ -11,8 +12,14 @@ import json
 
 import pytest
 from kvwarm_testing.real_kv import BLOCK_SIZE, EngineLoop, ManualClock, in_use, make_scheduler
+from kvwarm_testing.traces import step, write_table, write_trace
 from test_prefill import FORWARD_PER_TOKEN, STEPS, _hashing, _run, _sweep  # noqa: F401 (_hashing: autouse)
+from test_validate import DECODE_ROWS, PREFILL_ROWS, predictor, prefill
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX
+from vllm.kvwarm.record.artifact import PointRow
+from vllm.kvwarm.record.predict import MixedRow, read_mixed_rows
+from vllm.kvwarm.record.runs import from_artifact
+from vllm.kvwarm.record.validate import validate
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep import prefill as prefill_module
 from vllm.kvwarm.sweep.grid import points_file
@@ -204,3 +211,50 @@ def test_a_lead_step_the_engine_did_not_cap_skips_the_point_by_name(tmp_path, mo
     assert row.kv_seed_regime == v.skip_regime(v.PREFILL_TOKENS_MISMATCH)
     assert "the lead step computed [40, 40] token(s), 16 each wanted" in row.detail
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
+
+
+# --- validate: continuing steps from continuation rows ------------------------------------------
+
+
+def continued(row: PointRow) -> PointRow:
+    row.continuation = True
+    return row
+
+
+def test_continuation_steps_are_predicted_from_continuation_rows_where_the_table_has_them(tmp_path):
+    new = [prefill(100, 1000, 1, 7), prefill(300, 1000, 1, 13)]  # whole steps 8 / 14 ms
+    going_on = [continued(prefill(100, 1000, 1, 9)), continued(prefill(300, 1000, 1, 17))]  # 10 / 18 ms
+    # a chunk of a new request (11 ms: halfway on the new rows) and one that continues its
+    # prompt (14 ms: halfway on the continuation rows); a step of one of each is not a continuation
+    steps = [
+        step(0, 11.0, prefill=(1, 200, 1000)),
+        step(1, 14.0, prefill=(1, 200, 1000), continuations=1),
+        step(2, 11.0, prefill=(2, 400, 2000), continuations=1),
+    ]
+    trace = write_trace(tmp_path / "trace", steps)
+    both = validate(str(write_table(tmp_path / "both", DECODE_ROWS + new + going_on)), str(trace.parent))
+    assert both.kinds()["prefill"]["mape"] == pytest.approx(0.0) and both.kinds()["prefill"]["steps"] == 3
+    # without continuation rows the continuing chunk is read off the new rows: 11 against 14
+    plain = validate(str(write_table(tmp_path / "plain", DECODE_ROWS + new)), str(trace.parent))
+    assert plain.kinds()["prefill"]["mape"] == pytest.approx(100 * 3 / 14 / 3)
+    # the rows are apart in the artifact: the plain reader skips them, the mixed ones carry it
+    artifact = json.loads((tmp_path / "both" / "sweep.json").read_text())
+    assert len(from_artifact(artifact, "t", "t").rows) == len(DECODE_ROWS) + 2
+    mixed_part = {"batch_size": 1, "total_prefill_tokens": 300, "total_kv_read_tokens": 0, "continuation": True}
+    row = {
+        "point": {
+            "point_type": "mixed",
+            "decode": {"batch_size": 2, "total_kv_read_tokens": 100},
+            "prefill": mixed_part,
+        },
+        "median_seconds": 0.03,
+    }
+    assert read_mixed_rows({"results": [row]})[0].continuation is True
+
+
+def test_continuation_mixed_rows_predict_only_continuing_mixed_steps():
+    rows = [MixedRow(2, 100, 1, 100, 0, 20.0, {}), MixedRow(2, 100, 1, 100, 0, 26.0, {}, continuation=True)]
+    p = predictor(DECODE_ROWS + PREFILL_ROWS, rows)
+    assert p.mixed_step(2, 100, 1, 100, 0).ms == pytest.approx(20.0)
+    assert p.mixed_step(2, 100, 1, 100, 0, continuation=True).ms == pytest.approx(26.0)
+    assert p.kinds()["mixed"] == "measured"

@@ -135,50 +135,6 @@ def test_measured_mixed_rows_are_read_and_preferred_to_the_composition():
     assert read_mixed_rows(artifact) == [MixedRow(2, 100, 1, 300, 0, 30.0, {"forward": 25.0})]
 
 
-def continued(row: PointRow) -> PointRow:
-    row.continuation = True
-    return row
-
-
-def test_continuation_steps_are_predicted_from_continuation_rows_where_the_table_has_them(tmp_path):
-    new = [prefill(100, 1000, 1, 7), prefill(300, 1000, 1, 13)]  # whole steps 8 / 14 ms
-    going_on = [continued(prefill(100, 1000, 1, 9)), continued(prefill(300, 1000, 1, 17))]  # 10 / 18 ms
-    # a chunk of a new request (11 ms: halfway on the new rows) and one that continues its
-    # prompt (14 ms: halfway on the continuation rows); a step of one of each is not a continuation
-    steps = [
-        step(0, 11.0, prefill=(1, 200, 1000)),
-        step(1, 14.0, prefill=(1, 200, 1000), continuations=1),
-        step(2, 11.0, prefill=(2, 400, 2000), continuations=1),
-    ]
-    trace = write_trace(tmp_path / "trace", steps)
-    both = validate(str(write_table(tmp_path / "both", DECODE_ROWS + new + going_on)), str(trace.parent))
-    assert both.kinds()["prefill"]["mape"] == pytest.approx(0.0) and both.kinds()["prefill"]["steps"] == 3
-    # without continuation rows the continuing chunk is read off the new rows: 11 against 14
-    plain = validate(str(write_table(tmp_path / "plain", DECODE_ROWS + new)), str(trace.parent))
-    assert plain.kinds()["prefill"]["mape"] == pytest.approx(100 * 3 / 14 / 3)
-    # the rows are apart in the artifact: the plain reader skips them, the mixed ones carry it
-    artifact = json.loads((tmp_path / "both" / "sweep.json").read_text())
-    assert len(from_artifact(artifact, "t", "t").rows) == len(DECODE_ROWS) + 2
-    mixed_part = {"batch_size": 1, "total_prefill_tokens": 300, "total_kv_read_tokens": 0, "continuation": True}
-    row = {
-        "point": {
-            "point_type": "mixed",
-            "decode": {"batch_size": 2, "total_kv_read_tokens": 100},
-            "prefill": mixed_part,
-        },
-        "median_seconds": 0.03,
-    }
-    assert read_mixed_rows({"results": [row]})[0].continuation is True
-
-
-def test_continuation_mixed_rows_predict_only_continuing_mixed_steps():
-    rows = [MixedRow(2, 100, 1, 100, 0, 20.0, {}), MixedRow(2, 100, 1, 100, 0, 26.0, {}, continuation=True)]
-    p = predictor(DECODE_ROWS + PREFILL_ROWS, rows)
-    assert p.mixed_step(2, 100, 1, 100, 0).ms == pytest.approx(20.0)
-    assert p.mixed_step(2, 100, 1, 100, 0, continuation=True).ms == pytest.approx(26.0)
-    assert p.kinds()["mixed"] == "measured"
-
-
 def test_the_reader_takes_rotated_files_oldest_first_and_reports_a_torn_last_line(tmp_path):
     trace = tmp_path / "trace"
     write_trace(trace, [step(0, None, (1, 10)), step(1, 5, (1, 11))], rotation=2)
