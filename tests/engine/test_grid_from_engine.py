@@ -56,14 +56,13 @@ def served_trace(folder, model) -> None:
 
 
 def test_a_grid_from_a_trace_gives_a_table_that_covers_every_traced_step(tmp_path, monkeypatch):
-    from kvwarm_testing.engine import fp32_moe_refusal
+    from kvwarm_testing.engine import fp32_moe_refusal, skip_where_refused
     from kvwarm_testing.tiny_models import make_tiny_qwen3_moe, write_sharegpt
     from vllm.kvwarm.record.schema import validate as check_schema
     from vllm.kvwarm.record.validate import validate
     from vllm.kvwarm.sweep.command import run
 
-    if refusal := fp32_moe_refusal():
-        pytest.skip(refusal)
+    skip_where_refused(fp32_moe_refusal())
     model = make_tiny_qwen3_moe(tmp_path / "tiny-qwen3-moe")
     trace, out = tmp_path / "trace", tmp_path / "out"
     served_trace(trace, model)

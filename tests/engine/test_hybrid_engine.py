@@ -25,14 +25,12 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
-    from kvwarm_testing.engine import Engine, hybrid_kernel_refusal
+    from kvwarm_testing.engine import Engine, hybrid_kernel_refusal, skip_where_refused
     from kvwarm_testing.tiny_models import make_tiny_qwen3_next
     from vllm import LLM
 
     model = make_tiny_qwen3_next(tmp_path_factory.mktemp("tiny-qwen3-next"))
-    refusal = hybrid_kernel_refusal(model)
-    if refusal:
-        pytest.skip(refusal)
+    skip_where_refused(hybrid_kernel_refusal(model))
     return Engine(
         LLM(
             model=str(model),

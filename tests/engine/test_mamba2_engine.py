@@ -14,13 +14,11 @@ pytestmark = pytest.mark.mamba2
 
 @pytest.fixture(scope="module")
 def nemotron_h(tmp_path_factory):
-    from kvwarm_testing.engine import Engine, fp32_conv_refusal
+    from kvwarm_testing.engine import Engine, fp32_conv_refusal, skip_where_refused
     from kvwarm_testing.tiny_models import make_tiny_nemotron_h
     from vllm import LLM
 
-    refusal = fp32_conv_refusal()
-    if refusal:
-        pytest.skip(refusal)
+    skip_where_refused(fp32_conv_refusal())
 
     model = make_tiny_nemotron_h(tmp_path_factory.mktemp("tiny-nemotron-h"))
     return Engine(

@@ -28,11 +28,10 @@ REQUESTS = 40  # a few dozen: the benchmark (benchmarks/served_vs_table.py) runs
 
 
 def test_the_trace_holds_every_step_the_server_counts(tmp_path):
-    from kvwarm_testing.engine import fp32_moe_refusal
+    from kvwarm_testing.engine import fp32_moe_refusal, skip_where_refused
     from kvwarm_testing.tiny_models import make_tiny_qwen3_moe
 
-    if refusal := fp32_moe_refusal():
-        pytest.skip(refusal)
+    skip_where_refused(fp32_moe_refusal())
     model = make_tiny_qwen3_moe(tmp_path / "tiny-moe")
     trace = tmp_path / "trace"
     args = engine_args(

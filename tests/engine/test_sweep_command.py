@@ -150,13 +150,12 @@ ENGINE_ARGS = [
 
 
 def _moe_sweep(tmp_path, monkeypatch, *what: str) -> dict:
-    from kvwarm_testing.engine import fp32_moe_refusal
+    from kvwarm_testing.engine import fp32_moe_refusal, skip_where_refused
     from kvwarm_testing.tiny_models import make_tiny_qwen3_moe, write_sharegpt
     from vllm.kvwarm.record.schema import validate
     from vllm.kvwarm.sweep.command import run
 
-    if refusal := fp32_moe_refusal():
-        pytest.skip(refusal)
+    skip_where_refused(fp32_moe_refusal())
     model = make_tiny_qwen3_moe(tmp_path / "tiny-qwen3-moe")
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_DATASET", str(write_sharegpt(tmp_path / "sharegpt.json")))
     monkeypatch.setenv("DYN_BENCH_GIANT_KV_REPEATS", "3")

@@ -48,6 +48,15 @@ def fp32_conv_refusal() -> str | None:
     return None
 
 
+def skip_where_refused(refusal: str | None) -> None:
+    """pytest.skip, naming why, where one of the probes here refused (they return None where
+    the engine runs the model)."""
+    if refusal:
+        import pytest
+
+        pytest.skip(refusal)
+
+
 def fp32_moe_refusal() -> str | None:
     """Why this host's CPU engine refuses an fp32 MoE (None when it takes one). On a CPU with
     AMX tiles some releases' CPU fused MoE takes bf16 layers only and refuses the rest at

@@ -63,6 +63,11 @@ class Step:
         return PREFILL if self.prefill_requests else DECODE
 
     @property
+    def continues(self) -> bool:
+        """Whether every prefill chunk of the step continues its prompt (a continuation)."""
+        return 0 < self.continuations == self.prefill_requests
+
+    @property
     def depth(self) -> int:
         """The KV already in the cache that the step reads: decode contexts and prefill prefixes."""
         return self.decode_kv_tokens + self.prefill_prefix_tokens

@@ -70,16 +70,17 @@ def served_ms(step: Step, basis: str) -> float | None:
 def predict(predictor: Predictor, step: Step):
     if step.kind == v.DECODE:
         return predictor.decode_step(step.decode_requests, step.decode_kv_tokens)
-    prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens, continued(step))
+    prefill = prefill_part(step)
     if step.kind == v.PREFILL:
         return predictor.prefill_step(*prefill)
     return predictor.mixed_step(step.decode_requests, step.decode_kv_tokens, *prefill)
 
 
-def continued(step: Step) -> bool:
-    """Whether every prefill chunk of the step continues its prompt (then continuation rows
-    predict it, where the table has them)."""
-    return 0 < step.continuations == step.prefill_requests
+def prefill_part(step: Step) -> tuple[int, int, int, bool]:
+    """The step's prefill part as the predictor takes it: its requests, new and prefix tokens,
+    and whether they all continue their prompts (then continuation rows predict it, where the
+    table has them)."""
+    return step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens, step.continues
 
 
 NOT_COVERED = {
@@ -209,8 +210,7 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
         pause = since[(step.rank, step.number)]
         result.scored.append(Scored(step, served, predict(predictor, step), since_pause=pause))
         if step.kind == MIXED and kinds[rank][MIXED] == MEASURED:
-            prefill = (step.prefill_requests, step.prefill_new_tokens, step.prefill_prefix_tokens, continued(step))
-            composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill)
+            composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill_part(step))
             result.composed.append(Scored(step, served, composed))
     mark_noise(result.scored)
     return result

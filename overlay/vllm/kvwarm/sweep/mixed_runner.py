@@ -77,9 +77,11 @@ class MixedRunner(PrefillRunner):
         alone and the shot's forward is its own step's. A continuation's lead step runs the
         shot alone (the shadows advance a token a shot, as for new requests)."""
         shot = self.shots.current
+        if self._lead_in_flight():
+            return set()
         if shot is not None and not shot.done:
             if self.shots.lead and not shot.led:
-                return set() if shot.lead_scheduled() else self._shot_ids()
+                return self._shot_ids()  # the lead step, not scheduled yet
             if all(r.num_computed_tokens >= r.num_prompt_tokens for r in shot.requests):
                 return self._shot_ids()  # scheduled (its prompt counted computed), not yet taken in
         return self._shadow_ids() | self._shot_ids()

@@ -84,6 +84,10 @@ class PrefillPoint:
         prefix unit; else none, the shot is one step)."""
         return unit if self.continuation else 0
 
+    def hits(self, unit: int) -> list[int]:
+        """The prefix each request's lookup finds: its prefix, less what its lead step computes."""
+        return [p - self.lead(unit) for p in self.prefixes(unit)]
+
     def _prefix_blocks(self, unit: int) -> int:
         blocks, rest = divmod(self.total_kv_read_tokens, unit)
         if rest or blocks < self.batch_size:

@@ -157,14 +157,13 @@ def check_shot(scheduler, shots: PrefillShots, requests: list) -> tuple[str, str
 
 
 def prefixes_missing(scheduler, point: PrefillPoint, chains: list) -> bool:
-    """Whether a real-prefix point finds any of its prefixes (chain i's first kv_i tokens)
-    no longer cached: then its rung's chains are built again before it starts."""
+    """Whether a real-prefix point finds any of its hits (chain i's first kv_i tokens, less a
+    continuation's lead) no longer cached: then its rung's chains are built again before it
+    starts."""
     kvm = scheduler.kv_cache_manager
     hasher = prefix_hasher(scheduler)
     unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
-    lead = point.lead(unit)
-    for i, (chain, p) in enumerate(zip(chains, point.prefixes(unit))):
-        p -= lead  # what a shot's lookup finds
+    for i, (chain, p) in enumerate(zip(chains, point.hits(unit))):
         if not p:
             continue
         # a token past the prefix, as a shot's tail: the lookup may find the whole prefix, no more

@@ -65,8 +65,7 @@ class PrefillRunner:
         point = plan.point
         kvm = scheduler.kv_cache_manager
         unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
-        prefixes, lead = point.prefixes(unit), point.lead(unit)
-        hits = [p - lead for p in prefixes]  # a continuation's lead step computes the rest
+        prefixes, hits, lead = point.prefixes(unit), point.hits(unit), point.lead(unit)
         if not point.total_kv_read_tokens:
             regime, prompts, salts = v.NOT_APPLICABLE, [[] for _ in prefixes], [None] * len(prefixes)
         elif plan.real:

@@ -88,11 +88,10 @@ def shapes(steps: list[Step]) -> Shapes:
         p = (s.prefill_requests, s.prefill_new_tokens, s.prefill_prefix_tokens)
         if s.decode_requests:
             decode.append(d)
-        continues = 0 < s.continuations == s.prefill_requests
         if s.prefill_requests:
-            (continued if continues else prefill).append(p)
+            (continued if s.continues else prefill).append(p)
         if s.kind == MIXED:
-            (mixed_continued if continues else mixed).append((*d, *p))
+            (mixed_continued if s.continues else mixed).append((*d, *p))
     return Shapes(decode, prefill, mixed, continued, mixed_continued)
 
 
