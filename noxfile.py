@@ -428,12 +428,22 @@ def matrix(session: nox.Session) -> None:
     built on a stand-in base: what a maintainer runs before a release (docs/sessions.md).
     Its sessions run in two lanes at once (`-- --lanes N`), each session its own nox."""
     lanes_count = _asked(session, lanes.lanes_arguments, session.posargs)
+    # Each session's venvs in a folder of their own, removed once it is green: about 1 GB
+    # each (a vLLM install), 60 of them would not fit beside the cache. A failure's stay.
+    envdirs = Path(__file__).parent / ".nox" / "matrix"
+    # nox's cache dir lies under --envdir: every session must share this one's.
+    os.environ.update(_env(session))
 
     def command(name: str, posargs: list[str] | None) -> list[str]:
-        return [sys.executable, "-m", "nox", "-f", __file__, "-s", name, *(["--", *posargs] if posargs else [])]
+        nox = [sys.executable, "-m", "nox", "-f", __file__, "--envdir", str(envdirs / name), "-s", name]
+        return [*nox, *(["--", *posargs] if posargs else [])]
+
+    def finished(name: str, code: int) -> None:
+        if code == 0:
+            shutil.rmtree(envdirs / name, ignore_errors=True)
 
     started = time.monotonic()
-    failed = lanes.run_plan(sessions.matrix_plan(RELEASES), lanes_count, command)
+    failed = lanes.run_plan(sessions.matrix_plan(RELEASES), lanes_count, command, finished)
     session.log(f"matrix: {time.monotonic() - started:.0f} s in {lanes_count} lane(s)")
     if failed:
         session.error(f"{len(failed)} session(s) failed: {', '.join(failed)}; each one's lines are led by its name")

@@ -138,3 +138,26 @@ def test_the_standin_command_takes_a_flavour():
     args = parser().parse_args(["image-standin", "--release", NEWEST.short, "--flavour", "cpu"])
     assert (args.flavour, args.func.__name__) == ("cpu", "cmd_image_standin")
     assert parser().parse_args(["image-standin", "--release", NEWEST.short]).flavour == "cuda"
+
+
+def test_a_new_standin_base_replaces_the_other_releases_bases(tmp_path):
+    """Every release's base kept would fill the disk over a matrix: the store keeps one."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    calls, script = folder / "calls", folder / "buildah"
+    listed = [
+        "localhost/kvwarm-standin:8.8.0",
+        "localhost/kvwarm-standin-cpu:8.8.0",
+        "localhost/kvwarm-standin-built:8.8.0",
+        "localhost/kvwarm-standin:9.9.0",
+        "docker.io/other:1",
+    ]
+    script.write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\n[ "$1" = images ] && printf "%s\\n" {" ".join(listed)}\nexit 0\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    said = []
+    image_standin.drop_other_standins(Builder("buildah", (str(script),)), "localhost/kvwarm-standin:9.9.0", said.append)
+    removed = [line.split()[1] for line in calls.read_text().splitlines() if line.startswith("rmi")]
+    assert removed == ["localhost/kvwarm-standin:8.8.0", "localhost/kvwarm-standin-cpu:8.8.0"]
+    assert len(said) == 2 and all("one base is kept" in line for line in said)

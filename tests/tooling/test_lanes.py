@@ -64,3 +64,14 @@ def test_a_failed_first_session_stops_the_lanes(capsys):
     failed = lanes.run_plan(plan, 2, lambda name, posargs: [sys.executable, "-c", "raise SystemExit(3)"])
     assert failed == ["builds"]
     assert "the lanes did not start" in capsys.readouterr().out
+
+
+def test_run_plan_tells_each_sessions_end_with_its_status():
+    plan = [("lint-patches", None), ("unit-9.9", None), ("engine-9.9", None)]
+    ends = []
+
+    def command(name, posargs):
+        return [sys.executable, "-c", f"raise SystemExit({3 if name == 'engine-9.9' else 0})"]
+
+    lanes.run_plan(plan, 2, command, lambda name, code: ends.append((name, code)))
+    assert sorted(ends) == [("engine-9.9", 3), ("lint-patches", 0), ("unit-9.9", 0)]

