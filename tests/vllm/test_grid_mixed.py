@@ -24,7 +24,7 @@ def test_the_grid_lays_mixed_points_filling_the_chunk_budget_at_a_few_decode_bat
     4096 - 4 - 9 - 1 = 4082 tokens; B = 127 is held by the pool instead: 0.8 x 400000 less the
     tails (2 x 127 x 16), the chunk (1921) and a block (16) is 313999 tokens, 2472 per chain,
     less the steps and the admission token: 2462 per request. The chunk is 2048 - B (2047,
-    2039, 1921) and a quarter of it (511, 509, 480); the prefix, one chunk in whole 16-token
+    2039, 1921) and a quarter step's, 512 - B (511, 503, 385); the prefix, one chunk in whole 16-token
     blocks (2032, 2032, 1920), leaves every N its whole value (4092 - 1 - 2032 = 2059)."""
     points = mixed_grid(GRAPHS, LIMITS)
     laid = {
@@ -39,8 +39,8 @@ def test_the_grid_lays_mixed_points_filling_the_chunk_budget_at_a_few_decode_bat
     expected = set()
     for b, deepest, chunk, quarter, depth in (
         (1, 4082, 2047, 511, 2032),
-        (9, 9 * 4082, 2039, 509, 2032),
-        (127, 127 * 2462, 1921, 480, 1920),
+        (9, 9 * 4082, 2039, 503, 2032),
+        (127, 127 * 2462, 1921, 385, 1920),
     ):
         expected |= {(b, k, n, p) for k in (2 * b, deepest) for n in (chunk, quarter) for p in (0, depth)}
     assert laid == expected and len(points) == 24

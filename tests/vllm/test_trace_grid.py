@@ -188,9 +188,9 @@ MIXED_STEPS = [mixed_step(4, 4 * 100, 1, 505, 0), mixed_step(20, 20 * 150, 1, 30
 def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
     """Written from the rule (docs/sweep.md, the grid from a trace), not by the grid's code:
     with the default cap of 2 each axis holds the traced ends: decode batches 4 and 20 (each
-    at its own step's K: 400 and 3000), one prefill request, N 300 and 505, prefixes of 0 and
-    10 blocks (160 tokens), crossed. Beside 20 decode requests 505 new tokens would be 525 of
-    the 512 the step holds: clamped to 492."""
+    at its own step's K: 400 and 3000), one prefill request, the steps' tokens T = N + decode
+    batch 320 and 509, prefixes of 0 and 10 blocks (160 tokens), crossed: each point's N is
+    its T less its decode batch (316 and 505 beside 4 decodes, 300 and 489 beside 20)."""
     points = mixed_points(shapes(MIXED_STEPS).mixed, GRAPHS, LIMITS, TRACE_CAPS)
     laid = {
         (
@@ -203,14 +203,14 @@ def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
         for p in points
     }
     assert laid == {
-        (4, 400, 1, 300, 0),
-        (4, 400, 1, 300, 160),
+        (4, 400, 1, 316, 0),
+        (4, 400, 1, 316, 160),
         (4, 400, 1, 505, 0),
         (4, 400, 1, 505, 160),
         (20, 3000, 1, 300, 0),
         (20, 3000, 1, 300, 160),
-        (20, 3000, 1, 492, 0),
-        (20, 3000, 1, 492, 160),
+        (20, 3000, 1, 489, 0),
+        (20, 3000, 1, 489, 160),
     }
     assert len(points) == len(laid)  # each once
     for s in MIXED_STEPS:  # every traced mixed step is a laid point
@@ -232,7 +232,8 @@ def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
 
 
 def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_limits():
-    """Three steps and a cap of 3: every traced value on each axis; a decode part as deep as
+    """Three steps and a cap of 3: every traced value on each axis (T: 202, 320, 509, each
+    less each decode batch); a decode part as deep as
     max_model_len allows over a mixed point's 9 decode steps (a traced context of 4090 tokens
     per request comes down to 4096 - 4 - 9 - 1 = 4082), and a prefix too deep beside its new
     tokens gives way to the deepest whole-block prefix that fits (4096 - 4 - 1 - 200 = 3891 ->
@@ -240,7 +241,7 @@ def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_l
     steps = [*MIXED_STEPS, mixed_step(2, 2 * 4090, 1, 200, 3984)]
     points = mixed_points(shapes(steps).mixed, GRAPHS, LIMITS, {**TRACE_CAPS, "mixed": 3})
     assert sorted({p.decode.batch_size for p in points}) == [2, 4, 20]
-    assert sorted({p.prefill.total_prefill_tokens for p in points}) == [200, 300, 492, 505]
+    assert sorted({p.prefill.total_prefill_tokens for p in points}) == [182, 198, 200, 300, 316, 318, 489, 505, 507]
     assert max(p.decode.total_kv_read_tokens for p in points if p.decode.batch_size == 2) == 2 * 4082
     assert sorted({p.prefill.total_kv_read_tokens for p in points if p.prefill.total_prefill_tokens == 200}) == [
         0,

@@ -135,6 +135,21 @@ def test_measured_mixed_rows_are_read_and_preferred_to_the_composition():
     assert read_mixed_rows(artifact) == [MixedRow(2, 100, 1, 300, 0, 30.0, {"forward": 25.0})]
 
 
+def test_mixed_rows_on_the_token_budget_enclose_the_steps_between_their_decode_batches():
+    """Chunked prefill fills the budget (512 here): a step of d decodes holds a chunk of
+    512 - d. Rows at d = 1 and 7 on that line, at two contexts each, enclose a step of 4
+    decodes and a 508-token chunk: the surface's node is the step's 512 tokens, not the N
+    that differs for each decode batch."""
+    rows = [MixedRow(b, k, 1, 512 - b, 0, ms, {}) for b, k, ms in ((1, 100, 10.0), (1, 900, 12.0))]
+    rows += [MixedRow(b, k, 1, 512 - b, 0, ms, {}) for b, k, ms in ((7, 700, 16.0), (7, 6300, 22.0))]
+    p = predictor(DECODE_ROWS + PREFILL_ROWS, rows)
+    # K per request 100 on both curves: B = 1 at K 100: 10, B = 7 at K 700: 16; B = 4 halfway: 13
+    mixed = p.mixed_step(4, 400, 1, 508, 0)
+    assert (mixed.ms, mixed.inside, mixed.how) == (pytest.approx(13.0), True, "measured")
+    # A last chunk short of the budget lies below the rows' tokens: extrapolated, not inside.
+    assert not p.mixed_step(4, 400, 1, 300, 0).inside
+
+
 def test_the_reader_takes_rotated_files_oldest_first_and_reports_a_torn_last_line(tmp_path):
     trace = tmp_path / "trace"
     write_trace(trace, [step(0, None, (1, 10)), step(1, 5, (1, 11))], rotation=2)

@@ -7,7 +7,8 @@
            two measured P of one B linear in P; between batch sizes linear in B at equal new
            and prefix tokens per request
   mixed    from measured mixed rows where the table has them (the prefill part located as a
-           prefill step is, each of its nodes a decode surface over the decode part), else
+           prefill step is, but along the step's scheduled tokens T = N + decode batch in
+           place of N, each node a decode surface over the decode part), else
            composed as planners compose it: the prefill part's prediction plus the decode
            part's marginal over the decode curve's baseline (its least-work measured row)
 
@@ -143,11 +144,14 @@ class PrefillSurface:
     def __bool__(self) -> bool:
         return bool(self.nodes)
 
-    def at(self, b: int, n: float, p: float, *leaf_args) -> Estimate | None:
+    def at(self, b: int, n: float, p: float, *leaf_args, offset: int = 0) -> Estimate | None:
+        """`offset`: tokens the nodes' N axis counts beside the prefill part's (a mixed
+        surface's: its decode batch), which scaling between batch sizes leaves as they are."""
+
         def curve(batch: int, prefix: int) -> Callable[[], Estimate | None]:
             scale = batch / b
             nodes = [(nn, lambda leaf=leaf: leaf(*leaf_args)) for nn, leaf in self.nodes[batch][prefix]]
-            return lambda: along(nodes, n * scale)
+            return lambda: along(nodes, n * scale + offset)
 
         def at_batch(batch: int) -> Callable[[], Estimate | None]:
             return lambda: along([(pp, curve(batch, pp)) for pp in self.nodes[batch]], p * batch / b)
@@ -253,7 +257,7 @@ class Predictor:
     ):
         surface = self.mixed_continued if continuation and self.mixed_continued else self.mixed
         if surface:
-            est = surface.at(prefill_b, prefill_n, prefill_p, decode_b, decode_k)
+            est = surface.at(prefill_b, prefill_n, prefill_p, decode_b, decode_k, offset=decode_b)
             return None if est is None else Prediction(est.ms, est.inside, MEASURED)
         return self.composed_step(decode_b, decode_k, prefill_b, prefill_n, prefill_p, continuation)
 
@@ -276,11 +280,16 @@ def _prefill_surface(valued: list[tuple[Row, float | None]]) -> PrefillSurface:
 
 
 def _mixed_surface(mixed: list[MixedRow], basis: str) -> PrefillSurface:
-    """Mixed rows located by their prefill part, each node a decode surface over the decode part."""
+    """Mixed rows located by their prefill part's batch and prefix and the step's scheduled
+    tokens (T = N + decode batch), each node a decode surface over the decode part. Keyed by
+    T, not N: chunked prefill fills a step's budget, so the mixed steps a server runs, and the
+    rows the grids lay for them, share T = max_num_batched_tokens across decode batches, where
+    each decode batch has an N of its own (N-keyed, no node would hold two decode batches)."""
     by_prefill: dict[tuple[int, int, int], list[tuple[tuple, float]]] = {}
     for m in mixed:
         ms = m.median_ms if basis == STEP else m.phases_ms.get("forward")
         if ms is not None:
-            by_prefill.setdefault((m.prefill_b, m.prefill_p, m.prefill_n), []).append(((m.decode_b, m.decode_k), ms))
+            key = (m.prefill_b, m.prefill_p, m.prefill_n + m.decode_b)
+            by_prefill.setdefault(key, []).append(((m.decode_b, m.decode_k), ms))
     surfaces = {key: DecodeSurface(_median_by(items)) for key, items in by_prefill.items()}
     return PrefillSurface({key: surface.at for key, surface in surfaces.items()})

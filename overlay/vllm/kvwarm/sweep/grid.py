@@ -18,7 +18,8 @@ laid around the engine's CUDA-graph capture sizes (sweep.graphs), where step tim
            deepest its requests reach over the steps they run, their chains beside a
            chunk's shot, and in exact state their catch-ups, in the pool: mixed_deepest),
            a prefill part of one request of the
-           chunk budget (max_num_batched_tokens - B new tokens) and of a quarter of it, on
+           chunk budget (max_num_batched_tokens - B new tokens) and of a quarter step
+           (max_num_batched_tokens / 4 - B: both at one step size whatever B), on
            no prefix and on one chunk's (whole prefix blocks, at most half of what
            max_model_len leaves; new tokens past what it leaves clamped to that top). Every
            mixed point is one step within the budget, max_num_seqs and max_model_len, and
@@ -256,11 +257,11 @@ def lay_mixed(candidates: list[MixedPoint], graphs: GraphConfig, limits: GridLim
 def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> list[MixedPoint]:
     """Per decode batch B (the decode batch axis thinned to caps["mixed"], without its pairs)
     and K at its ladder's ends, one prefill request of the chunk (max_num_batched_tokens - B)
-    and of a quarter of it, on no prefix and on one chunk's (whole blocks, at most half of
-    max_model_len): the later chunk of a chunked prompt, so a continuation where the engine
-    measures continuations (limits.continuations); a value past what max_model_len leaves the
-    request is clamped to that top. None where the engine cannot measure mixed points
-    (mixed_note)."""
+    and of a quarter step (max_num_batched_tokens / 4 - B, where that is a token or more),
+    on no prefix and on one chunk's (whole blocks, at most half of max_model_len): the later
+    chunk of a chunked prompt, so a continuation where the engine measures continuations
+    (limits.continuations); a value past what max_model_len leaves the request is clamped to
+    that top. None where the engine cannot measure mixed points (mixed_note)."""
     widest = mixed_batch_limit(graphs, limits)
     if mixed_note(limits) is not None or widest < 1:
         return []
@@ -276,7 +277,9 @@ def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> li
             continue
         for k in _ladder(batch, deepest, 2):
             for prefix in sorted({0, depth} if depth >= unit else {0}):
-                for n in sorted({min(n, room - 1 - prefix) for n in (chunk, max(1, chunk // 4))}):
+                # the chunk and a quarter step: every decode batch at the same step tokens
+                # T = N + B, the axis validate reads mixed rows along (record.predict)
+                for n in sorted({min(n, room - 1 - prefix) for n in (chunk, budget // 4 - batch)}):
                     if n >= 1:
                         part = PrefillPoint(n, prefix, 1, limits.continuations and prefix > 0)
                         candidates.append(MixedPoint(DecodePoint(k, batch), part))

@@ -21,8 +21,9 @@ table predicts every traced step without extrapolating (record.predict's coverag
            prefill shapes (the composed prediction reads both), and mixed points are laid
            over the mixed steps: the decode part's batch axis and, per batch, its KV axis
            as decode's (without capture sizes: a mixed step's graph goes by its tokens),
-           crossed with the prefill part's batch, new-token and prefix axes as prefill's;
-           a prefill part past the token budget beside its decode part is clamped to it,
+           crossed with the prefill part's batch and prefix axes as prefill's and the
+           step's tokens (T = N + the decode batch: the axis validate reads mixed rows
+           along, since chunked prefill fills the budget whatever the decode batch),
            a prefix too deep for max_model_len gives way to the deepest that fits, and the
            rungs are held to the pool as --grid's (sweep.grid.lay_mixed). None where the
            engine cannot measure mixed points (sweep.grid.mixed_note). Mixed steps whose
@@ -189,11 +190,12 @@ def mixed_points(
     continuation: bool = False,
 ) -> list[MixedPoint]:
     """Mixed points over the traced mixed steps `found` ((B, K, B, N, P) each): the decode
-    parts' (B, K) axes crossed with the prefill parts' (B, N, P) axes, each spread over what the
-    mixed steps ran within caps["mixed"] values; N past the budget beside the decode part is
-    clamped to it, a prefix too deep for max_model_len gives way to the deepest that fits;
-    none where mixed points cannot run. `continuation`: continuation parts, each request's
-    prefix at least one block."""
+    parts' (B, K) axes crossed with the prefill parts' batch and prefix axes and the steps'
+    tokens T = N + decode batch (a point's N is T less its decode batch: steps that fill the
+    budget share T = max_num_batched_tokens), each spread over what the mixed steps ran within
+    caps["mixed"] values; a prefix too deep for max_model_len gives way to the deepest that
+    fits; none where mixed points cannot run. `continuation`: continuation parts, each
+    request's prefix at least one block."""
     widest = mixed_batch_limit(graphs, limits)
     if not found or mixed_note(limits) is not None or widest < 1:
         return []
@@ -209,19 +211,21 @@ def mixed_points(
     candidates = []
     batches = spread([m[2] for m in found], (), 1, graphs.max_num_seqs - 1, cap)
     for i, batch in enumerate(batches):
-        near = [(n * batch / b, p / b / unit) for _, _, b, n, p in found if _near(batches, i, b)]
+        # The step's tokens T (its chunk scaled to `batch` at equal tokens per request, plus
+        # its decodes): the axis the predictor reads mixed rows along (record.predict).
+        near = [(n * batch / b + d, p / b / unit) for d, _, b, n, p in found if _near(batches, i, b)]
         if not near or (continuation and not _leads_fit(batch, graphs, limits)):
             continue
         blocks = [max(u, continuation) for _, u in near]  # the ends rounded outwards, as prefill's
         shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
         depths = spread([shallow, deep, *(round(u) for u in blocks)], (), shallow, deep, cap)
-        for n in spread([round(n) for n, _ in near], (), batch, budget - 1, cap):
-            top = (room - 1 - math.ceil(n / batch)) // unit  # the deepest prefix beside n, in blocks
-            for u in sorted({min(u, top) for u in depths if min(u, top) >= continuation}):
+        for t in spread([round(t) for t, _ in near], (), batch + 1, budget, cap):
+            for u in depths:
                 for b, k in decode:
-                    fill = min(n, budget - b)
-                    if fill >= batch:
-                        part = PrefillPoint(fill, u * unit * batch, batch, continuation)
+                    fill = t - b  # the chunk beside b decodes in a step of t tokens
+                    top = (room - 1 - math.ceil(fill / batch)) // unit  # the deepest prefix beside it, in blocks
+                    if fill >= batch and min(u, top) >= continuation:
+                        part = PrefillPoint(fill, min(u, top) * unit * batch, batch, continuation)
                         candidates.append(MixedPoint(DecodePoint(k, b), part))
     return lay_mixed(candidates, graphs, limits)
 
