@@ -255,6 +255,24 @@ def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_l
         assert p.prefill.total_kv_read_tokens + p.prefill.total_prefill_tokens + 1 <= 4096 - 4
 
 
+def test_decode_parts_beside_a_wider_prefill_part_give_way_to_what_max_num_seqs_leaves():
+    """max_num_seqs 8: beside three prefill requests at most 5 decodes fit, so the traced
+    decode batches 1 and 7 are laid as 1 and 5 there (7's context per request kept: 700 ->
+    500), and a step of 3 decodes beside 2 chunks is enclosed by the table over the grid."""
+    graphs = dataclasses.replace(GRAPHS, max_num_seqs=8)
+    steps = [mixed_step(1, 100, 1, 505, 0), mixed_step(7, 700, 1, 505, 0), mixed_step(1, 100, 3, 300, 96)]
+    steps.append(mixed_step(3, 300, 2, 509, 32))
+    points = mixed_points(shapes(steps).mixed, graphs, LIMITS, TRACE_CAPS)
+    beside = {
+        pb: {(p.decode.batch_size, p.decode.total_kv_read_tokens) for p in points if p.prefill.batch_size == pb}
+        for pb in (1, 3)
+    }
+    assert beside == {1: {(1, 100), (7, 700)}, 3: {(1, 100), (5, 500)}}
+    assert all(p.decode.batch_size + p.prefill.batch_size <= 8 for p in points)
+    got = table_over(points).mixed_step(3, 300, 2, 509, 32)
+    assert got.inside and got.how == "measured"
+
+
 @pytest.mark.parametrize("gate", [{"attention_only": False}, {"attention_only": False, "state_mode": "inplace"}])
 def test_no_mixed_point_is_laid_where_the_engine_cannot_measure_them(gate):
     limits = dataclasses.replace(LIMITS, **gate)

@@ -150,6 +150,19 @@ def test_mixed_rows_on_the_token_budget_enclose_the_steps_between_their_decode_b
     assert not p.mixed_step(4, 400, 1, 300, 0).inside
 
 
+def test_a_mixed_step_between_prefill_batch_sizes_is_read_at_its_own_step_tokens():
+    """Two chunks sharing the budget (512) beside 2 decodes: rows at one and three prefill
+    requests on that budget enclose it. At equal tokens per request (as prefill rows are
+    read) it would sit at 765 tokens on the three-request rows, past the budget."""
+    rows = [MixedRow(2, 200, pb, 510, pb * 160, ms, {}) for pb, ms in ((1, 10.0), (3, 14.0))]
+    rows += [MixedRow(4, 400, pb, 508, pb * 160, ms, {}) for pb, ms in ((1, 12.0), (3, 18.0))]
+    rows += [MixedRow(2, 200, pb, 254, pb * 160, ms, {}) for pb, ms in ((1, 6.0), (3, 8.0))]
+    rows += [MixedRow(4, 400, pb, 252, pb * 160, ms, {}) for pb, ms in ((1, 7.0), (3, 9.0))]
+    p = predictor(DECODE_ROWS + PREFILL_ROWS, rows)
+    mixed = p.mixed_step(2, 200, 2, 510, 320)  # halfway between 10 and 14
+    assert (mixed.ms, mixed.inside, mixed.how) == (pytest.approx(12.0), True, "measured")
+
+
 def test_the_reader_takes_rotated_files_oldest_first_and_reports_a_torn_last_line(tmp_path):
     trace = tmp_path / "trace"
     write_trace(trace, [step(0, None, (1, 10)), step(1, 5, (1, 11))], rotation=2)

@@ -8,7 +8,8 @@
            and prefix tokens per request
   mixed    from measured mixed rows where the table has them (the prefill part located as a
            prefill step is, but along the step's scheduled tokens T = N + decode batch in
-           place of N, each node a decode surface over the decode part), else
+           place of N, and between prefill batch sizes at equal T: each node a decode
+           surface over the decode part), else
            composed as planners compose it: the prefill part's prediction plus the decode
            part's marginal over the decode curve's baseline (its least-work measured row)
 
@@ -144,14 +145,14 @@ class PrefillSurface:
     def __bool__(self) -> bool:
         return bool(self.nodes)
 
-    def at(self, b: int, n: float, p: float, *leaf_args, offset: int = 0) -> Estimate | None:
-        """`offset`: tokens the nodes' N axis counts beside the prefill part's (a mixed
-        surface's: its decode batch), which scaling between batch sizes leaves as they are."""
+    def at(self, b: int, n: float, p: float, *leaf_args, per_request: bool = True) -> Estimate | None:
+        """`per_request`: between batch sizes at equal new tokens per request (prefill rows);
+        else at equal tokens `n` (a mixed surface's step tokens: one budget, shared)."""
 
         def curve(batch: int, prefix: int) -> Callable[[], Estimate | None]:
-            scale = batch / b
+            scale = batch / b if per_request else 1.0
             nodes = [(nn, lambda leaf=leaf: leaf(*leaf_args)) for nn, leaf in self.nodes[batch][prefix]]
-            return lambda: along(nodes, n * scale + offset)
+            return lambda: along(nodes, n * scale)
 
         def at_batch(batch: int) -> Callable[[], Estimate | None]:
             return lambda: along([(pp, curve(batch, pp)) for pp in self.nodes[batch]], p * batch / b)
@@ -257,7 +258,7 @@ class Predictor:
     ):
         surface = self.mixed_continued if continuation and self.mixed_continued else self.mixed
         if surface:
-            est = surface.at(prefill_b, prefill_n, prefill_p, decode_b, decode_k, offset=decode_b)
+            est = surface.at(prefill_b, prefill_n + decode_b, prefill_p, decode_b, decode_k, per_request=False)
             return None if est is None else Prediction(est.ms, est.inside, MEASURED)
         return self.composed_step(decode_b, decode_k, prefill_b, prefill_n, prefill_p, continuation)
 
@@ -284,7 +285,9 @@ def _mixed_surface(mixed: list[MixedRow], basis: str) -> PrefillSurface:
     tokens (T = N + decode batch), each node a decode surface over the decode part. Keyed by
     T, not N: chunked prefill fills a step's budget, so the mixed steps a server runs, and the
     rows the grids lay for them, share T = max_num_batched_tokens across decode batches, where
-    each decode batch has an N of its own (N-keyed, no node would hold two decode batches)."""
+    each decode batch has an N of its own (N-keyed, no node would hold two decode batches);
+    for the same reason a step between two prefill batch sizes is read at its own T on each,
+    not at equal tokens per request (which would pass the budget)."""
     by_prefill: dict[tuple[int, int, int], list[tuple[tuple, float]]] = {}
     for m in mixed:
         ms = m.median_ms if basis == STEP else m.phases_ms.get("forward")

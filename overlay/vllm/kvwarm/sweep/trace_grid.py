@@ -23,7 +23,9 @@ table predicts every traced step without extrapolating (record.predict's coverag
            as decode's (without capture sizes: a mixed step's graph goes by its tokens),
            crossed with the prefill part's batch and prefix axes as prefill's and the
            step's tokens (T = N + the decode batch: the axis validate reads mixed rows
-           along, since chunked prefill fills the budget whatever the decode batch),
+           along, since chunked prefill fills the budget whatever the decode batch; a
+           decode batch past what max_num_seqs leaves beside a prefill batch gives way to
+           the widest that fits),
            a prefix too deep for max_model_len gives way to the deepest that fits, and the
            rungs are held to the pool as --grid's (sweep.grid.lay_mixed). None where the
            engine cannot measure mixed points (sweep.grid.mixed_note). Mixed steps whose
@@ -211,9 +213,9 @@ def mixed_points(
     candidates = []
     batches = spread([m[2] for m in found], (), 1, graphs.max_num_seqs - 1, cap)
     for i, batch in enumerate(batches):
-        # The step's tokens T (its chunk scaled to `batch` at equal tokens per request, plus
-        # its decodes): the axis the predictor reads mixed rows along (record.predict).
-        near = [(n * batch / b + d, p / b / unit) for d, _, b, n, p in found if _near(batches, i, b)]
+        # The step's tokens T (its chunk and its decodes), equal across prefill batch sizes:
+        # the axis the predictor reads mixed rows along (record.predict).
+        near = [(n + d, p / b / unit) for d, _, b, n, p in found if _near(batches, i, b)]
         if not near or (continuation and not _leads_fit(batch, graphs, limits)):
             continue
         blocks = [max(u, continuation) for _, u in near]  # the ends rounded outwards, as prefill's
@@ -221,13 +223,22 @@ def mixed_points(
         depths = spread([shallow, deep, *(round(u) for u in blocks)], (), shallow, deep, cap)
         for t in spread([round(t) for t, _ in near], (), batch + 1, budget, cap):
             for u in depths:
-                for b, k in decode:
+                for b, k in _decode_beside(decode, batch, graphs.max_num_seqs):
                     fill = t - b  # the chunk beside b decodes in a step of t tokens
                     top = (room - 1 - math.ceil(fill / batch)) // unit  # the deepest prefix beside it, in blocks
                     if fill >= batch and min(u, top) >= continuation:
                         part = PrefillPoint(fill, min(u, top) * unit * batch, batch, continuation)
                         candidates.append(MixedPoint(DecodePoint(k, b), part))
     return lay_mixed(candidates, graphs, limits)
+
+
+def _decode_beside(decode: list[tuple[int, int]], batch: int, max_num_seqs: int) -> list[tuple[int, int]]:
+    """The decode parts beside a prefill part of `batch` requests: a batch past what
+    max_num_seqs leaves gives way to the widest that fits, at equal context per request, so
+    that every prefill batch's rows still span the decode batches its steps can hold."""
+    widest = max_num_seqs - batch
+    fitted = [(min(b, widest), round(k * min(b, widest) / b)) for b, k in decode if widest >= 1]
+    return list(dict.fromkeys(fitted))
 
 
 def caps_of(asked) -> dict:
