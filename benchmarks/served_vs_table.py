@@ -5,7 +5,9 @@ longer than --max-num-batched-tokens so chunked prefill mixes steps); then a tab
 `--grid-from` the trace on the same engine arguments, with the warm-up on (real KV) and off
 (fake KV), and `validate` holds each against the trace: per step kind and KV band, coverage,
 MAPE, P95, bias and the trace's repeat noise, on the whole step and on the forward alone,
-and the phases of matched decode steps side by side (where a gap comes from).
+and the phases of matched decode steps side by side (where a gap comes from), and how long the
+engine core and the worker waited for a CPU on each side (_served/runqueue.py: contention of
+this host, which a table swept alone does not have).
 
 Runs inside a release's engine venv (`nox -s bench-S -- served_vs_table`). The worker runs
 on a core of its own, as on a real host (benchmarks/_served/serving.py says how; the output
@@ -42,6 +44,7 @@ from pathlib import Path
 from _engine import release_label  # importing it sets the engine's environment
 from _served.floor import floor_ms, spread
 from _served.phases import compare, print_comparison
+from _served.runqueue import ENGINE_CORE, in_words
 from _served.serving import Load, serve
 from _served.tables import QUICK_CAPS, SETTLE_STEPS, TIMED_STEPS, TOPOLOGIES, sweep_table, validate
 from kvwarm_testing import tiny_models
@@ -108,7 +111,7 @@ def run(work: Path, topology: str) -> dict:
             f"({'the same' if served.sending == served.counted else 'DIFFERENT'}); load "
             + "; ".join(f"{r['completed']} done, TPOT {r['median_tpot_ms']:.2f} ms" for r in served.loads)
             + f"; the adapter's own share of a step {'-' if share is None else f'{share:.2%}'}; "
-            f"load average {served.load_average[0]:.1f}",
+            f"load average {served.load_average[0]:.1f}\n  under the loads: {in_words(served.runqueue)}",
             flush=True,
         )
         if served.sending != served.counted:
@@ -119,13 +122,13 @@ def run(work: Path, topology: str) -> dict:
         name = f"warmup-{'on' if warmup else 'off'}"
         caps = QUICK_CAPS if QUICK else None
         floors[f"table-{name}"] = floor_ms()
-        table, artifact = sweep_table(
+        table, artifact, waits = sweep_table(
             trace, model, load.budget, dataset, work / "tables" / name, warmup, topology, True, caps
         )
         floors[f"table-{name}-after"] = floor_ms()
         print(
             f"\n== table {name}: {len(artifact['results'])} rows, swept {topology}, {SETTLE_STEPS} settle steps "
-            f"and {TIMED_STEPS} timed steps a point",
+            f"and {TIMED_STEPS} timed steps a point; while it swept: {in_words(waits)}",
             flush=True,
         )
         for served in runs.values():
@@ -155,12 +158,17 @@ def run_pairs(work: Path, topology: str, pairs: int) -> list[dict]:
         served = serve(model, dataset, folder / "pinned", load, True)
         floors["table"] = floor_ms()
         caps = QUICK_CAPS if QUICK else None
-        table, artifact = sweep_table(
+        table, artifact, waits = sweep_table(
             served.trace, model, load.budget, dataset, folder / "table", True, topology, True, caps
         )
         floors["after"] = floor_ms()
+        print(f"\n== pair {number}: served: {in_words(served.runqueue)}; swept: {in_words(waits)}", flush=True)
         held = hold("warmup-on", table, artifact, served.trace, folder)
         out.append({"pair": number, **figures(held), "mixed_steps": served.mixed, "floor_spread_pct": spread(floors)})
+        out[-1]["engine_core_waiting_pct"] = {
+            "served": served.runqueue.get(ENGINE_CORE, {}).get("waiting_pct"),
+            "swept": waits.get(ENGINE_CORE, {}).get("waiting_pct"),
+        }
         print(f"\n== pair {number}: {json.dumps(out[-1])}", flush=True)
     return out
 

@@ -27,6 +27,7 @@ from kvwarm_testing.served import (
 
 from .pinning import cores, pin_session, pinning_env
 from .pinning import placement as where
+from .runqueue import RunQueue
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Served:
     counted: float = 0.0  # the server's vllm:iteration_tokens_total count
     sending: int = 0  # traced steps that sent a request output (what that count counts)
     mixed: int = 0
+    runqueue: dict = field(default_factory=dict)  # the engine's waits for a CPU under the loads (runqueue.py)
     load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
@@ -83,9 +85,11 @@ def serve(model: Path, dataset: Path, out: Path, load: Load, pinned: bool) -> Se
             random_dataset(2 * load.budget, load.output_len, 0.5),
             sharegpt_dataset(dataset, load.output_len),
         ]
-        for i, data in enumerate(datasets):
-            argv = load_args(server.url, str(model), data, load.requests, load.rate, seed=i)
-            served.loads.append(run_load(argv, out / f"load{i}.log", cpus=on))
+        with RunQueue(server.pid) as waits:
+            for i, data in enumerate(datasets):
+                argv = load_args(server.url, str(model), data, load.requests, load.rate, seed=i)
+                served.loads.append(run_load(argv, out / f"load{i}.log", cpus=on))
+        served.runqueue = waits.figures()
 
         def counts():
             return len(trace_lines(trace)[1]), metric(server.url, "vllm:iteration_tokens_total_count")

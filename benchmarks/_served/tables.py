@@ -30,6 +30,7 @@ from vllm.kvwarm.record.validate_output import text, write
 
 from .pinning import cores, pin_session, pinning_env
 from .pinning import placement as where
+from .runqueue import RunQueue
 from .serving import engine_args
 
 TOPOLOGIES = ("in-process", "served")
@@ -54,7 +55,8 @@ QUICK_CAPS = {
 def sweep_table(
     trace: Path, model: Path, budget: int, dataset: Path, out: Path, warmup: bool, topology: str, pinned: bool, caps
 ) -> tuple[Path, dict]:
-    """A --grid-from table; returns its folder and its artifact (status complete)."""
+    """A --grid-from table; returns its folder, its artifact (status complete) and the
+    engine's waits for a CPU while it swept (runqueue.py)."""
     env = {**os.environ, **CPU_ENGINE_ENV, **pinning_env(pinned)}
     env.update(
         DYN_BENCH_KV_WARMUP="on" if warmup else "off",
@@ -79,11 +81,12 @@ def sweep_table(
         )
         if on:
             os.sched_setaffinity(process.pid, rest)
-        returncode = watch(process, on, topology != "served", SWEEP_TIMEOUT)
+        with RunQueue(process.pid, engine_core=process.pid if topology != "served" else None) as waits:
+            returncode = watch(process, on, topology != "served", SWEEP_TIMEOUT)
     artifact = json.loads((out / "sweep.json").read_text()) if (out / "sweep.json").exists() else {}
     if returncode != 0 or artifact.get("status") != "complete":
         raise SystemExit(f"the sweep for {out.name} did not complete ({returncode}); see {log}")
-    return out, artifact
+    return out, artifact, waits.figures()
 
 
 def watch(process: subprocess.Popen, pin: bool, in_process: bool, timeout: float) -> int:
