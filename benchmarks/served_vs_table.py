@@ -116,7 +116,7 @@ def run(work: Path, topology: str) -> dict:
         )
         if served.sending != served.counted:
             raise SystemExit("the trace's steps do not add up to the server's count of engine steps")
-    result = {"runs": runs, "holds": {}, "floors": floors}
+    result = {"runs": runs, "holds": {}, "floors": floors, "waits": {}}
     trace = runs["pinned"].trace
     for warmup in (True,) if QUICK else (True, False):
         name = f"warmup-{'on' if warmup else 'off'}"
@@ -126,6 +126,7 @@ def run(work: Path, topology: str) -> dict:
             trace, model, load.budget, dataset, work / "tables" / name, warmup, topology, True, caps
         )
         floors[f"table-{name}-after"] = floor_ms()
+        result["waits"][name] = waits
         print(
             f"\n== table {name}: {len(artifact['results'])} rows, swept {topology}, {SETTLE_STEPS} settle steps "
             f"and {TIMED_STEPS} timed steps a point; while it swept: {in_words(waits)}",
@@ -258,6 +259,10 @@ def main() -> None:
         "host_floor_ms": {k: round(v, 4) for k, v in result["floors"].items()},
         "host_floor_spread_pct": spread(result["floors"]),
         "host_comparable": comparable(result["floors"]),
+        "engine_core_waiting_pct": {
+            **{f"served_{k}": r.runqueue.get(ENGINE_CORE, {}).get("waiting_pct") for k, r in result["runs"].items()},
+            **{f"table_{k}": w.get(ENGINE_CORE, {}).get("waiting_pct") for k, w in result["waits"].items()},
+        },
     }
     for (name, trace), held in result["holds"].items():
         line[f"{name}_{trace}".replace("-", "_")] = figures(held)
