@@ -187,6 +187,8 @@ def figures(held: dict) -> dict:
         "mixed_mape": s.get("mixed_mape"),
         "mixed_predictor": s.get("mixed_predictor"),
         "mixed_composed_mape": s.get("mixed_composed_mape"),
+        "mixed_after_pause_share": s.get("mixed_after_pause_share"),
+        "mixed_steady_mape": s.get("mixed_steady_mape"),
         "noise": s.get("noise"),
         "coverage": s.get("coverage"),
         "steps": s.get("steps"),

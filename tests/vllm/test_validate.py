@@ -450,6 +450,8 @@ def test_mixed_steps_from_measured_rows_are_also_composed_for_comparison(tmp_pat
     assert summary["mixed_predictor"] == "measured" and summary["mixed_mape"] == pytest.approx(0.0)
     assert summary["mixed_composed_mape"] == pytest.approx(100 * 0.5 / 11)
     assert summary["mixed_composed_bias"] == pytest.approx(100 * 0.5 / 11)
+    # the mixed step is the 7th after the rank's first (a pause): split as decode steps are
+    assert summary["mixed_after_pause_share"] == 100.0 and summary["mixed_steady_mape"] is None
     assert "mixed, composed as planners do" in text(result) and "MAPE 4.55%" in text(result)
     # without mixed rows there is nothing to compare: the composition is the prediction
     plain = validate(str(write_table(tmp_path / "plain", DECODE_ROWS + PREFILL_ROWS)), str(tmp_path / "trace"))

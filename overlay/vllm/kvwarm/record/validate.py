@@ -129,9 +129,10 @@ class Validation:
             f = figures(self.of_kind(kind))
             line.update({f"{kind}_{name}": f[name] for name in ("mape", "p95", "bias", "coverage", "noise", "steps")})
         line["noise"] = line["decode_noise"]
-        pauses = pause_split(self.of_kind(v.DECODE))
-        line["decode_after_pause_share"] = pauses["share"]
-        line.update({f"decode_steady_{name}": pauses["others"][name] for name in ("mape", "bias")})
+        for kind in (v.DECODE, MIXED):  # served mixed steps follow pauses most (a new request ends one)
+            pauses = pause_split(self.of_kind(kind))
+            line[f"{kind}_after_pause_share"] = pauses["share"]
+            line.update({f"{kind}_steady_{name}": pauses["others"][name] for name in ("mape", "bias")})
         line["mixed_predictor"] = self.how.get(MIXED) if self.of_kind(MIXED) else None
         composed = figures(self.composed) if self.composed else {}
         line.update({f"mixed_composed_{name}": composed.get(name) for name in ("mape", "bias", "coverage")})
