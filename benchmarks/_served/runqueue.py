@@ -17,7 +17,7 @@ from kvwarm_testing.multi_rank import session_processes
 from .pinning import ENGINE_CORE_TITLE, WORKER_TITLE
 
 ENGINE_CORE, WORKER = "engine_core", "worker"
-POLL_SECONDS = 0.25  # threads that come and go between polls are missed, not miscounted
+POLL_SECONDS = 0.2  # threads that come and go between polls are missed, not miscounted
 
 
 class RunQueue:
