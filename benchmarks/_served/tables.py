@@ -54,7 +54,7 @@ QUICK_CAPS = {
 
 def sweep_table(
     trace: Path, model: Path, budget: int, dataset: Path, out: Path, warmup: bool, topology: str, pinned: bool, caps
-) -> tuple[Path, dict]:
+) -> tuple[Path, dict, dict]:
     """A --grid-from table; returns its folder, its artifact (status complete) and the
     engine's waits for a CPU while it swept (runqueue.py)."""
     env = {**os.environ, **CPU_ENGINE_ENV, **pinning_env(pinned)}
