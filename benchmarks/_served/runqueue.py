@@ -29,6 +29,7 @@ class RunQueue:
         self.sid, self.engine_core = sid, engine_core
         self.first: dict[tuple, tuple[int, int]] = {}
         self.last: dict[tuple, tuple[int, int]] = {}
+        self.roles: dict[int, str] = {}  # pid -> role, once found
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, daemon=True)
 
@@ -37,11 +38,16 @@ class RunQueue:
             return WORKER
         return ENGINE_CORE if pid == self.engine_core or ENGINE_CORE_TITLE in cmdline else None
 
+    def _processes(self) -> dict[int, str]:
+        """The engine's processes by role: /proc is scanned (every process, a few ms) only
+        until both roles are found, so that the poll does not load the cores it measures."""
+        if set(self.roles.values()) != {ENGINE_CORE, WORKER}:
+            found = ((pid, self._role(pid, cmdline)) for pid, cmdline in session_processes(self.sid).items())
+            self.roles = {pid: role for pid, role in found if role is not None}
+        return self.roles
+
     def sample(self) -> None:
-        for pid, cmdline in session_processes(self.sid).items():
-            role = self._role(pid, cmdline)
-            if role is None:
-                continue
+        for pid, role in self._processes().items():
             try:
                 tasks = list(Path(f"/proc/{pid}/task").iterdir())
             except OSError:  # gone meanwhile

@@ -61,9 +61,11 @@ class Builder:
         """`args` after the tool and its global options; a failure names `<builder> <subcommand>`."""
         return run_command([*self.command, *args], log=log, capture=capture, name=f"{self.name} {args[0]}")
 
-    def remove_image(self, image: str) -> None:
-        """Best effort (cleanup): an image that is not there is no error."""
-        subprocess.run([*self.command, "rmi", "-f", image], capture_output=True, check=False)
+    def remove_image(self, image: str, force: bool = True) -> bool:
+        """Best effort (cleanup): an image that is not there is no error. Not `force`d, an
+        image a container still uses stays. Whether it was removed."""
+        argv = [*self.command, "rmi", *(["-f"] if force else []), image]
+        return subprocess.run(argv, capture_output=True, check=False).returncode == 0
 
     def remove_container(self, container: str) -> None:
         """Best effort (cleanup): a container that is not there is no error."""

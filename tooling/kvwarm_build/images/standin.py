@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -136,10 +135,9 @@ def drop_other_standins(builder: Builder, keeping: str, log=print) -> None:
     listed = builder.run("images", "--format", "{{.Name}}:{{.Tag}}", log=lambda *_: None, capture=True)
     for image in listed.split():
         if image.rpartition(":")[0] in STANDIN_BASES and image != keeping:
-            removed = subprocess.run([*builder.command, "rmi", image], capture_output=True, check=False)
             log(
                 f"removed the stand-in base {image} (one base is kept)"
-                if removed.returncode == 0
+                if builder.remove_image(image, force=False)
                 else f"kept the stand-in base {image}: a container still uses it"
             )
 

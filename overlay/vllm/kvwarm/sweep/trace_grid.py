@@ -221,9 +221,10 @@ def mixed_points(
         blocks = [max(u, continuation) for _, u in near]  # the ends rounded outwards, as prefill's
         shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
         depths = spread([shallow, deep, *(round(u) for u in blocks)], (), shallow, deep, cap)
+        beside = _decode_beside(decode, batch, graphs.max_num_seqs)
         for t in spread([round(t) for t, _ in near], (), batch + 1, budget, cap):
             for u in depths:
-                for b, k in _decode_beside(decode, batch, graphs.max_num_seqs):
+                for b, k in beside:
                     fill = t - b  # the chunk beside b decodes in a step of t tokens
                     top = (room - 1 - math.ceil(fill / batch)) // unit  # the deepest prefix beside it, in blocks
                     if fill >= batch and min(u, top) >= continuation:
