@@ -44,7 +44,7 @@ from pathlib import Path
 from _engine import release_label  # importing it sets the engine's environment
 from _served.floor import floor_ms, spread
 from _served.phases import compare, print_comparison
-from _served.runqueue import ENGINE_CORE, in_words
+from _served.runqueue import ENGINE_CORE, WORKER, in_words
 from _served.serving import Load, serve
 from _served.tables import QUICK_CAPS, SETTLE_STEPS, TIMED_STEPS, TOPOLOGIES, sweep_table, validate
 from kvwarm_testing import tiny_models
@@ -170,6 +170,11 @@ def run_pairs(work: Path, topology: str, pairs: int) -> list[dict]:
             "served": served.runqueue.get(ENGINE_CORE, {}).get("waiting_pct"),
             "swept": waits.get(ENGINE_CORE, {}).get("waiting_pct"),
         }
+        out[-1]["main_wait_per_wake_us"] = {
+            f"{side}_{role}": seen.get(role, {}).get("main_wait_per_wake_us")
+            for side, seen in (("served", served.runqueue), ("swept", waits))
+            for role in (ENGINE_CORE, WORKER)
+        }
         print(f"\n== pair {number}: {json.dumps(out[-1])}", flush=True)
     return out
 
@@ -264,6 +269,18 @@ def main() -> None:
         "engine_core_waiting_pct": {
             **{f"served_{k}": r.runqueue.get(ENGINE_CORE, {}).get("waiting_pct") for k, r in result["runs"].items()},
             **{f"table_{k}": w.get(ENGINE_CORE, {}).get("waiting_pct") for k, w in result["waits"].items()},
+        },
+        "main_wait_per_wake_us": {
+            **{
+                f"served_{k}_{role}": r.runqueue.get(role, {}).get("main_wait_per_wake_us")
+                for k, r in result["runs"].items()
+                for role in (ENGINE_CORE, WORKER)
+            },
+            **{
+                f"table_{k}_{role}": w.get(role, {}).get("main_wait_per_wake_us")
+                for k, w in result["waits"].items()
+                for role in (ENGINE_CORE, WORKER)
+            },
         },
     }
     for (name, trace), held in result["holds"].items():
