@@ -245,27 +245,6 @@ def test_the_figures_per_kind_and_band_match_those_worked_out_by_hand(tmp_path):
     assert summary["noise"] == summary["decode_noise"]
 
 
-def test_steps_after_a_pause_of_the_engine_are_reported_apart_from_the_others(tmp_path):
-    # the rank's first step (no window: the engine had not been stepping) and a step after
-    # 18 ms idle (wall 30, span 12) are pauses; AFTER_PAUSE_STEPS (10) steps from each count
-    steps = [step(0, None, (2, 200))]
-    steps += [step(n, 15.0 if n < 10 else 12.0, (2, 200), span_ms=11.9) for n in range(1, 12)]
-    steps += [step(12, 30.0, (2, 200), span_ms=12.0), step(13, 12.0, (2, 200), span_ms=11.9)]
-    write_trace(tmp_path / "trace", steps)
-    table = write_table(tmp_path / "table", DECODE_ROWS)
-    result = validate(str(table), str(tmp_path / "trace"))
-    pauses = result.kinds()["decode"]["pauses"]
-    # predicted 12 ms each: steps 1-9 at 15 ms (-20 %), step 12 at 30 (-60 %), step 13 at 12;
-    # steps 10 and 11, ten and eleven steps after the first pause, at 12
-    assert pauses["share"] == pytest.approx(100 * 11 / 13)
-    assert pauses["after_pause"]["mape"] == pytest.approx((9 * 20 + 60) / 11)
-    assert pauses["after_pause"]["bias"] == pytest.approx(-(9 * 20 + 60) / 11)
-    assert (pauses["others"]["steps"], pauses["others"]["mape"]) == (2, pytest.approx(0.0))
-    summary = result.summary()
-    assert summary["decode_after_pause_share"] == pauses["share"] and summary["decode_steady_mape"] == 0.0
-    assert "11 step(s) (84.62%) within 10 steps of a pause of the engine" in text(result)
-
-
 def test_band_edges_are_powers_of_four_from_1k():
     assert [band(d) for d in (0, 1023, 1024, 4096, 65535, 1 << 20, 10 << 20)] == [
         "0-1k",

@@ -68,6 +68,11 @@ class Step:
         return 0 < self.continuations == self.prefill_requests
 
     @property
+    def tokens(self) -> int:
+        """The tokens the step runs through the model: one per decode, its chunks' new tokens."""
+        return self.decode_requests + self.prefill_new_tokens + self.spec_tokens
+
+    @property
     def depth(self) -> int:
         """The KV already in the cache that the step reads: decode contexts and prefill prefixes."""
         return self.decode_kv_tokens + self.prefill_prefix_tokens

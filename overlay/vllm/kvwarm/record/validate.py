@@ -20,7 +20,16 @@ from .predict import MEASURED, MIXED, STEP, Predictor, read_continuation_rows, r
 from .runs import ReportError, locate, read_rows
 from .trace_reader import KINDS, Step, Trace, TraceError, read_trace
 from .validate_match import Match, Provenance, loop_refusal, match, refusal
-from .validate_metrics import Scored, by_band, figures, mark_noise, pause_split, steps_since_pause
+from .validate_metrics import (
+    Scored,
+    by_band,
+    figures,
+    mark_noise,
+    pause_split,
+    size_runs,
+    size_split,
+    steps_since_pause,
+)
 
 SPECULATIVE, UNTIMED = "speculative", "untimed"  # why a step is left out
 
@@ -119,6 +128,7 @@ class Validation:
                     "not_covered": None if self.how.get(kind) else NOT_COVERED[kind],
                     "bands": by_band(scored),
                     "pauses": pause_split(scored),
+                    "sizes": size_split(scored),
                 }
         return out
 
@@ -133,6 +143,10 @@ class Validation:
             pauses = pause_split(self.of_kind(kind))
             line[f"{kind}_after_pause_share"] = pauses["share"]
             line.update({f"{kind}_steady_{name}": pauses["others"][name] for name in ("mape", "bias")})
+        for kind in (v.PREFILL, MIXED):  # their sizes spread over the token budget: many run once
+            sizes = size_split(self.of_kind(kind))
+            line[f"{kind}_first_size_share"] = sizes["share"]
+            line.update({f"{kind}_seen_size_{name}": sizes["seen_size"][name] for name in ("mape", "bias")})
         line["mixed_predictor"] = self.how.get(MIXED) if self.of_kind(MIXED) else None
         composed = figures(self.composed) if self.composed else {}
         line.update({f"mixed_composed_{name}": composed.get(name) for name in ("mape", "bias", "coverage")})
@@ -199,7 +213,7 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
     kinds = [p.kinds() for p in by_rank]
     for kind in KINDS:
         result.how[kind] = next((k[kind] for k in kinds if k[kind]), None)
-    since = steps_since_pause(trace.steps)
+    since, runs = steps_since_pause(trace.steps), size_runs(trace.steps)
     for step in trace.steps:
         served = served_ms(step, basis)
         reason = SPECULATIVE if step.spec_tokens else UNTIMED if served is None else None
@@ -208,8 +222,9 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
             continue
         rank = min(step.rank, len(by_rank) - 1)
         predictor = by_rank[rank]
-        pause = since[(step.rank, step.number)]
-        result.scored.append(Scored(step, served, predict(predictor, step), since_pause=pause))
+        at = (step.rank, step.number)
+        prediction = predict(predictor, step)
+        result.scored.append(Scored(step, served, prediction, since_pause=since[at], size_runs=runs[at]))
         if step.kind == MIXED and kinds[rank][MIXED] == MEASURED:
             composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill_part(step))
             result.composed.append(Scored(step, served, composed))

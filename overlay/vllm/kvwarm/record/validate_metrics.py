@@ -16,6 +16,11 @@ coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repe
             step without a window, as the first after the engine had nothing to run, or idle
             PAUSE_SECONDS or more between a step's update and the next step's schedule()): a
             table of steps run back to back does not predict them
+  first size  the steps whose token count (Step.tokens) their rank's engine runs for the first
+            time in the trace: on the CPU engine such a step pays about 2.5 ms more than the
+            same count run again (its linears' kernels are made for it: docs/measurements.md);
+            a sweep's warm shot runs every point's count before its timed steps, and an engine
+            served for hours has run most counts its budget allows
 
 Plain data: nothing here imports vLLM.
 """
@@ -79,10 +84,15 @@ class Scored:
     noise: float | None = None  # |served - its shape's median| / median, percent (groups of >= 2)
     group: int = 1  # steps of its shape
     since_pause: int = 0  # steps its rank's engine ran since it last paused (0: the first after it)
+    size_runs: int = 1  # its rank's steps of its token count so far, itself included (1: the first)
 
     @property
     def after_pause(self) -> bool:
         return self.since_pause < AFTER_PAUSE_STEPS
+
+    @property
+    def first_size(self) -> bool:
+        return self.size_runs == 1
 
     @property
     def error(self) -> float | None:
@@ -109,6 +119,27 @@ def steps_since_pause(steps: list[Step]) -> dict[tuple[int, int], int]:
         last[step.rank] = 0 if paused else last.get(step.rank, 0) + 1
         since[(step.rank, step.number)] = last[step.rank]
     return since
+
+
+def size_runs(steps: list[Step]) -> dict[tuple[int, int], int]:
+    """Per (rank, step number): its rank's steps of its token count up to it, itself included,
+    in each rank's order (every traced step counts, scored or not)."""
+    runs, seen = {}, {}
+    for step in sorted(steps, key=lambda s: (s.rank, s.number)):
+        key = (step.rank, step.tokens)
+        seen[key] = seen.get(key, 0) + 1
+        runs[(step.rank, step.number)] = seen[key]
+    return runs
+
+
+def size_split(scored: list[Scored]) -> dict:
+    """The figures of the steps that ran their token count for the first time, and of the others."""
+    first = [s for s in scored if s.first_size]
+    return {
+        "share": 100 * len(first) / len(scored) if scored else None,
+        "first_size": figures(first),
+        "seen_size": figures([s for s in scored if not s.first_size]),
+    }
 
 
 def pause_split(scored: list[Scored]) -> dict:

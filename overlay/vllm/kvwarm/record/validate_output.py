@@ -30,6 +30,7 @@ CSV_COLUMNS = [
     "covered",
     "predictor",
     "shape_repeats",
+    "size_runs",
     "noise_pct",
 ]
 
@@ -45,16 +46,28 @@ def _line(name: str, band: str, f: dict) -> str:
     )
 
 
-def _pauses(kind: str, split: dict) -> str | None:
-    """The kind's steps after a pause of the engine against the others, where it has both."""
-    after, others = split["after_pause"], split["others"]
-    if not after["predicted"] or not others["predicted"]:
+def _split(kind: str, split: dict, apart: str, what: str, rest: str, rest_name: str) -> str | None:
+    """The kind's steps set apart (`what` they did) against the rest, where it has both."""
+    f, others = split[apart], split[rest]
+    if not f["predicted"] or not others["predicted"]:
         return None
     return (
-        f"{kind}: {after['steps']} step(s) ({_pct(split['share'])}) within {split['within_steps']} steps of a pause of "
-        f"the engine ({split['pause_seconds'] * 1e3:g} ms idle or more): MAPE {_pct(after['mape'])}, bias "
-        f"{_pct(after['bias'], True)}; the other steps: MAPE {_pct(others['mape'])}, bias {_pct(others['bias'], True)}"
+        f"{kind}: {f['steps']} step(s) ({_pct(split['share'])}) {what}: MAPE {_pct(f['mape'])}, bias "
+        f"{_pct(f['bias'], True)}; {rest_name}: MAPE {_pct(others['mape'])}, bias {_pct(others['bias'], True)}"
     )
+
+
+def _pauses(kind: str, split: dict) -> str | None:
+    """The kind's steps after a pause of the engine against the others."""
+    idle_ms = split["pause_seconds"] * 1e3
+    pause = f"within {split['within_steps']} steps of a pause of the engine ({idle_ms:g} ms idle or more)"
+    return _split(kind, split, "after_pause", pause, "others", "the other steps")
+
+
+def _sizes(kind: str, split: dict) -> str | None:
+    """The kind's steps that ran their token count for the first time against the others."""
+    first = "ran their token count for the first time on their rank"
+    return _split(kind, split, "first_size", first, "seen_size", "the sizes run before")
 
 
 def text(result: Validation) -> str:
@@ -73,7 +86,7 @@ def text(result: Validation) -> str:
             lines.append(_line(kind, band, f))
         label = f"{kind}*" if k["predictor"] == "composed" else kind
         lines.append(_line(label, "all", k))
-        pauses.append(_pauses(kind, k["pauses"]))
+        pauses += [_pauses(kind, k["pauses"]), _sizes(kind, k["sizes"])]
     if result.how.get("mixed") == "composed" and result.of_kind("mixed"):
         lines.append("mixed*: composed (the prefill row plus the decode curve's marginal): the table has no mixed rows")
     if result.composed:
@@ -124,6 +137,7 @@ def steps_csv(result: Validation) -> str:
                 int(s.covered),
                 "" if p is None else p.how,
                 s.group,
+                s.size_runs,
                 "" if s.noise is None else f"{s.noise:.3f}",
             ]
         )
