@@ -12,7 +12,8 @@ it the patched cpu-flavour engine). Two parts:
   measured in the same run;
 - the kernel: vLLM's CPU linear for fp32 weights (`ops.create_onednn_mm`, as the engine's
   unquantized GEMM dispatch makes it, at the model's qkv shape): one call at a new row count,
-  a repeat, and a call after 39 other counts, more than the handler's cache holds. Run with
+  a repeat, and a call after every other count of KERNEL_COUNTS (39 in the full run, more
+  than the handler's 32-entry cache holds; 9 in the quick one, fewer). Run with
   `ONEDNN_PRIMITIVE_CACHE_CAPACITY=0` to see the evicted count pay again: oneDNN's own
   primitive cache is what spares it.
 

@@ -132,25 +132,27 @@ def size_runs(steps: list[Step]) -> dict[tuple[int, int], int]:
     return runs
 
 
+def split(scored: list[Scored], apart, name: str, rest: str) -> dict:
+    """The share of the steps `apart` picks, their figures under `name`, the others' under `rest`."""
+    chosen = [s for s in scored if apart(s)]
+    return {
+        "share": 100 * len(chosen) / len(scored) if scored else None,
+        name: figures(chosen),
+        rest: figures([s for s in scored if not apart(s)]),
+    }
+
+
 def size_split(scored: list[Scored]) -> dict:
     """The figures of the steps that ran their token count for the first time, and of the others."""
-    first = [s for s in scored if s.first_size]
-    return {
-        "share": 100 * len(first) / len(scored) if scored else None,
-        "first_size": figures(first),
-        "seen_size": figures([s for s in scored if not s.first_size]),
-    }
+    return split(scored, lambda s: s.first_size, "first_size", "seen_size")
 
 
 def pause_split(scored: list[Scored]) -> dict:
     """The figures of the steps after a pause and of the others, and the share of the first."""
-    after = [s for s in scored if s.after_pause]
     return {
         "within_steps": AFTER_PAUSE_STEPS,
         "pause_seconds": PAUSE_SECONDS,
-        "share": 100 * len(after) / len(scored) if scored else None,
-        "after_pause": figures(after),
-        "others": figures([s for s in scored if not s.after_pause]),
+        **split(scored, lambda s: s.after_pause, "after_pause", "others"),
     }
 
 
