@@ -1,14 +1,17 @@
 """`validate`'s splits of a kind's steps: those after a pause of the engine, and those of a
-token count their rank runs for the first time, each against the others (figures worked
-out by hand on the tables and traces of test_validate)."""
+token count their rank runs for the first time, each against the others; and the prefill and
+mixed figures with the table's level around each step taken out (figures worked out by hand
+on the tables and traces of test_validate)."""
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 from kvwarm_testing.traces import step, write_table, write_trace
-from test_validate import DECODE_ROWS, PREFILL_ROWS
+from test_validate import DECODE_ROWS, PREFILL_ROWS, mixed
 from vllm.kvwarm.record.validate import validate
-from vllm.kvwarm.record.validate_output import text
+from vllm.kvwarm.record.validate_output import steps_csv, text
 
 
 def test_steps_after_a_pause_of_the_engine_are_reported_apart_from_the_others(tmp_path):
@@ -49,3 +52,32 @@ def test_steps_of_a_token_count_run_for_the_first_time_are_reported_apart(tmp_pa
     assert summary["prefill_first_size_share"] == sizes["share"] and summary["prefill_seen_size_mape"] == 0.0
     assert summary["mixed_first_size_share"] is None
     assert "1 step(s) (33.33%) ran their token count for the first time on their rank: MAPE 20.00%" in text(result)
+
+
+def test_prefill_and_mixed_steps_are_also_judged_against_the_decode_steps_around_them(tmp_path):
+    # the decode steps (2 x 200, predicted 12 ms) ran 1.2x their prediction but for two (1.0x,
+    # 1.5x): their median ratio, 1.2, is the table's level around steps 6 and 7 (the mean would
+    # be 1.214); the mixed step 6 (mixed rows: 11 ms) ran 13.2, the prefill step 7 (9.5) 11.4:
+    # each -16.67 % raw and 0 with the level taken out; the composition (11.5) +4.545 % so.
+    # Step 100 has no decode step within 50 of it: no level, out of the relative figures
+    decodes = [14.4, 14.4, 14.4, 12.0, 18.0]
+    steps = [step(0, None, (2, 200))] + [step(n + 1, ms, (2, 200)) for n, ms in enumerate(decodes)]
+    steps += [step(6, 13.2, (2, 200), (1, 200, 500)), step(7, 11.4, prefill=(1, 200, 500))]
+    steps += [step(8, 14.4, (2, 200)), step(9, 14.4, (2, 200)), step(100, 11.0, (2, 200), (1, 200, 500))]
+    write_trace(tmp_path / "trace", steps)
+    rows = DECODE_ROWS + PREFILL_ROWS + [mixed(100, 9.0), mixed(300, 11.0)]
+    result = validate(str(write_table(tmp_path / "table", rows)), str(tmp_path / "trace"))
+    assert [s.level for s in result.scored if s.step.kind != "decode"] == [pytest.approx(1.2), pytest.approx(1.2), None]
+    summary = result.summary()
+    assert summary["mixed_mape"] == pytest.approx(100 * 2.2 / 13.2 / 2)
+    assert result.kinds()["mixed"]["relative"] == {"steps": 1, "mape": pytest.approx(0.0), "bias": pytest.approx(0.0)}
+    assert (summary["prefill_mape"], summary["prefill_relative_mape"]) == (pytest.approx(100 * 1.9 / 11.4), 0.0)
+    assert summary["mixed_composed_relative_mape"] == pytest.approx(100 * 0.6 / 13.2)
+    assert summary["mixed_composed_relative_bias"] == pytest.approx(100 * 0.6 / 13.2)
+    assert "decode" not in [k for k, f in result.kinds().items() if "relative" in f]
+    assert (
+        "mixed, against the decode steps around them (the table's level within 50 steps taken out): MAPE 0.00%, "
+        "bias +0.00% over 1 step(s); composed: MAPE 4.55%, bias +4.55%"
+    ) in text(result)
+    levels = {row["step"]: row["level"] for row in csv.DictReader(steps_csv(result).splitlines())}
+    assert (levels["1"], levels["6"], levels["7"], levels["100"]) == ("", "1.2000", "1.2000", "")

@@ -24,8 +24,10 @@ from .validate_metrics import (
     Scored,
     by_band,
     figures,
+    mark_levels,
     mark_noise,
     pause_split,
+    relative,
     size_runs,
     size_split,
     steps_since_pause,
@@ -129,6 +131,7 @@ class Validation:
                     "bands": by_band(scored),
                     "pauses": pause_split(scored),
                     "sizes": size_split(scored),
+                    **({} if kind == v.DECODE else {"relative": relative(scored)}),
                 }
         return out
 
@@ -147,9 +150,13 @@ class Validation:
             sizes = size_split(self.of_kind(kind))
             line[f"{kind}_first_size_share"] = sizes["share"]
             line.update({f"{kind}_seen_size_{name}": sizes["seen_size"][name] for name in ("mape", "bias")})
+            apart = relative(self.of_kind(kind))  # the table's level around each step taken out
+            line.update({f"{kind}_relative_{name}": apart[name] for name in ("mape", "bias")})
         line["mixed_predictor"] = self.how.get(MIXED) if self.of_kind(MIXED) else None
         composed = figures(self.composed) if self.composed else {}
         line.update({f"mixed_composed_{name}": composed.get(name) for name in ("mape", "bias", "coverage")})
+        apart = relative(self.composed) if self.composed else {}
+        line.update({f"mixed_composed_relative_{name}": apart.get(name) for name in ("mape", "bias")})
         line.update(basis=self.basis, excluded=sum(self.excluded.values()), torn_lines=len(self.torn))
         return line
 
@@ -229,4 +236,5 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
             composed = predictor.composed_step(step.decode_requests, step.decode_kv_tokens, *prefill_part(step))
             result.composed.append(Scored(step, served, composed))
     mark_noise(result.scored)
+    mark_levels(result.scored, result.composed)
     return result

@@ -21,6 +21,10 @@ coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repe
             same count run again (its linears' kernels are made for it: docs/measurements.md);
             a sweep's warm shot runs every point's count before its timed steps, and an engine
             served for hours has run most counts its budget allows
+  relative  a prefill or mixed step's error with the table's level around it taken out: its
+            prediction scaled by the median served / predicted of its rank's decode steps
+            within LEVEL_STEPS step numbers of it (LEVEL_MIN of them at least, else none). The
+            decode figures judge that level; what remains judges the rows of the step's own kind
 
 Plain data: nothing here imports vLLM.
 """
@@ -29,8 +33,10 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
+from . import vocabulary as v
 from .predict import Prediction
 from .trace_reader import Step
 
@@ -40,6 +46,11 @@ SHAPE_BIN = 0.01  # token counts within 1 % of each other are the same shape for
 # On the development host a served step ran 1.3x its shape's median in the first two steps
 # after a pause of the engine, 1.09x to the 9th, 1.00x from the 10th (docs/measurements.md)
 PAUSE_SECONDS, AFTER_PAUSE_STEPS = 0.005, 10
+# A served run and its table's sweep are minutes apart, and a host's speed can move a whole
+# table against the served steps by more than a kind's own error over minutes (on the
+# development host decode steps at 0.7x to 1.4x: docs/measurements.md); the decode steps
+# around a step (a served trace is mostly decode steps) say where that level stood then
+LEVEL_STEPS, LEVEL_MIN = 50, 5
 
 
 def _tokens(n: int) -> str:
@@ -85,6 +96,7 @@ class Scored:
     group: int = 1  # steps of its shape
     since_pause: int = 0  # steps its rank's engine ran since it last paused (0: the first after it)
     size_runs: int = 1  # its rank's steps of its token count so far, itself included (1: the first)
+    level: float | None = None  # the table's level around it (mark_levels; prefill and mixed steps)
 
     @property
     def after_pause(self) -> bool:
@@ -99,6 +111,13 @@ class Scored:
         if self.prediction is None or not self.served_ms:
             return None
         return 100 * (self.prediction.ms - self.served_ms) / self.served_ms
+
+    @property
+    def relative_error(self) -> float | None:
+        """The error with the table's level around the step taken out."""
+        if self.level is None or self.error is None:
+            return None
+        return 100 * (self.prediction.ms * self.level - self.served_ms) / self.served_ms
 
     @property
     def covered(self) -> bool:
@@ -154,6 +173,31 @@ def pause_split(scored: list[Scored]) -> dict:
         "pause_seconds": PAUSE_SECONDS,
         **split(scored, lambda s: s.after_pause, "after_pause", "others"),
     }
+
+
+def mark_levels(scored: list[Scored], *also: list[Scored]) -> None:
+    """Each prefill and mixed step's level, in `scored` and in `also` (the same steps predicted
+    another way): the median served / predicted of its rank's decode steps within LEVEL_STEPS."""
+    ratios: dict[int, list[tuple[int, float]]] = {}
+    for s in scored:
+        if s.step.kind == v.DECODE and s.error is not None and s.prediction.ms > 0:
+            ratios.setdefault(s.step.rank, []).append((s.step.number, s.served_ms / s.prediction.ms))
+    numbers = {rank: [n for n, _ in sorted(points)] for rank, points in ratios.items()}
+    for points in ratios.values():
+        points.sort()
+    for s in [*scored, *(x for group in also for x in group)]:
+        if s.step.kind == v.DECODE or s.step.rank not in ratios:
+            continue
+        at = numbers[s.step.rank]
+        lo, hi = bisect_left(at, s.step.number - LEVEL_STEPS), bisect_right(at, s.step.number + LEVEL_STEPS)
+        if hi - lo >= LEVEL_MIN:
+            s.level = statistics.median(q for _, q in ratios[s.step.rank][lo:hi])
+
+
+def relative(scored: list[Scored]) -> dict:
+    """MAPE and bias of the steps' relative errors (those with a level and a prediction)."""
+    errors = [s.relative_error for s in scored if s.relative_error is not None]
+    return {"steps": len(errors), "mape": _mean([abs(e) for e in errors]), "bias": _mean(errors)}
 
 
 def mark_noise(scored: list[Scored]) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .files import write_atomically
 from .validate import Validation
-from .validate_metrics import figures
+from .validate_metrics import LEVEL_STEPS, figures, relative
 
 CSV_COLUMNS = [
     "rank",
@@ -32,6 +32,7 @@ CSV_COLUMNS = [
     "shape_repeats",
     "size_runs",
     "noise_pct",
+    "level",
 ]
 
 
@@ -70,6 +71,19 @@ def _sizes(kind: str, split: dict) -> str | None:
     return _split(kind, split, "first_size", first, "seen_size", "the sizes run before")
 
 
+def _relative(kind: str, apart: dict, composed: dict | None) -> str | None:
+    """The kind's figures with the table's level around each step taken out."""
+    if not apart["steps"]:
+        return None
+    line = (
+        f"{kind}, against the decode steps around them (the table's level within {LEVEL_STEPS} steps taken "
+        f"out): MAPE {_pct(apart['mape'])}, bias {_pct(apart['bias'], True)} over {apart['steps']} step(s)"
+    )
+    if composed and composed["steps"]:
+        line += f"; composed: MAPE {_pct(composed['mape'])}, bias {_pct(composed['bias'], True)}"
+    return line
+
+
 def text(result: Validation) -> str:
     """The table users read: per kind each band, then the kind over every band."""
     s = result.summary()
@@ -87,6 +101,9 @@ def text(result: Validation) -> str:
         label = f"{kind}*" if k["predictor"] == "composed" else kind
         lines.append(_line(label, "all", k))
         pauses += [_pauses(kind, k["pauses"]), _sizes(kind, k["sizes"])]
+        if "relative" in k:
+            composed = relative(result.composed) if kind == "mixed" and result.composed else None
+            pauses.append(_relative(kind, k["relative"], composed))
     if result.how.get("mixed") == "composed" and result.of_kind("mixed"):
         lines.append("mixed*: composed (the prefill row plus the decode curve's marginal): the table has no mixed rows")
     if result.composed:
@@ -139,6 +156,7 @@ def steps_csv(result: Validation) -> str:
                 s.group,
                 s.size_runs,
                 "" if s.noise is None else f"{s.noise:.3f}",
+                "" if s.level is None else f"{s.level:.4f}",
             ]
         )
     return out.getvalue()
