@@ -1,7 +1,10 @@
 """Does a table predict the deployment it was made for? The patched CPU engine serves a tiny
-MoE as an OpenAI server with the served-step trace on, under vLLM's own load generator
-(`vllm.benchmarks.serve`: random and ShareGPT-format prompts, Poisson arrivals, prompts
-longer than --max-num-batched-tokens so chunked prefill mixes steps); then a table is swept
+MoE as an OpenAI server with the served-step trace on, first one step of every token count
+its budget allows (as an engine served for hours has run them: on the CPU engine a count's
+first step makes its kernels; validate leaves these steps out, --skip-seconds), then under
+vLLM's own load generator (`vllm.benchmarks.serve`: random and ShareGPT-format prompts,
+Poisson arrivals, prompts longer than --max-num-batched-tokens so chunked prefill mixes
+steps); then a table is swept
 `--grid-from` the trace on the same engine arguments, with the warm-up on (real KV) and off
 (fake KV), and `validate` holds each against the trace: per step kind and KV band, coverage,
 MAPE, P95, bias and the trace's repeat noise, on the whole step and on the forward alone,
@@ -46,7 +49,7 @@ from _engine import release_label  # importing it sets the engine's environment
 from _served.floor import floor_ms, spread
 from _served.phases import compare, print_comparison
 from _served.runqueue import ENGINE_CORE, WORKER, in_words
-from _served.serving import Load, serve
+from _served.serving import Load, Served, serve
 from _served.tables import QUICK_CAPS, SETTLE_STEPS, TIMED_STEPS, TOPOLOGIES, sweep_table, validate
 from kvwarm_testing import tiny_models
 from kvwarm_testing.served import trace_lines
@@ -82,17 +85,19 @@ def trace_share(trace: Path) -> float | None:
     return statistics.median(shares) if shares else None
 
 
-def hold(name: str, table: Path, artifact: dict, trace: Path, work: Path) -> dict:
-    """validate on both bases (the whole step, the forward alone) and the phases of matched
-    decode steps."""
+def hold(name: str, table: Path, artifact: dict, served: Served, work: Path) -> dict:
+    """validate on both bases (the whole step, the forward alone), the served engine's warm-up
+    left out, and the phases of matched decode steps."""
+    trace, skip = served.trace, served.warm_up_seconds
     label = f"{name}-{trace.parent.name}"
     print(f"\n== table {name} against {trace.parent.name} (load average {os.getloadavg()[0]:.1f})", flush=True)
-    summary, record = validate(table, trace, work / f"validate-{label}")
-    forward, _ = validate(table, trace, work / f"validate-{label}-forward", basis="forward")
+    summary, record = validate(table, trace, work / f"validate-{label}", skip)
+    forward, _ = validate(table, trace, work / f"validate-{label}-forward", skip, basis="forward")
     phases = compare(trace, artifact)
     print_comparison(name, phases)
     bands = record["kinds"].get("decode", {}).get("bands", {})
-    return {"summary": summary, "forward": forward, "bands": bands, "phases": phases}
+    noise_steps = record["kinds"].get("mixed", {}).get("noise_steps")  # what the mixed noise rests on
+    return {"summary": summary, "forward": forward, "bands": bands, "phases": phases, "mixed_noise_steps": noise_steps}
 
 
 def run(work: Path, topology: str) -> dict:
@@ -108,7 +113,8 @@ def run(work: Path, topology: str) -> dict:
         runs[name] = served
         share = trace_share(served.trace)
         print(
-            f"\n== served {name}: {served.placement}\n  {served.steps} traced steps ({served.mixed} mixed); the "
+            f"\n== served {name}: {served.placement}\n  {served.steps} traced steps ({served.mixed} mixed; the "
+            f"warm-up's first {served.warm_up_seconds:.1f} s left out of validate); the "
             f"server counted {served.counted:.0f} engine steps, the trace {served.sending} that sent outputs "
             f"({'the same' if served.sending == served.counted else 'DIFFERENT'}); load "
             + "; ".join(f"{r['completed']} done, TPOT {r['median_tpot_ms']:.2f} ms" for r in served.loads)
@@ -135,7 +141,7 @@ def run(work: Path, topology: str) -> dict:
             flush=True,
         )
         for served in runs.values():
-            result["holds"][(name, served.trace.parent.name)] = hold(name, table, artifact, served.trace, work)
+            result["holds"][(name, served.trace.parent.name)] = hold(name, table, artifact, served, work)
     print(
         "\n== the host's floor (a fixed matrix product on the worker's core, ms) before and after each run: "
         + ", ".join(f"{k} {v:.4f}" for k, v in floors.items())
@@ -166,7 +172,7 @@ def run_pairs(work: Path, topology: str, pairs: int) -> list[dict]:
         )
         floors["after"] = floor_ms()
         print(f"\n== pair {number}: served: {in_words(served.runqueue)}; swept: {in_words(waits)}", flush=True)
-        held = hold("warmup-on", table, artifact, served.trace, folder)
+        held = hold("warmup-on", table, artifact, served, folder)
         out.append({"pair": number, **figures(held), "mixed_steps": served.mixed, "floor_spread_pct": spread(floors)})
         out[-1]["engine_core_waiting_pct"] = {
             "served": served.runqueue.get(ENGINE_CORE, {}).get("waiting_pct"),
@@ -195,6 +201,7 @@ def figures(held: dict) -> dict:
         "mixed_predictor": s.get("mixed_predictor"),
         "mixed_composed_mape": s.get("mixed_composed_mape"),
         "mixed_noise": s.get("mixed_noise"),
+        "mixed_noise_steps": held.get("mixed_noise_steps"),
         "mixed_after_pause_share": s.get("mixed_after_pause_share"),
         "mixed_steady_mape": s.get("mixed_steady_mape"),
         "mixed_first_size_share": s.get("mixed_first_size_share"),

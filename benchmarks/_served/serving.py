@@ -1,6 +1,7 @@
 """The served side: the patched CPU engine behind vLLM's OpenAI server with the trace on,
-loaded by vLLM's own client with random and ShareGPT-format prompts at Poisson arrivals,
-the worker on a core of its own or not; what the trace and the server counted.
+warmed with one step of every token count its budget allows (every_size), then loaded by
+vLLM's own client with random and ShareGPT-format prompts at Poisson arrivals, the worker on
+a core of its own or not; what the trace and the server counted.
 
 Pinned or not as benchmarks/_served/pinning.py says (the executor's worker process on a core
 of its own, everything else on the others); the client runs beside the server.
@@ -10,7 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from kvwarm_testing import multi_rank
@@ -50,6 +55,7 @@ class Served:
     mixed: int = 0
     runqueue: dict = field(default_factory=dict)  # the engine's waits for a CPU under the loads (runqueue.py)
     load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    warm_up_seconds: float = 0.0  # the trace's first seconds: the warm-up (every_size), not the loads
 
 
 def engine_args(model: Path, budget: int) -> list[str]:
@@ -61,6 +67,36 @@ def engine_args(model: Path, budget: int) -> list[str]:
     )
     args[args.index("--max-num-batched-tokens") + 1] = str(budget)
     return args
+
+
+def every_size(url: str, model: Path, budget: int) -> None:
+    """One request of each prompt length from 1 to `budget`, one at a time, one output token:
+    each a step of its own token count. On the CPU engine a step pays about 2.5 ms the first
+    time its process runs its count (vLLM's CPU linears have oneDNN make a kernel for it:
+    docs/measurements.md), and an engine served for hours has run every count its budget
+    allows; so has this one before its loads. No two prompts share a first token, so none
+    hits the prefix cache (a hit would run fewer tokens)."""
+    vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]
+    ids = sorted(vocab.values())[len(vocab) // 4 :]  # past the byte tokens, below the vocabulary's end
+    if budget > len(ids):  # first tokens would repeat
+        raise SystemExit(f"a token budget of {budget} passes the {len(ids)} first tokens the warm-up can give")
+    for length in range(1, budget + 1):
+        prompt = [ids[(31 * length + 17 * i) % len(ids)] for i in range(length)]
+        body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+        request = urllib.request.Request(
+            f"{url}/v1/completions", body, {"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                response.read()
+        except urllib.error.HTTPError as err:
+            raise SystemExit(f"the warm-up's prompt of {length} token(s) was refused: {err.read().decode()}") from None
+
+
+def trace_age(trace: Path) -> float:
+    """Seconds from the trace's start (its header's started_at) to now."""
+    started = trace_lines(trace)[0]["started_at"].replace("Z", "+00:00")
+    return time.time() - datetime.fromisoformat(started).timestamp()
 
 
 def serve(model: Path, dataset: Path, out: Path, load: Load, pinned: bool) -> Served:
@@ -81,6 +117,8 @@ def serve(model: Path, dataset: Path, out: Path, load: Load, pinned: bool) -> Se
         )
         placement += "; threads: " + where(server.pid)
         served = Served(trace, pinned, placement)
+        every_size(server.url, model, load.budget)
+        served.warm_up_seconds = trace_age(trace)  # every warm-up step's update ended before its response
         datasets = [
             random_dataset(2 * load.budget, load.output_len, 0.5),
             sharegpt_dataset(dataset, load.output_len),

@@ -105,11 +105,12 @@ def watch(process: subprocess.Popen, pin: bool, in_process: bool, timeout: float
                 print(f"  the sweep's processes: {where(process.pid)}", flush=True)
 
 
-def validate(table: Path, trace: Path, out: Path, basis: str = STEP) -> tuple[dict, dict]:
-    """The table held against the trace on `basis` (validate's step or forward): its text (per
-    kind and band) printed, its files written in `out`; (one-line summary, validate.json record)."""
+def validate(table: Path, trace: Path, out: Path, skip_seconds: float, basis: str = STEP) -> tuple[dict, dict]:
+    """The table held against the trace on `basis` (validate's step or forward), the trace's
+    first `skip_seconds` (the served engine's warm-up) left out: its text (per kind and band)
+    printed, its files written in `out`; (one-line summary, validate.json record)."""
     try:
-        result = hold_against(str(table), str(trace), basis)
+        result = hold_against(str(table), str(trace), basis, skip_seconds=skip_seconds)
     except ValidateError as err:
         raise SystemExit(f"validate {table.name} against {trace}: {err}") from None
     write(result, out)

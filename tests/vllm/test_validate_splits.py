@@ -1,16 +1,18 @@
 """`validate`'s splits of a kind's steps: those after a pause of the engine, and those of a
-token count their rank runs for the first time, each against the others; and the prefill and
-mixed figures with the table's level around each step taken out (figures worked out by hand
-on the tables and traces of test_validate)."""
+token count their rank runs for the first time, each against the others; the prefill and
+mixed figures with the table's level around each step taken out; and the warm-up it leaves
+out (figures worked out by hand on the tables and traces of test_validate)."""
 
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 from kvwarm_testing.traces import step, write_table, write_trace
 from test_validate import DECODE_ROWS, PREFILL_ROWS, mixed
-from vllm.kvwarm.record.validate import validate
+from vllm.kvwarm.record.validate import ValidateError, validate
+from vllm.kvwarm.record.validate_cli import run
 from vllm.kvwarm.record.validate_output import steps_csv, text
 
 
@@ -81,3 +83,22 @@ def test_prefill_and_mixed_steps_are_also_judged_against_the_decode_steps_around
     ) in text(result)
     levels = {row["step"]: row["level"] for row in csv.DictReader(steps_csv(result).splitlines())}
     assert (levels["1"], levels["6"], levels["7"], levels["100"]) == ("", "1.2000", "1.2000", "")
+
+
+def test_a_servers_warm_up_is_left_out_but_its_sizes_count_as_run(tmp_path, capsys):
+    # step n ends 0.01 (n + 1) s into the trace: --skip-seconds 0.025 leaves out steps 0 and 1
+    # (100 new tokens each), so step 2 (100 again) is a size run before, at its row (6 ms)
+    steps = [step(0, None, prefill=(1, 100, 0)), step(1, 9.0, prefill=(1, 100, 0)), step(2, 6.0, prefill=(1, 100, 0))]
+    write_trace(tmp_path / "trace", steps)
+    table = str(write_table(tmp_path / "table", PREFILL_ROWS))
+    result = validate(table, str(tmp_path / "trace"), skip_seconds=0.025)
+    assert [(s.step.number, s.size_runs) for s in result.scored] == [(2, 3)]
+    assert result.excluded == {"warm-up": 2} and result.summary()["prefill_mape"] == pytest.approx(0.0)
+    assert result.summary()["skip_seconds"] == 0.025
+    assert "left out: 2 warm-up step(s) (ended within the trace's first 0.025 s: --skip-seconds)" in text(result)
+    assert validate(table, str(tmp_path / "trace")).summary()["prefill_steps"] == 2
+    with pytest.raises(ValidateError, match="--skip-seconds -1.0: give the seconds of the trace to leave out"):
+        validate(table, str(tmp_path / "trace"), skip_seconds=-1.0)
+    argv = [table, str(tmp_path / "trace"), "--out", str(tmp_path / "v"), "--json", "--skip-seconds", "0.025"]
+    assert run(argv) == 0
+    assert json.loads(capsys.readouterr().out)["excluded"] == 2

@@ -1,5 +1,5 @@
 """`python -m vllm.kvwarm validate TABLE TRACE [--out DIR] [--json] [--basis step|forward]
-[--allow-loop-mismatch]`: every step of a served-step trace predicted from a sweep's table
+[--allow-loop-mismatch] [--skip-seconds S]`: every step of a served-step trace predicted from a sweep's table
 (record.predict), and how far off the table is per step kind and KV-depth band, beside the
 trace's own repeat noise (record.validate_metrics). Writes validate.json, validate.csv and,
 where matplotlib imports, validate.png (docs/validate.md).
@@ -33,7 +33,7 @@ from .validate_metrics import (
     steps_since_pause,
 )
 
-SPECULATIVE, UNTIMED = "speculative", "untimed"  # why a step is left out
+SPECULATIVE, UNTIMED, WARM_UP = "speculative", "untimed", "warm-up"  # why a step is left out
 
 
 class ValidateError(ValueError):
@@ -108,6 +108,7 @@ class Validation:
     basis: str
     match: Match
     loop_mismatch_allowed: bool
+    skip_seconds: float = 0.0  # the steps that ended within the trace's first skip_seconds are left out
     scored: list[Scored] = field(default_factory=list)
     excluded: dict[str, int] = field(default_factory=dict)
     torn: list[str] = field(default_factory=list)
@@ -158,6 +159,7 @@ class Validation:
         apart = relative(self.composed) if self.composed else {}
         line.update({f"mixed_composed_relative_{name}": apart.get(name) for name in ("mape", "bias")})
         line.update(basis=self.basis, excluded=sum(self.excluded.values()), torn_lines=len(self.torn))
+        line["skip_seconds"] = self.skip_seconds
         return line
 
     def record(self) -> dict:
@@ -166,6 +168,7 @@ class Validation:
             "table": self.table,
             "trace": self.trace,
             "basis": self.basis,
+            "skip_seconds": self.skip_seconds,
             "summary": self.summary(),
             "kinds": self.kinds(),
             "loop": {
@@ -204,8 +207,14 @@ def check(trace: Trace, table: SweepRecord, allow_loop_mismatch: bool) -> Match:
     return m
 
 
-def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_mismatch: bool = False) -> Validation:
-    """The trace read, checked against the table, and every step predicted."""
+def validate(
+    table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_mismatch: bool = False, skip_seconds: float = 0.0
+) -> Validation:
+    """The trace read, checked against the table, and every step predicted but those that ended
+    within the trace's first `skip_seconds` (a fresh server's warm-up: they still count for
+    the pauses and the sizes run before)."""
+    if not skip_seconds >= 0:
+        raise ValidateError(f"--skip-seconds {skip_seconds}: give the seconds of the trace to leave out, 0 or more")
     try:
         trace = read_trace(trace_arg)
     except TraceError as err:
@@ -216,14 +225,16 @@ def validate(table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_misma
         by_rank = predictors(table, basis)
     except ReportError as err:
         raise ValidateError(str(err)) from None
-    result = Validation(str(table.root), str(trace.root), basis, m, allow_loop_mismatch, torn=list(trace.torn))
+    result = Validation(str(table.root), str(trace.root), basis, m, allow_loop_mismatch, skip_seconds)
+    result.torn = list(trace.torn)
     kinds = [p.kinds() for p in by_rank]
     for kind in KINDS:
         result.how[kind] = next((k[kind] for k in kinds if k[kind]), None)
     since, runs = steps_since_pause(trace.steps), size_runs(trace.steps)
     for step in trace.steps:
         served = served_ms(step, basis)
-        reason = SPECULATIVE if step.spec_tokens else UNTIMED if served is None else None
+        reason = WARM_UP if step.at < skip_seconds else None
+        reason = reason or (SPECULATIVE if step.spec_tokens else UNTIMED if served is None else None)
         if reason:
             result.excluded[reason] = result.excluded.get(reason, 0) + 1
             continue

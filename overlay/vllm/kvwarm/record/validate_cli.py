@@ -30,13 +30,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--allow-loop-mismatch", action="store_true", help="hold a trace and a table of different engine loops together"
     )
+    p.add_argument(
+        "--skip-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="leave out the steps that ended within the trace's first S seconds (a fresh server's warm-up)",
+    )
     return p
 
 
 def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     try:
-        result = validate(args.table, args.trace, args.basis, args.allow_loop_mismatch)
+        result = validate(args.table, args.trace, args.basis, args.allow_loop_mismatch, args.skip_seconds)
     except ValidateError as err:
         print(f"kvwarm validate: {err}", file=sys.stderr)
         return 2

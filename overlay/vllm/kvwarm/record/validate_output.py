@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from .files import write_atomically
-from .validate import Validation
+from .validate import WARM_UP, Validation
 from .validate_metrics import LEVEL_STEPS, figures, relative
 
 CSV_COLUMNS = [
@@ -118,7 +118,9 @@ def text(result: Validation) -> str:
     )
     lines += [p for p in pauses if p]
     for reason, count in result.excluded.items():
-        lines.append(f"left out: {count} {reason} step(s)")
+        within = f" (ended within the trace's first {result.skip_seconds:g} s: --skip-seconds)"
+        within = within if reason == WARM_UP else ""
+        lines.append(f"left out: {count} {reason} step(s){within}")
     for torn in result.torn:
         lines.append(f"torn last line, skipped: {torn}")
     for d in result.match.noted:
