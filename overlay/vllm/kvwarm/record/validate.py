@@ -1,8 +1,8 @@
 """`python -m vllm.kvwarm validate TABLE TRACE [--out DIR] [--json] [--basis step|forward]
-[--allow-loop-mismatch] [--skip-seconds S]`: every step of a served-step trace predicted from a sweep's table
-(record.predict), and how far off the table is per step kind and KV-depth band, beside the
-trace's own repeat noise (record.validate_metrics). Writes validate.json, validate.csv and,
-where matplotlib imports, validate.png (docs/validate.md).
+[--allow-loop-mismatch] [--skip-seconds S]`: every step of a served-step trace predicted from
+a sweep's table (record.predict), and how far off the table is per step kind and KV-depth
+band, beside the trace's own repeat noise (record.validate_metrics). Writes validate.json,
+validate.csv and, where matplotlib imports, validate.png (docs/validate.md).
 
 A trace and a table whose model, build, step-time engine arguments, layout or hardware
 differ are refused (record.validate_match), and so are step windows of different engine
