@@ -225,8 +225,9 @@ def validate(
         by_rank = predictors(table, basis)
     except ReportError as err:
         raise ValidateError(str(err)) from None
-    result = Validation(str(table.root), str(trace.root), basis, m, allow_loop_mismatch, skip_seconds)
-    result.torn = list(trace.torn)
+    result = Validation(
+        str(table.root), str(trace.root), basis, m, allow_loop_mismatch, skip_seconds, torn=list(trace.torn)
+    )
     kinds = [p.kinds() for p in by_rank]
     for kind in KINDS:
         result.how[kind] = next((k[kind] for k in kinds if k[kind]), None)

@@ -182,9 +182,9 @@ def mark_levels(scored: list[Scored], *also: list[Scored]) -> None:
     for s in scored:
         if s.step.kind == v.DECODE and s.error is not None and s.prediction.ms > 0:
             ratios.setdefault(s.step.rank, []).append((s.step.number, s.served_ms / s.prediction.ms))
-    numbers = {rank: [n for n, _ in sorted(points)] for rank, points in ratios.items()}
     for points in ratios.values():
         points.sort()
+    numbers = {rank: [n for n, _ in points] for rank, points in ratios.items()}
     for s in [*scored, *(x for group in also for x in group)]:
         if s.step.kind == v.DECODE or s.step.rank not in ratios:
             continue
