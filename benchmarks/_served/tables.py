@@ -31,7 +31,7 @@ from vllm.kvwarm.record.validate_output import text, write
 from .pinning import cores, pin_session, pinning_env
 from .pinning import placement as where
 from .runqueue import RunQueue
-from .serving import engine_args
+from .serving import Served, engine_args
 
 TOPOLOGIES = ("in-process", "served")
 # Untimed steps of each point's shape before its timed ones (DYN_BENCH_KV_WARMUP_SETTLE_STEPS):
@@ -53,10 +53,11 @@ QUICK_CAPS = {
 
 
 def sweep_table(
-    trace: Path, model: Path, budget: int, dataset: Path, out: Path, warmup: bool, topology: str, pinned: bool, caps
+    served: Served, model: Path, budget: int, dataset: Path, out: Path, warmup: bool, topology: str, pinned: bool, caps
 ) -> tuple[Path, dict, dict]:
-    """A --grid-from table; returns its folder, its artifact (status complete) and the
-    engine's waits for a CPU while it swept (runqueue.py)."""
+    """A table swept --grid-from the served run's trace, its warm-up left out (--skip-seconds);
+    returns its folder, its artifact (status complete) and the engine's waits for a CPU while
+    it swept (runqueue.py)."""
     env = {**os.environ, **CPU_ENGINE_ENV, **pinning_env(pinned)}
     env.update(
         DYN_BENCH_KV_WARMUP="on" if warmup else "off",
@@ -65,7 +66,8 @@ def sweep_table(
         DYN_BENCH_GIANT_KV_REPEATS=str(TIMED_STEPS),
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if topology == "served" else "0",
     )
-    argv = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--grid-from", str(trace), "--out", str(out)]
+    argv = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--grid-from", str(served.trace), "--out", str(out)]
+    argv += ["--skip-seconds", str(served.warm_up_seconds)] if served.warm_up_seconds else []
     argv += ["--grid-caps", json.dumps(caps)] if caps else []
     rest, worker = cores()
     on = pinned and worker is not None

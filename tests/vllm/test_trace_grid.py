@@ -319,7 +319,8 @@ def test_a_grid_from_a_trace_sweeps_on_a_real_scheduler_and_its_table_covers_the
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     trace, out = tmp_path / "trace", tmp_path / "out"
     matching_trace(trace, tmp_path / "tiny-llama")
-    spec = {"grid_from": str(trace), "grid_caps": SMALL, "out": str(out)}
+    # the first step (untimed: no window) ended 0.01 s in; leaving it out changes no point
+    spec = {"grid_from": str(trace), "grid_caps": SMALL, "grid_skip_seconds": 0.015, "out": str(out)}
     scheduler = make_scheduler(
         tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": spec}
     )
@@ -331,7 +332,7 @@ def test_a_grid_from_a_trace_sweeps_on_a_real_scheduler_and_its_table_covers_the
     assert artifact["status"] == "complete" and not artifact["skipped_points"]
     grid = parse_points(json.loads((out / "grid.json").read_text()), "grid", 1024, 3)
     assert len(artifact["results"]) == len(grid) == artifact["kvwarm"]["grid"]["points"]
-    assert artifact["kvwarm"]["grid"]["trace"] == str(trace)
+    assert artifact["kvwarm"]["grid"]["trace"] == str(trace) and artifact["kvwarm"]["grid"]["skip_seconds"] == 0.015
     assert sorted({p.batch_size for p in grid if isinstance(p, DecodePoint)}) == [1, 2, 3]
     tokens = sorted({p.total_prefill_tokens for p in grid if isinstance(p, PrefillPoint)})
     assert (tokens[0], tokens[-1]) == (32, 100)  # the ends (with any capture size between)
@@ -376,8 +377,46 @@ def test_a_trace_of_another_model_is_refused_from_the_given_arguments_alone(tmp_
     assert check_given(str(trace), EngineArgs(model="/elsewhere/tiny-qwen3-moe/")).steps
 
 
-def test_grid_caps_go_with_grid_from_only():
+def test_a_skip_that_leaves_no_step_is_refused_on_a_real_scheduler(tmp_path, monkeypatch):
+    from vllm.kvwarm.scheduler import KvWarmScheduler
+
+    monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
+    trace, out = tmp_path / "trace", tmp_path / "out"
+    matching_trace(trace, tmp_path / "tiny-llama")
+    spec = {"grid_from": str(trace), "grid_skip_seconds": 60, "out": str(out)}
+    with pytest.raises(TraceError, match=r"leaves none of the 9 steps .* give fewer seconds"):
+        make_scheduler(tmp_path, scheduler_cls=KvWarmScheduler, additional_config={"kvwarm_sweep": spec})
+    artifact = json.loads((out / "sweep.json").read_text())
+    assert artifact["status"] == "failed" and "grid_skip_seconds" in artifact["error"]
+
+
+def test_skip_seconds_leaves_a_servers_warm_up_out_of_the_grid(tmp_path):
+    """--skip-seconds S: the steps that ended within the trace's first S seconds (a fresh
+    server's one request of every length) lay no point; checked before the engine loads."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.kvwarm.sweep.trace_grid import check_given
+
+    trace, args = tmp_path / "trace", EngineArgs(model="/models/tiny-qwen3-moe")
+    warm_up = [step(n, 5.0, prefill=(1, n + 1, 0)) for n in range(4)]  # ended 0.01-0.04 s in
+    served = [step(n, 7.0, prefill=(1, 100, 48)) for n in (4, 5)] + [step(6, 5.0, (2, 120), (1, 32, 64))]
+    write_trace(trace, warm_up + served)
+
+    def prefill_tokens(t: Trace) -> list[int]:
+        return sorted({p.total_prefill_tokens for p in trace_grid(t, GRAPHS, LIMITS) if isinstance(p, PrefillPoint)})
+
+    whole, skipped = check_given(str(trace), args), check_given(str(trace), args, 0.045)
+    assert [s.number for s in skipped.steps] == [4, 5, 6] and len(whole.steps) == 7
+    assert prefill_tokens(whole)[0] == 1 and prefill_tokens(skipped)[0] == 32
+    with pytest.raises(TraceError, match=r"leaves none of the 7 steps .*0\.1 s into it\); give fewer seconds"):
+        check_given(str(trace), args, 1.0)
+    for bad in (-1.0, float("nan"), True, "5"):
+        with pytest.raises(SettingsError, match="give the seconds of the trace to leave out, 0 or more"):
+            check_given(str(trace), args, bad)
+
+
+def test_grid_caps_and_skip_seconds_go_with_grid_from_only():
     from vllm.kvwarm.sweep.command import run
 
-    with pytest.raises(SystemExit):
-        run(["--grid", "--grid-caps", "{}", "--out", "out", "--model", "/models/other"])
+    for given in (["--grid-caps", "{}"], ["--skip-seconds", "5"]):
+        with pytest.raises(SystemExit):
+            run(["--grid", *given, "--out", "out", "--model", "/models/other"])

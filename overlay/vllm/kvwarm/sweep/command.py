@@ -78,6 +78,14 @@ def parser() -> argparse.ArgumentParser:
         help='with --grid-from: the axes\' caps, e.g. \'{"decode_batches": 6, "kv_ladder": 4, "prefill_batches": 2, '
         '"prefill_tokens": 4, "prefix_depths": 2}\'',
     )
+    p.add_argument(
+        "--skip-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="with --grid-from: leave out the steps that ended within the trace's first S seconds (a fresh "
+        "server's warm-up), as validate --skip-seconds does",
+    )
     p.add_argument("--out", required=True, help="folder for sweep.json, sweep.csv and sweep.png")
     return p
 
@@ -128,9 +136,13 @@ def run(argv: list[str]) -> int:
     args, engine_argv = p.parse_known_args(argv)
     if args.grid_caps and not args.grid_from:
         p.error("--grid-caps goes with --grid-from (--grid takes its caps itself)")
+    if args.skip_seconds and not args.grid_from:
+        p.error("--skip-seconds goes with --grid-from (it leaves a trace's first seconds out of the grid)")
     spec = {"out": str(Path(args.out).resolve()), "engine_args": engine_argv}  # recorded as given
     if args.grid_from:
         spec.update(grid_from=str(Path(args.grid_from).resolve()), grid_caps=args.grid_caps)
+        if args.skip_seconds:
+            spec["grid_skip_seconds"] = args.skip_seconds
     else:
         spec.update({"grid": args.grid} if args.grid is not None else {"points": str(Path(args.points).resolve())})
     writer = new_writer(
@@ -143,7 +155,7 @@ def run(argv: list[str]) -> int:
         if spec.get("points"):  # a given budget refuses mixed points before the engine loads
             check_budget(inputs.points, engine_args_from(engine_argv, spec).max_num_batched_tokens, spec["points"])
         if args.grid_from:  # a trace of another model or layout: refused before the engine loads
-            check_given(spec["grid_from"], engine_args_from(engine_argv, spec))
+            check_given(spec["grid_from"], engine_args_from(engine_argv, spec), args.skip_seconds)
         elif args.grid is not None:
             check_grid(args.grid)  # the caps, before the engine loads the model
     except INPUT_ERRORS as err:

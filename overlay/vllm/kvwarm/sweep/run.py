@@ -47,7 +47,7 @@ from .points import DecodePoint, MixedPoint, PointsFileError, PrefillPoint, load
 from .ranks import rank_layout
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
 from .trace_grid import check_engine as check_trace_engine
-from .trace_grid import trace_grid
+from .trace_grid import skip_first, trace_grid
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
@@ -225,13 +225,14 @@ class SweepRun:
         }
         if wants_grid(spec) or spec.get("grid_from"):
             caps, axes = grid_settings(spec.get("grid") or True, graphs)  # bad caps: refused before it serves
-            trace = None
+            trace, skip = None, spec.get("grid_skip_seconds", 0.0)
             if spec.get("grid_from"):  # read and held to this engine before it serves
-                trace = read_trace(spec["grid_from"])
+                trace = skip_first(read_trace(spec["grid_from"]), skip)
                 check_trace_engine(trace, self.writer.run, self.layout.as_dict(), vllm_config.model_config.model)
 
             def lay_grid(pool: dict) -> SweepSetup:
-                laying = GridLaying(settings.point_steps + trailing, caps, axes, pool, trace, spec.get("grid_caps"))
+                steps = settings.point_steps + trailing
+                laying = GridLaying(steps, caps, axes, pool, trace, spec.get("grid_caps"), skip)
                 points = self._grid(scheduler, laying, state_mode)
                 return self._setup(scheduler, inputs, points, reason, decision, encode, trailing)
 
@@ -338,7 +339,7 @@ class SweepRun:
             "points": len(points),
             "mixed_note": note,  # why no mixed point was laid (null: laid where they fit)
             "pool": dict(pool),
-            **({"trace": str(trace.root)} if trace else {}),
+            **({"trace": str(trace.root), "skip_seconds": laying.trace_skip_seconds} if trace else {}),
         }
         where = f"over the shapes of the trace {trace.root}" if trace else "around the capture sizes"
         self.writer.progress(
@@ -418,6 +419,7 @@ def plan_inputs(spec: dict, settings: Settings, environ) -> dict:
         "grid": spec.get("grid"),
         "grid_from": bool(spec.get("grid_from")),  # each node may hold its own copy of the trace
         "grid_caps": spec.get("grid_caps"),
+        "grid_skip_seconds": spec.get("grid_skip_seconds"),
         "warmup": settings.warmup,
         "steady_steps": settings.steady_steps,
         "settle_steps": settings.settle_steps,

@@ -43,7 +43,7 @@ resolved (`check_engine`), so the table made here is one `validate` accepts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..record.shape import GraphConfig
 from ..record.trace_reader import MIXED, Step, Trace, TraceError, read_trace
@@ -266,10 +266,29 @@ def trace_grid(trace: Trace, graphs: GraphConfig, limits: GridLimits, asked_caps
     return prefill + decode_points(found, graphs, limits, caps) + mixed
 
 
-def check_given(trace_dir: str, engine_args) -> Trace:
-    """Before the engine loads: the trace read, and refused where the command's engine
-    arguments (vLLM's EngineArgs) already differ from what the trace ran with."""
-    trace = read_trace(trace_dir)
+def skip_first(trace: Trace, seconds) -> Trace:
+    """The trace without the steps that ended within its first `seconds` (--skip-seconds,
+    "grid_skip_seconds": a fresh server's warm-up, one short request of every length, which
+    would spread the prefill axes over prompts the deployment does not serve; validate
+    --skip-seconds leaves the same steps out)."""
+    what = f'--skip-seconds ("grid_skip_seconds") {seconds!r}'
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
+        raise SettingsError(f"{what}: give the seconds of the trace to leave out, 0 or more")
+    kept = [s for s in trace.steps if s.at >= seconds]
+    if trace.steps and not kept:
+        last = max(s.at for s in trace.steps)
+        raise TraceError(
+            f"{what}: leaves none of the {len(trace.steps)} steps of {trace.root} (the last ended {last:.1f} s "
+            "into it); give fewer seconds"
+        )
+    return replace(trace, steps=kept)
+
+
+def check_given(trace_dir: str, engine_args, skip_seconds=0.0) -> Trace:
+    """Before the engine loads: the trace read (less its first `skip_seconds`), and refused
+    where the command's engine arguments (vLLM's EngineArgs) already differ from what the trace
+    ran with."""
+    trace = skip_first(read_trace(trace_dir), skip_seconds)
     ran = Provenance.of_trace(trace.header)
     given = {
         "model": model_name(engine_args.model),
