@@ -63,7 +63,7 @@ FULL_LOAD, QUICK_LOAD = Load(120, 6.0, 48, 128), Load(12, 6.0, 16, 128)
 MIN_BAND_STEPS, BIAS_LIMIT, COVERAGE_MIN = 20, 2.0, 95.0
 # mixed MAPE <= max(3 %, this x the trace's repeat noise), validate's `noise` (the decode
 # steps', as the decode line reads it): served mixed steps seldom repeat a shape, so their own
-# noise rests on a few steps or none (0-12 of 53-246 here), printed beside as mixed_noise
+# noise rests on a few steps or none (0 to 15 of a trace's 24-246 here), printed as mixed_noise
 MIXED_NOISE_FACTOR = 1.25
 # Floors further apart than this: the host ran at two speeds, the figures are not a result
 # (quiet spells here read 2.7-6.4 %, noisy ones 26-35 %: docs/measurements.md)
@@ -232,6 +232,7 @@ def mixed_met(pair: dict, relative: bool = False) -> bool:
 
 
 def mixed_limit(pair: dict) -> float:
+    """Issue 41's limit on a pair's mixed MAPE (MIXED_NOISE_FACTOR says which noise)."""
     return max(3.0, MIXED_NOISE_FACTOR * (pair.get("noise") or 0.0))
 
 
