@@ -195,6 +195,8 @@ def test_a_mixed_points_continuation_runs_beside_the_decodes_and_its_lead_runs_a
     # the lead step holds the shot alone; its timed step the three shadows one token each beside it
     lead = (prefill_b, prefill_b * BLOCK_SIZE, 32 - prefill_b * BLOCK_SIZE, 0, 0, 0, 0)
     assert shots == [lead, (0, 0, 0, prefill_b, 40, 32, 3)] * (1 + STEPS)
+    # no gap step (the shadows alone) before a continuation's shots: its lead step runs there
+    assert (0, 0, 0, 0, 0, 0, 3) not in steps[steps.index(lead) :]
     assert row.samples == pytest.approx([FORWARD_PER_TOKEN * (3 + 40)] * STEPS)
 
 

@@ -283,9 +283,10 @@ def _hybrid(tmp_path, cls=KvWarmScheduler, num_blocks=192):
     "cls, batch_queue", [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)], ids=["sync", "async-batch-queue"]
 )
 def test_an_exact_state_mixed_points_decode_part_borrows_from_parked_catch_ups(tmp_path, cls, batch_queue):
-    """Exact state, as this build decides it: the decode part's shadows at contexts 99 (one
-    short of 100) borrow from catch-ups that find the chain's state at the boundary 96 and
-    compute 3 tokens, parked there (never decoded), before any shot; every shot's step holds
+    """Exact state, as this build decides it: the decode part's shadows at contexts 98 (one
+    short of 100, and one for the gap step before the first timed shot) borrow from catch-ups
+    that find the chain's state at the boundary 96 and compute 2 tokens, parked there (never
+    decoded), before any shot; every shot's step holds
     the two shadows at one token and the shot (24 new tokens on a hit of 64: within a state
     block, since vLLM's align mode stops a prefill at the last boundary before the prompt's
     end); the row carries a decode row's exact-state stamps."""
@@ -312,7 +313,7 @@ def test_an_exact_state_mixed_points_decode_part_borrows_from_parked_catch_ups(t
     (row,) = sweep.rows
     assert (row.point["point_type"], row.kv_seed_regime) == ("mixed", "real_kv"), row.detail
     assert row.sample_reasons == ["prefill_real_seed", "kvwarm_real_kv", "kvwarm_state_exact", "kvwarm_state_depth=100"]
-    assert sorted(n for _, n in catchups) == [3, 3]  # once each, from the boundary 96: never decoded
+    assert sorted(n for _, n in catchups) == [2, 2]  # once each, from the boundary 96: never decoded
     assert [_composition(o) for o in outputs if _composition(o)[2]] == [(2, [1], 1, 24, 64, 0)] * (1 + STEPS)
     first_shot = next(i for i, o in enumerate(outputs) if _composition(o)[2])
     assert all(not any("catchup" in r for r in o.num_scheduled_tokens) for o in outputs[first_shot:])
@@ -346,7 +347,7 @@ def test_an_exact_mixed_point_whose_catch_ups_do_not_fit_is_skipped_by_name_and_
     real_lookup = catchups.cached_tokens
     deep = MixedPoint(DecodePoint(600, 2), PrefillPoint(24, 64, 1))
     monkeypatch.setattr(
-        catchups, "cached_tokens", lambda kvm, r: 0 if r.num_prompt_tokens == 299 else real_lookup(kvm, r)
+        catchups, "cached_tokens", lambda kvm, r: 0 if r.num_prompt_tokens == 298 else real_lookup(kvm, r)
     )
     meetings = []
     sweep = _sweep(

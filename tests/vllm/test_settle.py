@@ -11,7 +11,7 @@ from test_prefill import STEPS, _hashing, _run, _sweep  # noqa: F401 (_hashing: 
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep import prefill as prefill_module
-from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint
+from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint, mixed_advance, mixed_gap_steps
 from vllm.kvwarm.sweep.settings import SETTLE_ENV, SettingsError, read_settings
 
 SETTLE = 2
@@ -69,10 +69,26 @@ def test_a_mixed_points_decode_part_reaches_its_k_at_the_first_timed_shot(tmp_pa
     rows, outputs = _measure(tmp_path, cls, batch_queue, [point])
     (row,) = rows
     assert row.parts["decode"] == {"batch_size": 3, "total_kv_read_tokens": 90} and len(row.samples) == STEPS
-    shots = [_shadow_reads(o) for o in outputs if _shot_requests(o)]
-    # the warm shot and the settle shots beside shadows short of K, the last settle shot at K
-    # (the mixed row's decode K, as the warm shot's without settling), then the timed ones
-    assert shots == [90 + 3 * i for i in range(-SETTLE, STEPS + 1)]
+    ran = [(_shadow_reads(o), _shot_requests(o)) for o in outputs if _shadow_reads(o)]
+    first = next(i for i, (_, shot) in enumerate(ran) if shot)
+    # from the warm shot on, a token a request a step: each shot after the first follows a
+    # step of the shadows alone (a gap, as a served chunk of a new prompt follows decodes);
+    # the step before the first timed shot (the last settle shot's gap) reads the row's K
+    shots = 1 + SETTLE + STEPS
+    assert ran[first:] == [(90 + 3 * (i - 2 * SETTLE - 1), 2 * (i % 2 == 0)) for i in range(2 * shots - 1)]
+    assert ran[first + 2 * SETTLE + 1] == (90, 0)
+
+
+def test_a_gap_step_precedes_new_requests_shots_on_one_rank_only():
+    """A continuation's lead step runs where the gap would; ranks may start a point a step
+    apart, so over several a gap would put a timed shot beside another rank's decode step."""
+    new = MixedPoint(DecodePoint(90, 3), PrefillPoint(40, 0, 2))
+    continuation = MixedPoint(DecodePoint(90, 3), PrefillPoint(40, 32, 1, continuation=True))
+    assert [mixed_gap_steps(new), mixed_gap_steps(new, ranks=2), mixed_gap_steps(continuation)] == [1, 0, 0]
+    # the tokens computed before the first timed shot: the settle shots', and a gap after
+    # the warm shot and after each settle shot
+    assert [mixed_advance(new, SETTLE), mixed_advance(new, SETTLE, ranks=2)] == [2 * SETTLE + 1, SETTLE]
+    assert mixed_advance(continuation, SETTLE) == SETTLE
 
 
 def test_settle_steps_are_read_from_the_environment_and_checked():

@@ -6,21 +6,25 @@ shadows borrow from catch-ups, as a decode point's do (sweep.catchups): the cont
 prefills and parks them first and hands the runner their admission.
 
 The decode part's shadows are queued first and admitted alone (their admission step is
-scaffolding, untimed). From the next step on they decode one token a step, and each step a
-shot of the prefill part can join them: the first shot warms up, untimed, then the settle
-shots (untimed; the shadows are admitted that many tokens short), then the measured shots,
-each with fresh tails. A shot joins once the last one's requests are gone; under
-vLLM's batch queue, where they leave a step late, the step scheduled while a shot's is in
-flight runs nothing (current_ids), so every other step is empty. The shadows run enough
-steps (points.mixed_decode_steps) and are aborted when the point ends.
+scaffolding, untimed). From the next step on they decode one token a step, and shots of the
+prefill part join them: the first shot warms up, untimed, then the settle shots (untimed;
+the shadows are admitted short by the tokens they compute before the first timed shot:
+points.mixed_advance), then the measured shots, each with fresh tails. A shot joins once the
+last one's requests are gone and, for new requests, after a gap: one step of the shadows
+alone (points.mixed_gap_steps), as a served prompt's first chunk joins decodes that ran
+alone (on one rank only: ranks may start a point a step apart). Under vLLM's batch queue,
+where a step is scheduled before the last one's output is in, the step scheduled while a
+shot's or a gap's is in flight runs nothing (current_ids), so each shot's span holds its
+own step's forward. The shadows run enough steps (points.mixed_decode_steps) and are
+aborted when the point ends.
 
 A shot's step is checked to hold exactly the shadows, one token each, and the shot's B_p
 requests, N new tokens and a hit of P (else the point is skipped with the measured_*
 reason); its time is its span's forward, as a prefill shot's (sweep.timing), every sample
 kept, the upper median the row's. The shadows advance a token a step, as a decode point's
-do: the decode part's K is the one of the step before the first timed shot (the warm shot's,
-or the last settle shot's); on real KV the row
-carries the state stamps a decode row of the same shadows would (sweep.rows.state_reasons).
+do: the decode part's K is the one of the step before the first timed shot (its gap step,
+the warm shot's or the last settle shot's); on real KV the row carries the state stamps a
+decode row of the same shadows would (sweep.rows.state_reasons).
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from ..kv.injector import Admission
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .plan import PointPlan, SweepConfig, injected_contexts, settled_contexts
-from .points import MixedPoint, mixed_decode_steps
+from .points import MixedPoint, mixed_advance, mixed_decode_steps, mixed_gap_steps
 from .prefill import Shot, TailText, skipped_row, verify_step
 from .prefill_runner import Next, PrefillRunner
 from .rows import state_reasons
+
+SCHEDULING, IN_FLIGHT = "scheduling", "in flight"  # a gap step's states (MixedRunner._gap)
 
 
 class MixedRunner(PrefillRunner):
@@ -48,17 +54,23 @@ class MixedRunner(PrefillRunner):
         ids: tuple,
         drifted: set[str],
         admission: Admission | None = None,
+        ranks: int = 1,
     ):
         """`chains`: the rung's (chain i lends to decode request i and to prefix i; none on
         fake KV); `ids`: (the point's index, the sweep's number); `drifted`: the chains an
         in-place shadow has advanced (sweep.rows.state_reasons); `admission`: the decode
-        part's, where the controller made it (exact state: on the point's catch-ups)."""
+        part's, where the controller made it (exact state: on the point's catch-ups); `ranks`:
+        the data-parallel ranks measuring it (points.mixed_gap_steps)."""
         point = plan.point
         prefill_plan = PointPlan(point.prefill, plan.real)
         super().__init__(scheduler, prefill_plan, chains, tails, config.steady_steps, ids, settle=config.settle_steps)
         self.mixed_plan, self._config, self._drifted = plan, config, drifted
         self._decode_chains = chains[: point.decode.batch_size]
-        contexts = injected_contexts(point.decode, config.settle_steps)  # a token a shot: the settle shots'
+        self._gaps = mixed_gap_steps(point, ranks)
+        self._advance = mixed_advance(point, config.settle_steps, ranks)
+        self._gap_due = 0  # gap steps still to run before the next shot
+        self._gap = None  # the gap step: None, SCHEDULING (this schedule()) or IN_FLIGHT
+        contexts = injected_contexts(point.decode, self._advance)
         steps = mixed_decode_steps(config.decode_steps)
         if admission is None and plan.real:
             admission = Admission(self._decode_chains, contexts, steps, fork=config.fork, state_mode=config.state_mode)
@@ -77,8 +89,10 @@ class MixedRunner(PrefillRunner):
         alone and the shot's forward is its own step's. A continuation's lead step runs the
         shot alone (the shadows advance a token a shot, as for new requests)."""
         shot = self.shots.current
-        if self._lead_in_flight():
+        if self._lead_in_flight() or self._gap is IN_FLIGHT:
             return set()
+        if self._gap is SCHEDULING:
+            return self._shadow_ids()
         if shot is not None and not shot.done:
             if self.shots.lead and not shot.led:
                 return self._shot_ids()  # the lead step, not scheduled yet
@@ -97,7 +111,26 @@ class MixedRunner(PrefillRunner):
             return Next.DONE
         if not self.admission.shadows:
             return Next.SHOT
+        if self._gap is not None:  # scheduled, its output not in yet
+            self._gap = IN_FLIGHT
+            return Next.SHOT
+        if self._gap_due and not self.shots.finished:
+            self._gap_due -= 1
+            self._gap = SCHEDULING
+            return Next.SHOT
         return super().next_shot(scheduler)
+
+    def step(self, output, window) -> None:
+        """After a step: a shot's is checked and timed (PrefillRunner.step), and the gap
+        steps are due after it; a gap's output is in once a step ran the shadows alone."""
+        shot = self.shots.current
+        running = shot is not None and not shot.done
+        super().step(output, window)
+        if running and shot.done and self.shots.failure is None:
+            self._gap_due = self._gaps
+        scheduled = output.num_scheduled_tokens
+        if self._gap is not None and scheduled and all(i in self._shadow_ids() for i in scheduled):
+            self._gap = None
 
     def _verify(self, shot: Shot, output) -> tuple[str, str] | None:
         """The step ran every shadow, one token each, and besides them exactly the shot."""
@@ -127,7 +160,7 @@ class MixedRunner(PrefillRunner):
     def _mixed_row(self, row: PointRow) -> PointRow:
         """The prefill part's row as the step's: its totals, its parts and its regime."""
         point, config = self.mixed_plan.point, self._config
-        contexts = settled_contexts(self.admission.contexts, config.settle_steps)
+        contexts = settled_contexts(self.admission.contexts, self._advance)
         decode_k = mixed_parts(row, point, contexts)
         if row.skipped:
             return row
@@ -145,8 +178,8 @@ class MixedRunner(PrefillRunner):
 
 def mixed_parts(row: PointRow, point: MixedPoint, contexts: list[int]) -> int:
     """Make the prefill part's row (measured or skipped) the mixed step's: its type, its
-    parts and its totals; the decode part's K (at `contexts`: as admitted, plus the settle
-    shots), which is the one of the step before the first timed shot."""
+    parts and its totals; the decode part's K (at `contexts`: as admitted, plus what they
+    computed up to the step before the first timed shot: points.mixed_advance)."""
     decode_b = point.decode.batch_size
     decode_k = sum(contexts) + decode_b
     row.point_type = v.MIXED

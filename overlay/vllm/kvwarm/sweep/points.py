@@ -133,9 +133,29 @@ class MixedPoint:
 
 def mixed_decode_steps(steady_steps: int) -> int:
     """The steps a mixed point's decode requests run after their admission: one per shot
-    (the warm one and `steady_steps` measured), each possibly followed by a step without a
-    shot (under vLLM's batch queue a shot's requests leave one step late), and one more."""
+    (the warm one and `steady_steps` measured), each followed by at most one more (the
+    decode-only step before a new request's shot: mixed_gap_steps), and one more."""
     return 2 * (steady_steps + 1) + 1
+
+
+# A served chunk of a new prompt joins decodes that ran alone the step before; on the CPU
+# engine such a step ran 2-4.5 % longer than the same step right after another chunk's
+# (docs/measurements.md, "What runs before a mixed step"), so a shot follows one such step.
+MIXED_GAP_STEPS = 1
+
+
+def mixed_gap_steps(point: MixedPoint, ranks: int = 1) -> int:
+    """The decode part's steps alone before each shot after the first: none for a
+    continuation, whose lead step runs there (as a served chunk follows its prompt's last),
+    and none over several data-parallel `ranks`, which may start a point a step apart: a
+    gap would put one rank's timed shot beside another's decode-only step."""
+    return 0 if point.prefill.continuation or ranks > 1 else MIXED_GAP_STEPS
+
+
+def mixed_advance(point: MixedPoint, settle: int, ranks: int = 1) -> int:
+    """The tokens each decode request computes from the warm shot's step to the step before
+    the first timed shot (whose K the row reports): the settle shots' and the gaps'."""
+    return settle + (settle + 1) * mixed_gap_steps(point, ranks)
 
 
 def takes_tails(points: list) -> bool:

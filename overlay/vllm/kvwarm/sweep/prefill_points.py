@@ -12,7 +12,7 @@ from .catchups import CatchUps, catchup_admission, start_catchups
 from .mixed_runner import MixedRunner, skipped_mixed_row
 from .phase import Phase
 from .plan import PointPlan, injected_contexts
-from .points import mixed_decode_steps
+from .points import mixed_advance, mixed_decode_steps
 from .prefill_runner import Next, PrefillRunner
 
 
@@ -27,15 +27,18 @@ class PrefillPoints:
             chains = self._rung.chains[: decode.batch_size]
             steps = mixed_decode_steps(config.decode_steps)
             name = f"catchup{len(self.rows)}_s{self._number}"
-            self._catchups = start_catchups(
-                scheduler, plan, chains, injected_contexts(decode, config.settle_steps), steps, config, name
-            )
+            ranks = self._meetings.exchange.size
+            contexts = injected_contexts(decode, mixed_advance(plan.point, config.settle_steps, ranks))
+            self._catchups = start_catchups(scheduler, plan, chains, contexts, steps, config, name)
             self.phase = Phase.CATCHING_UP
             return
         ids = (len(self.rows), self._number)
         if plan.mixed:
             chains = self._rung.chains
-            self._prefill = MixedRunner(scheduler, plan, chains, self._tails, config, ids, self._drifted, admission)
+            ranks = self._meetings.exchange.size
+            self._prefill = MixedRunner(
+                scheduler, plan, chains, self._tails, config, ids, self._drifted, admission, ranks
+            )
         else:
             trailing = 1 if self._meetings.exchange.size > 1 else 0  # ranks a step apart (sweep.prefill_runner)
             self._prefill = PrefillRunner(
