@@ -25,7 +25,9 @@ def test_the_grid_lays_mixed_points_filling_the_chunk_budget_at_a_few_decode_bat
     tails (2 x 127 x 16), the chunk (1921) and a block (16) is 313999 tokens, 2472 per chain,
     less the steps and the admission token: 2462 per request. The chunk is 2048 - B (2047,
     2039, 1921) and a quarter step's, 512 - B (511, 503, 385); the prefix, one chunk in whole 16-token
-    blocks (2032, 2032, 1920), leaves every N its whole value (4092 - 1 - 2032 = 2059)."""
+    blocks (2032, 2032, 1920), leaves every N its whole value (4092 - 1 - 2032 = 2059). The
+    shallowest decode part is 3B: its shadows reach the first timed shot after a gap step, so
+    they are admitted at one token short of a 3-token context, less the gap's token."""
     points = mixed_grid(GRAPHS, LIMITS)
     laid = {
         (
@@ -42,7 +44,7 @@ def test_the_grid_lays_mixed_points_filling_the_chunk_budget_at_a_few_decode_bat
         (9, 9 * 4082, 2039, 503, 2032),
         (127, 127 * 2462, 1921, 385, 1920),
     ):
-        expected |= {(b, k, n, p) for k in (2 * b, deepest) for n in (chunk, quarter) for p in (0, depth)}
+        expected |= {(b, k, n, p) for k in (3 * b, deepest) for n in (chunk, quarter) for p in (0, depth)}
     assert laid == expected and len(points) == 24
     assert all(p.prefill.batch_size == 1 for p in points)
     _assert_within_the_engine(points, GRAPHS, LIMITS)

@@ -14,7 +14,9 @@ laid around the engine's CUDA-graph capture sizes (sweep.graphs), where step tim
            depth the values past what max_model_len leaves are clamped to that top.
   mixed    at a few decode batches (the decode batch axis up to max_num_seqs - 1 and
            max_num_batched_tokens - 1, thinned to the "mixed" cap without its pairs: a
-           mixed step's graph goes by its tokens), each at its ladder's ends (2B and the
+           mixed step's graph goes by its tokens), each at its ladder's ends (3B: the
+           shallowest whose shadows, admitted a token short, reach the first timed shot
+           after its gap step unclamped, sweep.points.mixed_gap_steps; and the
            deepest its requests reach over the steps they run, their chains beside a
            chunk's shot, and in exact state their catch-ups, in the pool: mixed_deepest),
            a prefill part of one request of the
@@ -43,7 +45,15 @@ from ..record.shape import GraphConfig
 from ..record.vocabulary import EXACT
 from .limits import mixed_refusal
 from .plan import CHAIN_DEPTH_MARGIN, mixed_chains
-from .points import CONTINUATION_SCHEMA, DecodePoint, MixedPoint, PointsFileError, PrefillPoint, mixed_decode_steps
+from .points import (
+    CONTINUATION_SCHEMA,
+    MIXED_GAP_STEPS,
+    DecodePoint,
+    MixedPoint,
+    PointsFileError,
+    PrefillPoint,
+    mixed_decode_steps,
+)
 
 PREFILL_BATCHES = (1, 4)
 CAPS = {"decode_batches": 12, "kv_ladder": 6, "prefill_tokens": 16, "mixed": 3}
@@ -125,8 +135,9 @@ def thin(values: list[int], pairs: set[tuple[int, int]], cap: int, fixed: set[in
         room -= len(units[pick])
 
 
-def _ladder(batch: int, deepest: int, cap: int) -> list[int]:
-    rungs = {2 * batch, deepest} | {1 << k for k in range(deepest.bit_length()) if 2 * batch < 1 << k < deepest}
+def _ladder(batch: int, deepest: int, cap: int, shallowest: int | None = None) -> list[int]:
+    low = 2 * batch if shallowest is None else shallowest
+    rungs = {low, deepest} | {1 << k for k in range(deepest.bit_length()) if low < 1 << k < deepest}
     return thin(sorted(rungs), set(), cap)
 
 
@@ -273,9 +284,10 @@ def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> li
         chunk = budget - batch
         depth = unit * (min(chunk, room // 2) // unit)
         deepest = mixed_deepest(batch, graphs, limits)
-        if deepest < 2 * batch:
+        shallowest = (2 + MIXED_GAP_STEPS) * batch  # admitted a token short, less the gap's token
+        if deepest < shallowest:
             continue
-        for k in _ladder(batch, deepest, 2):
+        for k in _ladder(batch, deepest, 2, shallowest):
             for prefix in sorted({0, depth} if depth >= unit else {0}):
                 # the chunk and a quarter step: every decode batch at the same step tokens
                 # T = N + B, the axis validate reads mixed rows along (record.predict)
