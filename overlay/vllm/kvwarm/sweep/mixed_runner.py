@@ -129,7 +129,7 @@ class MixedRunner(PrefillRunner):
         if running and shot.done and self.shots.failure is None:
             self._gap_due = self._gaps
         scheduled = output.num_scheduled_tokens
-        if self._gap is not None and scheduled and all(i in self._shadow_ids() for i in scheduled):
+        if self._gap is not None and scheduled and set(scheduled) <= self._shadow_ids():
             self._gap = None
 
     def _verify(self, shot: Shot, output) -> tuple[str, str] | None:
