@@ -50,7 +50,7 @@ from _served.floor import floor_ms, spread
 from _served.phases import compare, print_comparison
 from _served.runqueue import ENGINE_CORE, WORKER, in_words
 from _served.serving import Load, Served, serve
-from _served.tables import QUICK_CAPS, SETTLE_STEPS, TIMED_STEPS, TOPOLOGIES, sweep_table, validate
+from _served.tables import QUICK_CAPS, SETTLE_STEPS, TIMED_STEPS, TOPOLOGIES, sweep_pooled, validate
 from kvwarm_testing import tiny_models
 from kvwarm_testing.served import trace_lines
 
@@ -65,6 +65,18 @@ MIN_BAND_STEPS, BIAS_LIMIT, COVERAGE_MIN = 20, 2.0, 95.0
 # steps', as the decode line reads it): served mixed steps seldom repeat a shape, so their own
 # noise rests on a few steps or none (0 to 15 of a trace's 24-246 here), printed as mixed_noise
 MIXED_NOISE_FACTOR = 1.25
+# Sweeps pooled into each table (_served/pooled.py): one sweep's row is the host at one moment;
+# quick keeps two, so that CI runs the pooling
+SWEEPS, QUICK_SWEEPS = 3, 2
+ONE_SWEEP_KEYS = (
+    "decode_mape",
+    "decode_bias",
+    "mixed_mape",
+    "mixed_composed_mape",
+    "mixed_relative_mape",
+    "mixed_relative_bias",
+    "mixed_composed_relative_mape",
+)
 # Floors further apart than this: the host ran at two speeds, the figures are not a result
 # (quiet spells here read 2.7-6.4 %, noisy ones 26-35 %: docs/measurements.md)
 FLOOR_SPREAD_LIMIT = 10.0
@@ -103,7 +115,7 @@ def hold(name: str, table: Path, artifact: dict, served: Served, work: Path) -> 
     return {"summary": summary, "forward": forward, "bands": bands, "phases": phases, "mixed_noise_steps": noise_steps}
 
 
-def run(work: Path, topology: str) -> dict:
+def run(work: Path, topology: str, sweeps: int) -> dict:
     load = QUICK_LOAD if QUICK else FULL_LOAD
     model = tiny_models.make_tiny_qwen3_moe(work / "tiny-moe", kv_heads=8)
     dataset = tiny_models.write_sharegpt(work / "sharegpt.json", conversations=256)
@@ -127,19 +139,18 @@ def run(work: Path, topology: str) -> dict:
         )
         if served.sending != served.counted:
             raise SystemExit("the trace's steps do not add up to the server's count of engine steps")
-    result = {"runs": runs, "holds": {}, "floors": floors, "waits": {}}
+    result = {"runs": runs, "holds": {}, "floors": floors, "waits": {}, "pooling": {}}
     for warmup in (True,) if QUICK else (True, False):
         name = f"warmup-{'on' if warmup else 'off'}"
         caps = QUICK_CAPS if QUICK else None
-        floors[f"table-{name}"] = floor_ms()
-        table, artifact, waits = sweep_table(
-            runs["pinned"], model, load.budget, dataset, work / "tables" / name, warmup, topology, True, caps
+        table, artifact, waits, seen, table_floors = sweep_pooled(
+            runs["pinned"], model, load.budget, dataset, work / "tables" / name, warmup, topology, caps, sweeps
         )
-        floors[f"table-{name}-after"] = floor_ms()
-        result["waits"][name] = waits
+        floors.update({f"table-{name}-{i}": f for i, f in enumerate(table_floors, 1)})
+        result["waits"][name], result["pooling"][name] = waits[0], seen
         print(
-            f"\n== table {name}: {len(artifact['results'])} rows, swept {topology}, {SETTLE_STEPS} settle steps "
-            f"and {TIMED_STEPS} timed steps a point; while it swept: {in_words(waits)}",
+            f"\n== table {name}: {len(artifact['results'])} rows, swept {sweeps}x {topology}, {SETTLE_STEPS} settle "
+            f"steps and {TIMED_STEPS} timed steps a point; while the first swept: {in_words(waits[0])}",
             flush=True,
         )
         for served in runs.values():
@@ -155,7 +166,7 @@ def run(work: Path, topology: str) -> dict:
     return result
 
 
-def run_pairs(work: Path, topology: str, pairs: int) -> list[dict]:
+def run_pairs(work: Path, topology: str, pairs: int, sweeps: int) -> list[dict]:
     """`pairs` served runs (pinned), each followed at once by a warm-up-on table swept from its
     own trace and held against it: the host's drift over minutes (docs/measurements.md) then
     moves both halves of a pair alike, and the pairs' spread shows what one pair is worth."""
@@ -167,27 +178,40 @@ def run_pairs(work: Path, topology: str, pairs: int) -> list[dict]:
         folder = work / f"pair{number}"
         floors = {"served": floor_ms()}
         served = serve(model, dataset, folder / "pinned", load, True)
-        floors["table"] = floor_ms()
         caps = QUICK_CAPS if QUICK else None
-        table, artifact, waits = sweep_table(
-            served, model, load.budget, dataset, folder / "table", True, topology, True, caps
+        table, artifact, waits, seen, table_floors = sweep_pooled(
+            served, model, load.budget, dataset, folder / "table", True, topology, caps, sweeps
         )
-        floors["after"] = floor_ms()
-        print(f"\n== pair {number}: served: {in_words(served.runqueue)}; swept: {in_words(waits)}", flush=True)
+        floors.update({f"table-{i}": f for i, f in enumerate(table_floors, 1)})
+        swept = "; ".join(f"sweep {i}: {in_words(w)}" for i, w in enumerate(waits, 1))
+        print(f"\n== pair {number}: served: {in_words(served.runqueue)}; {swept}", flush=True)
         held = hold("warmup-on", table, artifact, served, folder)
         out.append({"pair": number, **figures(held), "mixed_steps": served.mixed, "floor_spread_pct": spread(floors)})
+        out[-1]["table_sweeps"] = sweeps
+        out[-1]["table_row_medians_spread_pct"] = seen["row_medians_spread_pct"]
         out[-1]["mixed_limit"] = mixed_limit(out[-1])
+        if sweeps > 1:  # the baseline in the same run: the first sweep alone, as a table was before
+            out[-1]["one_sweep"] = one_sweep(folder, served, out[-1]["noise"])
         out[-1]["engine_core_waiting_pct"] = {
             "served": served.runqueue.get(ENGINE_CORE, {}).get("waiting_pct"),
-            "swept": waits.get(ENGINE_CORE, {}).get("waiting_pct"),
+            "swept": [w.get(ENGINE_CORE, {}).get("waiting_pct") for w in waits],
         }
         out[-1]["main_wait_per_wake_us"] = {
-            f"{side}_{role}": seen.get(role, {}).get("main_wait_per_wake_us")
-            for side, seen in (("served", served.runqueue), ("swept", waits))
+            f"{side}_{role}": waited.get(role, {}).get("main_wait_per_wake_us")
+            for side, waited in (("served", served.runqueue), ("swept", waits[0]))
             for role in (ENGINE_CORE, WORKER)
         }
         print(f"\n== pair {number}: {json.dumps(out[-1])}", flush=True)
     return out
+
+
+def one_sweep(folder: Path, served: Served, noise: float | None) -> dict:
+    """The pair's first sweep alone held against its trace (the whole step): what one sweep's
+    rows give on the same steps as the pooled table's."""
+    print("\n== the first sweep alone", flush=True)
+    summary, _ = validate(folder / "table" / "sweep1", served.trace, folder / "validate-sweep1", served.warm_up_seconds)
+    single = {key: summary.get(key) for key in ONE_SWEEP_KEYS}
+    return {**single, "mixed_met": mixed_met({**single, "noise": noise})}
 
 
 def figures(held: dict) -> dict:
@@ -248,6 +272,7 @@ def pairs_line(pairs: list[dict]) -> dict:
         "mixed_relative_mape",
         "mixed_composed_relative_mape",
         "noise",
+        "table_row_medians_spread_pct",
     )
     spans = {}
     for key in keys:
@@ -271,6 +296,9 @@ def pairs_line(pairs: list[dict]) -> dict:
         "mixed_target": "per pair: mixed MAPE <= max(3 %, 1.25 x noise), below the composition's",
         "mixed_met": all(mixed_met(p) for p in pairs),
         "mixed_relative_met": all(mixed_met(p, relative=True) for p in pairs),
+        "mixed_met_pairs": sum(mixed_met(p) for p in pairs),
+        "mixed_relative_met_pairs": sum(mixed_met(p, relative=True) for p in pairs),
+        "one_sweep_mixed_met_pairs": sum(bool(p.get("one_sweep", {}).get("mixed_met")) for p in pairs),
         "pairs": pairs,
         "spans": spans,
         "load_average": round(os.getloadavg()[0], 2),
@@ -283,20 +311,28 @@ def main() -> None:
     p.add_argument("--topology", choices=TOPOLOGIES, default=TOPOLOGIES[0], help="where the tables' sweeps run")
     p.add_argument("--keep", help="a folder to keep the traces, tables and logs in (default: a temporary one)")
     p.add_argument("--pairs", type=int, default=0, help="N pinned served runs, each with its own table (run_pairs)")
+    p.add_argument(
+        "--sweeps",
+        type=int,
+        default=QUICK_SWEEPS if QUICK else SWEEPS,
+        help=f"sweeps pooled into each table (_served/pooled.py; default {SWEEPS}, quick {QUICK_SWEEPS})",
+    )
     args = p.parse_args()
+    if args.sweeps < 1:
+        p.error(f"--sweeps {args.sweeps}: a table needs at least one sweep; pass 1 or more")
     print(f"{release_label()}: served steps against --grid-from tables; load average {os.getloadavg()}", flush=True)
     if args.pairs:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(args.keep or tmp)
             work.mkdir(parents=True, exist_ok=True)
-            print(json.dumps(pairs_line(run_pairs(work, args.topology, args.pairs))))
+            print(json.dumps(pairs_line(run_pairs(work, args.topology, args.pairs, args.sweeps))))
         return
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-        result = run(Path(args.keep), args.topology)
+        result = run(Path(args.keep), args.topology, args.sweeps)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            result = run(Path(tmp), args.topology)
+            result = run(Path(tmp), args.topology, args.sweeps)
     main_hold = result["holds"].get(("warmup-on", "pinned"))
     summary = main_hold["summary"] if main_hold else {}
     noise = summary.get("decode_noise")
@@ -311,6 +347,8 @@ def main() -> None:
         "topology": args.topology,
         "settle_steps": SETTLE_STEPS,
         "timed_steps": TIMED_STEPS,
+        "table_sweeps": args.sweeps,
+        "table_pooling": result["pooling"],
         "load_average": round(os.getloadavg()[0], 2),
         "host_floor_ms": {k: round(v, 4) for k, v in result["floors"].items()},
         "host_floor_spread_pct": spread(result["floors"]),

@@ -28,8 +28,10 @@ from vllm.kvwarm.record.validate import ValidateError
 from vllm.kvwarm.record.validate import validate as hold_against
 from vllm.kvwarm.record.validate_output import text, write
 
+from .floor import floor_ms
 from .pinning import cores, pin_session, pinning_env
 from .pinning import placement as where
+from .pooled import pool
 from .runqueue import RunQueue
 from .serving import Served, engine_args
 
@@ -89,6 +91,31 @@ def sweep_table(
     if returncode != 0 or artifact.get("status") != "complete":
         raise SystemExit(f"the sweep for {out.name} did not complete ({returncode}); see {log}")
     return out, artifact, waits.figures()
+
+
+def sweep_pooled(
+    served: Served, model: Path, budget: int, dataset: Path, out: Path, warmup: bool, topology: str, caps, sweeps: int
+) -> tuple[Path, dict, list[dict], dict, list[float]]:
+    """`sweeps` tables of one grid swept one after another (sweep_table), pooled into one
+    (pooled.py) in out/pooled; returns its folder, its artifact, each sweep's waits for a
+    CPU, what the pooling saw, and the host's floor before each sweep and after the last."""
+    artifacts, waits, floors = [], [], []
+    for number in range(1, sweeps + 1):
+        floors.append(floor_ms())
+        _, artifact, waited = sweep_table(
+            served, model, budget, dataset, out / f"sweep{number}", warmup, topology, True, caps
+        )
+        artifacts.append(artifact)
+        waits.append(waited)
+    floors.append(floor_ms())
+    artifact, seen = pool(artifacts, out / "pooled")
+    print(
+        f"  pooled {seen['sweeps']} sweeps: {seen['rows']} rows ({seen['rows_in_every_sweep']} in every sweep); "
+        f"a row's medians across the sweeps spread {seen['row_medians_spread_pct']} % (median over rows), "
+        f"up to {seen['row_medians_spread_max_pct']} %",
+        flush=True,
+    )
+    return out / "pooled", artifact, waits, seen, floors
 
 
 def watch(process: subprocess.Popen, pin: bool, in_process: bool, timeout: float) -> int:
