@@ -121,5 +121,5 @@ wait
 [ "$DEVICE" = cuda ] && nvidia-smi >>"$WORK/nvidia-smi.txt" 2>&1
 
 run_step fidelity 300 "${STEP[@]}" fidelity  # the timing step: alone on the GPU
-run_step served 360 "${STEP[@]}" served
+run_step served 540 "${STEP[@]}" served
 finish
