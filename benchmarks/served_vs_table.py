@@ -6,7 +6,8 @@ vLLM's own load generator (`vllm.benchmarks.serve`: random and ShareGPT-format p
 Poisson arrivals, prompts longer than --max-num-batched-tokens so chunked prefill mixes
 steps); then a table is swept
 `--grid-from` the trace on the same engine arguments, with the warm-up on (real KV) and off
-(fake KV), and `validate` holds each against the trace: per step kind and KV band, coverage,
+(fake KV), each table pooled from `--sweeps` sweeps of its grid (_served/pooled.py says why),
+and `validate` holds each against the trace: per step kind and KV band, coverage,
 MAPE, P95, bias and the trace's repeat noise, on the whole step and on the forward alone,
 and the phases of matched decode steps side by side (where a gap comes from), and how long the
 engine core and the worker waited for a CPU on each side (_served/runqueue.py: contention of
@@ -30,7 +31,8 @@ at two speeds of the host (`host_comparable` false in the JSON line). The target
 decode MAPE <= max(3 %, 1.5 x the trace's repeat noise), |bias| <= 2 % in every KV band of
 20 steps or more, coverage >= 95 %. `--pairs N` instead makes N pinned served runs, each
 followed by a warm-up-on table from its own trace (run_pairs): the host drifts over minutes,
-so one pair meeting the line says little; the line gives each pair and the spans, and judges
+so one pair meeting the line says little; each pair also holds its first sweep alone against
+its trace (`one_sweep`, the baseline in the same run); the line gives each pair and the spans, and judges
 the mixed rows (issue 41) on the raw figures and with the table's level around each step
 taken out (validate's relative figures). The last line is the JSON result.
 """
@@ -43,6 +45,7 @@ import os
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from _engine import release_label  # importing it sets the engine's environment
@@ -115,8 +118,7 @@ def hold(name: str, table: Path, artifact: dict, served: Served, work: Path) -> 
     return {"summary": summary, "forward": forward, "bands": bands, "phases": phases, "mixed_noise_steps": noise_steps}
 
 
-def run(work: Path, topology: str, sweeps: int) -> dict:
-    load = QUICK_LOAD if QUICK else FULL_LOAD
+def run(work: Path, topology: str, sweeps: int, load: Load) -> dict:
     model = tiny_models.make_tiny_qwen3_moe(work / "tiny-moe", kv_heads=8)
     dataset = tiny_models.write_sharegpt(work / "sharegpt.json", conversations=256)
     runs, floors = {}, {}
@@ -166,11 +168,10 @@ def run(work: Path, topology: str, sweeps: int) -> dict:
     return result
 
 
-def run_pairs(work: Path, topology: str, pairs: int, sweeps: int) -> list[dict]:
+def run_pairs(work: Path, topology: str, pairs: int, sweeps: int, load: Load) -> list[dict]:
     """`pairs` served runs (pinned), each followed at once by a warm-up-on table swept from its
     own trace and held against it: the host's drift over minutes (docs/measurements.md) then
     moves both halves of a pair alike, and the pairs' spread shows what one pair is worth."""
-    load = QUICK_LOAD if QUICK else FULL_LOAD
     model = tiny_models.make_tiny_qwen3_moe(work / "tiny-moe", kv_heads=8)
     dataset = tiny_models.write_sharegpt(work / "sharegpt.json", conversations=256)
     out = []
@@ -187,7 +188,7 @@ def run_pairs(work: Path, topology: str, pairs: int, sweeps: int) -> list[dict]:
         print(f"\n== pair {number}: served: {in_words(served.runqueue)}; {swept}", flush=True)
         held = hold("warmup-on", table, artifact, served, folder)
         out.append({"pair": number, **figures(held), "mixed_steps": served.mixed, "floor_spread_pct": spread(floors)})
-        out[-1]["table_sweeps"] = sweeps
+        out[-1]["table_sweeps"], out[-1]["rate"] = sweeps, load.rate
         out[-1]["table_row_medians_spread_pct"] = seen["row_medians_spread_pct"]
         out[-1]["mixed_limit"] = mixed_limit(out[-1])
         if sweeps > 1:  # the baseline in the same run: the first sweep alone, as a table was before
@@ -317,22 +318,31 @@ def main() -> None:
         default=QUICK_SWEEPS if QUICK else SWEEPS,
         help=f"sweeps pooled into each table (_served/pooled.py; default {SWEEPS}, quick {QUICK_SWEEPS})",
     )
+    p.add_argument(
+        "--rate",
+        type=float,
+        help="requests per second of both loads (default 6): higher runs more decodes beside each prompt's chunk",
+    )
     args = p.parse_args()
     if args.sweeps < 1:
         p.error(f"--sweeps {args.sweeps}: a table needs at least one sweep; pass 1 or more")
+    if args.rate is not None and args.rate <= 0:
+        p.error(f"--rate {args.rate}: requests per second must be above 0")
+    load = QUICK_LOAD if QUICK else FULL_LOAD
+    load = replace(load, rate=args.rate) if args.rate else load
     print(f"{release_label()}: served steps against --grid-from tables; load average {os.getloadavg()}", flush=True)
     if args.pairs:
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(args.keep or tmp)
             work.mkdir(parents=True, exist_ok=True)
-            print(json.dumps(pairs_line(run_pairs(work, args.topology, args.pairs, args.sweeps))))
+            print(json.dumps(pairs_line(run_pairs(work, args.topology, args.pairs, args.sweeps, load))))
         return
     if args.keep:
         Path(args.keep).mkdir(parents=True, exist_ok=True)
-        result = run(Path(args.keep), args.topology, args.sweeps)
+        result = run(Path(args.keep), args.topology, args.sweeps, load)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            result = run(Path(tmp), args.topology, args.sweeps)
+            result = run(Path(tmp), args.topology, args.sweeps, load)
     main_hold = result["holds"].get(("warmup-on", "pinned"))
     summary = main_hold["summary"] if main_hold else {}
     noise = summary.get("decode_noise")
@@ -348,6 +358,7 @@ def main() -> None:
         "settle_steps": SETTLE_STEPS,
         "timed_steps": TIMED_STEPS,
         "table_sweeps": args.sweeps,
+        "rate": load.rate,
         "table_pooling": result["pooling"],
         "load_average": round(os.getloadavg()[0], 2),
         "host_floor_ms": {k: round(v, 4) for k, v in result["floors"].items()},
