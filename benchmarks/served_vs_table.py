@@ -86,7 +86,7 @@ FLOOR_SPREAD_LIMIT = 10.0
 
 
 def comparable(floors: dict[str, float]) -> bool:
-    return (spread(floors) or 0.0) <= FLOOR_SPREAD_LIMIT
+    return (spread(floors.values()) or 0.0) <= FLOOR_SPREAD_LIMIT
 
 
 def target_met(summary: dict, bands: dict) -> bool:
@@ -160,7 +160,7 @@ def run(work: Path, topology: str, sweeps: int, load: Load) -> dict:
     print(
         "\n== the host's floor (a fixed matrix product on the worker's core, ms) before and after each run: "
         + ", ".join(f"{k} {v:.4f}" for k, v in floors.items())
-        + f"; spread {spread(floors)} % ("
+        + f"; spread {spread(floors.values())} % ("
         + ("within" if comparable(floors) else "OVER")
         + f" {FLOOR_SPREAD_LIMIT:g} %: figures compare runs made at these speeds)",
         flush=True,
@@ -187,7 +187,9 @@ def run_pairs(work: Path, topology: str, pairs: int, sweeps: int, load: Load) ->
         swept = "; ".join(f"sweep {i}: {in_words(w)}" for i, w in enumerate(waits, 1))
         print(f"\n== pair {number}: served: {in_words(served.runqueue)}; {swept}", flush=True)
         held = hold("warmup-on", table, artifact, served, folder)
-        out.append({"pair": number, **figures(held), "mixed_steps": served.mixed, "floor_spread_pct": spread(floors)})
+        out.append(
+            {"pair": number, **figures(held), "mixed_steps": served.mixed, "floor_spread_pct": spread(floors.values())}
+        )
         out[-1]["table_sweeps"], out[-1]["rate"] = sweeps, load.rate
         out[-1]["table_row_medians_spread_pct"] = seen["row_medians_spread_pct"]
         out[-1]["mixed_limit"] = mixed_limit(out[-1])
@@ -362,7 +364,7 @@ def main() -> None:
         "table_pooling": result["pooling"],
         "load_average": round(os.getloadavg()[0], 2),
         "host_floor_ms": {k: round(v, 4) for k, v in result["floors"].items()},
-        "host_floor_spread_pct": spread(result["floors"]),
+        "host_floor_spread_pct": spread(result["floors"].values()),
         "host_comparable": comparable(result["floors"]),
         "engine_core_waiting_pct": {
             **{f"served_{k}": r.runqueue.get(ENGINE_CORE, {}).get("waiting_pct") for k, r in result["runs"].items()},

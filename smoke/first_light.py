@@ -191,11 +191,17 @@ def step_generate(args) -> Result:
 
 
 def _sweep(args, name: str, model: Path, dtype: str, points: dict, env: dict, extra=(), concurrent=True) -> tuple:
-    out, log = args.work / "sweeps" / name, args.work / "logs" / f"{name}.log"
     spec = args.work / f"points-{name}.json"
     spec.write_text(json.dumps({"schema_version": 1, **points}))
-    cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--points", str(spec), "--out", str(out)]
-    cmd += engine_cli(args, model, dtype, concurrent=concurrent, extra=tuple(extra))
+    cli = engine_cli(args, model, dtype, concurrent=concurrent, extra=tuple(extra))
+    return run_sweep(args, name, ["--points", str(spec), *cli], env)
+
+
+def run_sweep(args, name: str, arguments: list[str], env: dict) -> tuple:
+    """`python -m vllm.kvwarm sweep --out WORK/sweeps/NAME ARGUMENTS`, its log in
+    WORK/logs/NAME.log; returns its exit status, its artifact (None if it wrote none), the log."""
+    out, log = args.work / "sweeps" / name, args.work / "logs" / f"{name}.log"
+    cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--out", str(out), *arguments]
     env = {
         **os.environ,
         **engine_env(args.device),

@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from first_light import engine_cli, matching_adapter, models
+from first_light import engine_cli, matching_adapter, models, run_sweep
 from first_light_report import Result, engine_log_facts
 from kvwarm_testing.engine import engine_env
 
@@ -132,33 +132,17 @@ def step_served(args) -> Result:
     return _validate(args, trace, served, facts, table_cli)
 
 
-def _grid_table(args, trace: Path, cli: list[str]) -> tuple[Path, Path, int]:
-    """`python -m vllm.kvwarm sweep --grid-from TRACE` on the server's engine arguments (the
-    trace setting left out), the engine core in its own process as under the server; returns
-    the table's folder, its log and the command's exit status."""
-    out, log = args.work / "sweeps" / "served-grid", args.work / "logs" / "served-grid.log"
-    env = {
-        **os.environ,
-        **engine_env(args.device),
-        "DYN_BENCH_KV_WARMUP_DATASET": str(models(args.work)["dataset"]),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-    }
-    cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--grid-from", str(trace), "--out", str(out), *cli]
-    with log.open("w") as handle:
-        rc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
-    return out, log, rc
-
-
 def _validate(args, trace: Path, served: str, facts: dict, table_cli: list[str]) -> Result:
     traced = sorted(p for p in trace.rglob("*") if p.is_file()) if trace.exists() else []
     facts["trace_files"] = len(traced)
     if not traced:  # validate reads traces; the recorder that writes them is a separate piece
         why = f"nothing wrote a trace under additional_config {TRACE_KEY!r} (no served-step recorder in this build)"
         return Result("served", "pass", detail=f"{served}; validate not run: {why}", facts=facts)
-    table, log, rc = _grid_table(args, trace, table_cli)
-    if rc != 0 or not (table / "sweep.json").exists():
+    # the table: a --grid-from sweep on the server's engine arguments, the trace setting left out
+    rc, artifact, log = run_sweep(args, "served-grid", ["--grid-from", str(trace), *table_cli], {})
+    if rc != 0 or artifact is None:
         return Result("served", "fail", detail=f"{served}; the --grid-from table failed (exit {rc}); see {log.name}")
-    rows = json.loads((table / "sweep.json").read_text())["results"]
+    table, rows = args.work / "sweeps" / "served-grid", artifact["results"]
     facts["grid_rows"] = {
         kind: sum(r["point"]["point_type"] == kind for r in rows) for kind in ("decode", "prefill", "mixed")
     }

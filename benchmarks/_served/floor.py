@@ -49,6 +49,8 @@ def floor_ms() -> float:
     return float(done.stdout.strip().splitlines()[-1])
 
 
-def spread(floors: dict[str, float]) -> float | None:
-    """How far apart the floors are: the slowest over the fastest, less one, in percent."""
-    return round(100 * (max(floors.values()) / min(floors.values()) - 1), 2) if len(floors) > 1 else None
+def spread(values) -> float | None:
+    """How far apart the values are (floors, a row's medians): the slowest over the fastest,
+    less one, in percent; None for fewer than two."""
+    values = list(values)
+    return round(100 * (max(values) / min(values) - 1), 2) if len(values) > 1 else None

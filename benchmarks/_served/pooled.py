@@ -9,8 +9,9 @@ minute or two apart catch each row at other moments; the median of the pooled sa
 on all of them, as the served steps do. The spread of a row's medians across the sweeps is
 what one sweep's row is worth on this host: printed, and in the JSON line.
 
-A row is the results of one point, regime and sample kind over the sweeps (the grid comes from
-one trace, so the sweeps lay the same points); a point one sweep skipped pools the others'.
+A row is the results of one point over the sweeps (shape.point_key, as the data-parallel view
+keys ranks' rows; the grid comes from one trace, so the sweeps lay the same points); a point
+one sweep skipped pools the others'.
 The phases (validate's forward basis) are the median of the sweeps' phase medians.
 """
 
@@ -22,10 +23,9 @@ from pathlib import Path
 
 from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.record.artifact import results_csv
+from vllm.kvwarm.record.shape import point_key
 
-
-def _key(result: dict) -> str:
-    return json.dumps([result["point"], result["kv_seed_regime"], result.get("sample_kind"), result.get("split")])
+from .floor import spread
 
 
 def _phases(rows: list[dict]) -> dict | None:
@@ -55,26 +55,21 @@ def _pooled_row(rows: list[dict]) -> dict:
     }
 
 
-def medians_spread(rows: list[dict]) -> float | None:
-    """How far apart one row's medians are across the sweeps: slowest over fastest less one, %."""
-    medians = [r["median_seconds"] for r in rows if r.get("median_seconds")]
-    return 100 * (max(medians) / min(medians) - 1) if len(medians) > 1 else None
-
-
 def pool(artifacts: list[dict], out: Path) -> tuple[dict, dict]:
     """The first sweep's artifact with its rows pooled over `artifacts` (complete sweeps of
     one grid), written as out/sweep.json and sweep.csv; returns it and what the pooling saw:
     sweeps, rows, rows every sweep measured, the median and largest spread of a row's medians."""
     if not artifacts:
         raise ValueError("pool needs at least one sweep's artifact")
-    by_key: dict[str, list[dict]] = {}
+    by_key: dict[tuple, list[dict]] = {}
     for artifact in artifacts:
         for result in artifact["results"]:
-            by_key.setdefault(_key(result), []).append(result)
+            by_key.setdefault(point_key(result["point"]), []).append(result)
     results = [_pooled_row(rows) for rows in by_key.values()]
     measured = [r["point"] for r in results]
     skipped = [s for s in artifacts[0].get("skipped_points", []) if s["point"] not in measured]
-    spreads = [s for s in map(medians_spread, by_key.values()) if s is not None]
+    # how far apart one row's medians are across the sweeps
+    spreads = [s for s in (spread([r["median_seconds"] for r in rows]) for rows in by_key.values()) if s is not None]
     document = {**artifacts[0], "results": results, "skipped_points": skipped}
     out.mkdir(parents=True, exist_ok=True)
     (out / v.ARTIFACT).write_text(json.dumps(document, indent=1))
