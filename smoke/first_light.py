@@ -25,86 +25,17 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 import kvwarm_smoke
+from first_light_engine import engine_cli, llm_kwargs, matching_adapter, models, run_sweep
 from first_light_report import Result, engine_log_facts, loop_facts
+from first_light_served import step_served
 from kvwarm_testing.engine import engine_env
 
-MAX_MODEL_LEN = 2048
-CAPTURE_SIZES = ["1", "2", "4", "8", "16", "32"]  # a short list: capture costs seconds per size
 # (b): 8 decode points over B in {1, 4, 16}, context K/B up to 1900; 3 prefill points (N, P, B).
 DECODE_POINTS = [(256, 1), (1024, 1), (1900, 1), (1024, 4), (4096, 4), (7200, 4), (4096, 16), (16384, 16)]
 PREFILL_POINTS = kvwarm_smoke.PREFILL_POINTS
-# Several engines share the GPU at once: each asks for a slice and a fixed KV pool, so one's
-# start-up profile never sizes its cache from memory another is using.
-CONCURRENT_GPU = ["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", str(2 << 30)]
-
-
-def kit_settings(site: Path | None) -> dict:
-    path = site / "kit-settings.json" if site else None
-    if path is None or not path.is_file():
-        return {"env": {}, "engine_args": [], "additional_config": {}}
-    return json.loads(path.read_text())
-
-
-def engine_cli(args, model: Path, dtype: str, concurrent: bool = True, extra: tuple[str, ...] = ()) -> list[str]:
-    """vLLM engine arguments every step's engine shares; on CUDA the kit's settings, graphs
-    on with a short capture list, and a GPU slice where engines run side by side."""
-    settings = kit_settings(args.site)
-    cli = ["--model", str(model), "--dtype", kvwarm_smoke._dtype(args.device, dtype)]
-    cli += ["--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--enable-prefix-caching"]
-    cli += ["--max-num-seqs", "32", "--max-num-batched-tokens", "2048", *extra]
-    if args.device == "cpu":
-        cli.append("--enforce-eager")  # tiny models: compiling costs more than it saves
-    else:
-        cli += [*settings["engine_args"], "--cudagraph-capture-sizes", *CAPTURE_SIZES]
-        cli += CONCURRENT_GPU if concurrent else []
-    if settings["additional_config"]:
-        cli += ["--additional-config", json.dumps(settings["additional_config"])]
-    return cli
-
-
-def engine_args(cli: list[str]):
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = FlexibleArgumentParser()
-    EngineArgs.add_cli_args(parser)
-    return EngineArgs.from_cli_args(parser.parse_args(cli))
-
-
-def llm_kwargs(cli: list[str]) -> dict:
-    """The same arguments as LLM(...) keywords: the fields the command line changed."""
-    parsed = engine_args(cli)
-    changed = {f.name: getattr(parsed, f.name) for f in fields(parsed) if getattr(parsed, f.name) != f.default}
-    return {k: v for k, v in changed.items() if not callable(v)}
-
-
-def matching_adapter(cli: list[str]) -> str:
-    """The adapter the sweep command picks for these arguments: vLLM resolves the engine's
-    config (async scheduling: its default on CUDA, off on CPU), and the overlay's
-    sweep.loop.adapter_for names the class that serves the resolved loop."""
-    from vllm.kvwarm.sweep.loop import adapter_for
-
-    return adapter_for(engine_args(cli).create_engine_config())
-
-
-def models(work: Path) -> dict[str, Path]:
-    from kvwarm_testing import tiny_models
-
-    made = {}
-    for key, maker in (("moe", "tiny_qwen3_moe"), ("llama", "tiny_llama"), ("next", "tiny_qwen3_next")):
-        folder = work.parent / "models" / maker  # beside WORK, which a rerun empties
-        if not (folder / "config.json").exists():
-            getattr(tiny_models, f"make_{maker}")(folder)
-        made[key] = folder
-    dataset = work / "sharegpt.json"
-    if not dataset.exists():
-        tiny_models.write_sharegpt(dataset, conversations=400)
-    made["dataset"] = dataset
-    return made
 
 
 def step_info(args) -> Result:
@@ -195,25 +126,6 @@ def _sweep(args, name: str, model: Path, dtype: str, points: dict, env: dict, ex
     spec.write_text(json.dumps({"schema_version": 1, **points}))
     cli = engine_cli(args, model, dtype, concurrent=concurrent, extra=tuple(extra))
     return run_sweep(args, name, ["--points", str(spec), *cli], env)
-
-
-def run_sweep(args, name: str, arguments: list[str], env: dict) -> tuple:
-    """`python -m vllm.kvwarm sweep --out WORK/sweeps/NAME ARGUMENTS`, its log in
-    WORK/logs/NAME.log; returns its exit status, its artifact (None if it wrote none), the log."""
-    out, log = args.work / "sweeps" / name, args.work / "logs" / f"{name}.log"
-    cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--out", str(out), *arguments]
-    env = {
-        **os.environ,
-        **engine_env(args.device),
-        "DYN_BENCH_KV_WARMUP_DATASET": str(models(args.work)["dataset"]),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # the engine core in its own process, as under serve
-        **env,
-    }
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as handle:
-        rc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
-    artifact = out / "sweep.json"
-    return rc, (json.loads(artifact.read_text()) if artifact.exists() else None), log
 
 
 def step_sweep(args) -> Result:
@@ -345,8 +257,6 @@ STEPS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from first_light_served import step_served
-
     steps = {**STEPS, "served": step_served}
     p = argparse.ArgumentParser(prog="first_light.py", description=__doc__.split("\n\n")[0])
     p.add_argument("step", choices=sorted(steps))

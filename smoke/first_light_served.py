@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from first_light import engine_cli, matching_adapter, models, run_sweep
+from first_light_engine import engine_cli, matching_adapter, models, run_sweep
 from first_light_report import Result, engine_log_facts
 from kvwarm_testing.engine import engine_env
 

@@ -407,7 +407,7 @@ def _adapter(engine: dict) -> str:
     """The adapter that matches the loop vLLM resolves for these engine arguments (the
     adapter refuses the other one)."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.kvwarm.sweep.loop import adapter_for
+    from vllm.kvwarm.sweep.provenance import adapter_for
     from vllm.usage.usage_lib import UsageContext
 
     return adapter_for(EngineArgs(**engine).create_engine_config(UsageContext.LLM_CLASS))

@@ -28,7 +28,7 @@ def decode_rows(artifact: dict) -> dict[int, list[tuple[int, dict, float]]]:
     return rows
 
 
-def matched(trace, artifact: dict) -> list[tuple[object, tuple]]:  # (record.trace_steps.Step, row)
+def matched(trace, artifact: dict) -> list[tuple[object, tuple]]:  # (record.trace.steps.Step, row)
     rows, pairs = decode_rows(artifact), []
     for step in trace_lines(trace)[1]:
         b, k = step.decode_requests, step.decode_kv_tokens

@@ -1,6 +1,6 @@
 """The tables: `python -m vllm.kvwarm sweep --grid-from TRACE` on the served engine's
 arguments, with the warm-up on (real KV) and off (fake KV), each held against a trace by the
-overlay's own validate (record.validate.validate(), the code behind `python -m vllm.kvwarm
+overlay's own validate (record.validate.validation.validate(), the code behind `python -m vllm.kvwarm
 validate`; its validate.json, .csv and .png written beside the tables).
 
 Where the sweep runs (`topology`; a candidate source of the gap between a served step and a
@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 from kvwarm_testing.engine import CPU_ENGINE_ENV
-from vllm.kvwarm.record.predict import STEP
-from vllm.kvwarm.record.validate import ValidateError
-from vllm.kvwarm.record.validate import validate as hold_against
-from vllm.kvwarm.record.validate_output import text, write
+from vllm.kvwarm.record.validate.output import text, write
+from vllm.kvwarm.record.validate.predict import STEP
+from vllm.kvwarm.record.validate.validation import ValidateError
+from vllm.kvwarm.record.validate.validation import validate as hold_against
 
 from .floor import floor_ms
 from .pinning import cores, pin_session, pinning_env

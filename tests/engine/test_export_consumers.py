@@ -176,13 +176,15 @@ def made_sweep(root: Path, kinds=("decode",), dp: int = 1, skipped: bool = False
 
 
 def export_dynamo(root: Path, out: Path, kind: str | None = None) -> list[Path]:
-    from vllm.kvwarm.record.export import load_sweep, write_dynamo
+    from vllm.kvwarm.record.export.input import load_sweep
+    from vllm.kvwarm.record.export.write import write_dynamo
 
     return write_dynamo(load_sweep(root), out, kind)
 
 
 def export_profiler(root: Path, out: Path) -> list[Path]:
-    from vllm.kvwarm.record.export import load_sweep, write_profiler
+    from vllm.kvwarm.record.export.input import load_sweep
+    from vllm.kvwarm.record.export.write import write_profiler
 
     return write_profiler(load_sweep(root), out)
 
@@ -193,7 +195,7 @@ def load(paths) -> list[dict]:
 
 def sweep_rows(root: Path) -> list[list[dict]]:
     """Each rank's measured rows, from the sweep's own record."""
-    from vllm.kvwarm.record.export import load_sweep
+    from vllm.kvwarm.record.export.input import load_sweep
 
     return [a["results"] for a in load_sweep(root).ranks]
 
@@ -784,7 +786,7 @@ def feed_models(dynamo, fpms: list) -> dict:
 
 
 def test_a_traces_fpms_decode_as_the_planners_struct_and_its_models_learn_them(dynamo, tmp_path):
-    from vllm.kvwarm.record.export_fpm import write_fpm
+    from vllm.kvwarm.record.export.fpm import write_fpm
 
     path, left_out, _ = write_fpm(made_trace_lines(tmp_path / "trace"))
     fpms = check_capture(dynamo, path)

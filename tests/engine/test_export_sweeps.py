@@ -65,7 +65,7 @@ def _sweep(inputs, work: Path, points, extra_args: list[str], env: dict, command
     """The sweep command to its end, then both exports (`command`: Dynamo's through
     `python -m vllm.kvwarm export`, which imports vLLM in a process of its own, about 20 s
     on the development host; else in this process, as the same `run`)."""
-    from vllm.kvwarm.record.export import run
+    from vllm.kvwarm.record.export.command import run
 
     out, hook = work / "sweep", work / "hook" / "benchmark.json"
     hook.parent.mkdir(parents=True)
@@ -132,7 +132,7 @@ def test_a_two_rank_data_parallel_moe_sweep_exports_one_file_per_rank(inputs, tm
 def test_a_served_trace_exports_as_dynamos_fpm_capture(inputs, tmp_path):
     """The MoE served under vLLM's own load generator with the trace on, then `export --to fpm`;
     kept for the consumers' tests (their planner models learn from it)."""
-    from vllm.kvwarm.record.export import run
+    from vllm.kvwarm.record.export.command import run
 
     work = tmp_path / "served"
     trace = work / "trace"

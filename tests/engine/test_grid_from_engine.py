@@ -31,7 +31,7 @@ def served_trace(folder, model) -> None:
     import torch
     from kvwarm_testing.traces import header, step, write_trace
     from vllm.kvwarm import build_record
-    from vllm.kvwarm.sweep.engine_record import hardware
+    from vllm.kvwarm.sweep.provenance import hardware
 
     head = header(model=str(model), build=build_record(), hardware=hardware(), torch=torch.__version__)
     head["engine"] = {
@@ -59,7 +59,7 @@ def test_a_grid_from_a_trace_gives_a_table_that_covers_every_traced_step(tmp_pat
     from kvwarm_testing.engine import fp32_moe_refusal, skip_where_refused
     from kvwarm_testing.tiny_models import make_tiny_qwen3_moe, write_sharegpt
     from vllm.kvwarm.record.schema import validate as check_schema
-    from vllm.kvwarm.record.validate import validate
+    from vllm.kvwarm.record.validate.validation import validate
     from vllm.kvwarm.sweep.command import run
 
     skip_where_refused(fp32_moe_refusal())

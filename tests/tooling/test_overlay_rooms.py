@@ -79,3 +79,28 @@ def test_imports_go_from_the_adapter_to_the_sweep_to_the_kv_room_to_the_record()
             wrong = sorted(t for t in targets if room[t] not in allowed[room[name]])
             assert not wrong, f"{name} imports {wrong}"
     # (the sweep reaches the top only for the build record: vllm.kvwarm's own __init__)
+
+
+def test_the_trace_takes_only_the_provenance_of_the_sweep():
+    """served/ writes the same run record a sweep's artifact holds (sweep.provenance) and
+    nothing else of the sweep; the trace grid reads traces through record.trace alone."""
+    graph = imports()
+    served = {name: targets for name, targets in graph.items() if name.startswith(f"{PACKAGE}.served.")}
+    assert served, "no served/ module found"
+    for name, targets in served.items():
+        wrong = sorted(t for t in targets if t.startswith(f"{PACKAGE}.sweep") and t != f"{PACKAGE}.sweep.provenance")
+        assert not wrong, f"{name} imports {wrong}"
+    assert f"{PACKAGE}.sweep.provenance" in graph[f"{PACKAGE}.served.recorder"]
+    grid = graph[f"{PACKAGE}.sweep.trace_grid"]
+    assert f"{PACKAGE}.record.trace.reader" in grid
+    assert not [t for t in grid if t.startswith(f"{PACKAGE}.record.validate") and not t.endswith(".match")]
+
+
+def test_the_record_keeps_its_rooms():
+    """record/ in rooms: export/, trace/ and validate/ are packages, and no module of the record
+    is grouped by a name prefix instead (export_*, trace_*, validate_*)."""
+    record = OVERLAY / "record"
+    for room in ("export", "trace", "validate"):
+        assert (record / room / "__init__.py").is_file(), f"record/{room}/ is not a package"
+    prefixed = sorted(p.name for p in record.glob("*.py") if p.stem.startswith(("export_", "trace_", "validate_")))
+    assert not prefixed, f"modules grouped by prefix in record/: {prefixed}"

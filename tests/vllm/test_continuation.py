@@ -17,9 +17,9 @@ from test_prefill import FORWARD_PER_TOKEN, STEPS, _hashing, _run, _sweep  # noq
 from test_validate import DECODE_ROWS, PREFILL_ROWS, predictor, prefill
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX
 from vllm.kvwarm.record.artifact import PointRow
-from vllm.kvwarm.record.predict import MixedRow, read_mixed_rows
 from vllm.kvwarm.record.runs import from_artifact
-from vllm.kvwarm.record.validate import validate
+from vllm.kvwarm.record.validate.predict import MixedRow, read_mixed_rows
+from vllm.kvwarm.record.validate.validation import validate
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep import prefill as prefill_module
 from vllm.kvwarm.sweep.grid import points_file
@@ -107,7 +107,7 @@ def test_bad_continuation_entries_name_the_entry_and_the_fix(tmp_path, data, mes
 
 
 def test_the_limits_refuse_continuations_without_chunked_prefill_or_beside_other_ranks(tmp_path, monkeypatch):
-    from vllm.kvwarm.sweep import ranks
+    from vllm.kvwarm.sweep import provenance
 
     scheduler = make_scheduler(tmp_path, num_blocks=128)
     point = PrefillPoint(48, 64, 2, continuation=True)
@@ -122,7 +122,7 @@ def test_the_limits_refuse_continuations_without_chunked_prefill_or_beside_other
         PointsFileError, match="lower batch_size to 4 or start the engine with --max-num-batched-tokens 80"
     ):
         check_points([wide], small.vllm_config, small.kv_cache_manager, "points.json")
-    monkeypatch.setattr(ranks, "_launch_data_parallel_size", 2)
+    monkeypatch.setattr(provenance, "_launch_data_parallel_size", 2)
     with pytest.raises(PointsFileError, match="sweep them with --data-parallel-size 1"):
         check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
     check_points([PrefillPoint(48, 64, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")

@@ -14,13 +14,14 @@ from unittest import mock
 import numpy as np
 import pytest
 from vllm.kvwarm.__main__ import main
-from vllm.kvwarm.record import export
 from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.record.artifact import PointRow, write_artifact
 from vllm.kvwarm.record.combined import write_combined
+from vllm.kvwarm.record.export import write as export
+from vllm.kvwarm.record.export.input import ExportError, load_sweep
 from vllm.kvwarm.record.shape import GraphConfig, balanced
 from vllm.kvwarm.sweep.gc_hold import GcHold
-from vllm.kvwarm.sweep.ranks import RankLayout
+from vllm.kvwarm.sweep.provenance import RankLayout
 from vllm.kvwarm.sweep.writer import ArtifactWriter
 
 RESOLVED = {
@@ -141,7 +142,7 @@ def dp_sweep(root, rows_per_rank, **kwargs):
 
 
 def dynamo_files(root, out, kind=None):
-    return [json.loads(p.read_text()) for p in export.write_dynamo(export.load_sweep(root), out, kind)]
+    return [json.loads(p.read_text()) for p in export.write_dynamo(load_sweep(root), out, kind)]
 
 
 def test_one_file_per_rank_and_kind_named_as_dynamo_names_them(tmp_path):
@@ -453,7 +454,7 @@ def test_the_profiler_tables_hold_the_rows_in_the_profilers_units(tmp_path):
             ],
         ],
     )
-    export.write_profiler(export.load_sweep(root), tmp_path / "p")
+    export.write_profiler(load_sweep(root), tmp_path / "p")
     with np.load(tmp_path / "p" / "selected_decode_interpolation" / "raw_data.npz") as d:
         assert d["x_kv_usage"].tolist() == [1000 / 8000] and d["y_context_length"].tolist() == [250.0]
         assert d["z_itl"].tolist() == pytest.approx([12.0]) and d["max_kv_tokens"].tolist() == [8000]
@@ -522,9 +523,9 @@ def test_the_sweeps_hook_writes_every_ranks_file_from_their_final_records(tmp_pa
     write_rank(tmp_path / "s" / "dp1", [decode_row(100, 1)], rank=1, size=2, status=v.RUNNING)
     ranks = [json.loads((tmp_path / "s" / f"dp{r}" / "sweep.json").read_text()) for r in range(2)]
     assert export.write_final(tmp_path / "s", ranks, {}) == []  # not asked
-    with pytest.raises(export.ExportError, match=r"rank\(s\) \[1\] never finished their record"):
+    with pytest.raises(ExportError, match=r"rank\(s\) \[1\] never finished their record"):
         export.write_final(tmp_path / "s", ranks, environ)  # rank 1 given up on while running
-    with pytest.raises(export.ExportError, match=r"rank\(s\) \[1\] never finished"):
+    with pytest.raises(ExportError, match=r"rank\(s\) \[1\] never finished"):
         export.write_final(tmp_path / "s", [ranks[0], None], environ)  # nor one that sent nothing
     write_rank(tmp_path / "s" / "dp1", [decode_row(100, 1)], rank=1, size=2)
     ranks[1] = json.loads((tmp_path / "s" / "dp1" / "sweep.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from kvwarm_testing.recorded import made_trace, read, rotated_trace
-from vllm.kvwarm.record.export import run as export
+from vllm.kvwarm.record.export.command import run as export
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dynamo-1.6.1" / "benchmark_decode.json"
 

@@ -9,9 +9,9 @@ import json
 import pytest
 from test_export import decode_row, dp_sweep, dynamo_files, write_rank
 from vllm.kvwarm.__main__ import main
-from vllm.kvwarm.record import export
 from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.record.combined import write_combined, write_view
+from vllm.kvwarm.record.export import input as export
 
 
 def test_a_rank_folder_left_on_another_node_is_named_with_how_to_gather_it(tmp_path, capsys):

@@ -237,7 +237,7 @@ def _row_key(p) -> tuple:
 def test_a_grid_sweeps_record_names_its_points_file_by_its_path(tmp_path, monkeypatch):
     """config.points is where the generated grid was written, so the export finds the grid's
     kinds from any working directory (before the sweep has rows of them)."""
-    from vllm.kvwarm.record.export_input import SweepRecord
+    from vllm.kvwarm.record.export.input import SweepRecord
 
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"

@@ -13,8 +13,8 @@ from test_prefill import FORWARD_PER_TOKEN, STEPS, _hashing, _run, _sweep  # noq
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX
 from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.record.artifact import KvwarmMeta, build_artifact, results_csv
-from vllm.kvwarm.record.predict import MixedRow, read_mixed_rows
 from vllm.kvwarm.record.schema import validate
+from vllm.kvwarm.record.validate.predict import MixedRow, read_mixed_rows
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep import prefill as prefill_module
 from vllm.kvwarm.sweep.limits import check_points
@@ -150,10 +150,10 @@ def test_mixed_points_on_recurrent_state_pass_where_the_sweep_hands_the_state_ov
 def test_mixed_points_pass_the_checks_at_a_launched_data_parallel_size_of_two(tmp_path, monkeypatch):
     """The ranks meet at every shot of a mixed point as of a prefill point (the two-rank sweep:
     tests/engine/test_multi_rank.py), so a launch of two ranks refuses none."""
-    from vllm.kvwarm.sweep import ranks
+    from vllm.kvwarm.sweep import provenance
 
     scheduler = make_scheduler(tmp_path, num_blocks=128)
-    monkeypatch.setattr(ranks, "_launch_data_parallel_size", 2)
+    monkeypatch.setattr(provenance, "_launch_data_parallel_size", 2)
     point = MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 0, 1))
     check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
     budget = scheduler.vllm_config.scheduler_config.max_num_batched_tokens

@@ -334,8 +334,9 @@ def test_the_export_gives_the_variance_of_the_prompts_the_shots_ran(tmp_path):
     import json
     import statistics
 
-    from vllm.kvwarm.record import export
     from vllm.kvwarm.record.artifact import KvwarmMeta, build_artifact, write_artifact
+    from vllm.kvwarm.record.export.input import load_sweep
+    from vllm.kvwarm.record.export.write import write_dynamo
 
     scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
     sweep = _sweep([PrefillPoint(100, 80, 3)])
@@ -345,7 +346,7 @@ def test_the_export_gives_the_variance_of_the_prompts_the_shots_ran(tmp_path):
     ran = {statistics.pvariance([len(r.prompt_token_ids) for r in shot]) for shot in shots}
     assert len(ran) == 1  # every shot the same shape
     write_artifact(tmp_path / "s", build_artifact(sweep.rows, KvwarmMeta(), {"points": "p.json"}, "complete"))
-    (path,) = export.write_dynamo(export.load_sweep(tmp_path / "s"), tmp_path / "b.json")
+    (path,) = write_dynamo(load_sweep(tmp_path / "s"), tmp_path / "b.json")
     scheduled = json.loads(path.read_text())["results"][0]["fpms"][0]["scheduled_requests"]
     assert scheduled["var_prefill_length"] == pytest.approx(ran.pop())
 

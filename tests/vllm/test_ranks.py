@@ -18,7 +18,7 @@ from kvwarm_testing.real_kv import in_use, make_request, make_scheduler, step_sc
 from test_sweep import make_sweep
 from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.scheduler import KvWarmScheduler
-from vllm.kvwarm.sweep import ranks
+from vllm.kvwarm.sweep import provenance
 from vllm.kvwarm.sweep.exchange import make_exchange
 from vllm.kvwarm.sweep.exchange.files import FileExchange
 from vllm.kvwarm.sweep.exchange.solo import SoloExchange
@@ -210,7 +210,7 @@ def _rank_runs(
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT", str(port or free_port()))
     if timeout is not None:
         monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_TIMEOUT", str(timeout))
-    monkeypatch.setattr(ranks, "_launch_data_parallel_size", size)
+    monkeypatch.setattr(provenance, "_launch_data_parallel_size", size)
     path = tmp_path / "points.json"
     path.write_text(
         json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in points]})
@@ -495,11 +495,11 @@ def test_the_store_listens_beside_vllms_dp_master_port_or_where_the_setting_says
     )
     parallel.data_parallel_master_port = 65530
     assert store_address(parallel)[1] == 65520
-    layout = ranks.RankLayout(2, 1, 1, 1, False)
+    layout = provenance.RankLayout(2, 1, 1, 1, False)
     files = make_exchange(layout, tmp_path, parallel, read_settings({"DYN_BENCH_KV_WARMUP_RANK_SYNC": "files"}))
     assert isinstance(files, FileExchange) and files.folder.parent.name == ".kvwarm-sync"
     assert isinstance(
-        make_exchange(ranks.RankLayout(1, 0, 1, 1, False), tmp_path, parallel, read_settings({})), SoloExchange
+        make_exchange(provenance.RankLayout(1, 0, 1, 1, False), tmp_path, parallel, read_settings({})), SoloExchange
     )
 
 

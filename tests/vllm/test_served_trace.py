@@ -26,12 +26,12 @@ from kvwarm_testing.recorded import (
     serve,
     traced_scheduler,
 )
-from vllm.kvwarm.record.trace_reader import read_trace
-from vllm.kvwarm.record.validate_match import Provenance
+from vllm.kvwarm.record.trace.reader import read_trace
+from vllm.kvwarm.record.validate.match import Provenance
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.served.settings import TraceSettingsError, trace_settings
 from vllm.kvwarm.served.sink import prepare
-from vllm.kvwarm.sweep.loop import loop_record
+from vllm.kvwarm.sweep.provenance import loop_record
 
 LOOPS = [(KvWarmScheduler, False), (KvWarmAsyncScheduler, True)]
 LOOP_IDS = ["sync", "batch-queue"]
@@ -192,7 +192,7 @@ def test_the_trace_off_keeps_no_timer_and_records_nothing(tmp_path):
 
 
 def test_the_header_records_the_run_as_the_sweeps_artifact_does(tmp_path):
-    from vllm.kvwarm.sweep.engine_record import run_record
+    from vllm.kvwarm.sweep.provenance import run_record
 
     scheduler, _, out = traced_scheduler(tmp_path, KvWarmScheduler)
     scheduler.kvwarm_trace.close()

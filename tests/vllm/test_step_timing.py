@@ -17,9 +17,9 @@ from vllm.kvwarm.kv.injector import SHADOW_PREFIX
 from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep.controller import Phase, Sweep
-from vllm.kvwarm.sweep.loop import trailing_steps
 from vllm.kvwarm.sweep.plan import SweepConfig
 from vllm.kvwarm.sweep.points import DecodePoint
+from vllm.kvwarm.sweep.provenance import trailing_steps
 from vllm.kvwarm.sweep.timing import StepTimer
 
 

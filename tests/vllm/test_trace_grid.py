@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
 from kvwarm_testing.traces import header, step, write_trace
-from vllm.kvwarm.record.predict import MixedRow, Predictor
 from vllm.kvwarm.record.runs import Row
 from vllm.kvwarm.record.shape import GraphConfig
-from vllm.kvwarm.record.trace_reader import Step, Trace, TraceError
+from vllm.kvwarm.record.trace.reader import Step, Trace, TraceError
+from vllm.kvwarm.record.validate.predict import MixedRow, Predictor
 from vllm.kvwarm.sweep.grid import GridLimits, deepest_kv
 from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint
 from vllm.kvwarm.sweep.settings import SettingsError
@@ -309,7 +309,7 @@ SMALL = {"decode_batches": 3, "kv_ladder": 2, "prefill_batches": 1, "prefill_tok
 
 
 def test_a_grid_from_a_trace_sweeps_on_a_real_scheduler_and_its_table_covers_the_trace(tmp_path, monkeypatch):
-    from vllm.kvwarm.record.validate import validate
+    from vllm.kvwarm.record.validate.validation import validate
     from vllm.kvwarm.scheduler import KvWarmScheduler
     from vllm.kvwarm.sweep.points import parse_points
     from vllm.utils.hashing import sha256

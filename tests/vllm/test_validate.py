@@ -12,13 +12,13 @@ import pytest
 from kvwarm_testing.traces import HARDWARE, header, step, write_table, write_trace
 from vllm.kvwarm.record.artifact import PointRow
 from vllm.kvwarm.record.combined import write_view
-from vllm.kvwarm.record.predict import FORWARD, MixedRow, Predictor, read_mixed_rows
 from vllm.kvwarm.record.runs import from_artifact
-from vllm.kvwarm.record.trace_reader import TraceError, read_trace
-from vllm.kvwarm.record.validate import ValidateError, validate
-from vllm.kvwarm.record.validate_cli import run
-from vllm.kvwarm.record.validate_metrics import band
-from vllm.kvwarm.record.validate_output import text
+from vllm.kvwarm.record.trace.reader import TraceError, read_trace
+from vllm.kvwarm.record.validate.command import run
+from vllm.kvwarm.record.validate.metrics import band
+from vllm.kvwarm.record.validate.output import text
+from vllm.kvwarm.record.validate.predict import FORWARD, MixedRow, Predictor, read_mixed_rows
+from vllm.kvwarm.record.validate.validation import ValidateError, validate
 
 
 def phases(forward_ms: float, host_ms: float = 1.0) -> dict:

@@ -11,9 +11,9 @@ import json
 import pytest
 from kvwarm_testing.traces import step, write_table, write_trace
 from test_validate import DECODE_ROWS, PREFILL_ROWS, mixed
-from vllm.kvwarm.record.validate import ValidateError, validate
-from vllm.kvwarm.record.validate_cli import run
-from vllm.kvwarm.record.validate_output import steps_csv, text
+from vllm.kvwarm.record.validate.command import run
+from vllm.kvwarm.record.validate.output import steps_csv, text
+from vllm.kvwarm.record.validate.validation import ValidateError, validate
 
 
 def test_steps_after_a_pause_of_the_engine_are_reported_apart_from_the_others(tmp_path):

@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(argv[1:])
     if argv[:1] == ["export"]:  # its own parser: the planners' file formats
-        from vllm.kvwarm.record.export import run
+        from vllm.kvwarm.record.export.command import run
 
         return run(argv[1:])
     if argv[:1] == ["validate"]:  # its own parser: a table held against a served-step trace
-        from vllm.kvwarm.record.validate_cli import run
+        from vllm.kvwarm.record.validate.command import run
 
         return run(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m vllm.kvwarm")

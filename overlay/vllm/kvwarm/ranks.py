@@ -2,6 +2,6 @@
 `vllm.kvwarm.ranks.note_launch` (this path is part of the hook API, docs/hooks.md); the sweep
 reads it through sweep.ranks."""
 
-from .sweep.ranks import note_launch
+from .sweep.provenance import note_launch
 
 __all__ = ["note_launch"]

@@ -10,7 +10,7 @@ the async class serves (its output placeholders let a request be scheduled while
 step is in flight); the sync class there gets every other step empty, and the sweep would
 time the wrong windows. vLLM says nothing about that for a class under `vllm.`, so the
 adapter refuses a mismatch when it is built (AdapterMismatch), naming both ways out;
-sweep.loop.adapter_for names the class that matches a resolved config (the sweep command
+sweep.provenance.adapter_for names the class that matches a resolved config (the sweep command
 uses it).
 
 With nothing queued it schedules exactly as the class it extends. With
@@ -40,7 +40,7 @@ from .kv.catchup import lone_prefill_budget
 from .kv.injector import ShadowInjector
 from .served.recorder import TraceRecorder
 from .served.settings import trace_settings
-from .sweep.loop import ASYNC_ADAPTER, SYNC_ADAPTER
+from .sweep.provenance import ASYNC_ADAPTER, SYNC_ADAPTER
 from .sweep.run import CONFIG_KEY, SweepRun
 from .sweep.timing import StepTimer
 

@@ -85,7 +85,7 @@ def rank_out(out: str | Path, rank: int) -> Path:
 
 def _own_folder_per_rank(original):
     def __init__(self, scheduler, spec, environ=None):
-        from vllm.kvwarm.sweep.ranks import rank_layout
+        from vllm.kvwarm.sweep.provenance import rank_layout
 
         rank = rank_layout(scheduler.vllm_config.parallel_config).data_parallel_rank
         if isinstance(spec, dict) and "out" in spec:

@@ -83,9 +83,9 @@ def rotated_trace(tmp_path: Path, files: int, requests: int, max_tokens: int) ->
 
 
 def read(out: Path) -> tuple[dict, list]:
-    """Rank 0's header as written, and every step as validate reads it (record.trace_reader's
+    """Rank 0's header as written, and every step as validate reads it (record.trace.reader's
     Steps: the raw numbers composed); no steps where the recorder wrote none."""
-    from vllm.kvwarm.record.trace_reader import read_trace
+    from vllm.kvwarm.record.trace.reader import read_trace
 
     lines = (out / "trace-dp0.jsonl").read_text().splitlines()
     return json.loads(lines[0]), (read_trace(out).steps if len(lines) > 1 else [])

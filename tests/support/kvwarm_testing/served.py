@@ -115,9 +115,9 @@ def metric(server_url: str, name: str) -> float:
 
 
 def trace_lines(folder: Path, rank: int = 0) -> tuple[dict, list]:
-    """A rank's header as written and its steps as validate reads them (record.trace_reader's
+    """A rank's header as written and its steps as validate reads them (record.trace.reader's
     Steps, every file oldest first); no steps while the recorder has written none."""
-    from vllm.kvwarm.record.trace_reader import TraceError, read_trace
+    from vllm.kvwarm.record.trace.reader import TraceError, read_trace
 
     header = json.loads((folder / f"trace-dp{rank}.jsonl").read_text().splitlines()[0])
     try:

@@ -100,7 +100,7 @@ class KvwarmMeta:
     gc: dict | None = None  # the collector's policy over the sweep (sweep.gc_hold)
     cudagraph: dict | None = None  # the engine's CUDA-graph mode and capture sizes (sweep.graphs)
     grid: dict | None = None  # a generated grid: its points file and axes (sweep.grid)
-    engine_loop: dict | None = None  # the engine's loop and the adapter class that served it (sweep.loop)
+    engine_loop: dict | None = None  # the engine's loop and the adapter class that served it (sweep.provenance)
     exchange: dict | None = None  # how the data-parallel ranks met: exchange, address, port, port_origin
 
     @classmethod

@@ -36,7 +36,7 @@ def _read_rank(folder: Path, rank: int) -> dict | None:
 def given_up(ranks: list[dict | None], lost: dict[int, str]) -> list[dict | None]:
     """Every rank's record, where one still says running but was given up on (`lost`: the
     rank and why) as failed with why: what Dynamo's files are written from, by the sweep's
-    own hook (sweep.exchange.view) and by `export` (record.export_input) alike."""
+    own hook (sweep.exchange.view) and by `export` (record.export.input) alike."""
     return [
         {**a, "status": v.FAILED, "error": lost[r]} if a and r in lost and a.get("status") == v.RUNNING else a
         for r, a in enumerate(ranks)

@@ -151,7 +151,7 @@ def read_rows(artifact: dict, source: str) -> list[Row]:
         point = r.get("point") if isinstance(r, dict) else None
         steps = r.get("steady_seconds") if isinstance(r, dict) else None
         if isinstance(point, dict) and (point.get("point_type") == v.MIXED or is_continuation(point)):
-            continue  # a mixed or continuation row is no plain table's (record.predict reads it apart)
+            continue  # a mixed or continuation row is no plain table's (record.validate.predict reads it apart)
         if (
             not isinstance(point, dict)
             or not _count(point.get("total_kv_read_tokens"))

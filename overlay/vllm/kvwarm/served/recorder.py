@@ -28,12 +28,10 @@ from datetime import UTC, datetime
 from vllm.logger import init_logger
 
 from ..record import vocabulary as v
-from ..sweep.engine_record import run_record
-from ..sweep.loop import loop_record
-from ..sweep.ranks import rank_layout
+from ..sweep.provenance import loop_record, rank_layout, run_record
 from .settings import TraceSettings
-from .shape import graph, parts, waiting
 from .sink import line
+from .step_parts import graph, parts, waiting
 from .writer import TraceWriter
 
 logger = init_logger(__name__)

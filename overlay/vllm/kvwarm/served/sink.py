@@ -121,7 +121,7 @@ class RawSteps:
 
     def observe(self, step_parts: tuple) -> dict:
         """The line's raw fields for one step (every step passes here, traced or not, so that
-        prompt lengths are known). `step_parts`: served.shape.parts' plain data."""
+        prompt lengths are known). `step_parts`: served.step_parts.parts' plain data."""
         scheduled, new_reqs, ids, computed, resumed, produced, spec, finished, preempted = step_parts
         prompt = self._prompt
         new = []

@@ -13,7 +13,7 @@ The adapter (the scheduler class) is the one that matches the engine's loop: the
 resolves the engine's config with vLLM's own code first, then names KvWarmAsyncScheduler
 where vLLM turned async scheduling on (its default on CUDA) and KvWarmScheduler where it is
 off (the CPU platform turns it off); a --scheduler-cls given is kept, and the adapter
-refuses one that does not match (sweep.loop, vllm.kvwarm.scheduler.check_matches_loop).
+refuses one that does not match (sweep.provenance, vllm.kvwarm.scheduler.check_matches_loop).
 
 With --data-parallel-size N > 1 the engine cores always run in vLLM's own processes (one
 per rank; an in-process engine core cannot be data parallel), each rank writes OUT/dp<R>/,
@@ -123,7 +123,7 @@ def engine_config(engine_args):
     adapter that matches its loop where no --scheduler-cls was given."""
     from vllm.usage.usage_lib import UsageContext
 
-    from .loop import adapter_for
+    from .provenance import adapter_for
 
     vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     scheduler_config = vllm_config.scheduler_config

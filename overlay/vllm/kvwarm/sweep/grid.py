@@ -290,7 +290,7 @@ def mixed_grid(graphs: GraphConfig, limits: GridLimits, caps: dict = CAPS) -> li
         for k in _ladder(batch, deepest, 2, shallowest):
             for prefix in sorted({0, depth} if depth >= unit else {0}):
                 # the chunk and a quarter step: every decode batch at the same step tokens
-                # T = N + B, the axis validate reads mixed rows along (record.predict)
+                # T = N + B, the axis validate reads mixed rows along (record.validate.predict)
                 for n in sorted({min(n, room - 1 - prefix) for n in (chunk, budget // 4 - batch)}):
                     if n >= 1:
                         part = PrefillPoint(n, prefix, 1, limits.continuations and prefix > 0)

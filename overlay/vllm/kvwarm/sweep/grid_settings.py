@@ -19,7 +19,7 @@ class GridLaying:
     caps: dict
     axes: GraphConfig
     pool: dict  # sweep.meetings.pool_record: the ranks' smallest
-    trace: object = None  # a served-step trace (record.trace_reader.Trace) for --grid-from
+    trace: object = None  # a served-step trace (record.trace.reader.Trace) for --grid-from
     trace_caps: dict | None = None
     trace_skip_seconds: float = 0.0  # the trace's first seconds left out of it (--skip-seconds)
 

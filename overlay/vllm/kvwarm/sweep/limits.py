@@ -35,7 +35,7 @@ from ..kv.state_mode import STATE_ENV
 from ..record import vocabulary as v
 from .plan import CHAIN_DEPTH_MARGIN
 from .points import MixedPoint, PointsFileError, PrefillPoint, check_budget
-from .ranks import rank_layout
+from .provenance import rank_layout
 
 
 class SweepRefused(ValueError):

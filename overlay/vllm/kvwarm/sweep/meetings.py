@@ -80,7 +80,7 @@ def usable_blocks(kv_cache_manager) -> int:
 def pool_record(scheduler) -> dict:
     """This rank's pool, as a grid is laid in it (BODIES["grid"]): its blocks, the tokens they
     hold, the blocks usable now."""
-    from .engine_record import kv_cache_tokens
+    from .provenance import kv_cache_tokens
 
     return {
         "num_blocks": scheduler.kv_cache_config.num_blocks,

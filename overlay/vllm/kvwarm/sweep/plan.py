@@ -43,7 +43,7 @@ class SweepConfig:
     giant_kv_threshold: int = 1_000_000  # fake points below it keep the single legacy step
     gc_hold: bool = True  # keep Python's collector out of the timed steps (sweep.gc_hold)
     # Untimed decode steps after the timed ones: 1 under vLLM's batch queue, where the window
-    # of a point's last timed step holds the schedule() of the step after it (sweep.loop)
+    # of a point's last timed step holds the schedule() of the step after it (sweep.provenance)
     trailing_steps: int = 0
     # Untimed steps of a point's shape before its timed ones (settings.SETTLE_ENV): a decode
     # point's requests are admitted that many tokens short, so its timed steps read its K

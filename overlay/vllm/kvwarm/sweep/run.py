@@ -11,7 +11,7 @@ OUT/sweep.json (record.combined) on rank 0's side. A generated grid (--grid) is 
 the ranks agree on the pool (sweep.controller), the same on every rank; rank 0 writes it.
 With DYN_FPM_BENCHMARK_OUTPUT_PATH set, whichever rank ends up holding every rank's final
 artifact (rank 0 through the store, the last rank to finish through files, the only rank
-alone) writes Dynamo's self-benchmark artifact there (record.export.write_final).
+alone) writes Dynamo's self-benchmark artifact there (record.export.write.write_final).
 """
 
 from __future__ import annotations
@@ -28,23 +28,21 @@ from vllm.logger import init_logger
 from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import prefix_unit
 from ..kv.state_mode import STATE_ENV, decide_state_mode, refusal_hint
-from ..record import export
 from ..record import vocabulary as v
+from ..record.export import write as dynamo_files
 from ..record.files import write_atomically
-from ..record.trace_reader import TraceError, read_trace
+from ..record.trace.reader import TraceError, read_trace
 from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
-from .engine_record import run_record
 from .exchange import make_exchange
 from .gate import content_reason, model_gate_reason
 from .graphs import graph_config
 from .grid import GridLimits, decode_grid, mixed_grid, mixed_note, points_file, prefill_grid
 from .grid_settings import GridLaying, grid_settings, wants_grid
 from .limits import SweepRefused, check_engine, check_points
-from .loop import loop_record, trailing_steps
 from .plan import SweepConfig, SweepSetup
 from .points import DecodePoint, MixedPoint, PointsFileError, PrefillPoint, load_points, mixed_decode_steps, takes_tails
-from .ranks import rank_layout
+from .provenance import loop_record, rank_layout, run_record, trailing_steps
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
 from .trace_grid import check_engine as check_trace_engine
 from .trace_grid import skip_first, trace_grid
@@ -80,7 +78,7 @@ def read_inputs(
     A dataset problem is an error, not a reason to measure on fake KV: a mistyped path
     must not silently turn a real-KV table into a fake one. Without a points file (a
     generated grid) the points come once the engine is known. `trailing_steps`: the
-    engine loop's untimed decode steps (sweep.loop)."""
+    engine loop's untimed decode steps (sweep.provenance)."""
     environ = os.environ if environ is None else environ
     settings = read_settings(environ)
     steps = settings.point_steps + trailing_steps
@@ -178,7 +176,7 @@ class SweepRun:
         if size == 1:
             self.writer.before_final = lambda artifact: self._export_final([artifact])
         try:
-            export.remove_stale(environ, rank)  # as Dynamo does: no earlier run's file stays there
+            dynamo_files.remove_stale(environ, rank)  # as Dynamo does: no earlier run's file stays there
             settings = read_settings(environ)
             exchange = make_exchange(self.layout, spec["out"], parallel, settings, plan_inputs(spec, settings, environ))
             exchange.on_final = self._export_final
@@ -252,7 +250,7 @@ class SweepRun:
     def _setup(self, scheduler, inputs: SweepInputs, points, reason, decision, encode, trailing: int) -> SweepSetup:
         """What the sweep measures once its points are known: the content gate (enough text
         for the deepest chain), the chains' and tails' text, the config. `trailing`: the
-        engine loop's untimed decode steps (sweep.loop)."""
+        engine loop's untimed decode steps (sweep.provenance)."""
         vllm_config, settings, meta = scheduler.vllm_config, inputs.settings, self.writer.meta
         max_model_len = vllm_config.model_config.max_model_len
         self.writer.total = len(points)
@@ -383,12 +381,12 @@ class SweepRun:
 
     def _say_where_dynamo_goes(self, exchange) -> None:
         """With DYN_FPM_BENCHMARK_OUTPUT_PATH set: where Dynamo's artifact will be, and who writes it."""
-        out = self.environ.get(export.OUTPUT_ENV)
+        out = self.environ.get(dynamo_files.OUTPUT_ENV)
         if not out or self.layout.data_parallel_size == 1:
             return
         who = {"store": "rank 0, on its node, from what the ranks' store carried", "files": "the last rank to finish"}
         self.writer.progress(
-            f"{export.OUTPUT_ENV}={out}: once every rank is done, {who[exchange.kind]} writes Dynamo's artifact "
+            f"{dynamo_files.OUTPUT_ENV}={out}: once every rank is done, {who[exchange.kind]} writes Dynamo's artifact "
             "there for every rank (<stem>_dp<R> for rank R; with both kinds, both at the path and each "
             "kind at <stem>_prefill / <stem>_decode)"
         )
@@ -398,10 +396,12 @@ class SweepRun:
         (the exchange calls this on the rank that holds them all, once they are final); what
         it writes, or why it writes nothing, is logged, never raised."""
         try:
-            for path in export.write_final(self.writer.root, ranks, self.environ):
+            for path in dynamo_files.write_final(self.writer.root, ranks, self.environ):
                 self.writer.progress(f"wrote {path} (Dynamo's self-benchmark artifact)")
         except Exception as err:  # noqa: BLE001  (any failure here must not reach the engine)
-            logger.error("[kvwarm sweep] nothing written at %s: %s: %s", export.OUTPUT_ENV, type(err).__name__, err)
+            logger.error(
+                "[kvwarm sweep] nothing written at %s: %s: %s", dynamo_files.OUTPUT_ENV, type(err).__name__, err
+            )
 
 
 def plan_inputs(spec: dict, settings: Settings, environ) -> dict:

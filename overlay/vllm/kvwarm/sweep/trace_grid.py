@@ -1,6 +1,6 @@
 """The grid a sweep measures from a served-step trace (`--grid-from TRACE`, or "grid_from" in
 the sweep's config): points laid over the shapes the deployment actually ran, so that the
-table predicts every traced step without extrapolating (record.predict's coverage).
+table predicts every traced step without extrapolating (record.validate.predict's coverage).
 
   decode   the batch axis spans the traced decode batches: both ends, every decode capture
            size inside with its C + 1 (the graph boundaries, sweep.grid's pairs, never
@@ -46,8 +46,8 @@ import math
 from dataclasses import dataclass, replace
 
 from ..record.shape import GraphConfig
-from ..record.trace_reader import MIXED, Step, Trace, TraceError, read_trace
-from ..record.validate_match import Provenance, loop_refusal, match, model_name, refusal
+from ..record.trace.reader import MIXED, Step, Trace, TraceError, read_trace
+from ..record.validate.match import Provenance, loop_refusal, match, model_name, refusal
 from .grid import (
     GridLimits,
     axis,
@@ -214,7 +214,7 @@ def mixed_points(
     batches = spread([m[2] for m in found], (), 1, graphs.max_num_seqs - 1, cap)
     for i, batch in enumerate(batches):
         # The step's tokens T (its chunk and its decodes), equal across prefill batch sizes:
-        # the axis the predictor reads mixed rows along (record.predict).
+        # the axis the predictor reads mixed rows along (record.validate.predict).
         near = [(n + d, p / b / unit) for d, _, b, n, p in found if _near(batches, i, b)]
         if not near or (continuation and not _leads_fit(batch, graphs, limits)):
             continue
@@ -319,7 +319,7 @@ def ran_given(trace: Trace) -> str:
 
 def check_engine(trace: Trace, run: dict, layout: dict, model: str) -> None:
     """Once the engine is up: everything that changes a step's time equal to the trace's,
-    and the same engine loop (record.validate_match), else the sweep is refused."""
+    and the same engine loop (record.validate.match), else the sweep is refused."""
     engine = Provenance.of_artifact(
         {"config": {"model": model, "engine_args": run.get("engine_args")}, "layout": layout, **run}
     )

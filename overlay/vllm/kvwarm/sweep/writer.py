@@ -22,7 +22,7 @@ from vllm.logger import init_logger
 
 from ..record import vocabulary as v
 from ..record.artifact import KvwarmMeta, PointRow, build_artifact, utc_now, write_artifact
-from .ranks import RankLayout
+from .provenance import RankLayout
 from .rows import NOISY_SPREAD
 
 logger = init_logger(__name__)

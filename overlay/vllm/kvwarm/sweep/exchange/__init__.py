@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..ranks import RankLayout
+from ..provenance import RankLayout
 from ..settings import Settings
 from . import store
 from .files import FileExchange

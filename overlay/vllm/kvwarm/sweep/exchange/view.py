@@ -186,7 +186,7 @@ class CombinedView:
     def _hand_over(self, ranks: list[dict | None], lost: dict[int, str]) -> None:
         """Every rank's final record to `on_final`; a rank given up on while its own record
         still says running goes as failed with the reason, as the final view counts it (and as
-        `export` from the command line reads it: record.export_input)."""
+        `export` from the command line reads it: record.export.input)."""
         callback = self.exchange.on_final
         if callback is None:
             return

@@ -1,11 +1,11 @@
 """`python -m vllm.kvwarm validate TABLE TRACE [--out DIR] [--json] [--basis step|forward]
 [--allow-loop-mismatch] [--skip-seconds S]`: every step of a served-step trace predicted from
-a sweep's table (record.predict), and how far off the table is per step kind and KV-depth
-band, beside the trace's own repeat noise (record.validate_metrics). Writes validate.json,
+a sweep's table (record.validate.predict), and how far off the table is per step kind and KV-depth
+band, beside the trace's own repeat noise (record.validate.metrics). Writes validate.json,
 validate.csv and, where matplotlib imports, validate.png (docs/validate.md).
 
 A trace and a table whose model, build, step-time engine arguments, layout or hardware
-differ are refused (record.validate_match), and so are step windows of different engine
+differ are refused (record.validate.match), and so are step windows of different engine
 loops unless --allow-loop-mismatch. Plain data: nothing here imports vLLM.
 """
 
@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from . import vocabulary as v
-from .export_input import ExportError, SweepRecord, load_sweep
-from .predict import MEASURED, MIXED, STEP, Predictor, read_continuation_rows, read_mixed_rows
-from .runs import ReportError, locate, read_rows
-from .trace_reader import KINDS, Step, Trace, TraceError, read_trace
-from .validate_match import Match, Provenance, loop_refusal, match, refusal
-from .validate_metrics import (
+from .. import vocabulary as v
+from ..export.input import ExportError, SweepRecord, load_sweep
+from ..runs import ReportError, locate, read_rows
+from ..trace.reader import KINDS, Step, Trace, TraceError, read_trace
+from .match import Match, Provenance, loop_refusal, match, refusal
+from .metrics import (
     Scored,
     by_band,
     figures,
@@ -32,6 +31,7 @@ from .validate_metrics import (
     size_split,
     steps_since_pause,
 )
+from .predict import MEASURED, MIXED, STEP, Predictor, read_continuation_rows, read_mixed_rows
 
 SPECULATIVE, UNTIMED, WARM_UP = "speculative", "untimed", "warm-up"  # why a step is left out
 
@@ -41,7 +41,7 @@ class ValidateError(ValueError):
 
 
 def load_table(arg: str) -> SweepRecord:
-    """A finished sweep's every rank (record.export_input), refusing one rank of several."""
+    """A finished sweep's every rank (record.export.input), refusing one rank of several."""
     try:
         file = locate(arg)
     except ReportError as err:

@@ -7,10 +7,10 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from . import vocabulary as v
-from .combined import given_up, rank_path
-from .runs import READS
-from .shape import point_key
+from .. import vocabulary as v
+from ..combined import given_up, rank_path
+from ..runs import READS
+from ..shape import point_key
 
 RANK_TYPES = {v.RANK, "rank"}  # ours, and the tag of schema 1 and 2
 COMBINED_TYPES = {v.COMBINED, "combined"}

@@ -12,7 +12,7 @@ Plain data: nothing here imports vLLM.
 
 from __future__ import annotations
 
-from .shape import NONE, GraphConfig, split_of
+from ..shape import NONE, GraphConfig, split_of
 
 NOT_RECORDED = "not in the sweep's record"
 NOT_DYNAMO = "not applicable: the file was exported from a kvwarm sweep, not written by Dynamo"

@@ -34,9 +34,9 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import vocabulary as v
-from .runs import Row, read_rows
-from .shape import CONTINUATION, is_continuation
+from .. import vocabulary as v
+from ..runs import Row, read_rows
+from ..shape import CONTINUATION, is_continuation
 
 STEP, FORWARD = "step", "forward"
 BASES = (STEP, FORWARD)

@@ -36,9 +36,9 @@ import statistics
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
-from . import vocabulary as v
+from .. import vocabulary as v
+from ..trace.reader import Step
 from .predict import Prediction
-from .trace_reader import Step
 
 # lower edges of the KV-depth bands, in tokens: powers of four from 1Ki
 BAND_EDGES = (0, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)

@@ -17,7 +17,7 @@ One FPM per traced step of every rank, in the order of their update ends:
                        trace's writer dropped); worker_id "" (no Dynamo runtime), dp_rank the rank
   received_at_ns       the header's started_at plus the step's `at`
 
-The trace is read by record.trace_reader, as validate reads it: a torn last line of a file is
+The trace is read by record.trace.reader, as validate reads it: a torn last line of a file is
 skipped and reported. Plain data: nothing here imports vLLM.
 """
 
@@ -27,8 +27,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from .files import write_atomically
-from .trace_reader import FILE_NAME, Step, Trace, read_trace
+from ..files import write_atomically
+from ..trace.reader import FILE_NAME, Step, Trace, read_trace
 
 FPM_VERSION = 1
 FPM_FILE = "fpm.jsonl"
@@ -89,7 +89,7 @@ def fpm_lines(trace: Trace) -> tuple[list[str], int]:
 
 def write_fpm(folder: str | Path, out: str | Path | None = None) -> tuple[Path, int, Trace]:
     """The capture file (default TRACE/fpm.jsonl); returns it, the steps left out and what
-    was read (record.trace_reader: every rank, rotated files oldest first, torn last lines
+    was read (record.trace.reader: every rank, rotated files oldest first, torn last lines
     reported)."""
     trace = read_trace(folder)
     lines, left_out = fpm_lines(trace)

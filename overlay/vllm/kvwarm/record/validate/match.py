@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import vocabulary as v
+from .. import vocabulary as v
 
 SYNC, ASYNC = v.LOOP_SYNC, v.LOOP_BATCH_QUEUE  # the engine loop (each record's engine_loop.loop)
 
@@ -81,7 +81,7 @@ def given_model(given) -> str | None:
 
 
 def loop_of(record, resolved: dict) -> str | None:
-    """The loop a record says ran: its engine_loop record (sweep.loop.loop_record) where it
+    """The loop a record says ran: its engine_loop record (sweep.provenance.loop_record) where it
     has one, else the resolved async_scheduling (the adapter runs the loop vLLM resolved)."""
     explicit = record.get("loop") if isinstance(record, dict) else None
     if explicit in v.LOOPS:

@@ -8,9 +8,9 @@ import io
 import json
 from pathlib import Path
 
-from .files import write_atomically
-from .validate import WARM_UP, Validation
-from .validate_metrics import LEVEL_STEPS, figures, relative
+from ..files import write_atomically
+from .metrics import LEVEL_STEPS, figures, relative
+from .validation import WARM_UP, Validation
 
 CSV_COLUMNS = [
     "rank",
@@ -166,7 +166,7 @@ def steps_csv(result: Validation) -> str:
 
 def write(result: Validation, out: Path) -> tuple[list[Path], str | None]:
     """validate.json, validate.csv and validate.png in `out`; the note says why no plot."""
-    from .validate_plot import plot_png
+    from .plot import plot_png
 
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "validate.json", out / "validate.csv"]

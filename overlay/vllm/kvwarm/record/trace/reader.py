@@ -1,6 +1,6 @@
 """A served-step trace read back (the recorder's format, versions 1 and 2: docs/validate.md):
 every rank's file and its rotated predecessors, oldest first, each header checked, every
-step line turned into a `Step` (record.trace_steps composes version 2's raw numbers).
+step line turned into a `Step` (record.trace.steps composes version 2's raw numbers).
 
 A torn last line (the process died mid-write) is reported, not fatal; any other line that is
 not a step is an error naming the file and the line. A trace without a single step is
@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .trace_steps import DECODE, KINDS, MIXED, PARSERS, PREFILL, Step, TraceError, parse_step
+from .steps import DECODE, KINDS, MIXED, PARSERS, PREFILL, Step, TraceError, parse_step
 
 __all__ = ["DECODE", "KINDS", "MIXED", "PREFILL", "Step", "Trace", "TraceError", "read_trace"]
 

@@ -1,7 +1,22 @@
-"""What a sweep's artifact records about the run, so that it can be reproduced and compared
-months later: the build, the engine arguments as given and as vLLM resolved them, the
-hardware and torch. Read once per run; nothing here touches a GPU (no CUDA context is made
-in the engine-core process: GPUs are listed through NVML)."""
+"""What a run records about itself, so that a table and a trace can be reproduced and held
+together months later: the build, the engine arguments as given and as vLLM resolved them, the
+hardware and torch (`run_record`), the engine loop and the adapter class that serves it
+(`loop_record`), and the data-parallel layout (`rank_layout`). The sweep's artifact and the
+served-step trace's header both write it from here; record.validate.match compares two of
+them. Read once per run; nothing here touches a GPU (no CUDA context is made in the
+engine-core process: GPUs are listed through NVML).
+
+The engine loop: vLLM settles `scheduler_config.async_scheduling` when it makes the engine's
+config (VllmConfig.__post_init__: unset means on unless an option rules it out, then the
+platform has the last word; the CPU platform turns it off). The engine core then steps through
+EngineCore.step (schedule, forward, update_from_output, one step at a time) or, with async
+scheduling on, through EngineCore.step_with_batch_queue over `max_concurrent_batches` steps
+(two): step n+1 is scheduled and submitted before step n's output is taken in. The async
+adapter serves that loop (vLLM's AsyncScheduler schedules a request again while its last step
+is in flight); the sync adapter serves the other. Under the batch queue a decode point's
+requests run one untimed step after the timed ones (trailing_steps; sweep.decode_steps says
+why).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +26,95 @@ import os
 import platform
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..kv.layout import ATTENTION, group_layouts
+from ..record import vocabulary as v
 from ..record.shape import SPLIT_SIZES
 from .graphs import split_sizes
+
+# --- the layout ---------------------------------------------------------------------------
+
+# The data-parallel size this engine process was launched with: vLLM resets a dense
+# model's ranks to DP=1 before the engine core (and the scheduler) is built, so the
+# series' hook in the engine-core launcher records it here first (docs/hooks.md).
+_launch_data_parallel_size: int | None = None
+
+
+def note_launch(data_parallel_size: int) -> None:
+    global _launch_data_parallel_size
+    _launch_data_parallel_size = int(data_parallel_size)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """The engine's parallel layout as the sweep records it."""
+
+    data_parallel_size: int
+    data_parallel_rank: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    expert_parallel: bool
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def rank_layout(parallel_config) -> RankLayout:
+    rank = getattr(parallel_config, "data_parallel_index", None)
+    if rank is None:
+        rank = parallel_config.data_parallel_rank
+    size = max(parallel_config.data_parallel_size, _launch_data_parallel_size or 1)
+    return RankLayout(
+        size,
+        int(rank),
+        parallel_config.tensor_parallel_size,
+        parallel_config.pipeline_parallel_size,
+        bool(parallel_config.enable_expert_parallel),
+    )
+
+
+# --- the engine loop ------------------------------------------------------------------------
+
+SYNC_ADAPTER = "vllm.kvwarm.scheduler.KvWarmScheduler"
+ASYNC_ADAPTER = "vllm.kvwarm.scheduler.KvWarmAsyncScheduler"
+
+
+def adapter_for(vllm_config) -> str:
+    """The adapter (its qualified class name) for the async scheduling vLLM resolved in
+    `vllm_config`."""
+    return ASYNC_ADAPTER if vllm_config.scheduler_config.async_scheduling else SYNC_ADAPTER
+
+
+def batch_queue_size(vllm_config) -> int:
+    """How many steps the engine core keeps in flight: vLLM's max_concurrent_batches (two
+    under async scheduling, else the pipeline stages); above one it steps a batch queue."""
+    return int(vllm_config.max_concurrent_batches)
+
+
+def engine_loop(vllm_config) -> str:
+    """The loop the engine core steps: one step at a time, or vLLM's batch queue."""
+    return v.LOOP_BATCH_QUEUE if batch_queue_size(vllm_config) > 1 else v.LOOP_SYNC
+
+
+def trailing_steps(vllm_config) -> int:
+    """Untimed decode steps after a point's timed ones (SweepConfig.trailing_steps)."""
+    return 1 if engine_loop(vllm_config) == v.LOOP_BATCH_QUEUE else 0
+
+
+def loop_record(scheduler) -> dict:
+    """The artifact's record of the loop a sweep ran under and the adapter that served it."""
+    vllm_config, cls = scheduler.vllm_config, type(scheduler)
+    return {
+        "loop": engine_loop(vllm_config),
+        "scheduler_cls": f"{cls.__module__}.{cls.__qualname__}",
+        "async_scheduling": bool(vllm_config.scheduler_config.async_scheduling),
+        "batch_queue_size": batch_queue_size(vllm_config),
+    }
+
+
+# --- the engine arguments, the hardware, torch -----------------------------------------------
 
 
 def resolved_engine_args(scheduler) -> dict:

@@ -3,7 +3,7 @@ point (or both kinds in one, as Dynamo's agg mode: AGG), every envelope field Dy
 self-benchmark writes (schema_version 2, artifact_type "rank"), each holding what it holds
 there (docs/export.md, field by field).
 This module is the envelope and its validity (Dynamo's formulas); the rows are
-record.export_dynamo_rows', the engine's provenance record.export_dynamo_engine's.
+record.export.dynamo_rows', the engine's provenance record.export.dynamo_engine's.
 
 What is ours and has no field of theirs goes into `kvwarm_sweep` blocks (at the top, in each
 result and in each skipped point): every timed sample, the phases, our own stamps per rank,
@@ -20,8 +20,9 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from . import vocabulary as v
-from .export_dynamo_engine import (
+from .. import vocabulary as v
+from ..shape import point_key
+from .dynamo_engine import (
     NOT_RECORDED,
     block_size,
     cudagraph_block,
@@ -31,8 +32,7 @@ from .export_dynamo_engine import (
     recorded_graphs,
     resolved_args,
 )
-from .export_dynamo_rows import NAMESPACE, KindRows, agg_rows, kind_rows
-from .shape import point_key
+from .dynamo_rows import NAMESPACE, KindRows, agg_rows, kind_rows
 
 SCHEMA_VERSION = 2  # Dynamo's artifact, not ours
 AGG = "agg"  # Dynamo's mode of a run of both kinds: the prefill points, then the decode points

@@ -19,11 +19,11 @@ import io
 import json
 from pathlib import Path
 
-from . import vocabulary as v
-from .export_dynamo_engine import resolved_args
-from .export_dynamo_rows import median, points_over_ranks
-from .export_input import ExportError
-from .files import write_atomically
+from .. import vocabulary as v
+from ..files import write_atomically
+from .dynamo_engine import resolved_args
+from .dynamo_rows import median, points_over_ranks
+from .input import ExportError
 
 PREFILL_DIR = "selected_prefill_interpolation"
 DECODE_DIR = "selected_decode_interpolation"

@@ -1,6 +1,5 @@
-"""`python -m vllm.kvwarm validate TABLE TRACE`: the command line over validate() and its
-outputs (docs/validate.md). Its own module so the outputs can import the result type without a
-cycle."""
+"""`python -m vllm.kvwarm validate TABLE TRACE`: the command line over validate()
+(record.validate.validation) and its outputs (record.validate.output); docs/validate.md."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+from .output import text, write
 from .predict import BASES, STEP
-from .validate import ValidateError, validate
-from .validate_output import text, write
+from .validation import ValidateError, validate
 
 
 def parser() -> argparse.ArgumentParser:

@@ -4,10 +4,10 @@ where it cannot be imported)."""
 
 from __future__ import annotations
 
-from .plot import png_bytes
-from .trace_reader import KINDS
-from .validate import Validation
-from .validate_metrics import BAND_EDGES
+from ..plot import png_bytes
+from ..trace.reader import KINDS
+from .metrics import BAND_EDGES
+from .validation import Validation
 
 COLOURS = {"decode": "C0", "prefill": "C1", "mixed": "C2"}
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from . import vocabulary as v
-from .shape import balanced, expected_graph, is_continuation, point_key, step_tokens
+from .. import vocabulary as v
+from ..shape import balanced, expected_graph, is_continuation, point_key, step_tokens
 
 NAMESPACE = "kvwarm_sweep"  # our blocks in Dynamo's artifact: at the top, per result, per skipped point
 FPM_VERSION = 1
