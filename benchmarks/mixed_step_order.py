@@ -1,6 +1,6 @@
 """Does what runs before a mixed step change its cost? A served prompt's first chunk joins
 decodes that ran alone the step before; a sweep's mixed shots, before the gap step
-(sweep.md#mixed-points), ran one right after another. This measures the two orders on one
+(sweep-reference.md#mixed-points), ran one right after another. This measures the two orders on one
 engine, in turns, so that the host's drift falls on both.
 
 Runs inside a release's engine venv (`nox -s bench-S -- mixed_step_order`; NEEDS_ENGINE gives

@@ -4,7 +4,7 @@ schedule() + update_from_output()); and the served-step trace's cost: the adapte
 (KvWarmScheduler) with the trace on against the adapter with it off, the same stream,
 counting the CPU time of every thread of the engine's process, and apart from it the CPU
 time of the trace's writer process (its own process, on another core: what it costs the
-host, not the step; docs/validate.md#what-the-trace-costs).
+host, not the step; docs/validate-reference.md#what-the-trace-costs).
 
 Runs inside a release venv (`nox -s bench-S -- off_path_overhead`); the stock wheel's
 venv comes from the cache (made on first use). Each side runs in its own process, the
@@ -12,7 +12,7 @@ two alternating; each run schedules the same request stream and prints its time 
 digest of what it scheduled at every step (the fastest of a few drives in that
 process). The digests must be equal (same scheduled tokens every step). Medians over the
 runs. The trace's cost is reported per step, in microseconds, and against a decode step
-of TRACE_STEP_MS (the target: within 1 % of it; docs/validate.md#what-the-trace-costs).
+of TRACE_STEP_MS (the target: within 1 % of it; docs/validate-reference.md#what-the-trace-costs).
 `--quick` (or KVWARM_BENCH_QUICK=1): 500 steps, one run per side, one drive. The last line
 is the JSON result.
 """

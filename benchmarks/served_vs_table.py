@@ -81,7 +81,7 @@ ONE_SWEEP_KEYS = (
     "mixed_composed_relative_mape",
 )
 # Floors further apart than this: the host ran at two speeds, the figures are not a result
-# (quiet spells here read 2.7-6.4 %, noisy ones 26-35 %: docs/measurements.md)
+# (quiet spells here read 2.7-6.4 %, noisy ones 26-35 %: docs/measurements/served-vs-table.md)
 FLOOR_SPREAD_LIMIT = 10.0
 
 
@@ -170,7 +170,7 @@ def run(work: Path, topology: str, sweeps: int, load: Load) -> dict:
 
 def run_pairs(work: Path, topology: str, pairs: int, sweeps: int, load: Load) -> list[dict]:
     """`pairs` served runs (pinned), each followed at once by a warm-up-on table swept from its
-    own trace and held against it: the host's drift over minutes (docs/measurements.md) then
+    own trace and held against it: the host's drift over minutes (docs/measurements/served-vs-table.md) then
     moves both halves of a pair alike, and the pairs' spread shows what one pair is worth."""
     model = tiny_models.make_tiny_qwen3_moe(work / "tiny-moe", kv_heads=8)
     dataset = tiny_models.write_sharegpt(work / "sharegpt.json", conversations=256)

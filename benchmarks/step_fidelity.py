@@ -31,7 +31,7 @@ steps (the sweep's row median), per phase the median. Per point:
   faults, preempted  per steady step, the process's minor page faults and involuntary
          context switches (getrusage), the median over measurements.
 
-What is controlled, and why (docs/measurements.md, "Paired step fidelity"): the natural side
+What is controlled, and why (docs/measurements/fidelity.md, "Paired step fidelity"): the natural side
 holds the collector as the sweep does; both sides reuse their own cached blocks from one
 measurement to the next (a natural request hits its own earlier prefill, a shadow its parked
 chain), so no measurement gets other physical blocks than the one before; the first
@@ -42,7 +42,7 @@ without its trim, tcmalloc, the KV cache on huge pages).
 
 `--quick` (or KVWARM_BENCH_QUICK=1): the dense model alone, two points, four pairs (the fewest
 that give an A/A). `--pairs N` for more pairs: on a host whose speed drifts, a point's interval
-narrows only as 1/sqrt(N) (docs/measurements.md, "What the variance is").
+narrows only as 1/sqrt(N) (docs/measurements/fidelity.md, "What the variance is").
 The last line is the JSON result.
 The pieces live in benchmarks/_fidelity/ (its docstring is the map); this script parses the
 arguments and runs them.

@@ -6,7 +6,7 @@ its command, the recorder by the trace it writes), a table swept `--grid-from` t
 the server's engine arguments (its mixed rows among them) and the trace held against it:
 per kind MAPE and bias, and the mixed steps predicted by the measured mixed rows beside the
 composition of the pure rows (issue 41's line: on the 2-core CPU host the raw figures carry
-the frontend's contention, which no table has; docs/measurements.md).
+the frontend's contention, which no table has; docs/measurements/mixed-steps.md).
 
 `python first_light_served.py bench ARGS` runs vllm.benchmarks.serve's own main with ARGS
 (the module has no __main__, and the `vllm` command reads a distribution name that a

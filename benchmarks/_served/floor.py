@@ -3,7 +3,7 @@ a tiny model's step of compute) timed on the worker's core at the engine's prior
 before and just after the served run and each table (the first third of the products left
 out: this host runs a core slower for about 100 ms after a pause). A table and a trace are
 comparable only where the host ran at one speed for both: a shared host can slow one of them
-by 20-35 % for minutes (seen here, docs/measurements.md), which no repeat inside either run
+by 20-35 % for minutes (seen here, docs/measurements/served-vs-table.md), which no repeat inside either run
 shows. The spread of these floors is printed beside the figures and in the JSON line.
 """
 

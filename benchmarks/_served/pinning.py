@@ -17,7 +17,7 @@ where is read back from /proc and printed. Unpinned: nobody is pinned or raised
 
 Pinning the engine core together with its worker on one core (this benchmark's first way)
 made the served forward 1.3-1.4x the table's: the engine core's wait for the worker took the
-worker's core (docs/measurements.md, "Served steps against tables").
+worker's core (docs/measurements/served-vs-table.md, "Served steps against tables").
 """
 
 from __future__ import annotations

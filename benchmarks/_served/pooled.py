@@ -4,7 +4,7 @@ sweeps and its median taken again.
 Why: a row's samples are a few steps in a row, about 50 ms, so its median is the host's speed
 at that moment. On the development host that speed moves 20-40 % within seconds (the floor,
 floor.py, read 0.77 and 1.11 ms three seconds apart), so single rows of one table were off by
-+36 % and -45 % against the same served steps (docs/measurements.md). Sweeps of one grid a
++36 % and -45 % against the same served steps (docs/measurements/mixed-steps.md). Sweeps of one grid a
 minute or two apart catch each row at other moments; the median of the pooled samples stands
 on all of them, as the served steps do. The spread of a row's medians across the sweeps is
 what one sweep's row is worth on this host: printed, and in the JSON line.

@@ -73,7 +73,7 @@ def every_size(url: str, model: Path, budget: int) -> None:
     """One request of each prompt length from 1 to `budget`, one at a time, one output token:
     each a step of its own token count. On the CPU engine a step pays about 2.5 ms the first
     time its process runs its count (vLLM's CPU linears have oneDNN make a kernel for it:
-    docs/measurements.md), and an engine served for hours has run every count its budget
+    docs/measurements/served-vs-table.md), and an engine served for hours has run every count its budget
     allows; so has this one before its loads. No two prompts share a first token, so none
     hits the prefix cache (a hit would run fewer tokens)."""
     vocab = json.loads((model / "tokenizer.json").read_text())["model"]["vocab"]

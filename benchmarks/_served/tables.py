@@ -39,7 +39,7 @@ TOPOLOGIES = ("in-process", "served")
 # Untimed steps of each point's shape before its timed ones (DYN_BENCH_KV_WARMUP_SETTLE_STEPS):
 # on the development host a point's first steps after the sweep's pause between points ran
 # 1.36x the served steady steps of the same shape, its 5th-15th 1.15x, from the 20th on 1.03x
-# (docs/measurements.md, "Settle steps and the first steps after a pause"): a served step under
+# (docs/measurements/served-vs-table.md, "Settle steps and the first steps after a pause"): a served step under
 # load follows others without a pause. And 7 timed steps a point (DYN_BENCH_GIANT_KV_REPEATS)
 # rather than 3: a row's median then stands less on one of this host's slow spells.
 SETTLE_STEPS, TIMED_STEPS = 24, 7

@@ -727,7 +727,7 @@ def test_the_decode_model_fit_on_a_real_sweep_predicts_its_points_within_the_swe
 
 # --- a served-step trace as Dynamo's forward-pass metrics capture ---------------------------
 def made_trace_lines(root: Path) -> Path:
-    """A two-rank trace in the recorder's format (docs/validate.md#the-trace), written here:
+    """A two-rank trace in the recorder's format (docs/validate-reference.md#the-trace), written here:
     decode, prefill and mixed steps, a step after an idle wait (no wall, its span)."""
     root.mkdir(parents=True)
     for rank in range(2):

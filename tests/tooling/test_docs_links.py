@@ -1,11 +1,18 @@
-"""Every relative link in README.md and docs/*.md resolves, and so does every `docs/...` path.
+"""Every relative link in README.md and the pages under docs/ (docs/measurements/ included)
+resolves, and so does every `docs/...` path; the pages a reader starts from stay short.
 
 A link `[text](target)` (or an image, or a reference definition `[id]: target`) outside
 code is checked when its target has no scheme: the file or folder must exist inside the
 project, relative to the page that links it, and an anchor `#name` must be a heading of the
 target page (or of the page itself for a bare `#name`), spelled as GitHub spells it. A
 path that starts with `docs/` anywhere in a page, code included, is read from the project
-root and must exist. Plain text: no vLLM, no network.
+root and must exist. The same holds for a `docs/PAGE.md#anchor` cited in the project's code,
+tests and scripts (a comment or docstring that names where a behaviour is documented or
+measured). Plain text: no vLLM, no network.
+
+Short pages: README.md, the measurements index (today's figure of each topic; the history is
+one page per topic under docs/measurements/, each linked from the index) and the two guides
+(sweep.md, validate.md; their detail is in sweep-reference.md and validate-reference.md).
 
 GitHub's heading anchors: the heading's text as rendered (markup removed, code spans kept
 as written), lower-cased, every character that is not a letter, digit, underscore, space
@@ -24,6 +31,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 150
+# the pages a reader starts from, and the most lines each may have (the detail goes elsewhere)
+SHORT_PAGES = {
+    "README.md": (README_MAX_LINES, "move the detail into a page under docs/ and link it from the README's docs index"),
+    "docs/measurements.md": (150, "keep one row per topic here and the dated sections on the topic's page"),
+    "docs/sweep.md": (250, "move settings, stamps and fields into docs/sweep-reference.md and link them"),
+    "docs/validate.md": (250, "move outputs, fields, the trace's format to docs/validate-reference.md and link them"),
+}
+TOPICS = "docs/measurements"
+# where code cites the docs (this file's own examples of broken paths aside)
+CODE = ("overlay", "tooling", "tests", "smoke", "benchmarks", "noxfile.py", ".ci")
+CITATION = re.compile(r"(?<![\w./-])docs/[\w./-]+\.md(?:#[\w-]+)?")
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 CLOSING_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*")
@@ -174,7 +192,58 @@ def problems_of(page: Path, root: Path) -> list[str]:
 
 
 def pages(root: Path) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """README.md and every page under docs/, the topic pages of docs/measurements/ included."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+
+
+def too_long(root: Path, limits: dict[str, tuple[int, str]]) -> list[str]:
+    """Every short page over its limit, named with its count and where the detail goes."""
+    problems = []
+    for name, (most, fix) in limits.items():
+        count = len((root / name).read_text(encoding="utf-8").splitlines())
+        if count > most:
+            problems.append(f"{name} has {count} lines, more than {most}: {fix}")
+    return problems
+
+
+def code_files(root: Path, places: tuple[str, ...]) -> list[Path]:
+    """The Python, shell and TOML files (and scripts without a suffix) under `places`."""
+    found = []
+    for place in places:
+        path = root / place
+        found += [path] if path.is_file() else sorted(path.rglob("*"))
+    return [f for f in found if f.is_file() and f.suffix in {".py", ".sh", ".toml", ""}]
+
+
+def citations_problems(root: Path, places: tuple[str, ...]) -> list[str]:
+    """Every `docs/PAGE.md#anchor` cited in the code under `places` whose page or anchor is gone."""
+    problems = []
+    for source in code_files(root, places):
+        if source.resolve() == Path(__file__).resolve():
+            continue
+        text = source.read_text(encoding="utf-8", errors="replace")
+        for number, line in enumerate(text.splitlines(), start=1):
+            for cited in CITATION.findall(line):
+                page, _, anchor = cited.partition("#")
+                where = f"{source.relative_to(root).as_posix()}:{number}"
+                if not (root / page).is_file():
+                    problems.append(f"{where}: {page} does not exist; cite the page that holds it now")
+                elif anchor and anchor not in anchors((root / page).read_text(encoding="utf-8")):
+                    problems.append(
+                        f"{where}: no heading of {page} has the anchor #{anchor}; cite the page that holds it"
+                    )
+    return problems
+
+
+def unlinked_topics(root: Path, index: str, folder: str) -> list[str]:
+    """Every page of `folder` that the index page `index` does not link."""
+    page = root / index
+    linked = {(page.parent / unquote(t.partition("#")[0])).resolve() for _, t in links_of(page.read_text("utf-8"))}
+    return [
+        f"{topic.relative_to(root).as_posix()} is not linked from {index}: give its topic a row there"
+        for topic in sorted((root / folder).glob("*.md"))
+        if topic.resolve() not in linked
+    ]
 
 
 # --------------------------------------------------------------------------- the project's pages
@@ -186,12 +255,26 @@ def test_links_and_docs_paths_resolve(page: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_readme_is_short() -> None:
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= README_MAX_LINES, (
-        f"README.md has {len(lines)} lines, more than {README_MAX_LINES}: move the detail into a page under docs/ "
-        "and link it from the README's docs index"
-    )
+def test_topic_pages_are_checked() -> None:
+    checked = {page.relative_to(ROOT).as_posix() for page in pages(ROOT)}
+    topics = sorted((ROOT / TOPICS).glob("*.md"))
+    assert topics, f"{TOPICS}/ holds no page: the measurements' history lives there, one page per topic"
+    assert {topic.relative_to(ROOT).as_posix() for topic in topics} <= checked
+
+
+def test_docs_cited_in_code_resolve() -> None:
+    problems = citations_problems(ROOT, CODE)
+    assert not problems, "\n".join(problems)
+
+
+def test_start_pages_are_short() -> None:
+    problems = too_long(ROOT, SHORT_PAGES)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_topic_page_is_in_the_measurements_index() -> None:
+    problems = unlinked_topics(ROOT, "docs/measurements.md", TOPICS)
+    assert not problems, "\n".join(problems)
 
 
 # --------------------------------------------------------------------------- the checker itself
@@ -247,3 +330,48 @@ def test_checker_names_every_broken_link_and_docs_path(tmp_path: Path) -> None:
     assert "README.md:6: docs/also-not-checked.md does not exist" in joined
     assert "README.md:8: docs/nor-this.md does not exist" in joined
     assert problems_of(tmp_path / "docs" / "guide.md", tmp_path) == []
+
+
+def test_checker_follows_links_between_a_folder_and_its_parent(tmp_path: Path) -> None:
+    topics = tmp_path / "docs" / "measurements"
+    topics.mkdir(parents=True)
+    (tmp_path / "docs" / "measurements.md").write_text(
+        "# Measurements\n\n## The host\n\n| topic | page |\n|---|---|\n| ci | [ci](measurements/ci.md#a-run) |\n"
+    )
+    (topics / "ci.md").write_text(
+        "# CI\n\n## A run\n\nThe [host](../measurements.md#the-host), the [matrix](matrix.md#a-run) and "
+        "[disk](disk.md), [a gone host](../measurements.md#the-old-host); docs/measurements/ci.md.\n"
+    )
+    (topics / "matrix.md").write_text("# Matrix\n\n## The matrix\n")
+    problems = problems_of(topics / "ci.md", tmp_path)
+    joined = "\n".join(problems)
+    assert len(problems) == 3, joined
+    assert "no heading of docs/measurements/matrix.md has the anchor #a-run" in joined and "the-matrix" in joined
+    assert "link 'disk.md': docs/measurements/disk.md does not exist" in joined
+    assert "no heading of docs/measurements.md has the anchor #the-old-host" in joined
+    assert problems_of(tmp_path / "docs" / "measurements.md", tmp_path) == []
+    assert unlinked_topics(tmp_path, "docs/measurements.md", "docs/measurements") == [
+        "docs/measurements/matrix.md is not linked from docs/measurements.md: give its topic a row there"
+    ]
+
+
+def test_a_long_start_page_is_named_with_its_fix(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.md").write_text("# Guide\n" + "text\n" * 5)
+    (tmp_path / "docs" / "short.md").write_text("# Short\n")
+    limits = {"docs/guide.md": (5, "move the detail out"), "docs/short.md": (5, "unused")}
+    assert too_long(tmp_path, limits) == ["docs/guide.md has 6 lines, more than 5: move the detail out"]
+
+
+def test_a_moved_section_cited_in_code_is_named(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "guide.md").write_text("# Guide\n\n## Settle steps\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(
+        "# see docs/guide.md#settle-steps and docs/guide.md\n"
+        "# moved: docs/guide.md#the-trace, gone: docs/old.md#settle-steps\n"
+    )
+    assert citations_problems(tmp_path, ("pkg",)) == [
+        "pkg/mod.py:2: no heading of docs/guide.md has the anchor #the-trace; cite the page that holds it",
+        "pkg/mod.py:2: docs/old.md does not exist; cite the page that holds it now",
+    ]

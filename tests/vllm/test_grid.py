@@ -121,7 +121,7 @@ def test_a_grid_reaches_the_prompts_the_engine_takes_with_its_doubling_tail(tmp_
     the longest prompt one step takes (8191 tokens and the one it samples), with the doubling
     tail past the largest size, at every prefix depth clamped to what is left of max_model_len.
 
-    Written from the rule (docs/sweep.md, the generated grid), not by the grid's code: the
+    Written from the rule (docs/sweep-reference.md, the generated grid), not by the grid's code: the
     axis is 1, 2, 3 (the pairs 1/2 and 2/3), every size with its C + 1, the tail 1024, 2048,
     4096 and the limit 8191; cap 16 keeps the first unit, the tail and the limit (7 values)
     and fills 9 more (four pairs) in the widest log gap each time: 3..1024 -> sqrt(3 x 1024)

@@ -1,7 +1,7 @@
 """The generated grid's mixed points: laid filling the chunk budget at a few decode batches,
 each one step the engine runs and each rung within the pool, none (said why) where the engine
 cannot measure them, and the points file's schema (2 only with mixed points). Expectations
-are worked out by hand from the rule (docs/sweep.md, the generated grid)."""
+are worked out by hand from the rule (docs/sweep-reference.md, the generated grid)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint, pars
 
 
 def test_the_grid_lays_mixed_points_filling_the_chunk_budget_at_a_few_decode_batches():
-    """Written from the rule (docs/sweep.md, the generated grid), not by the grid's code. The
+    """Written from the rule (docs/sweep-reference.md, the generated grid), not by the grid's code. The
     decode part's batch axis: capture sizes with C + 1 up to 127 (max_num_seqs 128 less the
     prefill request), thinned to 3 without pairs: 1, 127 and the value nearest (in log) to
     sqrt(127) = 11.3: 9 (ln 2.20 against ln 11.3 = 2.42; 16 is ln 2.77). A mixed point's decode

@@ -2,7 +2,7 @@
 (fake KV, real schedulers stepped in turn, a real TCPStore on 127.0.0.1, each rank's OUT its
 own) completes with its combined view, and no value set on the store passes 1 MiB.
 
-Minutes of a busy two-core host (docs/measurements.md); `-m long_sweep` selects it, and
+Minutes of a busy two-core host (docs/measurements/data-parallel.md); `-m long_sweep` selects it, and
 unit-S leaves it out (the integrator runs it: `nox -s unit-S -- -m long_sweep tests/vllm`)."""
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ MIXED_STEPS = [mixed_step(4, 4 * 100, 1, 505, 0), mixed_step(20, 20 * 150, 1, 30
 
 
 def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
-    """Written from the rule (docs/sweep.md, the grid from a trace), not by the grid's code:
+    """Written from the rule (docs/sweep-reference.md, the grid from a trace), not by the grid's code:
     with the default cap of 2 each axis holds the traced ends: decode batches 4 and 20 (each
     at its own step's K: 400 and 3000), one prefill request, the steps' tokens T = N + decode
     batch 320 and 509, prefixes of 0 and 10 blocks (160 tokens), crossed: each point's N is

@@ -22,7 +22,7 @@ from .errors import BuildError
 _PRINTING = threading.Lock()
 
 # Minutes a session of each kind took per release in two lanes on two cores
-# (docs/measurements.md#the-matrix-in-two-lanes-on-an-amx-host; smoke and consumers from
+# (docs/measurements/matrix.md#the-matrix-in-two-lanes-on-an-amx-host; smoke and consumers from
 # the matrix before): the weights lanes are balanced by.
 KIND_MINUTES = {
     "image-standin": 6.0,

@@ -89,7 +89,7 @@ def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
 
 
 # The CI tiers, a property of the table (releases.toml says the same), sized to CI's hour
-# from measured sessions (docs/measurements.md): every release's series is linted and
+# from measured sessions (docs/measurements/ci.md): every release's series is linted and
 # checked against a fresh export (lint-patches). The rows with a role get their build and
 # the unit tests (with stock-check), where the overlay's probes meet their real classes: the
 # oldest and the newest row (the two ends of the series' history), the newest Dynamo pin

@@ -1,5 +1,5 @@
 """Served-step traces and sweep tables made by hand for tests: a trace folder written as the
-recorder's JSON lines (the format of docs/validate.md, version 1; plain data), and a table
+recorder's JSON lines (the format of docs/validate-reference.md, version 1; plain data), and a table
 written by the sweep's own artifact writer. Both carry the same provenance unless a test
 changes a field of one."""
 

@@ -213,7 +213,7 @@ def results_csv(results: list[dict]) -> bytes:
             "sample_reasons",
             "decode_batch_size",  # mixed rows: the decode part (the prefill part is the rest)
             "decode_kv_read_tokens",
-            "continuation",  # 1: the prefill requests were running ones (sweep.md#continuation-points)
+            "continuation",  # 1: the prefill requests were running ones (sweep-reference.md#continuation-points)
         ]
     )
     for row in results:

@@ -142,7 +142,7 @@ HOOKS_MISSING = "hooks_missing"
 STATE_MODE_UNUSABLE = "state_mode_unusable"
 STATE_MISSING = "state_missing"
 
-# --- the served-step trace (docs/validate.md#the-trace): served.recorder writes it ----------
+# --- the served-step trace (docs/validate-reference.md#the-trace): served.recorder writes it ---
 TRACE_TYPE = "kvwarm_trace"  # the header's `type`
 TRACE_SCHEMA_VERSION = 2  # 2: raw per-request numbers, composed when read (1: composed lines)
 TRACE_BASIS = "update_to_update"  # a step's `wall`: one update end to the next, as a decode row's

@@ -1,4 +1,4 @@
-"""The served-step trace (docs/validate.md#the-trace): with the adapter as the scheduler class
+"""The served-step trace (docs/validate-reference.md#the-trace): with the adapter as the scheduler class
 and the trace setting on, every step the engine runs outside a sweep is one JSON line.
 
   settings  the setting (additional_config's kvwarm_trace, or DYN_BENCH_TRACE_DIR) and its bounds

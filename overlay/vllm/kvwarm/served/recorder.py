@@ -1,5 +1,5 @@
 """The served-step trace: every step the engine runs outside a sweep, one JSON line
-(docs/validate.md#the-trace; the format's words are record.vocabulary's TRACE_*).
+(docs/validate-reference.md#the-trace; the format's words are record.vocabulary's TRACE_*).
 
 The adapter calls `scheduled()` at the end of each schedule() and `updated()` after each
 update_from_output(). In the step they take plain data (the parts of the SchedulerOutput a

@@ -7,7 +7,7 @@ DYN_BENCH_TRACE_MAX_FILE_MB and DYN_BENCH_TRACE_FILES). Where both are given the
 additional_config wins. A value that is not what it must be is a TraceSettingsError naming
 it, what it got and the fix: the engine does not start on a setting it cannot honour.
 
-Bounds: each file is closed at `max_file_mb` and rotated (docs/validate.md#the-trace); at
+Bounds: each file is closed at `max_file_mb` and rotated (docs/validate-reference.md#the-trace); at
 most `files` files per rank are kept, the oldest removed, so a rank's trace never holds
 more than about max_file_mb x files.
 """

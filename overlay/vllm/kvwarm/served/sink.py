@@ -6,7 +6,7 @@ no torch: about 12 MiB, and a start of a Python interpreter); served.writer star
 
 Why a process: in the engine's process every microsecond of Python a thread spends competes
 for the GIL with the engine's thread; here the rendering, the JSON and the writes run on
-another core (docs/validate.md#what-the-trace-costs).
+another core (docs/validate-reference.md#what-the-trace-costs).
 
 The stream: each frame is a 4-byte little-endian length and a marshal dump. The first is the
 setup (the folder, the rank, the header's line, the size cap, the files' names by rotation);
@@ -100,7 +100,7 @@ class TraceFiles:
 
 class RawSteps:
     """Turns each step's parts, in the order the engine took the steps in, into the line's
-    raw fields (docs/validate.md, "a step line"). A request's prompt length is known from the
+    raw fields (docs/validate-reference.md, "a step line"). A request's prompt length is known from the
     step that first scheduled it (the engine sends it with the request's first chunk) until
     the step that reports it finished; one never seen (its first step was dropped) follows
     vLLM's own test: an output token already, its prompt is done; none, this chunk ends what

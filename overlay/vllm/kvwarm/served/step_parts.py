@@ -1,6 +1,6 @@
 """A served step's parts as plain data (ints, strs, floats, lists, sets, dicts), taken in the
 engine's thread so that the step can be marshalled at once and nothing of vLLM's is kept
-alive after the step (docs/validate.md#what-the-trace-costs). The trace's writer process
+alive after the step (docs/validate-reference.md#what-the-trace-costs). The trace's writer process
 (served.sink) turns them into the line's raw numbers (format version 2).
 
 Only reads: the fields of the SchedulerOutput vLLM made in this step's schedule(), the

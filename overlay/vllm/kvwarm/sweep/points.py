@@ -140,7 +140,7 @@ def mixed_decode_steps(steady_steps: int) -> int:
 
 # A served chunk of a new prompt joins decodes that ran alone the step before; on the CPU
 # engine such a step ran 2-4.5 % longer than the same step right after another chunk's
-# (docs/measurements.md, "What runs before a mixed step"), so a shot follows one such step.
+# (docs/measurements/mixed-steps.md, "What runs before a mixed step"), so a shot follows one such step.
 MIXED_GAP_STEPS = 1
 
 

@@ -213,7 +213,7 @@ def _cpu_model() -> str:
 
 # How the kernel backs memory with huge pages, a host setting that can move a step's time; on
 # the development host three tables under `always` lay closer together than three under
-# `madvise`, in a spell when the host itself drifted (measurements.md): recorded, not settled
+# `madvise`, in a spell when the host itself drifted (measurements/served-vs-table.md): recorded, not settled
 HUGE_PAGES = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 

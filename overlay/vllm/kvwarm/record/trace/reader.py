@@ -1,4 +1,4 @@
-"""A served-step trace read back (the recorder's format, versions 1 and 2: docs/validate.md):
+"""A served-step trace read back (the recorder's format, versions 1 and 2: docs/validate-reference.md):
 every rank's file and its rotated predecessors, oldest first, each header checked, every
 step line turned into a `Step` (record.trace.steps composes version 2's raw numbers).
 

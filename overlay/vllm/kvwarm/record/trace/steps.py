@@ -1,7 +1,7 @@
 """A trace's step line as a `Step`: composed here from the raw numbers the recorder writes
 (format version 2), or read as composed by the recorder of version 1.
 
-Version 2's raw fields (docs/validate.md#the-trace): `new` ([prompt length, tokens computed
+Version 2's raw fields (docs/validate-reference.md#the-trace): `new` ([prompt length, tokens computed
 before, tokens scheduled] per new request), `cached` (`computed`, `scheduled`, `prompt`:
 one entry per request scheduled again), `spec` and `spec_tokens` (speculative tokens per
 cached request, where any), `resumed` (positions in `cached` of preempted requests

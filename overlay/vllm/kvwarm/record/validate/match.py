@@ -1,5 +1,5 @@
 """Whether a table may be held against a trace: the fields of their records that change a
-step's time must be equal (docs/validate.md lists them and why), and the step windows must
+step's time must be equal (docs/validate-reference.md lists them and why), and the step windows must
 come from the same engine loop.
 
 A record here is what a sweep's artifact and a trace's header share (`Provenance`): the

@@ -18,7 +18,7 @@ coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repe
             table of steps run back to back does not predict them
   first size  the steps whose token count (Step.tokens) their rank's engine runs for the first
             time in the trace: on the CPU engine such a step pays about 2.5 ms more than the
-            same count run again (its linears' kernels are made for it: docs/measurements.md);
+            same count run again (its linears' kernels are made for it: docs/measurements/served-vs-table.md);
             a sweep's warm shot runs every point's count before its timed steps, and an engine
             served for hours has run most counts its budget allows
   relative  a prefill or mixed step's error with the table's level around it taken out: its
@@ -44,11 +44,11 @@ from .predict import Prediction
 BAND_EDGES = (0, 1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20)
 SHAPE_BIN = 0.01  # token counts within 1 % of each other are the same shape for the noise
 # On the development host a served step ran 1.3x its shape's median in the first two steps
-# after a pause of the engine, 1.09x to the 9th, 1.00x from the 10th (docs/measurements.md)
+# after a pause of the engine, 1.09x to the 9th, 1.00x from the 10th (docs/measurements/served-vs-table.md)
 PAUSE_SECONDS, AFTER_PAUSE_STEPS = 0.005, 10
 # A served run and its table's sweep are minutes apart, and a host's speed can move a whole
 # table against the served steps by more than a kind's own error over minutes (on the
-# development host decode steps at 0.7x to 1.4x: docs/measurements.md); the decode steps
+# development host decode steps at 0.7x to 1.4x: docs/measurements/served-vs-table.md); the decode steps
 # around a step (a served trace is mostly decode steps) say where that level stood then
 LEVEL_STEPS, LEVEL_MIN = 50, 5
 

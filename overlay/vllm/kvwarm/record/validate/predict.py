@@ -1,4 +1,4 @@
-"""The one predictor `validate` holds a table against a trace with (docs/validate.md):
+"""The one predictor `validate` holds a table against a trace with (docs/validate-reference.md):
 
   decode   piecewise linear in K along each measured batch size B; between two measured
            batch sizes linear in B at equal context per request (the step of b requests and
@@ -18,7 +18,7 @@ Beyond the measured range on any axis the nearest segment is extended linearly (
 extrapolation at all (coverage). Rows measured twice count with their median.
 
 Continuation rows (a prefill row, or a mixed row's prefill part, whose requests were running
-ones: sweep.md#continuation-points) form surfaces of their own: a step whose every prefill
+ones: sweep-reference.md#continuation-points) form surfaces of their own: a step whose every prefill
 chunk continues its prompt is predicted from them where the table has them, else from the
 rows of new requests, as every other step is.
 

@@ -2,7 +2,7 @@
 [--allow-loop-mismatch] [--skip-seconds S]`: every step of a served-step trace predicted from
 a sweep's table (record.validate.predict), and how far off the table is per step kind and KV-depth
 band, beside the trace's own repeat noise (record.validate.metrics). Writes validate.json,
-validate.csv and, where matplotlib imports, validate.png (docs/validate.md).
+validate.csv and, where matplotlib imports, validate.png (docs/validate-reference.md).
 
 A trace and a table whose model, build, step-time engine arguments, layout or hardware
 differ are refused (record.validate.match), and so are step windows of different engine
@@ -137,7 +137,7 @@ class Validation:
         return out
 
     def summary(self) -> dict:
-        """The one-line JSON (`--json`): its keys are a contract (docs/validate.md)."""
+        """The one-line JSON (`--json`): its keys are a contract (docs/validate-reference.md)."""
         line = {"steps": len(self.scored), "coverage": figures(self.scored)["coverage"]}
         for kind in KINDS:
             f = figures(self.of_kind(kind))
