@@ -205,14 +205,8 @@ def _release_sessions(release) -> None:
             cache = project.cache_dir(Path(session.cache_dir))
             dynamo = _asked(session, sessions.dynamo_requirement, RELEASES)
             python = _asked(session, sessions.consumer_python, cache, dynamo, session.log)
-            paths = [ROOT / "overlay", TEST_SUPPORT, ROOT / "tooling"]  # plain data only: no vLLM
-            env = {
-                **_env(session),
-                "PYTHONPATH": ":".join(map(str, paths)),
-                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # the ai-dynamo wheel's pytest plugins stay out
-                **({"KVWARM_EXPORTS": str(handoff)} if handoff.is_dir() else {}),
-            }
-            args = session.posargs or ["-m", "consumers", "tests/engine/test_export_consumers.py"]
+            env = {**_env(session), **sessions.consumer_env(ROOT, TEST_SUPPORT, handoff)}
+            args = session.posargs or _asked(session, sessions.consumer_tests, ROOT)
             session.run(str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, env=env, external=True)
 
         @nox.session(name=f"smoke-cpu-{short}", tags=["smoke"], default=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 
@@ -178,6 +179,46 @@ def test_the_consumers_read_with_the_dynamo_release_the_table_names(tree):
         sessions.dynamo_requirement([plain])
     pinned = dataclasses.replace(plain, shipped_by="ai-dynamo==9.0.0")
     assert sessions.dynamo_requirement([plain, pinned]) == "ai-dynamo==9.0.0"
+
+
+def _top_level_imports(path) -> set[str]:
+    """The modules a file imports when it is imported (not inside its functions)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_consumers_session_selects_every_consumers_test_file_and_none_imports_vllm():
+    """consumers-S runs `-m consumers` over its files in a venv without vLLM: every file of
+    tests/engine marked `consumers` is selected, each selected one is marked, and neither it
+    nor the helpers of tests/engine it imports import vLLM when imported."""
+    engine = project.ROOT / "tests" / "engine"
+    marker = re.compile(r"^pytestmark = pytest\.mark\.consumers$", re.MULTILINE)
+    marked = sorted(p.relative_to(project.ROOT).as_posix() for p in engine.glob("*.py") if marker.search(p.read_text()))
+    args = sessions.consumer_tests(project.ROOT)
+    assert args[:2] == ["-m", "consumers"] and args[2:] == marked and len(marked) >= 2
+    siblings = {p.stem for p in engine.glob("*.py")}
+    for name in marked:
+        imported = _top_level_imports(project.ROOT / name)
+        for helper in sorted(imported & siblings):
+            imported |= _top_level_imports(engine / f"{helper}.py")
+        assert not [m for m in imported if m == "vllm" or m.startswith("vllm.")], name
+
+
+def test_the_consumers_session_names_its_files_or_says_they_are_gone(tmp_path):
+    with pytest.raises(BuildError, match="no consumers' test file matches"):
+        sessions.consumer_tests(tmp_path)
+    exports = tmp_path / "exports"
+    env = sessions.consumer_env(tmp_path, tmp_path / "support", exports)
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path / name) for name in ("overlay", "support", "tooling")]
+    assert env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1" and "KVWARM_EXPORTS" not in env
+    exports.mkdir()
+    assert sessions.consumer_env(tmp_path, tmp_path / "support", exports)["KVWARM_EXPORTS"] == str(exports)
 
 
 def test_the_matrix_runs_every_tier_of_every_release(tree):
