@@ -221,6 +221,13 @@ def test_the_consumers_session_names_its_files_or_says_they_are_gone(tmp_path):
     assert sessions.consumer_env(tmp_path, tmp_path / "support", exports)["KVWARM_EXPORTS"] == str(exports)
 
 
+def test_the_kit_sessions_take_the_default_kit_file_unless_one_is_named(tmp_path):
+    default = str(tmp_path / sessions.KIT_FILE)
+    assert sessions.kit_arguments(tmp_path, ["--dir", "d"]) == ["--kit", default, "--dir", "d"]
+    assert sessions.kit_arguments(tmp_path, ["--kit", "k.toml"]) == ["--kit", "k.toml"]
+    assert (project.ROOT / sessions.KIT_FILE).is_file()
+
+
 def test_the_matrix_runs_every_tier_of_every_release(tree):
     older = _cpu_release(tree, short="9.8", version="9.8.0")
     newest = _cpu_release(tree)

@@ -343,6 +343,15 @@ def missing_tiers(releases: list[Release]) -> list[str]:
     return [r.cpu_tier_missing for r in releases if r.cpu_tier_missing]
 
 
+# kit-S's and kit-check's kit file unless `--kit FILE` names another.
+KIT_FILE = Path("bundle") / "kits" / "h200-first-light.toml"
+
+
+def kit_arguments(root: Path, posargs: list[str]) -> list[str]:
+    """posargs with `--kit ROOT/KIT_FILE` first unless they name a kit file."""
+    return list(posargs) if "--kit" in posargs else ["--kit", str(root / KIT_FILE), *posargs]
+
+
 def smoke_model(posargs: list[str]) -> list[str]:
     """`--model DIR` or `--model=DIR` from a smoke session's arguments, as smoke script
     arguments ([] when not given)."""
