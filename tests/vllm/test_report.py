@@ -1,178 +1,24 @@
 """`python -m vllm.kvwarm report`: artifacts of schema v1 and v2 rendered into a page, a CSV
-and PNG plots (matplotlib figures inspected, not pixels), the A/B comparison against hand
-computed figures, and every bad input named."""
+and PNG plots (matplotlib figures inspected, not pixels), failed and running artifacts, and
+every bad input named. The A/B comparison: test_report_compare.py."""
 
 from __future__ import annotations
 
 import csv
-import json
 import sys
 
 import pytest
+from report_helpers import LAYOUT, RUN, as_schema_2, legend, rank_artifact, save, v1_artifact
 from vllm.kvwarm.record.artifact import KvwarmMeta, PointRow, build_artifact
 from vllm.kvwarm.record.plot import REGIMES, figure, plot_png
-from vllm.kvwarm.record.report import compare, run
-from vllm.kvwarm.record.runs import from_artifact, labels_for, load_run
+from vllm.kvwarm.record.report import run
+from vllm.kvwarm.record.runs import from_artifact, load_run
 from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.sweep.rows import NOISY_SPREAD
 
-META_V1 = {
-    "enabled": True,
-    "warm_eligible": True,
-    "skip_reason": None,
-    "points_real_kv": 3,
-    "points_fake_fallback": 1,
-    "giant_kv_repeats": 3,
-    "giant_kv_threshold": 1_000_000,
-    "state_mode_requested": None,
-    "state_mode": None,
-    "reset_prefix_cache": True,
-    "stages": [{"batch": 4, "depth": 1004, "build_seconds": 2.5}],
-    "dataset": {
-        "path": "/d/sharegpt.json",
-        "sha256": "ab" * 32,
-        "collection_pool": "conversation_sha256_even",
-        "conversations": 64,
-    },
-}
-
-
-def _row(k, b, regime, steps, reasons=None):
-    return {
-        "point": {"total_kv_read_tokens": k, "batch_size": b},
-        "kv_seed_regime": regime,
-        "sample_reasons": reasons or ([f"kvwarm_{regime}"] if regime != "legacy" else []),
-        "steady_seconds": steps,
-        "median_seconds": sorted(steps)[len(steps) // 2],
-    }
-
-
-def v1_artifact(status="complete", error=None):
-    """Today's artifact (schema 1): no build, layout, hardware, min or max."""
-    return {
-        "schema_version": 1,
-        "status": status,
-        "error": error,
-        "config": {"points": "/bench/points.json", "model": "/models/tiny-qwen3-moe"},
-        "kvwarm": META_V1,
-        "results": [
-            _row(1000, 4, "real_kv", [0.010, 0.012, 0.011]),
-            _row(2000, 4, "real_kv", [0.020, 0.021, 0.022]),
-            _row(4000, 4, "fake_fallback", [0.040, 0.041, 0.043]),
-            _row(1000, 1, "real_kv", [0.004, 0.005, 0.0045]),
-        ],
-        "skipped_points": [
-            {
-                "point": {"total_kv_read_tokens": 9000, "batch_size": 4},
-                "kv_seed_regime": "skip:decode_injection_failed",
-                "reason": "pool_exhausted: 3 more free block(s) needed",
-            }
-        ],
-    }
-
-
-RUN = {
-    "started_at": "2026-11-30T14:00:00Z",
-    "finished_at": "2026-11-30T14:03:10Z",
-    "torch": "2.13.0+cpu",
-    "build": {
-        "version": "9.9.1+kvwarm.3",
-        "release": "9.9.1",
-        "flavour": "cpu",
-        "series_digest": "d" * 16,
-        "overlay_digest": "e" * 16,
-        "revision": "abc1234",
-    },
-    "hardware": {"cpu": "AMD EPYC 7B13", "cores": 2, "gpus": [], "driver": None, "cuda_runtime": None},
-    "engine_args": {
-        "given": ["--model", "/models/tiny-qwen3-moe", "--enforce-eager"],
-        "resolved": {
-            "block_sizes": {"0:FullAttentionSpec": 16},
-            "max_num_seqs": 8,
-            "max_num_batched_tokens": 2048,
-            "max_model_len": 2048,
-            "dtype": "float32",
-            "kv_cache_dtype": "auto",
-            "enable_prefix_caching": True,
-            "mamba_cache_mode": None,
-            "enforce_eager": True,
-            "cudagraph_mode": None,
-        },
-    },
-}
-LAYOUT = {
-    "data_parallel_size": 1,
-    "data_parallel_rank": 0,
-    "tensor_parallel_size": 2,
-    "pipeline_parallel_size": 1,
-    "expert_parallel": True,
-}
-
-
-def rank_artifact(
-    medians_ms=(10.0, 20.0), regime="real_kv", status="complete", reasons=None, extra=(), data_parallel_size=1
-):
-    """A rank artifact of today's schema at B=4, K 1000 and 2000 (as many as medians are given),
-    with the given medians and `extra` rows, made by the sweep's own writer."""
-    rows = []
-    for k, m in zip((1000, 2000), medians_ms):
-        steps = [m * 0.98 / 1e3, m / 1e3, m * 1.04 / 1e3]
-        stamps = reasons or ([f"kvwarm_{regime}"] if regime != "legacy" else [])
-        rows.append(PointRow(k, 4, regime, list(stamps), steps, m / 1e3))
-    rows += extra
-    meta = KvwarmMeta(
-        enabled=True,
-        warm_eligible=True,
-        giant_kv_repeats=3,
-        giant_kv_threshold=1_000_000,
-        reset_prefix_cache=True,
-        stages=[{"batch": 4, "depth": 1004, "build_seconds": 2.5}],
-        dataset=META_V1["dataset"],
-        noisy_spread=NOISY_SPREAD,
-    )
-    error = None if status != "failed" else "rank 0: RuntimeError: pool exhausted"
-    artifact = build_artifact(
-        rows,
-        meta,
-        {"points": "/bench/points.json", "model": "/models/tiny-qwen3-moe"},
-        status,
-        error,
-        run=RUN,
-        layout={**LAYOUT, "data_parallel_size": data_parallel_size},
-    )
-    validate(artifact)
-    return {**artifact, "a_field_from_the_future": {"ignored": True}}
-
-
-def as_schema_2(artifact: dict) -> dict:
-    """What the same rank artifact was under schema 2 (the writer of that schema is gone): the
-    type tag "rank", points without point_type or prefill tokens, rows without phases or graph."""
-    old = {**artifact, "schema_version": 2, "artifact_type": "rank"}
-    old["results"] = [
-        {
-            **{k: x for k, x in r.items() if k not in ("phases", "graph")},
-            "point": {
-                "total_kv_read_tokens": r["point"]["total_kv_read_tokens"],
-                "batch_size": r["point"]["batch_size"],
-            },
-        }
-        for r in artifact["results"]
-    ]
-    return old
-
-
-def _save(folder, artifact) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "sweep.json").write_text(artifact if isinstance(artifact, str) else json.dumps(artifact))
-    return str(folder)
-
-
-def _legend(fig) -> list[str]:
-    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-
 
 def test_a_v1_artifact_renders_with_unknown_build_and_layout(tmp_path, capsys):
-    source = _save(tmp_path / "moe", v1_artifact())
+    source = save(tmp_path / "moe", v1_artifact())
     assert run([source, "--out", str(tmp_path / "report")]) == 0
     out = capsys.readouterr().out
     assert "4 measured point(s), tiny-qwen3-moe · build unknown · layout unknown" in out
@@ -190,17 +36,17 @@ def test_a_v1_artifact_renders_with_unknown_build_and_layout(tmp_path, capsys):
     ax = fig.axes[0]
     assert ax.get_title(loc="left") == "Decode step time: tiny-qwen3-moe\nbuild unknown · layout unknown"
     # one series per batch size, and exactly the regimes present (no legacy here)
-    assert _legend(fig) == ["B=1", "B=4", REGIMES["real_kv"][0], REGIMES["fake_fallback"][0]]
+    assert legend(fig) == ["B=1", "B=4", REGIMES["real_kv"][0], REGIMES["fake_fallback"][0]]
 
 
 def test_a_v2_artifact_names_model_build_and_layout_with_ticks_and_units(tmp_path):
-    fig = figure([load_run(_save(tmp_path / "v2", rank_artifact()))])
+    fig = figure([load_run(save(tmp_path / "v2", rank_artifact()))])
     fig.canvas.draw()
     ax = fig.axes[0]
     assert ax.get_title(loc="left") == (
         "Decode step time: tiny-qwen3-moe\nbuild 9.9.1+kvwarm.3 · layout TP2 PP1 DP1 EP on"
     )
-    assert _legend(fig) == ["B=4", REGIMES["real_kv"][0]]
+    assert legend(fig) == ["B=4", REGIMES["real_kv"][0]]
     assert "(tokens)" in ax.get_xlabel() and "(ms)" in ax.get_ylabel()
     for labels in (ax.get_xticklabels(), ax.get_yticklabels()):
         shown = [t.get_text() for t in labels if t.get_text()]
@@ -213,8 +59,8 @@ def test_a_v2_artifact_names_model_build_and_layout_with_ticks_and_units(tmp_pat
 
 
 def test_a_schema_2_artifact_reads_as_today_s(tmp_path):
-    today = load_run(_save(tmp_path / "v3", rank_artifact()))
-    old = load_run(_save(tmp_path / "v2", as_schema_2(rank_artifact())))
+    today = load_run(save(tmp_path / "v3", rank_artifact()))
+    old = load_run(save(tmp_path / "v2", as_schema_2(rank_artifact())))
     assert [(r.key, r.median_ms, r.regime) for r in old.rows] == [(r.key, r.median_ms, r.regime) for r in today.rows]
     assert old.describe() == today.describe() and old.meta.noisy_spread == NOISY_SPREAD
     assert [r.phases_ms for r in old.rows] == [{}, {}]
@@ -229,21 +75,21 @@ def test_a_combined_data_parallel_artifact_shows_its_ranks(tmp_path):
     ]
     combined = combine(ranks)
     validate(combined)
-    source = _save(tmp_path / "dp", combined)
-    _save(tmp_path / "dp" / "dp0", ranks[0])
+    source = save(tmp_path / "dp", combined)
+    save(tmp_path / "dp" / "dp0", ranks[0])
     assert run([source, "--out", str(tmp_path / "r")]) == 0
     page = (tmp_path / "r" / "report.html").read_text()
     assert "Data-parallel ranks" in page and "dp1/sweep.json" in page and "0: 9.000 1: 10.000" in page
     fig = figure([load_run(source)])
     assert "layout TP2 PP1 DP2 EP on" in fig.axes[0].get_title(loc="left")
-    assert _legend(fig) == ["B=4 per rank (8 over all ranks)", REGIMES["real_kv"][0]]
+    assert legend(fig) == ["B=4 per rank (8 over all ranks)", REGIMES["real_kv"][0]]
 
 
 def test_the_legend_lists_only_the_regimes_drawn_and_noisy_rows(tmp_path):
     legacy = figure([from_artifact(rank_artifact(regime="legacy"), "off", "off")])
-    assert _legend(legacy) == ["B=4", REGIMES["legacy"][0]]
+    assert legend(legacy) == ["B=4", REGIMES["legacy"][0]]
     noisy = figure([from_artifact(rank_artifact(reasons=["kvwarm_real_kv", "kvwarm_noisy"]), "n", "n")])
-    assert _legend(noisy) == ["B=4", REGIMES["real_kv"][0], "noisy (spread over 50%)"]
+    assert legend(noisy) == ["B=4", REGIMES["real_kv"][0], "noisy (spread over 50%)"]
 
 
 def test_a_real_sweeps_noisy_row_names_the_threshold_in_the_report(tmp_path):
@@ -282,7 +128,7 @@ def test_a_real_sweeps_noisy_row_names_the_threshold_in_the_report(tmp_path):
     writer.write("complete")
     run_ = load_run(str(tmp_path / "out"))
     assert run_.meta.noisy_spread == NOISY_SPREAD
-    assert _legend(figure([run_]))[-1] == f"noisy (spread over {100 * NOISY_SPREAD:g}%)"
+    assert legend(figure([run_]))[-1] == f"noisy (spread over {100 * NOISY_SPREAD:g}%)"
 
 
 def test_plot_png_gives_the_png_of_an_artifact(monkeypatch):
@@ -294,64 +140,12 @@ def test_plot_png_gives_the_png_of_an_artifact(monkeypatch):
 
 def test_without_matplotlib_the_command_says_how_to_get_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    assert run([_save(tmp_path / "a", rank_artifact())]) == 2
+    assert run([save(tmp_path / "a", rank_artifact())]) == 2
     assert capsys.readouterr().err.count("pip install matplotlib") == 1
 
 
-def test_ab_ratios_and_mape_match_a_hand_computation(tmp_path, capsys):
-    a = _save(tmp_path / "off", rank_artifact(medians_ms=(10.0, 20.0), regime="legacy"))
-    only_in_b = PointRow(8000, 4, "real_kv", ["kvwarm_real_kv"], [0.08, 0.08, 0.08], 0.08)
-    b = _save(tmp_path / "on", rank_artifact(medians_ms=(11.0, 18.0), extra=[only_in_b]))
-    assert run([a, b, "--out", str(tmp_path / "ab")]) == 0
-    # by hand: |11 - 10| / 10 = 10%, |18 - 20| / 20 = 10%: MAPE 10%; ratios 1.1 and 0.9
-    out = capsys.readouterr().out
-    assert "MAPE of B against A over 2 joined point(s): 10.00%" in out
-    assert "     1000    4       10.000       11.000   1.100  legacy / real_kv" in out
-    assert "     2000    4       20.000       18.000   0.900  legacy / real_kv" in out
-    assert "unmatched: K=8000 B=4 only in B (not in its points)" in out
-    page = (tmp_path / "ab" / "report.html").read_text()
-    assert "MAPE of B against A: 10.00%" in page and "compare-2-vs-1.png" in page
-    rows = list(csv.DictReader((tmp_path / "ab" / "report.csv").open()))
-    assert [(r["run"], r["total_kv_read_tokens"], r["ratio_to_baseline"]) for r in rows] == [
-        ("off", "1000", ""),
-        ("off", "2000", ""),
-        ("on", "1000", "1.1000"),
-        ("on", "2000", "0.9000"),
-        ("on", "8000", ""),
-    ]
-    overlay = figure([load_run(a), load_run(b)])
-    assert _legend(overlay) == ["B=4", "A: off", "B: on", REGIMES["real_kv"][0], REGIMES["legacy"][0]]
-
-
-def test_runs_are_named_by_their_folder_unless_two_share_a_name():
-    assert labels_for(["runs/real-kv", "runs/fake-kv/sweep.json"]) == ["real-kv", "fake-kv"]
-    assert labels_for(["host1/moe", "host2/moe/"]) == ["host1/moe", "host2/moe"]
-    assert labels_for(["runs/moe", "runs/moe"]) == ["runs/moe #1", "runs/moe #2"]
-
-
-def test_three_runs_are_each_compared_with_the_first_and_unmatched_points_named(tmp_path):
-    first = from_artifact(rank_artifact(medians_ms=(10.0, 20.0)), "a", "a")
-    skipped = PointRow(2000, 4, "skip:pool_too_small", detail="no room")
-    third = from_artifact(rank_artifact(medians_ms=(12.0,), extra=[skipped]), "c", "c")
-    c = compare(first, third)
-    assert [(x.k, y.k) for x, y in c.joined] == [(1000, 1000)] and c.mape == pytest.approx(20.0)
-    assert [r.k for r in c.only_base] == [2000] and c.only_other == []
-    out = tmp_path / "three"
-    runs = [
-        _save(tmp_path / n, rank_artifact(medians_ms=m)) for n, m in (("a", (10, 20)), ("b", (10, 22)), ("c", (12, 20)))
-    ]
-    assert run([*runs, "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.glob("*.png")) == [
-        "compare-2-vs-1.png",
-        "compare-3-vs-1.png",
-        "run-1.png",
-        "run-2.png",
-        "run-3.png",
-    ]
-
-
 def test_a_failed_artifact_renders_what_it_measured_marked_failed(tmp_path, capsys):
-    source = _save(tmp_path / "failed", rank_artifact(status="failed"))
+    source = save(tmp_path / "failed", rank_artifact(status="failed"))
     assert run([source, "--out", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err
     assert f"{source}/sweep.json: the sweep failed (rank 0: RuntimeError: pool exhausted)" in err
@@ -368,7 +162,7 @@ def test_a_v1_artifact_that_failed_before_measuring_still_renders(tmp_path):
         skipped_points=[],
         config={"points": "/bench/points.json", "engine_args": ["--model", "/models/tiny-llama/"]},
     )
-    source = _save(tmp_path / "failed", failed)
+    source = save(tmp_path / "failed", failed)
     assert run([source, "--out", str(tmp_path / "r")]) == 0
     fig = figure([load_run(source)])
     assert fig.axes[0].get_title(loc="left").startswith("Decode step time: tiny-llama  [FAILED]")
@@ -377,7 +171,7 @@ def test_a_v1_artifact_that_failed_before_measuring_still_renders(tmp_path):
 
 
 def test_a_running_artifact_is_refused_unless_allowed(tmp_path, capsys):
-    source = _save(tmp_path / "running", rank_artifact(status="running"))
+    source = save(tmp_path / "running", rank_artifact(status="running"))
     assert run([source, "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "status 'running'" in err and "--allow-running" in err and not (tmp_path / "r").exists()
@@ -396,18 +190,18 @@ def _not_an_artifact():
     [
         (None, "not found; pass a sweep's --out folder or its sweep.json"),
         (lambda d: d.mkdir(), "no sweep.json in this folder"),
-        (lambda d: _save(d / "dp0", rank_artifact()), "holds per-rank artifacts (dp0) but no combined sweep.json"),
-        (lambda d: _save(d, '{"schema_version": 2, "status": "compl'), "not valid JSON"),
-        (lambda d: _save(d, "[1, 2]"), "not a sweep artifact (a JSON list, not an object)"),
-        (lambda d: _save(d, {"results": []}), "not a sweep artifact (no integer schema_version)"),
-        (lambda d: _save(d, {"schema_version": 2, "status": "complete"}), "'results' is not a list"),
-        (lambda d: _save(d, _not_an_artifact()), "results[0]: not a measured row"),
+        (lambda d: save(d / "dp0", rank_artifact()), "holds per-rank artifacts (dp0) but no combined sweep.json"),
+        (lambda d: save(d, '{"schema_version": 2, "status": "compl'), "not valid JSON"),
+        (lambda d: save(d, "[1, 2]"), "not a sweep artifact (a JSON list, not an object)"),
+        (lambda d: save(d, {"results": []}), "not a sweep artifact (no integer schema_version)"),
+        (lambda d: save(d, {"schema_version": 2, "status": "complete"}), "'results' is not a list"),
+        (lambda d: save(d, _not_an_artifact()), "results[0]: not a measured row"),
         (
-            lambda d: _save(d, {**rank_artifact(), "schema_version": 4}),
+            lambda d: save(d, {**rank_artifact(), "schema_version": 4}),
             "schema_version 4; this report reads versions up to 3",
         ),
         (
-            lambda d: _save(d, {**rank_artifact(), "status": "done"}),
+            lambda d: save(d, {**rank_artifact(), "status": "done"}),
             "status 'done' is none of complete, failed, running",
         ),
     ],
@@ -416,7 +210,7 @@ def test_bad_input_is_named_with_its_problem_and_nothing_is_written(tmp_path, ca
     bad = tmp_path / "bad"
     if make:
         make(bad)
-    good = _save(tmp_path / "good", rank_artifact())
+    good = save(tmp_path / "good", rank_artifact())
     assert run([good, str(bad), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert message in err and str(bad) in err
@@ -490,7 +284,7 @@ def test_prefill_rows_are_drawn_against_new_tokens_beside_decode_with_capture_si
     other = build_artifact(
         decode + [prefill(64, 1024, 2, 2.0)], meta, {"model": "/m"}, "complete", run=RUN, layout=dict(LAYOUT)
     )
-    a, b = _save(tmp_path / "a", artifact), _save(tmp_path / "b", other)
+    a, b = save(tmp_path / "a", artifact), save(tmp_path / "b", other)
     assert run([a, b, "--out", str(tmp_path / "r")]) == 0
     out = capsys.readouterr().out
     assert "     1024    2        2.664        2.000   0.751  real_prefix / real_prefix (prefill N=64)" in out

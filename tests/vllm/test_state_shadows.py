@@ -1,7 +1,9 @@
-"""Recurrent-state hand-off to shadows on the real align-mode MambaManager, next to a real
-attention manager (placement of the chain's state, blanks and scratch; refusals of a chain
-whose state slot cannot be established; the gate's state reasons, the mode table per
-build, stamps).
+"""Recurrent-state hand-off to shadows, the mode and the hashing: the mode table per build
+and the gate's state reasons, the stamps; a stock build's partial-tail damage (where it
+hashes partial tails) reproduced through the real AsyncScheduler, and the exemption that
+prevents it; a copy shadow hashed like any request under keys of its own, and its state
+bookkeeping beside a natural request's. Placement, refusals and the lifecycle:
+test_state_shadows_placement.py.
 
 Layout unless said otherwise: attention bs 16 + align-mode state bs 64 (hash unit 16),
 steady_steps 3, a 192-token chain whose state table is [null, null, S].
@@ -10,9 +12,7 @@ steady_steps 3, a 192-token chain whose state table is [null, null, S].
 from __future__ import annotations
 
 import pytest
-import torch
 from kvwarm_testing.real_kv import (
-    in_use,
     make_chain,
     make_kv_cache_manager,
     make_request,
@@ -21,316 +21,13 @@ from kvwarm_testing.real_kv import (
     runner_output,
     step_scheduler,
 )
+from state_shadows_helpers import PATCHED_025, PATCHED_028, STOCK_025, STOCK_028, hybrid, release_all
 from vllm.kvwarm.kv import state_mode
 from vllm.kvwarm.kv.layout import group_layouts
-from vllm.kvwarm.kv.shadows import ShadowRegistrationError, register_shadow, release_fork_retentions
+from vllm.kvwarm.kv.shadows import register_shadow, release_fork_retentions
 from vllm.kvwarm.kv.state_mode import StateBuild, decide_state_mode, resolve_state_mode
 from vllm.kvwarm.record import vocabulary
 from vllm.kvwarm.record.vocabulary import COPY, EXACT, INPLACE, state_stamps
-
-
-def _hybrid(num_blocks=64, speculative=0, mode="align"):
-    kvm = make_kv_cache_manager([16], num_blocks=num_blocks, state_groups=[(64, speculative, mode)])
-    attention, state = kvm.coordinator.single_type_managers
-    return kvm, attention, state
-
-
-def _ids(blocks):
-    return [b.block_id for b in blocks]
-
-
-def _release_all(kvm, *requests):
-    release_fork_retentions(kvm)
-    for request in requests:
-        kvm.free(request)
-    pool = kvm.block_pool
-    assert in_use(pool) == {}
-    assert pool.null_block not in pool.free_block_queue.get_all_free_blocks()
-    assert pool.reset_prefix_cache()
-
-
-def _no_align_bookkeeping_left(manager, request_id):
-    for name in ("req_to_blocks", "num_cached_block", "last_state_block_idx", "_allocated_block_reqs"):
-        assert request_id not in getattr(manager, name, ()), name
-
-
-def test_state_shadow_in_place_puts_the_chain_state_at_the_read_slot():
-    kvm, attention, state = _hybrid()
-    chain = make_chain(kvm, "chain", 192)
-    chain_attention, (null, _, chain_state) = _ids(attention.req_to_blocks["chain"]), state.req_to_blocks["chain"]
-    shadow = make_request("shadow", 101)
-
-    registration = register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=INPLACE)
-
-    assert registration.state_mode == INPLACE
-    assert _ids(attention.req_to_blocks["shadow"])[:6] == chain_attention[:6]
-    assert state.req_to_blocks["shadow"] == [null, chain_state]
-    assert chain_state.ref_cnt == 2  # the chain's and the shadow's: both write it
-    assert (state.num_cached_block["shadow"], attention.num_cached_block["shadow"]) == (2, 6)
-    assert registration.groups[1].state_slot == 1 and registration.groups[1].forks == []
-    _release_all(kvm, shadow, chain)
-
-
-def test_state_shadow_copy_forks_the_chain_state_like_an_attention_tail():
-    kvm, attention, state = _hybrid()
-    chain = make_chain(kvm, "chain", 192)
-    chain_tail, chain_state = attention.req_to_blocks["chain"][6], state.req_to_blocks["chain"][2]
-    shadow = make_request("shadow", 101)
-
-    registration = register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=COPY)
-
-    attention_copy = attention.req_to_blocks["shadow"][6]
-    state_copy = state.req_to_blocks["shadow"][1]
-    assert release_fork_retentions(kvm) == [
-        (chain_tail.block_id, attention_copy.block_id),
-        (chain_state.block_id, state_copy.block_id),
-    ]
-    assert [pair for t in registration.groups for pair in t.forks] == [
-        (chain_tail.block_id, attention_copy.block_id),
-        (chain_state.block_id, state_copy.block_id),
-    ]
-    assert (chain_state.ref_cnt, state_copy.ref_cnt) == (1, 1)
-    assert (chain_tail.ref_cnt, attention_copy.ref_cnt) == (1, 1)
-    _release_all(kvm, shadow, chain)
-
-
-@pytest.mark.parametrize(
-    "ctx, expected",
-    [(126, "null S blank"), (128, "null S blank"), (64, "S blank"), (100, "null S"), (150, "null null S")],
-)
-def test_state_shadow_pre_places_a_blank_block_at_the_crossing(ctx, expected):
-    kvm, _, state = _hybrid()
-    chain = make_chain(kvm, "chain", 192)
-    chain_state = state.req_to_blocks["chain"][2]
-    shadow = make_request("shadow", ctx + 1)
-    registration = register_shadow(kvm, shadow, chain, ctx=ctx, steady_steps=3, state_mode=INPLACE)
-
-    table = state.req_to_blocks["shadow"]
-    blanks = registration.groups[1].blanks
-    names = ["null" if b.is_null else "S" if b is chain_state else "blank" for b in table]
-    assert " ".join(names) == expected
-    assert _ids(b for b in table if not b.is_null and b is not chain_state) == blanks
-    assert state.num_cached_block["shadow"] == len(table)
-    _release_all(kvm, shadow, chain)
-
-
-def test_state_shadow_keeps_the_speculative_scratch_after_the_state():
-    kvm, _, state = _hybrid(speculative=1)
-    chain = make_chain(kvm, "chain", 192)
-    null, _, chain_state, chain_scratch = state.req_to_blocks["chain"]
-    shadow = make_request("shadow", 101)
-    registration = register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=COPY)
-
-    fork_, scratch = state.req_to_blocks["shadow"][1:]
-    assert state.req_to_blocks["shadow"][0] is null
-    assert registration.groups[1].forks == [(chain_state.block_id, fork_.block_id)]
-    assert registration.groups[1].blanks == [scratch.block_id] and scratch is not chain_scratch
-    _release_all(kvm, shadow, chain)
-
-
-def test_state_shadow_reads_the_state_slot_from_the_chain_depth():
-    """A chain that crossed into a new state slot still lists its old state block (and
-    last_state_block_idx names that old slot) until its next allocation."""
-    kvm, _, state = _hybrid()
-    chain = make_chain(kvm, "chain", 128)
-    old_state = state.req_to_blocks["chain"][1]
-    assert kvm.allocate_slots(chain, 1) is not None  # decode position 128: slot 2
-    chain.num_computed_tokens = 129
-    new_state = state.req_to_blocks["chain"][2]
-    assert state.req_to_blocks["chain"][1] is old_state and new_state is not old_state
-
-    shadow = make_request("shadow", 101)
-    register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=INPLACE)
-    assert state.req_to_blocks["shadow"][1] is new_state
-    _release_all(kvm, shadow, chain)
-
-
-def test_state_shadow_refuses_a_chain_without_a_state_block():
-    kvm, _, _state = _hybrid()
-    chain = make_chain(kvm, "chain", 192)
-    chain.num_computed_tokens = 100  # claims a depth whose slot is null in its table
-    shadow = make_request("shadow", 51)
-    baseline = in_use(kvm.block_pool)
-    with pytest.raises(ShadowRegistrationError, match="holds no recurrent state block at slot 1") as err:
-        register_shadow(kvm, shadow, chain, ctx=50, steady_steps=3, state_mode=INPLACE)
-    assert err.value.reason == vocabulary.STATE_MISSING
-    assert in_use(kvm.block_pool) == baseline
-    chain.num_computed_tokens = 192
-    _release_all(kvm, chain)
-
-
-def _refused_as_state_missing(kvm, chain, mode, message):
-    """A shadow at ctx 100 of `chain` is refused with state_missing and takes nothing."""
-    baseline = in_use(kvm.block_pool)
-    with pytest.raises(ShadowRegistrationError, match=message) as err:
-        register_shadow(kvm, make_request("shadow", 101), chain, ctx=100, steady_steps=3, state_mode=mode)
-    assert err.value.reason == vocabulary.STATE_MISSING
-    assert in_use(kvm.block_pool) == baseline
-    assert all("shadow" not in m.req_to_blocks for m in kvm.coordinator.single_type_managers)
-    _release_all(kvm, chain)
-
-
-def test_state_shadow_refuses_a_table_short_of_its_speculative_scratch():
-    kvm, _, state = _hybrid(speculative=1)
-    chain = make_chain(kvm, "chain", 192)  # [null, null, S, scratch]
-    kvm.block_pool.free_blocks([state.req_to_blocks["chain"].pop()])  # the scratch, dropped by hand
-    _refused_as_state_missing(
-        kvm,
-        chain,
-        INPLACE,
-        r"its table ends at slot 2, short of its state slot 2 "
-        r"plus 1 speculative block\(s\)",
-    )
-
-
-@pytest.mark.parametrize("speculative", [0, 1])
-def test_state_shadow_refuses_a_table_that_runs_past_its_state_and_scratch(speculative):
-    """vLLM sizes an align-mode table for every scheduled token, drafts included, and keeps
-    the running state at its last 1 + speculative blocks: a chain whose scheduled tokens
-    were not all computed (rejected drafts) may hold its live state past the slot its depth
-    names. Refused with or without speculative blocks."""
-    kvm, _, state = _hybrid(speculative=speculative)
-    chain = make_chain(kvm, "chain", 192)
-    assert kvm.allocate_slots(chain, 2) is not None  # scheduled into slot 3, nothing computed
-    assert len(state.req_to_blocks["chain"]) == 4 + speculative
-    _refused_as_state_missing(
-        kvm,
-        chain,
-        COPY,
-        rf"its table runs 1 block\(s\) past its state slot 2 plus "
-        rf"{speculative} speculative block\(s\)",
-    )
-
-
-@pytest.mark.parametrize(
-    "mode, detail",
-    [
-        (None, "not copy or inplace"),
-        ("auto", "not copy or inplace"),
-        ("Copy", "not copy or inplace"),
-        ("copy-without-cow", "copy mode needs state managers that can fork"),
-        ("inplace-where-partial-tails-are-hashed", "never hash a borrowed request's partial tail"),
-    ],
-)
-def test_state_shadow_rejects_an_unusable_mode_and_unwinds(monkeypatch, mode, detail):
-    from vllm.kvwarm.kv import shadows
-
-    kvm, attention, state = _hybrid()
-    chain = make_chain(kvm, "chain", 192)
-    if mode == "copy-without-cow":
-        monkeypatch.setattr(state, "_apply_cow", None)  # a state manager that cannot fork
-        mode = COPY
-    elif (
-        mode == "inplace-where-partial-tails-are-hashed"
-    ):  # what the probe says on a stock build that hashes partial tails
-        monkeypatch.setattr(shadows, "probe_state_build", lambda *a: STOCK_028)
-        mode = INPLACE
-    baseline = in_use(kvm.block_pool)
-    shadow = make_request("shadow", 101)
-    with pytest.raises(ShadowRegistrationError, match=detail) as err:
-        register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=mode)
-    assert err.value.reason == vocabulary.STATE_MODE_UNUSABLE
-    assert in_use(kvm.block_pool) == baseline and "shadow" not in attention.req_to_blocks
-    monkeypatch.undo()
-    _release_all(kvm, chain)
-
-
-def test_state_shadow_unwinds_the_attention_group_when_the_state_fork_fails(monkeypatch):
-    kvm, attention, state = _hybrid()
-    chain = make_chain(kvm, "chain", 192)
-    baseline = in_use(kvm.block_pool)
-    monkeypatch.setattr(state, "_apply_cow", lambda *a: (_ for _ in ()).throw(AssertionError("injected")))
-    shadow = make_request("shadow", 101)
-    with pytest.raises(AssertionError, match="injected"):
-        register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=COPY)
-    monkeypatch.undo()
-    assert in_use(kvm.block_pool) == baseline
-    assert attention.take_pending_cow_copies() == [] and state.take_pending_cow_copies() == []
-    _no_align_bookkeeping_left(state, "shadow")
-    assert "shadow" not in attention.req_to_blocks and not shadow.borrowed_kv
-    _release_all(kvm, chain)
-
-
-def test_state_groups_are_keyed_on_the_cache_mode_not_the_class_name():
-    from vllm.kvwarm.kv.layout import STATE_ALIGN, STATE_OTHER, classify_spec
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    class LinearAttentionStateSpec(MambaSpec):  # another name, the same cache modes
-        pass
-
-    def spec(mode):
-        return LinearAttentionStateSpec(block_size=64, shapes=((2,),), dtypes=(torch.float32,), mamba_cache_mode=mode)
-
-    assert (classify_spec(spec("align"))[0], classify_spec(spec("none"))[0]) == (STATE_ALIGN, STATE_OTHER)
-
-
-def _non_align_hybrid():
-    """A hybrid whose Mamba group is not in align mode, with prefix caching where the build
-    allows that, else without (builds that assert Mamba prefix caching needs align mode)."""
-    try:
-        return _hybrid(mode="none")
-    except AssertionError as err:
-        if "align" not in str(err):
-            raise
-        kvm = make_kv_cache_manager([16], state_groups=[(64, 0, "none")], enable_caching=False)
-        return (kvm, *kvm.coordinator.single_type_managers)
-
-
-def test_state_shadow_rejects_a_non_align_mamba_group():
-    kvm, _, _ = _non_align_hybrid()
-    layouts = group_layouts(kvm)
-    assert (
-        resolve_state_mode(layouts, StateBuild(True, True), None).reason == vocabulary.HYBRID_STATE_LAYERS_UNSUPPORTED
-    )
-    shadow = make_request("shadow", 101)
-    with pytest.raises(ShadowRegistrationError) as err:
-        register_shadow(kvm, shadow, make_request("chain", 1), ctx=100, steady_steps=3, state_mode=COPY)
-    assert err.value.reason == vocabulary.LAYOUT_UNSUPPORTED and "state_other" in str(err.value)
-
-
-@pytest.mark.parametrize("mode", [COPY, INPLACE])
-def test_shadow_pool_shortfall_adds_the_state_group_blocks(mode):
-    # ctx 126, steady_steps 3: attention 2 blocks; state (1 fork in copy mode) + 1 blank.
-    kvm, _, _ = _hybrid(num_blocks=40)
-    chain = make_chain(kvm, "chain", 192)  # 12 + 1 blocks
-    need = 2 + (mode == COPY) + 1
-    pool = kvm.block_pool
-    spare = pool.get_new_blocks(pool.get_num_free_blocks() - need + 1)
-    shadow = make_request("shadow", 127)
-    with pytest.raises(ShadowRegistrationError, match="1 more free block") as err:
-        register_shadow(kvm, shadow, chain, ctx=126, steady_steps=3, state_mode=mode)
-    assert err.value.reason == vocabulary.POOL_EXHAUSTED
-    pool.free_blocks(spare[:1])
-    register_shadow(kvm, shadow, chain, ctx=126, steady_steps=3, state_mode=mode)
-    assert pool.get_num_free_blocks() == 0
-    pool.free_blocks(spare[1:])
-    _release_all(kvm, shadow, chain)
-
-
-@pytest.mark.parametrize("fork", [True, False])
-@pytest.mark.parametrize("mode", [COPY, INPLACE])
-def test_state_shadow_lifecycle_returns_every_reference(mode, fork):
-    kvm, _attention, state = _hybrid(num_blocks=128, speculative=1)
-    chains = [make_chain(kvm, f"chain{i}", 192 + 40 * i) for i in range(2)]
-    baseline = in_use(kvm.block_pool)
-    shadows = []
-    for i, ctx in enumerate([63, 64, 65, 126, 128, 191]):
-        shadow = make_request(f"shadow{i}", ctx + 1)
-        register_shadow(kvm, shadow, chains[i % 2], ctx=ctx, steady_steps=3, fork=fork, state_mode=mode)
-        shadows.append(shadow)
-    release_fork_retentions(kvm)
-    for shadow in shadows:
-        kvm.free(shadow)
-        _no_align_bookkeeping_left(state, shadow.request_id)
-    assert in_use(kvm.block_pool) == baseline
-    _release_all(kvm, *chains)
-
-
-# The build profiles the mode table is about: what each build's state managers can do.
-STOCK_025 = StateBuild(can_fork=False, inplace_ok=True)  # no CoW; no partial-tail hashing
-PATCHED_025 = StateBuild(can_fork=True, inplace_ok=True)  # CoW backport
-STOCK_028 = StateBuild(can_fork=True, inplace_ok=False)  # hashes partial tails of borrowers
-PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemption
 
 
 @pytest.mark.parametrize(
@@ -357,7 +54,7 @@ PATCHED_028 = StateBuild(can_fork=True, inplace_ok=True)  # borrowed_kv exemptio
     ],
 )
 def test_state_mode_resolution(build, requested, mode, reason):
-    layouts = group_layouts(_hybrid()[0])
+    layouts = group_layouts(hybrid()[0])
     decision = resolve_state_mode(layouts, build, requested)
     assert (decision.mode, decision.reason, decision.requested) == (mode, reason, requested)
 
@@ -367,12 +64,12 @@ def test_state_mode_resolution(build, requested, mode, reason):
     [(PATCHED_028, COPY), (STOCK_025, INPLACE), (STOCK_028, COPY), (StateBuild(False, False), None)],
 )
 def test_exact_mode_lends_catch_ups_by_copy_where_the_build_forks_else_in_place(build, lending):
-    decision = resolve_state_mode(group_layouts(_hybrid()[0]), build, "exact")
+    decision = resolve_state_mode(group_layouts(hybrid()[0]), build, "exact")
     assert decision.lending == lending
 
 
 def test_this_build_probes_as_a_patched_build(monkeypatch):
-    kvm, _, _ = _hybrid()
+    kvm, _, _ = hybrid()
     assert state_mode.probe_state_build(group_layouts(kvm), kvm) == PATCHED_028 == PATCHED_025
     monkeypatch.delenv(state_mode.STATE_ENV, raising=False)
     assert decide_state_mode(kvm, group_layouts(kvm), {}).mode == EXACT
@@ -392,7 +89,7 @@ def test_stamps_and_metadata_are_the_same_whatever_the_free_pool():
     environ = {state_mode.STATE_ENV: "Auto"}
     decisions = []
     for num_blocks in (16, 400):
-        kvm, _, _ = _hybrid(num_blocks=num_blocks)
+        kvm, _, _ = hybrid(num_blocks=num_blocks)
         kvm.block_pool.get_new_blocks(kvm.block_pool.get_num_free_blocks() - 1)  # nearly empty
         decisions.append(decide_state_mode(kvm, group_layouts(kvm), environ))
     assert decisions[0] == decisions[1]
@@ -564,33 +261,17 @@ def test_a_copy_shadow_with_keys_of_its_own_is_hashed_and_leaves_the_chain_alone
         assert sorted(holders) == sorted(chain_keys)
     assert keyed  # the blocks it filled itself were cached, as a natural request's are
     assert len(shadow.output_token_ids) == steps
-    _release_all(kvm, chain)
+    release_all(kvm, chain)
 
 
 def test_an_in_place_shadow_is_never_hashed_even_with_keys_of_its_own():
     """In place the shadow's state block is the chain's: own_keys changes nothing there."""
-    kvm, _, _ = _hybrid()
+    kvm, _, _ = hybrid()
     chain = make_chain(kvm, "chain", 192)
     shadow = make_request("shadow", 101)
     register_shadow(kvm, shadow, chain, ctx=100, steady_steps=3, state_mode=INPLACE, own_keys=True)
     assert shadow.borrowed_kv
-    _release_all(kvm, shadow, chain)
-
-
-@pytest.mark.parametrize("mode", [COPY, INPLACE])
-@pytest.mark.parametrize("ctx, noted", [(150, 1), (100, 0), (60, None)])
-def test_a_shadow_is_noted_as_come_from_the_slot_below(mode, ctx, noted):
-    """The manager notes the slot below the read slot as the one the shadow's state left
-    (none below slot 0); that slot is null in the shadow's table, and unwinding forgets it."""
-    kvm, _, state = _hybrid()
-    chain = make_chain(kvm, "chain", 192)
-    shadow = make_request("shadow", ctx + 1)
-    register_shadow(kvm, shadow, chain, ctx=ctx, steady_steps=3, state_mode=mode)
-    assert state.last_state_block_idx.get("shadow") == noted
-    if noted is not None:
-        assert state.req_to_blocks["shadow"][noted].is_null
-    _release_all(kvm, shadow, chain)
-    _no_align_bookkeeping_left(state, "shadow")
+    release_all(kvm, shadow, chain)
 
 
 def test_a_copy_shadow_keeps_the_state_bookkeeping_of_a_request_decoding_there(tmp_path):

@@ -198,7 +198,9 @@ def test_a_grid_sweeps_input_is_checked_before_the_engine(tmp_path, monkeypatch,
 def test_the_command_stops_waiting_when_the_engine_core_dies_without_a_final_artifact(tmp_path, capsys, monkeypatch):
     """Engine cores in vLLM's own processes: the command polls the artifact; when vLLM marks
     the engine dead (`resources.engine_dead`) before the artifact is final, it stops and
-    says so. The client is a stand-in (no engine process can be made to die here)."""
+    says so. The engine client is a stand-in for vLLM's LLMEngine holding only what the wait
+    reads (`engine_core.resources.engine_dead`): a real one needs engine core processes, which
+    unit-S does not start (the CPU engine's tests do), and none can be made to die here."""
     from types import SimpleNamespace
 
     from vllm.kvwarm.sweep import command as sweep_command
@@ -212,13 +214,17 @@ def test_the_command_stops_waiting_when_the_engine_core_dies_without_a_final_art
         polls.append(1)
         resources.engine_dead = len(polls) >= 3  # the core dies after a few polls
 
-    engine = SimpleNamespace(engine_core=SimpleNamespace(resources=resources))
+    engine_stand_in = SimpleNamespace(engine_core=SimpleNamespace(resources=resources))
     monkeypatch.setattr(sweep_command.time, "sleep", sleep)
-    assert sweep_command._wait(engine, artifact) == "engine died"
+    assert sweep_command._wait(engine_stand_in, artifact) == "engine died"
     assert len(polls) == 3 and "engine core died before the sweep's artifact was final" in capsys.readouterr().err
 
 
 def test_the_command_waits_through_a_missing_or_half_replaced_artifact(tmp_path, monkeypatch):
+    """The command's wait reads the artifact through its replacement: gone, half written,
+    running, then complete. The engine client is a stand-in for vLLM's LLMEngine whose engine
+    core lives on (`engine_core.resources.engine_dead` False, all the wait reads of it): a
+    real one needs engine core processes, which unit-S does not start."""
     from types import SimpleNamespace
 
     from vllm.kvwarm.sweep import command as sweep_command
@@ -234,5 +240,5 @@ def test_the_command_waits_through_a_missing_or_half_replaced_artifact(tmp_path,
             artifact.write_text(state)
 
     monkeypatch.setattr(sweep_command.time, "sleep", sleep)
-    engine = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_dead=False)))
-    assert sweep_command._wait(engine, artifact) == "complete"
+    engine_stand_in = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_dead=False)))
+    assert sweep_command._wait(engine_stand_in, artifact) == "complete"

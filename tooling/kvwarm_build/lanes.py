@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from .errors import BuildError
 
@@ -93,6 +94,13 @@ def split(plan: Plan, lanes: int) -> tuple[Plan, list[Plan]]:
         dealt[lane].add(kind)
     order = [item for item in plan if item[0] not in FIRST]
     return first, [[item for item in order if kind_of(item[0]) in kinds] for kinds in dealt if kinds]
+
+
+def nox_command(noxfile: Path, envdir: Path, name: str, posargs: list[str] | None) -> list[str]:
+    """The command that runs session `name` of `noxfile` in a nox of its own (this
+    interpreter's), its venvs under `envdir`, with posargs when there are any."""
+    nox = [sys.executable, "-m", "nox", "-f", str(noxfile), "--envdir", str(envdir), "-s", name]
+    return [*nox, *(["--", *posargs] if posargs else [])]
 
 
 def run_plan(plan: Plan, lanes: int, command, finished=lambda name, code: None) -> list[str]:

@@ -83,6 +83,34 @@ def consumer_python(cache: Path, dynamo: str, log=print) -> Path:
     return venv_python(venv)
 
 
+# The consumers' test files: the files of tests/engine the consumers venv (no vLLM) imports,
+# every test in them marked `consumers` and nothing of vLLM imported at their top level
+# (tests/tooling checks both).
+CONSUMER_TESTS = "tests/engine/test_export_consumers*.py"
+
+
+def consumer_tests(root: Path) -> list[str]:
+    """consumers-S's pytest selection (without `-- ARGS`): `-m consumers` over the files
+    CONSUMER_TESTS matches, by their paths from `root`."""
+    files = sorted(p.relative_to(root).as_posix() for p in root.glob(CONSUMER_TESTS))
+    if not files:
+        raise BuildError(f"no consumers' test file matches {root / CONSUMER_TESTS}", "restore tests/engine's files")
+    return ["-m", "consumers", *files]
+
+
+def consumer_env(root: Path, test_support: Path, exports: Path) -> dict[str, str]:
+    """What the consumers' pytest runs with besides the session's own: the overlay (its
+    record room is plain data), the test support and the tooling on the path, never vLLM;
+    the ai-dynamo wheel's pytest plugins kept out; KVWARM_EXPORTS where the real sweeps
+    left their exports (a folder that exists)."""
+    paths = [root / "overlay", test_support, root / "tooling"]
+    return {
+        "PYTHONPATH": ":".join(map(str, paths)),
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        **({"KVWARM_EXPORTS": str(exports)} if exports.is_dir() else {}),
+    }
+
+
 def kinds(release: Release, of: tuple[str, ...] = CI_KINDS) -> list[str]:
     """The session kinds (of CI's, or of the matrix's) this release can have."""
     return [k for k in of if k not in CPU_ENGINE_KINDS or release.cpu_tier_missing is None]
@@ -313,6 +341,15 @@ def benchmark_groups(folder: Path, names: list[str], release: Release) -> list[t
 def missing_tiers(releases: list[Release]) -> list[str]:
     """One line per release that lacks a tier, saying why."""
     return [r.cpu_tier_missing for r in releases if r.cpu_tier_missing]
+
+
+# kit-S's and kit-check's kit file unless `--kit FILE` names another.
+KIT_FILE = Path("bundle") / "kits" / "h200-first-light.toml"
+
+
+def kit_arguments(root: Path, posargs: list[str]) -> list[str]:
+    """posargs with `--kit ROOT/KIT_FILE` first unless they name a kit file."""
+    return list(posargs) if "--kit" in posargs else ["--kit", str(root / KIT_FILE), *posargs]
 
 
 def smoke_model(posargs: list[str]) -> list[str]:
