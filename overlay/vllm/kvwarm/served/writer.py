@@ -36,7 +36,7 @@ from vllm.logger import init_logger
 
 from ..record import vocabulary as v
 from . import sink
-from .shape import plain
+from .step_parts import plain
 
 logger = init_logger(__name__)
 
