@@ -148,7 +148,7 @@ class Sweep(PrefillPoints):
             return self._prefill.current_ids()
         return None if self._point is None else self._point.ids()
 
-    def runs_own_requests(self) -> bool:
+    def may_run_own_requests(self) -> bool:
         """Whether the next step may run the sweep's own requests (chains, catch-ups, a
         point's): such a step is the sweep's, not a served one (served.recorder)."""
         return self.phase in (Phase.BUILDING, Phase.CATCHING_UP, Phase.MEASURING)
