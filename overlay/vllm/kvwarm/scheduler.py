@@ -40,8 +40,8 @@ from .kv.catchup import lone_prefill_budget
 from .kv.injector import ShadowInjector
 from .served.recorder import TraceRecorder
 from .served.settings import trace_settings
-from .sweep.provenance import ASYNC_ADAPTER, SYNC_ADAPTER
 from .sweep.in_flight import InFlight, Scheduled
+from .sweep.provenance import ASYNC_ADAPTER, SYNC_ADAPTER
 from .sweep.run import CONFIG_KEY, SweepRun
 from .sweep.timing import StepTimer
 

@@ -38,6 +38,7 @@ from .writer import TraceWriter
 
 logger = init_logger(__name__)
 
+
 def trace_header(scheduler, settings: TraceSettings, started: datetime) -> dict:
     """The header: what the sweep's artifact records about a run (same code), and the loop."""
     vllm_config = scheduler.vllm_config
