@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvwarm_testing.rank_sweeps import launched
 from kvwarm_testing.real_kv import EngineLoop, ManualClock, in_use, make_scheduler
 from test_prefill import FORWARD_PER_TOKEN, STEPS, _hashing, _run, _sweep  # noqa: F401 (_hashing: autouse)
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX
@@ -148,19 +149,17 @@ def test_mixed_points_on_recurrent_state_pass_where_the_sweep_hands_the_state_ov
     assert refusal in str(err.value) and str(err.value).endswith("; drop the mixed points to sweep the rest")
 
 
-def test_mixed_points_pass_the_checks_at_a_launched_data_parallel_size_of_two(tmp_path, monkeypatch):
+def test_mixed_points_pass_the_checks_at_a_launched_data_parallel_size_of_two(tmp_path):
     """The ranks meet at every shot of a mixed point as of a prefill point (the two-rank sweep:
     tests/engine/test_multi_rank.py), so a launch of two ranks refuses none."""
-    from vllm.kvwarm.sweep import provenance
-
     scheduler = make_scheduler(tmp_path, num_blocks=128)
-    monkeypatch.setattr(provenance, "_launch_data_parallel_size", 2)
     point = MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 0, 1))
-    check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
     budget = scheduler.vllm_config.scheduler_config.max_num_batched_tokens
     over = MixedPoint(DecodePoint(200, 2), PrefillPoint(budget - 1, 0, 1))  # two decode tokens beside
-    with pytest.raises(PointsFileError, match=f"= {budget + 1} tokens, beyond max_num_batched_tokens {budget}"):
-        check_points([over], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    with launched(2):
+        check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+        with pytest.raises(PointsFileError, match=f"= {budget + 1} tokens, beyond max_num_batched_tokens {budget}"):
+            check_points([over], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
 
 
 # --- the steps, on the real scheduler ------------------------------------------------------
