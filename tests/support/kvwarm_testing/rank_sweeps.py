@@ -137,8 +137,10 @@ def rank_runs(
         json.dumps({"schema_version": 1, "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in points]})
     )
     out = tmp_path / "out"
+    ranks = list(range(size) if start is None else start)
+    assert kind != "store" or port is not None or ranks[0] == 0, "through the store, rank 0 comes first or a port"
     schedulers = []
-    for rank in range(size) if start is None else start:
+    for rank in ranks:
         pool = blocks[rank] if blocks else 128
         scheduler = make_scheduler(tmp_path / f"r{rank}", num_blocks=pool, scheduler_cls=KvWarmScheduler)
         scheduler.vllm_config.parallel_config.data_parallel_index = rank
