@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvwarm_testing.rank_sweeps import launched
 from kvwarm_testing.real_kv import BLOCK_SIZE, EngineLoop, ManualClock, in_use, make_scheduler
 from kvwarm_testing.traces import step, write_table, write_trace
 from test_prefill import FORWARD_PER_TOKEN, STEPS, _hashing, _run, _sweep  # noqa: F401 (_hashing: autouse)
@@ -107,8 +108,6 @@ def test_bad_continuation_entries_name_the_entry_and_the_fix(tmp_path, data, mes
 
 
 def test_the_limits_refuse_continuations_without_chunked_prefill_or_beside_other_ranks(tmp_path, monkeypatch):
-    from vllm.kvwarm.sweep import provenance
-
     scheduler = make_scheduler(tmp_path, num_blocks=128)
     point = PrefillPoint(48, 64, 2, continuation=True)
     check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
@@ -122,10 +121,10 @@ def test_the_limits_refuse_continuations_without_chunked_prefill_or_beside_other
         PointsFileError, match="lower batch_size to 4 or start the engine with --max-num-batched-tokens 80"
     ):
         check_points([wide], small.vllm_config, small.kv_cache_manager, "points.json")
-    monkeypatch.setattr(provenance, "_launch_data_parallel_size", 2)
-    with pytest.raises(PointsFileError, match="sweep them with --data-parallel-size 1"):
+    with launched(2), pytest.raises(PointsFileError, match="sweep them with --data-parallel-size 1"):
         check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
-    check_points([PrefillPoint(48, 64, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    with launched(2):
+        check_points([PrefillPoint(48, 64, 2)], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
 
 
 # --- the steps, on the real scheduler -------------------------------------------------------------

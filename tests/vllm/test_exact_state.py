@@ -67,8 +67,11 @@ def test_the_prefix_lookup_finds_what_a_chain_cached_and_a_catch_up_counts_the_r
 
 
 def test_the_prefill_cap_is_put_back_and_never_raises_a_smaller_setting():
-    config = SimpleNamespace(long_prefill_token_threshold=0)
-    cap = catchup_module.PrefillChunkCap(SimpleNamespace(scheduler_config=config), 256)
+    """On stand-ins of a scheduler holding its config alone (the setting's arithmetic; the real
+    scheduler's cap: the test below), and of a config of a build without the setting."""
+    config = SimpleNamespace(long_prefill_token_threshold=0)  # a scheduler config's stand-in
+    scheduler_stand_in = SimpleNamespace(scheduler_config=config)
+    cap = catchup_module.PrefillChunkCap(scheduler_stand_in, 256)
     cap.apply()
     assert config.long_prefill_token_threshold == 256
     cap.apply()  # twice is once
@@ -79,9 +82,9 @@ def test_the_prefill_cap_is_put_back_and_never_raises_a_smaller_setting():
     assert config.long_prefill_token_threshold == 100
     cap.restore()
     assert config.long_prefill_token_threshold == 100
-    bare = SimpleNamespace()
-    catchup_module.PrefillChunkCap(SimpleNamespace(scheduler_config=bare), 256).apply()  # no such setting
-    assert not vars(bare)
+    bare_config_stand_in = SimpleNamespace()  # a build without the setting
+    catchup_module.PrefillChunkCap(SimpleNamespace(scheduler_config=bare_config_stand_in), 256).apply()
+    assert not vars(bare_config_stand_in)
 
 
 def test_a_capped_lone_prefill_steps_one_state_block_with_every_boundary_retained(tmp_path):

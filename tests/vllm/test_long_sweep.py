@@ -12,8 +12,8 @@ import time
 from typing import ClassVar
 
 import pytest
+from kvwarm_testing.rank_sweeps import artifacts, rank_runs, view
 from kvwarm_testing.real_kv import step_scheduler
-from test_ranks import _artifacts, _rank_runs, _view
 from torch.distributed import TCPStore
 from vllm.kvwarm.sweep.exchange import store as store_module
 
@@ -45,7 +45,7 @@ def test_a_ten_thousand_point_sweep_on_two_ranks_completes_with_no_store_value_o
     RecordingStore.sizes = []
     monkeypatch.setattr(store_module, "TCPStore", RecordingStore)
     points = _points(POINTS)
-    schedulers, out = _rank_runs(tmp_path, monkeypatch, points, timeout=600)
+    schedulers, out = rank_runs(tmp_path, monkeypatch, points, timeout=600)
     started = time.monotonic()
     for _ in range(100 * POINTS):
         busy = [s for s in schedulers if s.has_requests()]
@@ -53,9 +53,9 @@ def test_a_ten_thousand_point_sweep_on_two_ranks_completes_with_no_store_value_o
             break
         for scheduler in busy:
             step_scheduler(scheduler)
-    combined = _view(schedulers[0])
+    combined = view(schedulers[0])
     seconds = time.monotonic() - started
-    per_rank, _ = _artifacts(out, "store")
+    per_rank, _ = artifacts(out, "store")
     assert [a["status"] for a in per_rank] == ["complete", "complete"]
     assert [len(a["results"]) for a in per_rank] == [POINTS, POINTS]
     assert combined["status"] == "complete" and len(combined["results"]) == POINTS

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from kvwarm_testing.rank_sweeps import launched
 from kvwarm_testing.real_kv import EngineLoop, ManualClock, in_use, make_scheduler
 from test_prefill import FORWARD_PER_TOKEN, STEPS, _hashing, _run, _sweep  # noqa: F401 (_hashing: autouse)
 from vllm.kvwarm.kv.injector import SHADOW_PREFIX
@@ -17,6 +18,7 @@ from vllm.kvwarm.record.schema import validate
 from vllm.kvwarm.record.validate.predict import MixedRow, read_mixed_rows
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.sweep import prefill as prefill_module
+from vllm.kvwarm.sweep.exchange.solo import SoloExchange
 from vllm.kvwarm.sweep.limits import check_points
 from vllm.kvwarm.sweep.points import (
     DecodePoint,
@@ -147,19 +149,17 @@ def test_mixed_points_on_recurrent_state_pass_where_the_sweep_hands_the_state_ov
     assert refusal in str(err.value) and str(err.value).endswith("; drop the mixed points to sweep the rest")
 
 
-def test_mixed_points_pass_the_checks_at_a_launched_data_parallel_size_of_two(tmp_path, monkeypatch):
+def test_mixed_points_pass_the_checks_at_a_launched_data_parallel_size_of_two(tmp_path):
     """The ranks meet at every shot of a mixed point as of a prefill point (the two-rank sweep:
     tests/engine/test_multi_rank.py), so a launch of two ranks refuses none."""
-    from vllm.kvwarm.sweep import provenance
-
     scheduler = make_scheduler(tmp_path, num_blocks=128)
-    monkeypatch.setattr(provenance, "_launch_data_parallel_size", 2)
     point = MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 0, 1))
-    check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
     budget = scheduler.vllm_config.scheduler_config.max_num_batched_tokens
     over = MixedPoint(DecodePoint(200, 2), PrefillPoint(budget - 1, 0, 1))  # two decode tokens beside
-    with pytest.raises(PointsFileError, match=f"= {budget + 1} tokens, beyond max_num_batched_tokens {budget}"):
-        check_points([over], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+    with launched(2):
+        check_points([point], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
+        with pytest.raises(PointsFileError, match=f"= {budget + 1} tokens, beyond max_num_batched_tokens {budget}"):
+            check_points([over], scheduler.vllm_config, scheduler.kv_cache_manager, "points.json")
 
 
 # --- the steps, on the real scheduler ------------------------------------------------------
@@ -243,19 +243,30 @@ def test_a_mixed_point_runs_its_decodes_and_its_prefill_shot_in_one_timed_step(t
         assert row.median_seconds == row.phases["forward"] == pytest.approx(FORWARD_PER_TOKEN * (decode_b + n))
 
 
-def test_a_step_that_is_not_the_points_shape_skips_it_by_name(tmp_path, monkeypatch):
-    """A step that runs other than the decode part's requests at one token each is named."""
-    from vllm.kvwarm.sweep import mixed_runner
+def test_a_step_that_is_not_the_points_shape_skips_it_by_name(tmp_path):
+    """A step that runs other than the decode part's requests at one token each is named: one
+    of the two shadows is aborted from outside once they are admitted, so the shot's step runs
+    the other alone beside the shot."""
+    from vllm.v1.request import RequestStatus
 
     scheduler = make_scheduler(tmp_path, num_blocks=192, scheduler_cls=KvWarmScheduler)
-    real_ids = mixed_runner.MixedRunner._shadow_ids
-    monkeypatch.setattr(mixed_runner.MixedRunner, "_shadow_ids", lambda self: real_ids(self) | {"absent"})
     clock = ManualClock()
     sweep = _sweep([MixedPoint(DecodePoint(200, 2), PrefillPoint(64, 32, 1))], clock)
-    _run(scheduler, sweep, loop=EngineLoop(scheduler, False, clock))
+    scheduler.kvwarm_sweep = sweep
+    loop = EngineLoop(scheduler, False, clock)
+    aborted: list[str] = []
+    for _ in range(600):
+        if not loop.busy():
+            break
+        loop.step()
+        shadows = sorted(r for r in scheduler.requests if r.startswith(SHADOW_PREFIX))
+        if shadows and not aborted:
+            aborted.append(shadows[0])
+            scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+    assert sweep.done and aborted
     (row,) = sweep.rows
     assert row.kv_seed_regime == v.skip_regime(v.BATCH_SIZE_MISMATCH)
-    assert "the step ran 2 of the decode part's 3 request(s) at one token each" in row.detail
+    assert "the step ran 1 of the decode part's 2 request(s) at one token each" in row.detail
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
@@ -337,6 +348,17 @@ def test_a_copy_state_mixed_point_reads_the_chains_state_and_is_stamped_with_its
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
+class RecordingExchange(SoloExchange):
+    """One rank's exchange (the real one), noting the kind of every meeting it is posted."""
+
+    def __init__(self):
+        self.kinds: list[str] = []
+
+    def post(self, kind: str, record: dict) -> None:
+        self.kinds.append(kind)
+        super().post(kind, record)
+
+
 def test_an_exact_mixed_point_whose_catch_ups_do_not_fit_is_skipped_by_name_and_the_next_runs(tmp_path, monkeypatch):
     """As if every boundary state had been evicted: each catch-up would recompute its whole
     context, which the pool cannot hold beside the chains, so the point is skipped, named,
@@ -349,12 +371,9 @@ def test_an_exact_mixed_point_whose_catch_ups_do_not_fit_is_skipped_by_name_and_
     monkeypatch.setattr(
         catchups, "cached_tokens", lambda kvm, r: 0 if r.num_prompt_tokens == 298 else real_lookup(kvm, r)
     )
-    meetings = []
-    sweep = _sweep(
-        [deep, MixedPoint(DecodePoint(60, 2), PrefillPoint(24, 0, 1))], state_mode="exact", state_lending="copy"
-    )
-    post = sweep._meetings.exchange.post
-    sweep._meetings.exchange.post = lambda kind, record: (meetings.append(kind), post(kind, record))[1]
+    exchange = RecordingExchange()
+    points = [deep, MixedPoint(DecodePoint(60, 2), PrefillPoint(24, 0, 1))]
+    sweep = _sweep(points, exchange=exchange, state_mode="exact", state_lending="copy")
     _run(scheduler, sweep, loop=EngineLoop(scheduler, False, ManualClock()))
     skipped, measured = sweep.rows
     assert skipped.kv_seed_regime == "skip:decode_injection_failed" and "pool_exhausted" in skipped.detail
@@ -367,7 +386,7 @@ def test_an_exact_mixed_point_whose_catch_ups_do_not_fit_is_skipped_by_name_and_
         "prefill": {"batch_size": 1, "total_prefill_tokens": 24, "total_kv_read_tokens": 64},
     }
     assert measured.kv_seed_regime == "real_kv", measured.detail
-    assert meetings.count("caught_up") == 2  # the skipped point's meeting too
+    assert exchange.kinds.count("caught_up") == 2  # the skipped point's meeting too
     assert sweep.reset_prefix_cache_ok and in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 

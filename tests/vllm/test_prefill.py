@@ -33,7 +33,7 @@ def _tokens(i: int, depth: int) -> list[int]:
     return [(7 * i + 3 * t) % 200 + 2 for t in range(depth)]
 
 
-def _sweep(points, clock=None, **config) -> Sweep:
+def _sweep(points, clock=None, exchange=None, **config) -> Sweep:
     config = SweepConfig(**{"steady_steps": STEPS, "max_model_len": 1024, **config})
     return Sweep(
         points,
@@ -41,6 +41,7 @@ def _sweep(points, clock=None, **config) -> Sweep:
         config,
         clock=clock or itertools.count().__next__,
         progress=lambda _: None,
+        exchange=exchange,
         tail_tokens=[(11 * t) % 190 + 5 for t in range(500)],
         vocab_size=256,
     )

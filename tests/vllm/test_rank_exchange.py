@@ -1,17 +1,18 @@
 """The ranks' store exchange on a real TCPStore (127.0.0.1): what it refuses (a forged or stray
 record, a foreign store on its port, a rank with other sweep inputs, a value over its limit),
-that nothing `schedule()` calls waits on the network, that a waiting rank sleeps only when its
-scheduler has nothing else to run, and the port it takes."""
+that nothing `schedule()` calls waits on the network (one that does not answer at all), that a
+waiting rank sleeps only when its scheduler has nothing else to run, and the port it takes."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import timedelta
 
 import pytest
+from kvwarm_testing.rank_sweeps import met, rank_runs, settled, store_client, until, view
 from kvwarm_testing.real_kv import make_request, step_scheduler
-from test_ranks import _joined, _rank_runs, _view, free_port
 from torch.distributed import TCPStore
 from vllm.kvwarm.sweep import meetings as meetings_module
 from vllm.kvwarm.sweep.exchange import store as store_module
@@ -22,16 +23,16 @@ from vllm.kvwarm.sweep.ranks import RankFailed
 
 
 def _pair(tmp_path, **rank_1):
-    """Rank 0 and rank 1 of one launch, joined."""
-    port = free_port()
-    rank_0 = StoreExchange("127.0.0.1", port, 2, 0, timeout=30.0, root=tmp_path / "out0")
-    rank_1 = _joined(StoreExchange("127.0.0.1", port, 2, 1, timeout=30.0, root=tmp_path / "out1", **rank_1))
+    """Rank 0 (on a free port its store takes) and rank 1 of one launch, joined."""
+    rank_0 = StoreExchange("127.0.0.1", 0, 2, 0, timeout=30.0, root=tmp_path / "out0")
+    port = rank_0.port
+    rank_1 = settled(StoreExchange("127.0.0.1", port, 2, 1, timeout=30.0, root=tmp_path / "out1", **rank_1))
     return port, rank_0, rank_1
 
 
 def _stranger(port: int) -> TCPStore:
     """Another process's client of the launch's store: it can read and write any key."""
-    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    return store_client(port)
 
 
 def _until_raises(exchange, seconds: float = 30.0) -> RankFailed:
@@ -112,8 +113,8 @@ def test_a_forged_summary_never_reaches_the_combined_view_and_is_named(tmp_path)
 
 def test_a_foreign_store_on_the_port_is_refused_by_name_by_every_rank(tmp_path, monkeypatch):
     monkeypatch.setattr(store_module, "LAUNCH_SECONDS", 1.0)
-    port = free_port()
-    foreign = TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    foreign = TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    port = foreign.port  # the port it took
     foreign.set("their/key", b"theirs")
     rank_0 = StoreExchange("127.0.0.1", port, 2, 0, timeout=5.0, root=tmp_path / "out0", origin="set by test")
     with pytest.raises(
@@ -132,9 +133,9 @@ def test_a_foreign_store_on_the_port_is_refused_by_name_by_every_rank(tmp_path, 
 
 
 def test_a_rank_with_other_sweep_inputs_is_refused_when_it_joins_naming_them(tmp_path):
-    port = free_port()
-    StoreExchange("127.0.0.1", port, 2, 0, root=tmp_path / "out0", plan={"steady_steps": 3, "grid": True})
-    rank_1 = StoreExchange("127.0.0.1", port, 2, 1, root=tmp_path / "out1", plan={"steady_steps": 5, "grid": True})
+    rank_0 = StoreExchange("127.0.0.1", 0, 2, 0, root=tmp_path / "out0", plan={"steady_steps": 3, "grid": True})
+    plan = {"steady_steps": 5, "grid": True}
+    rank_1 = StoreExchange("127.0.0.1", rank_0.port, 2, 1, root=tmp_path / "out1", plan=plan)
     rank_1.post("pool", {"usable_blocks": 1})
     err = _until_raises(rank_1)
     assert "rank 1's sweep inputs differ from rank 0's" in str(err)
@@ -152,55 +153,87 @@ def test_a_value_over_the_limit_fails_the_rank_naming_both_limits(tmp_path):
     assert VALUE_LIMIT <= 1 << 20 < TORCH_LIMIT  # the limit stays far from torch's
 
 
-class SlowStore:
-    """The real store, each operation `delay` seconds late: a network that answers slowly."""
+class UnansweringStore(TCPStore):
+    """torch's TCPStore whose every operation (every rank's) waits while the network is held
+    (`answering` clear): a network that does not answer at all. `waiting`: operations waiting now."""
 
-    def __init__(self, store, delay: float):
-        self._store, self._delay = store, delay
+    answering = threading.Event()
+    waiting = 0
+    lock = threading.Lock()
 
-    def __getattr__(self, name):
-        method = getattr(self._store, name)
+    @classmethod
+    def wait_for_network(cls) -> None:
+        with cls.lock:
+            cls.waiting += 1
+        cls.answering.wait()
+        with cls.lock:
+            cls.waiting -= 1
 
-        def slow(*args):
-            time.sleep(self._delay)
-            return method(*args)
+    def set(self, *args):
+        self.wait_for_network()
+        return super().set(*args)
 
-        return slow
+    def get(self, *args):
+        self.wait_for_network()
+        return super().get(*args)
+
+    def add(self, *args):
+        self.wait_for_network()
+        return super().add(*args)
+
+    def check(self, *args):
+        self.wait_for_network()
+        return super().check(*args)
+
+    def multi_get(self, *args):
+        self.wait_for_network()
+        return super().multi_get(*args)
+
+    def delete_key(self, *args):
+        self.wait_for_network()
+        return super().delete_key(*args)
 
 
-def test_nothing_schedule_calls_waits_on_the_network(tmp_path):
-    """With every store operation 0.3 s late, what a rank's schedule() calls (post, poll,
-    share, post_failure) returns at once; the meeting still completes."""
+@pytest.fixture
+def unanswering(monkeypatch):
+    """The exchanges made in the test use UnansweringStore; the network answers again when it
+    ends (the stores can then close)."""
+    UnansweringStore.answering.set()
+    monkeypatch.setattr(store_module, "TCPStore", UnansweringStore)
+    yield UnansweringStore
+    UnansweringStore.answering.set()
+
+
+def test_nothing_schedule_calls_waits_on_the_network(tmp_path, unanswering):
+    """While the store answers nothing at all (every operation held, a courier waiting on one),
+    what a rank's schedule() calls (post, poll, share, post_failure) returns; once it answers
+    again, the meeting completes."""
     _, rank_0, rank_1 = _pair(tmp_path)
-    for exchange in (rank_0, rank_1):
-        exchange._store = SlowStore(exchange._store, 0.3)
-    calls = []
-
-    def timed(call, *args):
-        started = time.monotonic()
-        result = call(*args)
-        calls.append(time.monotonic() - started)
-        return result
-
+    unanswering.answering.clear()
     artifact = {"status": "running", "results": [{"point": {"batch_size": 1}}], "skipped_points": []}
-    timed(rank_1.share, artifact)
-    for exchange in (rank_0, rank_1):
-        timed(exchange.post, "pool", {"usable_blocks": 3, "failed": None})
-    deadline = time.monotonic() + 60
-    met = [None, None]
-    while None in met:
-        assert time.monotonic() < deadline, "the ranks did not meet"
-        for r, exchange in enumerate((rank_0, rank_1)):
-            if met[r] is None:
-                met[r] = timed(exchange.poll)
-        time.sleep(0.01)
-    timed(rank_1.post_failure, "RuntimeError: done")
-    assert [[r["usable_blocks"] for r in m] for m in met] == [[3, 3], [3, 3]]
-    assert len(calls) > 10 and max(calls) < 0.1  # never one store operation's 0.3 s
+    polls = []
+
+    def what_schedule_calls():
+        rank_1.share(artifact)
+        for exchange in (rank_0, rank_1):
+            exchange.post("pool", {"usable_blocks": 3, "failed": None})
+        polls.extend(exchange.poll() for _ in range(20) for exchange in (rank_0, rank_1))
+
+    calls = threading.Thread(target=what_schedule_calls)
+    calls.start()
+    # a call that waited on the network would wait as long as it is held: for ever
+    calls.join(timeout=60)
+    assert not calls.is_alive(), "a call schedule() makes waited on the network"
+    until(lambda: unanswering.waiting, "no courier waited on the network")  # it was held against real work
+    assert polls == [None] * 40  # nothing met while the network is held
+    unanswering.answering.set()
+    met_0, met_1 = met(rank_0, 60), met(rank_1, 60)
+    rank_1.post_failure("RuntimeError: done")
+    assert [[r["usable_blocks"] for r in m] for m in (met_0, met_1)] == [[3, 3], [3, 3]]
 
 
 def test_a_waiting_rank_sleeps_only_when_its_scheduler_has_nothing_else_to_run(tmp_path, monkeypatch):
-    schedulers, _ = _rank_runs(tmp_path, monkeypatch, [(300, 2)], start=[0])  # rank 1 never comes
+    schedulers, _ = rank_runs(tmp_path, monkeypatch, [(300, 2)], start=[0])  # rank 1 never comes
     (scheduler,) = schedulers
     slept = []
     monkeypatch.setattr(meetings_module.time, "sleep", lambda s: slept.append(s))
@@ -230,7 +263,7 @@ def test_the_store_port_lies_outside_the_ports_vllm_takes_from_the_dp_master_por
 
 
 def test_the_first_meeting_waits_as_long_as_the_rank_timeout_unless_a_start_timeout_is_set(tmp_path, monkeypatch):
-    schedulers, out = _rank_runs(tmp_path, monkeypatch, [(300, 2)], timeout=2, start=[0])
+    schedulers, out = rank_runs(tmp_path, monkeypatch, [(300, 2)], timeout=2, start=[0])
     started = time.monotonic()
     while schedulers[0].has_requests() and time.monotonic() - started < 60:
         step_scheduler(schedulers[0])
@@ -238,10 +271,10 @@ def test_the_first_meeting_waits_as_long_as_the_rank_timeout_unless_a_start_time
     own = json.loads((out / "dp0" / "sweep.json").read_text())
     assert own["error"] == "RankFailed: rank(s) [1] did not reach boundary 1 (pool) within 2 s" and waited < 30
     assert own["kvwarm"]["exchange"]["exchange"] == "store" and own["kvwarm"]["exchange"]["port"] > 0
-    _view(schedulers[0])
+    view(schedulers[0])
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP_RANK_START_TIMEOUT", "600")
     (tmp_path / "again").mkdir()
-    schedulers, _ = _rank_runs(tmp_path / "again", monkeypatch, [(300, 2)], timeout=2, start=[0])
+    schedulers, _ = rank_runs(tmp_path / "again", monkeypatch, [(300, 2)], timeout=2, start=[0])
     exchange = schedulers[0].kvwarm_run.writer.exchange
     assert (exchange.timeout, exchange.start_timeout) == (2.0, 600.0)
     exchange.close()

@@ -121,10 +121,9 @@ def test_a_timed_decode_window_is_one_served_step_of_the_points_requests_in_eith
 
 def test_the_timer_splits_a_window_between_two_update_ends():
     timer = StepTimer(clock=lambda: 0.0)
-    first, step = object(), object()  # SchedulerOutputs, as the adapter reports them
-    assert timer.update_done(first, 10.0) is None  # no start yet
+    assert timer.update_done(None, 10.0) is None  # no start yet (nor a schedule() seen)
     timer.sweep_work(0.5)  # our update hook, after the first update
-    timer.schedule_done(step, enter=11.0, stock_start=11.25, stock_end=12.0, leave=12.5)
+    step = timer.schedule_done(enter=11.0, stock_start=11.25, stock_end=12.0, leave=12.5)
     timer.update_started(14.0)
     window = timer.update_done(step, 14.5)
     assert window.wall == 4.5
@@ -138,11 +137,10 @@ def test_under_the_batch_queue_a_steps_span_starts_at_its_own_schedule_not_the_n
     """vLLM's batch queue: schedule n+1 runs before update n. The window update n closes holds
     schedule n+1; step n's span runs from its own schedule() (in the window before) to its update."""
     timer = StepTimer(clock=lambda: 0.0)
-    n, n1 = object(), object()
-    timer.schedule_done(n, enter=0.0, stock_start=0.5, stock_end=1.5, leave=2.0)
+    n = timer.schedule_done(enter=0.0, stock_start=0.5, stock_end=1.5, leave=2.0)
     timer.update_started(3.0)
-    timer.update_done(object(), 3.5)  # the step before n: the open window starts here
-    timer.schedule_done(n1, enter=4.0, stock_start=4.0, stock_end=4.5, leave=5.0)
+    timer.update_done(None, 3.5)  # the step before n (its schedule() not seen): the open window starts here
+    timer.schedule_done(enter=4.0, stock_start=4.0, stock_end=4.5, leave=5.0)  # n + 1's
     timer.update_started(9.0)
     window = timer.update_done(n, 10.0)
     assert window.wall == 6.5

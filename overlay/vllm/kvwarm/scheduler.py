@@ -40,6 +40,7 @@ from .kv.catchup import lone_prefill_budget
 from .kv.injector import ShadowInjector
 from .served.recorder import TraceRecorder
 from .served.settings import trace_settings
+from .sweep.in_flight import InFlight, Scheduled
 from .sweep.provenance import ASYNC_ADAPTER, SYNC_ADAPTER
 from .sweep.run import CONFIG_KEY, SweepRun
 from .sweep.timing import StepTimer
@@ -85,6 +86,9 @@ class KvWarmSchedulerMixin:
         # A StepTimer that times every step while no sweep runs (benchmarks of natural requests)
         self.kvwarm_timer = None
         self.kvwarm_trace = None  # a served.recorder.TraceRecorder when the trace is on
+        # The steps scheduled and not yet taken in, while a timer runs: what its schedule() gave
+        # the timer and the trace, kept here since the timer may change before the update.
+        self.kvwarm_in_flight = InFlight()
         # Every queue of waiting requests this scheduler keeps (`waiting`, and as the release
         # has them `skipped_waiting`, `kv_holding_waiting`, `async_kv_waiting`), found by type
         # so a queue a release adds is held out of measured steps too; made once, in __init__.
@@ -137,12 +141,14 @@ class KvWarmSchedulerMixin:
         output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
+        note = None
         if self.kvwarm_trace is not None:
-            held = sweep is not None and sweep.runs_own_requests()
+            held = sweep is not None and sweep.may_run_own_requests()
             waiting = tuple(chain.from_iterable(getattr(self, name) for name in self.kvwarm_queues))
-            self.kvwarm_trace.scheduled(output, held, waiting)
+            note = self.kvwarm_trace.scheduled(output, held, waiting)
         if timer is not None:
-            timer.schedule_done(output, enter, stock_start, stock_end, clock())
+            timing = timer.schedule_done(enter, stock_start, stock_end, clock())
+            self.kvwarm_in_flight.add(Scheduled(output, timing, note))
         return output
 
     def _schedule_only(self, allowed: set[str] | None, clock, *args, **kwargs):
@@ -192,13 +198,18 @@ class KvWarmSchedulerMixin:
         start = timer.clock()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         end = timer.clock()
+        scheduled = self.kvwarm_in_flight.take(scheduler_output)
         timer.update_started(start)
-        window = timer.update_done(scheduler_output, end)
+        window = timer.update_done(scheduled.timing if scheduled else None, end)
         if sweep is not None:
             self._drive(sweep.after_update, self, scheduler_output, window)
         trace = self.kvwarm_trace
         if trace is not None:
-            trace.updated(scheduler_output, model_runner_output, outputs, timer, window, end, self.has_requests())
+            note = scheduled.trace if scheduled else None
+            in_flight = len(self.kvwarm_in_flight)
+            trace.updated(
+                scheduler_output, note, model_runner_output, outputs, timer, window, end, self.has_requests(), in_flight
+            )
         if sweep is not None or trace is not None:
             timer.sweep_work(timer.clock() - end)
         return outputs

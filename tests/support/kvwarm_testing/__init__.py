@@ -7,6 +7,8 @@ smoke import alike.
   fidelity        the shadow fidelity oracle: shadows decode like natural requests
   exact_fidelity  the same for exact recurrent state on hybrid models
   multi_rank      data- and tensor-parallel engines in subprocesses
+  rank_sweeps     data-parallel ranks of one sweep stepped in one process, through the real
+                  exchanges
   plugin          a vLLM general plugin the multi-rank tests switch on (CPU communicator gaps,
                   forced faults)
 """

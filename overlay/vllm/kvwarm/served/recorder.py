@@ -2,13 +2,15 @@
 (docs/validate-reference.md#the-trace; the format's words are record.vocabulary's TRACE_*).
 
 The adapter calls `scheduled()` at the end of each schedule() and `updated()` after each
-update_from_output(). In the step they take plain data (the parts of the SchedulerOutput a
+update_from_output(); what `scheduled()` notes of a step the adapter keeps with its output
+until that output's update, in the one record of the steps in flight that the step timer's
+readings share (sweep.in_flight). In the step they take plain data (the parts of the SchedulerOutput a
 line reads, what the queues hold, the window the adapter's StepTimer closed, how many
 request outputs the step sent) and hand it, marshalled, to the trace's writer process
 (served.writer, served.sink), which keeps the prompt lengths, renders the lines and writes
 the files: nothing of vLLM's is kept past the step and no thread of the trace's runs in the
 engine's process. A step is traced when it scheduled tokens and the sweep, where one is
-configured, held none of its own requests in it (Sweep.runs_own_requests); its number
+configured, held none of its own requests in it (Sweep.may_run_own_requests); its number
 counts traced steps. Its `wall` is the window the timer closed (one update end to the next:
 a decode row's basis), null where the window holds an idle wait: the engine had no request
 and no step in flight when the previous window closed, so it waited for work before this
@@ -35,8 +37,6 @@ from .step_parts import graph, parts, waiting
 from .writer import TraceWriter
 
 logger = init_logger(__name__)
-
-MAX_IN_FLIGHT = 16  # as the StepTimer's: outputs scheduled and not yet taken in
 
 
 def trace_header(scheduler, settings: TraceSettings, started: datetime) -> dict:
@@ -75,7 +75,6 @@ class TraceRecorder:
         self._preempted = RequestStatus.PREEMPTED
         self.writer = TraceWriter(settings.out, self.rank, line(header), settings.max_file_bytes, settings.files)
         self.path = self.writer.path
-        self._scheduled: dict[int, tuple] = {}  # by id(SchedulerOutput): (held, what waits after its schedule())
         self._failed = False  # a hook failed (logged once); the trace goes on with the next step
         self._count = 0  # traced steps so far
         self._idle = True  # the last window closed with nothing to do (and the first has no start)
@@ -93,22 +92,26 @@ class TraceRecorder:
 
     # --- in the step (the engine's thread): plain data, handed to the writer process ----------
 
-    def scheduled(self, output, held: bool, queued: tuple) -> None:
+    def scheduled(self, output, held: bool, queued: tuple) -> tuple | None:
         """schedule() made `output`; `held`: the sweep's own requests may be in it; `queued`:
-        the requests its queues held after it."""
+        the requests its queues held after it. The step's note, for `updated` (None where it
+        could not be read)."""
         try:
-            if len(self._scheduled) >= MAX_IN_FLIGHT:
-                del self._scheduled[next(iter(self._scheduled))]
-            self._scheduled[id(output)] = (held, waiting(queued, self._preempted))
+            return held, waiting(queued, self._preempted)
         except Exception:  # noqa: BLE001  (a failure here must never reach the engine)
             self._hook_failed()
+            return None
 
-    def updated(self, output, runner_output, engine_outputs, timer, window, end: float, has_requests: bool) -> None:
+    def updated(
+        self, output, note, runner_output, engine_outputs, timer, window, end: float, has_requests: bool, in_flight: int
+    ) -> None:
         """update_from_output took `output` in, ended at `end` (the timer's clock) and returned
-        `engine_outputs`; `window`: what `timer` closed; `has_requests`: the scheduler's, after."""
+        `engine_outputs`; `note`: what `scheduled` gave for it (None: not seen scheduled, which
+        counts as held); `window`: what `timer` closed; `has_requests`: the scheduler's, after;
+        `in_flight`: the steps still scheduled and not taken in."""
         try:
-            held, waits = self._scheduled.pop(id(output), (True, ((), ())))
-            waited, self._idle = self._idle, not has_requests and not self._scheduled
+            held, waits = note if note is not None else (True, ((), ()))
+            waited, self._idle = self._idle, not has_requests and not in_flight
             collected, self._gc = self._gc, [0, 0.0, self._gc[2]]
             if held or not output.total_num_scheduled_tokens:  # read for the prompt lengths alone
                 step = (None, None, None, None, None, parts(output), waits, 0, None, None)

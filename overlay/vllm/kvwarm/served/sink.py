@@ -18,7 +18,8 @@ then writes every whole frame it has, flushes, closes the file and prints one JS
 report, on its standard output. A write that fails stops the trace (said on standard error
 at once and in the report); a step that cannot be rendered is left out (the same).
 
-Also imported by the engine's process (served.writer) for `prepare` and `TraceFiles`.
+Also imported by the engine's process (served.writer) for `prepare` alone (and for this
+file's path, which it runs).
 """
 
 from __future__ import annotations

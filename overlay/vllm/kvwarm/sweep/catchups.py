@@ -77,3 +77,10 @@ def catchup_admission(catchups: CatchUps, chains: list, config: SweepConfig) -> 
         state_mode=config.state_lending,
         prompt_chains=chains,
     )
+
+
+def end_catchups(scheduler, catchups: CatchUps) -> None:
+    """The point's catch-ups finished (aborted): it has ended."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler.finish_requests([r.request_id for r in catchups.requests], RequestStatus.FINISHED_ABORTED)

@@ -21,10 +21,11 @@ every point runs on fake KV, stamped with `fake_regime`.
 
 Across data-parallel ranks every rank runs this same controller and they meet at its
 boundaries (MEETING, sweep.meetings), so every rank enters its admission and timed steps
-together and no rank's timed step overlaps another's chain prefill. B is per rank. A prefill
-point is measured by its own runner (sweep.prefill_runner); whether its chains must be built
-again is settled at its meeting, so a restage is one every rank takes part in. What is here
-is the grid's pool, the rungs, the decode points and the exact state's catch-ups.
+together and no rank's timed step overlaps another's chain prefill. B is per rank. Prefill
+and mixed points are started and driven by a collaborator (sweep.prefill_points), through the
+calls of its interface alone; whether a point's chains must be built again is settled at its
+meeting, so a restage is one every rank takes part in. What is here is the grid's pool, the
+rungs, the decode points and the exact state's catch-ups.
 
 The adapter calls `before_schedule` at the start of each schedule() and `after_update`
 after each update_from_output(); `has_work()` keeps the engine stepping; `measuring()` names
@@ -38,16 +39,15 @@ import itertools
 import time
 from collections.abc import Callable
 
-from ..kv.catchup import PrefillChunkCap, state_block_size
-from ..kv.chains import all_parked, chain_request, park, prompt_scheduled
+from ..kv.catchup import PrefillChunkCap
 from ..kv.injector import Admission
-from ..kv.layout import STATE_ALIGN, group_layouts
+from ..kv.layout import group_layouts
 from ..kv.prefix import prefix_unit
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from ..record.shape import GraphConfig, expected_graph, step_tokens
-from .catchups import CatchUps, catchup_admission, park_caught_up, start_catchups
-from .decode_steps import DecodeSteps
+from .catchups import CatchUps, catchup_admission, end_catchups, park_caught_up, start_catchups
+from .decode_steps import DecodeSteps, shadow_admission
 from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
 from .gc_workers import worker_hold
@@ -66,11 +66,11 @@ from .plan import (
     trim_rung,
 )
 from .points import DecodePoint, MixedPoint, PrefillPoint
-from .prefill import TailText, prefixes_missing
-from .prefill_points import PrefillPoints
-from .prefill_runner import PrefillRunner
+from .prefill import TailText
+from .prefill_points import PointInputs, PrefillPoints
 from .ranks import RankFailed
 from .rows import skipped_row
+from .rung_chains import add_chains, end_chains, park_built
 from .timing import StepTimer, Window
 
 # Each sweep in a process names its requests apart: vLLM's runner forgets a finished
@@ -82,7 +82,7 @@ _SWEEP_NUMBERS = itertools.count()
 END_WAIT_SECONDS = 60.0
 
 
-class Sweep(PrefillPoints):
+class Sweep:
     def __init__(
         self,
         points: list[DecodePoint | PrefillPoint | MixedPoint],
@@ -121,7 +121,7 @@ class Sweep(PrefillPoints):
         self._queue: list[PointPlan] = []
         self._point: DecodeSteps | None = None  # the decode point being measured
         self._catchups: CatchUps | None = None
-        self._prefill: PrefillRunner | None = None  # the prefill (or mixed: MixedRunner) point being measured
+        self._prefills = PrefillPoints(self._meetings.exchange.size)  # prefill and mixed points
         self._restaging: PointPlan | None = None  # a prefill point waiting for its chains again
         self._graphs = graphs
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
@@ -144,11 +144,11 @@ class Sweep(PrefillPoints):
     def measuring(self) -> set[str] | None:
         """While a point is admitted and measured: the ids of its requests, the only ones
         its steps may schedule (empty until they are admitted). None between points."""
-        if self._prefill is not None:
-            return self._prefill.current_ids()
+        if self._prefills.running:
+            return self._prefills.current_ids()
         return None if self._point is None else self._point.ids()
 
-    def runs_own_requests(self) -> bool:
+    def may_run_own_requests(self) -> bool:
         """Whether the next step may run the sweep's own requests (chains, catch-ups, a
         point's): such a step is the sweep's, not a served one (served.recorder)."""
         return self.phase in (Phase.BUILDING, Phase.CATCHING_UP, Phase.MEASURING)
@@ -178,15 +178,15 @@ class Sweep(PrefillPoints):
             self._catch_up_step(scheduler)
         elif phase is Phase.ENDING:
             self._end(scheduler)
-        elif phase is Phase.MEASURING and self._prefill is not None:
+        elif phase is Phase.MEASURING and self._prefills.running:
             self._next_shot(scheduler)
 
     def after_update(self, scheduler, output, window: Window | None = None) -> None:
         """`window`: the step that just ended, as the adapter's StepTimer closed it."""
         if self.phase is not Phase.MEASURING:
             return
-        if self._prefill is not None:
-            self._prefill.step(output, window)
+        if self._prefills.running:
+            self._prefills.step(output, window)
             return
         point = self._point
         if point.admission.failure is not None:
@@ -208,10 +208,8 @@ class Sweep(PrefillPoints):
         ids = [r.request_id for r in self._point.admission.shadows] if self._point else []
         ids += [c.request_id for c in self._rung.chains] if self._rung else []
         ids += [c.request_id for c in self._catchups.requests] if self._catchups else []
-        ids += self._prefill.request_ids() if self._prefill else []
-        if self._prefill is not None:
-            self._prefill.release(scheduler)
-        self._point, self._catchups, self._prefill = None, None, None
+        ids += self._prefills.abandon(scheduler)
+        self._point, self._catchups = None, None
         self._restore_chunks()
         live = [i for i in ids if i in scheduler.requests]
         if live:
@@ -276,33 +274,14 @@ class Sweep(PrefillPoints):
             f"rung batch={rung.batch_size}: building {rung.batch_size} chain(s) of {rung.depth} tokens"
             + (f" ({len(rung.fake_points)} point(s) beyond them on fake KV)" if rung.fake_points else "")
         )
-        for i in range(rung.batch_size):
-            # The salt is the chain's index, not the rung's: chain i of a later rung extends
-            # the same text, so it finds the earlier chain's blocks in the prefix cache. Not
-            # in place: shadows advanced those chains' state, which must not be inherited.
-            name = f"b{rung.batch_size}_{i}_s{self._number}"
-            salt = None if self.config.state_mode == v.INPLACE and not rung.prefill else f"__kvwarm_chain_{i}"
-            chain = chain_request(scheduler, name, self._chain_tokens(i, rung.depth), salt=salt)
-            scheduler.add_request(chain)
-            rung.chains.append(chain)
-        layouts = group_layouts(scheduler.kv_cache_manager)
-        prefixes = rung.prefill or rung.mixed
-        if self.config.state_mode == v.EXACT or (prefixes and any(g.kind == STATE_ALIGN for g in layouts)):
-            # One state block per prefill step: every boundary state is cached, for the
-            # catch-ups (exact state) and for prefill (and mixed) points' hits at block boundaries.
-            self._chunk_cap = PrefillChunkCap(scheduler, state_block_size(layouts))
-            self._chunk_cap.apply()
+        self._chunk_cap = add_chains(scheduler, rung, self._chain_tokens, self.config, self._number)
         self.phase = Phase.BUILDING
 
     def _build_step(self, scheduler) -> None:
-        """Park each chain once its prompt is scheduled, before a step could decode it (under
-        vLLM's batch queue its last chunk may still be in flight then); once all are parked
-        and prefilled the rung is built and its first point starts in this same call."""
+        """Park the chains as they are prefilled; once all are, the rung is built and its
+        first point starts in this same call."""
         rung = self._rung
-        for chain in rung.chains:
-            if prompt_scheduled(chain):
-                park(scheduler, chain)
-        if not all_parked(scheduler, rung.chains):
+        if not park_built(scheduler, rung.chains):
             return
         self._restore_chunks()
         seconds = self.clock() - rung.started
@@ -320,31 +299,19 @@ class Sweep(PrefillPoints):
             self._chunk_cap.restore()
             self._chunk_cap = None
 
-    def _shed(self, scheduler) -> None:
-        from vllm.v1.request import RequestStatus
-
-        if self._rung.chains:
-            scheduler.finish_requests([c.request_id for c in self._rung.chains], RequestStatus.FINISHED_ABORTED)
-            self._rung.chains = []
-
     # --- points ------------------------------------------------------------------------------
 
     def _next_point(self, scheduler) -> None:
         if self._queue and not self._queue[0].real:
-            self._shed(scheduler)  # fake points need no chains, and their blocks may not fit beside them
+            end_chains(scheduler, self._rung)  # fake points need no chains, and their blocks may not fit beside them
         if not self._queue:
-            self._shed(scheduler)
+            end_chains(scheduler, self._rung)  # the rung is shed
             self._rung = None
             self.phase = Phase.NEXT_RUNG
             return
         plan = self._queue.pop(0)
-        restage = (
-            plan.prefill
-            and plan.real
-            and not plan.retried
-            and prefixes_missing(scheduler, plan.point, self._rung.chains)
-        )
-        record = {"index": len(self.rows), "restage": bool(restage)}
+        restage = self._prefills.must_restage(scheduler, plan, self._rung.chains)
+        record = {"index": len(self.rows), "restage": restage}
         self._meet("point", record, lambda records: self._start_point(scheduler, plan, records))
 
     def _start_point(self, scheduler, plan: PointPlan, records: list[dict]) -> None:
@@ -367,12 +334,7 @@ class Sweep(PrefillPoints):
             )
             self.phase = Phase.CATCHING_UP
             return
-        if plan.real:
-            admission = Admission(chains, contexts, steady_steps=steps, fork=config.fork, state_mode=config.state_mode)
-        else:
-            vocab = scheduler.vllm_config.model_config.get_vocab_size()
-            admission = Admission(None, contexts, steady_steps=steps, vocab_size=vocab)
-        self._measure(scheduler, plan, admission)
+        self._measure(scheduler, plan, shadow_admission(scheduler, plan.real, chains, contexts, steps, config))
 
     def _catch_up_step(self, scheduler) -> None:
         """Once every catch-up stands at its context, the ranks meet and the point's shadows
@@ -384,7 +346,11 @@ class Sweep(PrefillPoints):
         check_same_point(records)
         catchups = self._catchups
         if catchups.plan.mixed:
-            self._mixed_caught_up(scheduler, catchups)
+            row = self._prefills.caught_up(scheduler, catchups, self._point_inputs())
+            if row is not None:
+                self._finish_point(row, scheduler)
+            else:
+                self._measure_shots(scheduler)
             return
         if catchups.short:
             self._finish_point(skipped_row(catchups.plan.point, v.POINT_SKIP_REASON, catchups.short), scheduler)
@@ -400,15 +366,50 @@ class Sweep(PrefillPoints):
         self._gc.hold()
         self.phase = Phase.MEASURING
 
+    # --- prefill and mixed points (sweep.prefill_points) -------------------------------------
+
+    def _point_inputs(self) -> PointInputs:
+        return PointInputs(self._rung.chains, len(self.rows), self._number, self.config, self._tails, self._drifted)
+
+    def _start_prefill(self, scheduler, plan: PointPlan) -> None:
+        """The point's runner starts and its warm shot is queued, or its catch-ups first."""
+        self._catchups = self._prefills.start(scheduler, plan, self._point_inputs())
+        if self._catchups is not None:
+            self.phase = Phase.CATCHING_UP
+            return
+        self._measure_shots(scheduler)
+
+    def _measure_shots(self, scheduler) -> None:
+        self._gc.hold()
+        self.phase = Phase.MEASURING
+        self._next_shot(scheduler)
+
+    def _next_shot(self, scheduler) -> None:
+        row = self._prefills.next_shot(scheduler)
+        if row is not None:
+            self._finish_point(row, scheduler)
+
+    def _restage(self, scheduler, plan: PointPlan, asked: list[int]) -> None:
+        """A rank (`asked`) found a prefix of the point no longer cached: every rank builds its
+        rung's chains again, once, and the point meets again (its prefixes are not asked
+        again: a prefix still missing then fails the point)."""
+        plan.retried = True
+        self._progress(
+            f"prefill point N={plan.point.total_prefill_tokens} P={plan.point.total_kv_read_tokens}: "
+            f"a chain's prefix was not cached on rank(s) {asked}; building the chains again"
+        )
+        self._restaging = plan
+        end_chains(scheduler, self._rung)
+        self._rung.started = self.clock()
+        self._add_chains(scheduler, self._rung)
+
     def _finish_point(self, row: PointRow, scheduler) -> None:
         if self._graphs is not None and not row.skipped:
             row.graph = expected_graph(self._graphs, *step_tokens(row.point))
         self.rows.append(row)
         self._point = None
         if self._catchups is not None:
-            from vllm.v1.request import RequestStatus
-
-            scheduler.finish_requests([r.request_id for r in self._catchups.requests], RequestStatus.FINISHED_ABORTED)
+            end_catchups(scheduler, self._catchups)
             self._catchups = None
         self.phase = Phase.NEXT_POINT
         self._gc.release()  # a collection now, between points

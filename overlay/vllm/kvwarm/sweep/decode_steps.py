@@ -28,6 +28,15 @@ from .rows import measured_row, skipped_row
 from .timing import Window, phase_medians
 
 
+def shadow_admission(scheduler, real: bool, chains: list, contexts: list[int], steps: int, config: SweepConfig):
+    """The admission of a point's decode requests at `contexts`, each to run `steps` steps
+    after it: shadows on `chains` on real KV, else fake-KV requests."""
+    if real:
+        return Admission(chains, contexts, steady_steps=steps, fork=config.fork, state_mode=config.state_mode)
+    vocab = scheduler.vllm_config.model_config.get_vocab_size()
+    return Admission(None, contexts, steady_steps=steps, vocab_size=vocab)
+
+
 class DecodeSteps:
     def __init__(self, plan: PointPlan, admission: Admission, clock: Callable[[], float], timed: int, settle: int = 0):
         """`timed`: the steady steps timed, of the admission's, after `settle` untimed ones (the

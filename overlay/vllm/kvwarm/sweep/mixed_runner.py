@@ -25,25 +25,69 @@ kept, the upper median the row's. The shadows advance a token a step, as a decod
 do: the decode part's K is the one of the step before the first timed shot (its gap step,
 the warm shot's or the last settle shot's); on real KV the row carries the state stamps a
 decode row of the same shadows would (sweep.rows.state_reasons).
+
+The runner is a decode part (`DecodePart`: the shadows' admission, their ids, the check of a
+shot's step) and a prefill point's runner for the shots (sweep.prefill_runner), which it
+drives, with the decode part beside every shot, between the gap steps.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import enum
 
 from ..kv.injector import Admission
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
+from .decode_steps import shadow_admission
 from .plan import PointPlan, SweepConfig, injected_contexts, settled_contexts
 from .points import MixedPoint, mixed_advance, mixed_decode_steps, mixed_gap_steps
-from .prefill import Shot, TailText, skipped_row, verify_step
+from .prefill import TailText, skipped_row
 from .prefill_runner import Next, PrefillRunner
 from .rows import state_reasons
 
-SCHEDULING, IN_FLIGHT = "scheduling", "in flight"  # a gap step's states (MixedRunner._gap)
+
+class Gap(enum.Enum):
+    """A gap step (the decode part alone, before a shot) on its way."""
+
+    SCHEDULING = "scheduling"  # this schedule() schedules it
+    IN_FLIGHT = "in flight"  # scheduled, its output not in yet
 
 
-class MixedRunner(PrefillRunner):
+class DecodePart:
+    def __init__(
+        self, scheduler, plan: PointPlan, chains: list, config: SweepConfig, advance: int, admission: Admission | None
+    ):
+        """Queue the decode part's shadows at its contexts less `advance` (the tokens they
+        compute before the first timed shot): on chain i (`chains`: the rung's; none on fake
+        KV), or as `admission` says where the controller made it (exact state: on the point's
+        catch-ups)."""
+        decode = plan.point.decode
+        self.chains = chains[: decode.batch_size]
+        contexts = injected_contexts(decode, advance)
+        if admission is None:
+            steps = mixed_decode_steps(config.decode_steps)
+            admission = shadow_admission(scheduler, plan.real, self.chains, contexts, steps, config)
+        self.admission = scheduler.kvwarm_injector.queue(admission)
+
+    def admitted(self) -> bool:
+        return bool(self.admission.shadows)
+
+    def ids(self) -> set[str]:
+        return {r.request_id for r in self.admission.shadows}
+
+    def check(self, scheduled: dict[str, int]) -> tuple[str, str] | None:
+        """A shot's step ran every shadow at one token (else the reason and detail)."""
+        shadows = self.ids()
+        ran = [i for i in shadows if scheduled.get(i) == 1]
+        if len(ran) == len(shadows):
+            return None
+        return v.BATCH_SIZE_MISMATCH, (
+            f"{v.BATCH_SIZE_MISMATCH}: the step ran {len(ran)} of the decode part's {len(shadows)} request(s) "
+            "at one token each"
+        )
+
+
+class MixedRunner:
     def __init__(
         self,
         scheduler,
@@ -62,25 +106,17 @@ class MixedRunner(PrefillRunner):
         part's, where the controller made it (exact state: on the point's catch-ups); `ranks`:
         the data-parallel ranks measuring it (points.mixed_gap_steps)."""
         point = plan.point
-        prefill_plan = PointPlan(point.prefill, plan.real)
-        super().__init__(scheduler, prefill_plan, chains, tails, config.steady_steps, ids, settle=config.settle_steps)
-        self.mixed_plan, self._config, self._drifted = plan, config, drifted
-        self._decode_chains = chains[: point.decode.batch_size]
+        self.plan, self._config, self._drifted = plan, config, drifted
         self._gaps = mixed_gap_steps(point, ranks)
         self._advance = mixed_advance(point, config.settle_steps, ranks)
         self._gap_due = 0  # gap steps still to run before the next shot
-        self._gap = None  # the gap step: None, SCHEDULING (this schedule()) or IN_FLIGHT
-        contexts = injected_contexts(point.decode, self._advance)
-        steps = mixed_decode_steps(config.decode_steps)
-        if admission is None and plan.real:
-            admission = Admission(self._decode_chains, contexts, steps, fork=config.fork, state_mode=config.state_mode)
-        elif admission is None:
-            vocab = scheduler.vllm_config.model_config.get_vocab_size()
-            admission = Admission(None, contexts, steps, vocab_size=vocab)
-        self.admission = scheduler.kvwarm_injector.queue(admission)
-
-    def _shadow_ids(self) -> set[str]:
-        return {r.request_id for r in self.admission.shadows}
+        self._gap: Gap | None = None
+        self.decode = DecodePart(scheduler, plan, chains, config, self._advance, admission)
+        prefill_plan = PointPlan(point.prefill, plan.real)
+        steps, settle = config.steady_steps, config.settle_steps
+        self.prefill = PrefillRunner(
+            scheduler, prefill_plan, chains, tails, steps, ids, settle=settle, beside=self.decode
+        )
 
     def current_ids(self) -> set[str]:
         """The shadows and the current shot's requests: all the step may run. Under vLLM's
@@ -88,88 +124,83 @@ class MixedRunner(PrefillRunner):
         runs nothing (the shadows are held a step), so the loop waits for the shot's output
         alone and the shot's forward is its own step's. A continuation's lead step runs the
         shot alone (the shadows advance a token a shot, as for new requests)."""
-        shot = self.shots.current
-        if self._lead_in_flight() or self._gap is IN_FLIGHT:
+        prefill = self.prefill
+        shot = prefill.shots.current
+        if prefill.lead_in_flight() or self._gap is Gap.IN_FLIGHT:
             return set()
-        if self._gap is SCHEDULING:
-            return self._shadow_ids()
+        if self._gap is Gap.SCHEDULING:
+            return self.decode.ids()
         if shot is not None and not shot.done:
-            if self.shots.lead and not shot.led:
-                return self._shot_ids()  # the lead step, not scheduled yet
+            if prefill.shots.lead and not shot.led:
+                return prefill.shot_ids()  # the lead step, not scheduled yet
             if all(r.num_computed_tokens >= r.num_prompt_tokens for r in shot.requests):
-                return self._shot_ids()  # scheduled (its prompt counted computed), not yet taken in
-        return self._shadow_ids() | self._shot_ids()
+                return prefill.shot_ids()  # scheduled (its prompt counted computed), not yet taken in
+        return self.decode.ids() | prefill.shot_ids()
 
     def request_ids(self) -> list[str]:
-        return [*self._shadow_ids(), *super().request_ids()]
+        """The ids of the shadows and of every shot's requests so far."""
+        return [*self.decode.ids(), *self.prefill.request_ids()]
 
     def next_shot(self, scheduler) -> Next:
-        """No shot before the shadows are admitted (their admission step runs alone)."""
-        if self.admission.failure is not None and self.shots.failure is None:
-            self.shots.failure = (v.POINT_SKIP_REASON, self.admission.failure)
-        if self.shots.failure is not None:
+        """No shot before the shadows are admitted (their admission step runs alone), and the
+        gap steps due before the next one."""
+        shots = self.prefill.shots
+        if self.decode.admission.failure is not None and shots.failure is None:
+            shots.failure = (v.POINT_SKIP_REASON, self.decode.admission.failure)
+        if shots.failure is not None:
             return Next.DONE
-        if not self.admission.shadows:
+        if not self.decode.admitted():
             return Next.SHOT
         if self._gap is not None:  # scheduled, its output not in yet
-            self._gap = IN_FLIGHT
+            self._gap = Gap.IN_FLIGHT
             return Next.SHOT
-        if self._gap_due and not self.shots.finished:
+        if self._gap_due and not shots.finished:
             self._gap_due -= 1
-            self._gap = SCHEDULING
+            self._gap = Gap.SCHEDULING
             return Next.SHOT
-        return super().next_shot(scheduler)
+        return self.prefill.next_shot(scheduler)
 
     def step(self, output, window) -> None:
-        """After a step: a shot's is checked and timed (PrefillRunner.step), and the gap
-        steps are due after it; a gap's output is in once a step ran the shadows alone."""
-        shot = self.shots.current
+        """After a step: a shot's is checked and timed (PrefillRunner.step, the decode part
+        beside it), and the gap steps are due after it; a gap's output is in once a step ran
+        the shadows alone."""
+        shots = self.prefill.shots
+        shot = shots.current
         running = shot is not None and not shot.done
-        super().step(output, window)
-        if running and shot.done and self.shots.failure is None:
+        self.prefill.step(output, window)
+        if running and shot.done and shots.failure is None:
             self._gap_due = self._gaps
         scheduled = output.num_scheduled_tokens
-        if self._gap is not None and scheduled and set(scheduled) <= self._shadow_ids():
+        if self._gap is not None and scheduled and set(scheduled) <= self.decode.ids():
             self._gap = None
 
-    def _verify(self, shot: Shot, output) -> tuple[str, str] | None:
-        """The step ran every shadow, one token each, and besides them exactly the shot."""
-        shadows = self._shadow_ids()
-        scheduled = output.num_scheduled_tokens
-        ran = [i for i in shadows if scheduled.get(i) == 1]
-        if len(ran) != len(shadows):
-            return v.BATCH_SIZE_MISMATCH, (
-                f"{v.BATCH_SIZE_MISMATCH}: the step ran {len(ran)} of the decode part's {len(shadows)} request(s) "
-                "at one token each"
-            )
-        rest = {i: n for i, n in scheduled.items() if i not in shadows}
-        shot_only = SimpleNamespace(
-            num_scheduled_tokens=rest,
-            scheduled_new_reqs=output.scheduled_new_reqs,
-            scheduled_cached_reqs=output.scheduled_cached_reqs,
-        )
-        return verify_step(self.shots, shot, shot_only)
+    def release(self, scheduler) -> None:
+        self.prefill.release(scheduler)
 
     def finish(self, scheduler) -> PointRow:
-        """End the point: the shadows (and a shot) still there are aborted; its mixed row."""
-        if not self.admission.shadows:
+        """End the point: the shadows and a shot still there are aborted; its mixed row."""
+        from vllm.v1.request import RequestStatus
+
+        if not self.decode.admitted():
             scheduler.kvwarm_injector.drop_pending()  # never admitted: nothing of it is registered
-        row = super().finish(scheduler)
-        return self._mixed_row(row)
+        live = [i for i in self.request_ids() if i in scheduler.requests]
+        if live:
+            scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+        return self._mixed_row(self.prefill.finish(scheduler))
 
     def _mixed_row(self, row: PointRow) -> PointRow:
         """The prefill part's row as the step's: its totals, its parts and its regime."""
-        point, config = self.mixed_plan.point, self._config
-        contexts = settled_contexts(self.admission.contexts, self._advance)
+        point, config = self.plan.point, self._config
+        contexts = settled_contexts(self.decode.admission.contexts, self._advance)
         decode_k = mixed_parts(row, point, contexts)
         if row.skipped:
             return row
         if decode_k != point.decode.total_kv_read_tokens:
             row.sample_reasons.append(v.CONTEXT_CLAMPED)
-        if self.mixed_plan.real:
+        if self.plan.real:
             row.kv_seed_regime = v.REAL_KV
             row.sample_reasons.append(v.STAMP_REAL_KV)
-            row.sample_reasons += state_reasons(config, contexts, self._decode_chains, self._drifted)
+            row.sample_reasons += state_reasons(config, contexts, self.decode.chains, self._drifted)
         else:
             row.kv_seed_regime = config.fake_regime
             row.sample_reasons += [v.STAMP_FAKE_FALLBACK] if config.fake_regime == v.FAKE_FALLBACK else []

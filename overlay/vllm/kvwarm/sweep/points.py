@@ -131,11 +131,12 @@ class MixedPoint:
         )
 
 
-def mixed_decode_steps(steady_steps: int) -> int:
+def mixed_decode_steps(decode_steps: int) -> int:
     """The steps a mixed point's decode requests run after their admission: one per shot
-    (the warm one and `steady_steps` measured), each followed by at most one more (the
-    decode-only step before a new request's shot: mixed_gap_steps), and one more."""
-    return 2 * (steady_steps + 1) + 1
+    (the warm one and at most `decode_steps` more, SweepConfig.decode_steps: what a decode
+    point's requests run), each followed by at most one more (the decode-only step before a
+    new request's shot: mixed_gap_steps), and one more."""
+    return 2 * (decode_steps + 1) + 1
 
 
 # A served chunk of a new prompt joins decodes that ran alone the step before; on the CPU

@@ -194,21 +194,24 @@ def free_seeds(scheduler, shots: PrefillShots) -> None:
     shots.seeds = []
 
 
-def _computed_before(output, ids: set[str]) -> dict[str, int]:
+def _computed_before(new_reqs, cached_reqs, ids: set[str]) -> dict[str, int]:
     """Each of `ids` the step scheduled: the tokens computed before it (a new request's hit)."""
-    before = {r.req_id: r.num_computed_tokens for r in output.scheduled_new_reqs if r.req_id in ids}
-    cached = output.scheduled_cached_reqs
-    before.update((i, n) for i, n in zip(cached.req_ids, cached.num_computed_tokens) if i in ids)
+    before = {r.req_id: r.num_computed_tokens for r in new_reqs if r.req_id in ids}
+    before.update((i, n) for i, n in zip(cached_reqs.req_ids, cached_reqs.num_computed_tokens) if i in ids)
     return before
 
 
-def verify_step(shots: PrefillShots, shot: Shot, output, lead_step: bool = False) -> tuple[str, str] | None:
-    """After a shot's step: exactly its B requests (new ones; a continuation's running ones),
-    N new tokens, P tokens computed before (a new request's hit). A continuation's lead step
-    (`lead_step`): its B new requests, `lead` tokens each, on their hits."""
+def verify_step(
+    shots: PrefillShots, shot: Shot, scheduled: dict[str, int], new_reqs, cached_reqs, lead_step: bool = False
+) -> tuple[str, str] | None:
+    """After a shot's step, which scheduled `scheduled` ({request id: tokens}, less what ran
+    beside the shot by design) and whose new and running requests' data are `new_reqs` and
+    `cached_reqs` (the SchedulerOutput's scheduled_new_reqs, scheduled_cached_reqs): exactly
+    the shot's B requests (new ones; a continuation's running ones), N new tokens, P tokens
+    computed before (a new request's hit). A continuation's lead step (`lead_step`): its B new
+    requests, `lead` tokens each, on their hits."""
     ids = {r.request_id for r in shot.requests}
-    scheduled = output.num_scheduled_tokens
-    new = {r.req_id for r in output.scheduled_new_reqs if r.req_id in ids}
+    new = {r.req_id for r in new_reqs if r.req_id in ids}
     point = shots.point
     running = bool(shots.lead) and not lead_step
     if set(scheduled) != ids or len(new) != (0 if running else point.batch_size):
@@ -230,7 +233,7 @@ def verify_step(shots: PrefillShots, shot: Shot, output, lead_step: bool = False
             f"{v.PREFILL_TOKENS_MISMATCH}: the step computed {computed} new token(s), the point "
             f"{point.total_prefill_tokens} (the engine chunked a request)"
         )
-    hit = sum(_computed_before(output, ids).values())
+    hit = sum(_computed_before(new_reqs, cached_reqs, ids).values())
     want = sum(shots.hits) if lead_step else point.total_kv_read_tokens
     if hit != want:
         return v.KV_READ_MISMATCH, (

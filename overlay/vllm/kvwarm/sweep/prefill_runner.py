@@ -16,6 +16,10 @@ them) keep every timed shot beside a shot of the same shape on every other rank.
 A continuation point's shot runs a lead step first (sweep.prefill): while it is queued the
 engine's prefill chunks are capped at the lead (kv.catchup.PrefillChunkCap), and the cap is
 lifted before the next schedule(), so the shot's own step is the engine's as configured.
+
+A mixed point's runner (sweep.mixed_runner) drives one of these for its prefill part, with
+its decode part running beside every shot (`beside`): a shot's step is then checked to run
+that part as it should, and the shot's own check leaves its requests out.
 """
 
 from __future__ import annotations
@@ -58,10 +62,13 @@ class PrefillRunner:
         ids: tuple,
         trailing: int = 0,
         settle: int = 0,
+        beside=None,
     ):
         """The point's requests' prefixes (chain i's first kv_i tokens, fake prefixes, or
         none); `ids`: (the point's index, the sweep's number), which its requests' ids carry;
-        `trailing`: untimed shots after the timed ones; `settle`: untimed shots after the warm one."""
+        `trailing`: untimed shots after the timed ones; `settle`: untimed shots after the warm
+        one; `beside`: what runs beside each shot (a mixed point's decode part: its `ids()`,
+        and `check(scheduled)`, the reason and detail where a step did not run it right)."""
         point = plan.point
         kvm = scheduler.kv_cache_manager
         unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
@@ -81,7 +88,7 @@ class PrefillRunner:
         self.shots = PrefillShots(
             point, regime, prefixes, point.new_tokens(), prompts, salts, steady_steps, trailing, settle, lead
         )
-        self._tails, self._ids = tails, ids
+        self._tails, self._ids, self._beside = tails, ids, beside
         self._cap: PrefillChunkCap | None = None  # while a continuation's lead step is queued
         if regime == v.FAKE_PREFIX:
             seed_fake_prefixes(scheduler, self.shots, f"{ids[0]}_s{ids[1]}")
@@ -89,13 +96,15 @@ class PrefillRunner:
     def current_ids(self) -> set[str]:
         """The ids of the requests the step may run: the current shot's (none before the
         first, and none while a continuation's lead step is in flight)."""
-        return set() if self._lead_in_flight() else self._shot_ids()
+        return set() if self.lead_in_flight() else self.shot_ids()
 
-    def _lead_in_flight(self) -> bool:
+    def lead_in_flight(self) -> bool:
+        """Whether a continuation's lead step is scheduled and its output not in yet."""
         shot = self.shots.current
         return bool(self.shots.lead) and shot is not None and not shot.done and not shot.led and shot.lead_scheduled()
 
-    def _shot_ids(self) -> set[str]:
+    def shot_ids(self) -> set[str]:
+        """The ids of the current shot's requests (none before the first)."""
         shot = self.shots.current
         return {r.request_id for r in shot.requests} if shot else set()
 
@@ -141,14 +150,15 @@ class PrefillRunner:
         the shot, whichever loop runs; sweep.timing)."""
         shots = self.shots
         shot = shots.current
-        ids = self._shot_ids()
+        ids = self.shot_ids()
         if shot is None or shot.done:
             return
         new = any(r.req_id in ids for r in output.scheduled_new_reqs)
         if shots.lead and not shot.led:  # a continuation's lead step: checked, untimed
             if new:
                 shot.led = True
-                shots.failure = verify_step(shots, shot, output, lead_step=True)
+                scheduled, new_reqs = output.num_scheduled_tokens, output.scheduled_new_reqs
+                shots.failure = verify_step(shots, shot, scheduled, new_reqs, output.scheduled_cached_reqs, True)
                 shot.done = shots.failure is not None
             return
         if not (any(i in ids for i in output.scheduled_cached_reqs.req_ids) if shots.lead else new):
@@ -168,8 +178,16 @@ class PrefillRunner:
             shots.windows.append(span)
 
     def _verify(self, shot: Shot, output) -> tuple[str, str] | None:
-        """The shot's step held exactly the point's shape (else the reason and detail)."""
-        return verify_step(self.shots, shot, output)
+        """The shot's step held exactly the point's shape, and what runs beside the shot as it
+        should (else the reason and detail)."""
+        scheduled = output.num_scheduled_tokens
+        if self._beside is not None:
+            problem = self._beside.check(scheduled)
+            if problem is not None:
+                return problem
+            beside = self._beside.ids()
+            scheduled = {i: n for i, n in scheduled.items() if i not in beside}
+        return verify_step(self.shots, shot, scheduled, output.scheduled_new_reqs, output.scheduled_cached_reqs)
 
     def release(self, scheduler) -> None:
         """Give back the point's fake prefixes and the engine's chunk size (at its end, or

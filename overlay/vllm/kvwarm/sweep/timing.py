@@ -1,6 +1,7 @@
 """What a step's time was spent on. The adapter reports its clock readings around vLLM's own
-schedule() and update_from_output(), each with the SchedulerOutput it made or took in (the
-same object reaches both calls, whichever engine loop runs).
+schedule() and update_from_output(); what the timer read of a schedule() (`Scheduling`) the
+adapter keeps with the SchedulerOutput it made (sweep.in_flight) and hands back with that
+output's update (the same object reaches both calls, whichever engine loop runs).
 
 A window is the time between two consecutive update ends (a decode step as the sweep times
 it), split into the vocabulary's phases:
@@ -32,14 +33,9 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..record.vocabulary import PHASES
-
-# Steps scheduled and not yet taken in: at most the batch queue's depth (the pipeline
-# stages, plus one under async scheduling). Kept bounded for an output that never
-# reaches update_from_output (the engine stopped, or the timer was swapped between calls).
-MAX_IN_FLIGHT = 16
 
 
 @dataclass
@@ -52,49 +48,53 @@ class Window:
     span: Window | None = None
 
 
-@dataclass
-class _Scheduled:
-    output: object  # the SchedulerOutput (held, so that its id is not reused while in flight)
+@dataclass(frozen=True)
+class Scheduling:
+    """What a timer read of one schedule() call: its entry, vLLM's own part and its exit. The
+    adapter keeps it with the output until that output's update (sweep.in_flight)."""
+
     enter: float
     stock: float  # vLLM's own schedule()
     leave: float
+    timer: StepTimer  # the timer that read it: only its readings make a span of its own
 
 
-@dataclass
 class StepTimer:
-    clock: Callable[[], float]
-    closed: list[Window] | None = None  # a list here keeps every closed window (benchmarks)
-    _end: float | None = None  # the last update's end: the open window's start
-    _acc: dict[str, float] = field(default_factory=lambda: {"schedule": 0.0, "sweep": 0.0})
-    _schedule_exit: float | None = None
-    _update_start: float | None = None
-    _in_flight: dict[int, _Scheduled] = field(default_factory=dict)  # by id(SchedulerOutput)
-    # the last update's step over its own span, also where no window closed (the first)
-    last_span: Window | None = None
+    """The windows and spans of the steps the adapter reports (above). `closed`: a list here
+    keeps every closed window (benchmarks)."""
 
-    def schedule_done(self, output, enter: float, stock_start: float, stock_end: float, leave: float) -> None:
-        """schedule() made `output`, from `enter` to `leave`, vLLM's own part from stock_start
-        to stock_end."""
+    def __init__(self, clock: Callable[[], float], closed: list[Window] | None = None):
+        self.clock = clock
+        self.closed = closed
+        # the last update's step over its own span, also where no window closed (the first)
+        self.last_span: Window | None = None
+        self._end: float | None = None  # the last update's end: the open window's start
+        self._acc = {"schedule": 0.0, "sweep": 0.0}
+        self._schedule_exit: float | None = None
+        self._update_start: float | None = None
+
+    def schedule_done(self, enter: float, stock_start: float, stock_end: float, leave: float) -> Scheduling:
+        """A schedule() ran from `enter` to `leave`, vLLM's own part from stock_start to
+        stock_end: what the adapter hands back with its output's update (update_done)."""
         stock = stock_end - stock_start
         self._acc["schedule"] += stock
         self._acc["sweep"] += (leave - enter) - stock
         self._schedule_exit = leave
-        if len(self._in_flight) >= MAX_IN_FLIGHT:
-            del self._in_flight[next(iter(self._in_flight))]
-        self._in_flight[id(output)] = _Scheduled(output, enter, stock, leave)
+        return Scheduling(enter, stock, leave, self)
 
     def update_started(self, at: float) -> None:
         self._update_start = at
 
-    def update_done(self, output, at: float) -> Window | None:
-        """update_from_output took `output` in and ended at `at`: the window since the last
-        update's end closes (None for the first, which has no start)."""
+    def update_done(self, scheduled: Scheduling | None, at: float) -> Window | None:
+        """update_from_output took in the output that `scheduled` made and ended at `at`: the
+        window since the last update's end closes (None for the first, which has no start).
+        `scheduled` is None where the adapter did not see that output scheduled; one another
+        timer read (the adapter swaps its timer when a sweep ends) gives no span here either."""
         start, self._end = self._end, at
         acc, exit_, update_start = self._acc, self._schedule_exit, self._update_start
         self._acc = dict.fromkeys(acc, 0.0)
         self._schedule_exit = None
-        scheduled = self._in_flight.pop(id(output), None)
-        known = scheduled is not None and update_start is not None
+        known = scheduled is not None and scheduled.timer is self and update_start is not None
         self.last_span = _span(scheduled, update_start, at) if known else None
         if start is None or update_start is None:
             return None
@@ -113,7 +113,7 @@ class StepTimer:
         self._acc["sweep"] += seconds
 
 
-def _span(scheduled: _Scheduled, update_start: float, update_end: float) -> Window:
+def _span(scheduled: Scheduling, update_start: float, update_end: float) -> Window:
     ours = (scheduled.leave - scheduled.enter) - scheduled.stock
     phases = {
         "schedule": scheduled.stock,

@@ -5,9 +5,9 @@ side (or, with the file exchange, in the one OUT every rank shares).
 
 Rewriting a record costs more as it grows (every row is checked and written again): once one
 write takes more than WRITE_FLOOR seconds, the next points' writes are left out until it is
-paid for (it takes at most WRITE_SHARE of the time since), so a sweep of tens of thousands of
-points does not spend its time rewriting its record. Below that floor every point is written
-as it ends; the final write is never left out.
+paid for (it takes at most WRITE_SHARE of the time since; sweep.pacing), so a sweep of tens of
+thousands of points does not spend its time rewriting its record. Below that floor every
+point is written as it ends; the final write is never left out.
 
 A write that fails raises ArtifactWriteError for the caller to end the sweep with; it never
 reaches the engine (the scheduler adapter handles it).
@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 
 from ..record import vocabulary as v
 from ..record.artifact import KvwarmMeta, PointRow, build_artifact, utc_now, write_artifact
+from .pacing import Pacing
 from .provenance import RankLayout
 from .rows import NOISY_SPREAD
 
@@ -50,7 +51,7 @@ class ArtifactWriter:
         self.rows: list[PointRow] = []
         self.total = 0  # points the sweep will measure (for the time left)
         self.started = time.monotonic()
-        self._cost, self._wrote_at = 0.0, 0.0  # the last write's seconds, and when it ended
+        self._pacing = Pacing(WRITE_SHARE, WRITE_FLOOR)
 
     @property
     def artifact_path(self) -> Path:
@@ -59,10 +60,9 @@ class ArtifactWriter:
     def write(self, status: str, error: str | None = None) -> None:
         """The artifact, handed on to the exchange; a running one is left out while the last
         write is not yet paid for (WRITE_SHARE)."""
-        began = time.monotonic()
-        paced = self._cost > WRITE_FLOOR and began - self._wrote_at < self._cost * (1 / WRITE_SHARE - 1)
-        if status == v.RUNNING and paced:
+        if status == v.RUNNING and not self._pacing.due():
             return
+        began = self._pacing.clock()
         if status != v.RUNNING:
             self.run["finished_at"] = utc_now()
         layout = self.layout.as_dict() if self.layout is not None else None
@@ -79,8 +79,7 @@ class ArtifactWriter:
                 write_plot(self.out, artifact)
         except Exception as err:
             raise ArtifactWriteError(f"writing the artifact to {self.out} failed: {type(err).__name__}: {err}") from err
-        self._wrote_at = time.monotonic()
-        self._cost = self._wrote_at - began
+        self._pacing.wrote(began)
         if self.exchange is not None:
             try:
                 self.exchange.share(artifact)

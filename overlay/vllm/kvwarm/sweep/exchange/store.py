@@ -3,11 +3,13 @@
 Rank 0 hosts a `torch.distributed.TCPStore` at vLLM's DP master address
 (`parallel_config.data_parallel_master_ip`) on a port derived from the DP master port
 (`store_address`; docs/hooks.md says which ports vLLM itself takes from it), or on
-DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT, and sets the launch record first. Every network operation
-runs in one thread per rank, the courier (joining, sending, looking for the open boundary's
-records); `post`, `poll`, `post_failure` and `share`, which `schedule()` calls, only hand
-work to it and read what it found: no `schedule()` waits on the network. What crosses the
-store, under `kvwarm/` (sweep.exchange.records: what each holds, the checks, the limits):
+DYN_BENCH_KV_WARMUP_RANK_SYNC_PORT, and sets the launch record first (given port 0, its
+store takes a free one, which `port` then holds: the other ranks must be told it). Every
+network operation runs in one thread per rank, the courier (joining, sending, looking for the
+open boundary's records); `post`, `poll`, `post_failure` and `share`, which `schedule()`
+calls, only hand work to it and read what it found: no `schedule()` waits on the network.
+What crosses the store, under `kvwarm/` (sweep.exchange.records: what each holds, the checks,
+the limits):
 
   launch         rank 0's: the launch's nonce, the DP size and the plan's inputs; a rank that
                  joins checks them (a store without it is not this launch's)
@@ -154,6 +156,7 @@ class StoreExchange:
             )
             return
         self._store, self._nonce = store, nonce
+        self.port = store.port  # the one it took, where it was given 0
 
     def _join(self) -> bool:
         """A client's joining, in the courier: a plain TCP probe until rank 0's store listens
@@ -245,6 +248,12 @@ class StoreExchange:
             self._cond.notify_all()
         with self._net:
             self._store = None
+
+    def settled(self) -> bool:
+        """Whether this rank is in the store (rank 0: hosts it) or has failed to be (then the
+        next post or poll raises why); False while it still joins."""
+        with self._cond:
+            return self._store is not None or self._error is not None
 
     def unheard(self) -> str | None:
         """Why rank 0 can hear from no rank (the store is gone or never came), else None."""

@@ -3,21 +3,21 @@ every other rank's, rebuilt from their summaries and the rows they published, wr
 OUT/sweep.json (record.combined) by a thread of its own, never inside `schedule()`. It reads
 the store every COLLECT_SECONDS (sooner after each of rank 0's own writes), takes each rank's
 new chunks of rows once and deletes them, and rewrites the view when something changed, paced
-so that rewriting a long sweep's view takes a small share of the time. Once the view is final
-(every rank done, or given up on: silent for the timeout after rank 0's end, or missed a
-boundary) the exchange's `on_final` gets every rank's artifact, then the final view is
-written and the store closed.
+so that rewriting a long sweep's view takes at most WRITE_SHARE of the time (sweep.pacing).
+Once the view is final (every rank done, or given up on: silent for the timeout after rank
+0's end, or missed a boundary) the exchange's `on_final` gets every rank's artifact, then the
+final view is written and the store closed.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 from vllm.logger import init_logger
 
 from ...record import vocabulary as v
 from ...record.combined import given_up, write_view
+from ..pacing import Pacing
 from ..ranks import RankFailed
 from .records import rows_record, summary_record
 
@@ -44,8 +44,7 @@ class CombinedView:
         self.combined: dict | None = None
         self._raw: dict[int, bytes] = {}  # rank: its latest summary as read
         self._written = None  # what the last write was made of
-        self._write_cost = 0.0
-        self._wrote_at = 0.0
+        self._pacing = Pacing(WRITE_SHARE)
         self._dirty = False
         self._cond = threading.Condition()
         self.collector = threading.Thread(target=self._collect, name="kvwarm-ranks-view", daemon=True)
@@ -153,15 +152,14 @@ class CombinedView:
             return
         statuses = [a["status"] if a else v.RUNNING for a in ranks]
         ending = all(s != v.RUNNING or r in lost for r, s in enumerate(statuses))
-        now = time.monotonic()
-        if not ending and now - self._wrote_at < self._write_cost / WRITE_SHARE:
+        if not ending and not self._pacing.due():
             return  # a long sweep's view: written again once its last write is paid for
+        began = self._pacing.clock()
         if ending:  # handed on first: whoever waits for the final view finds Dynamo's files there
             self._hand_over(ranks, lost)
         self.combined = write_view(self.exchange.root, ranks, lost)
         self._written = made_of
-        self._wrote_at = time.monotonic()
-        self._write_cost = self._wrote_at - now
+        self._pacing.wrote(began)
 
     def _collect(self) -> None:
         while True:
