@@ -166,16 +166,8 @@ def step_shadows(args) -> Result:
     cli = engine_cli(args, models(args.work)["llama"], "float32", extra=("--block-size", "32"))
     adapter = matching_adapter(cli)
     llm = LLM(**llm_kwargs(cli), scheduler_cls=adapter)
-    core = llm.llm_engine.engine_core.engine_core
-
-    class EngineLoop:  # the oracle steps `core.step()`; the engine's own loop is step_fn
-        scheduler = core.scheduler
-
-        @staticmethod
-        def step():
-            return core.step_fn()
-
-    shadow, natural = shadow_and_natural_tokens(llm, EngineLoop, True, "first-light")
+    core = llm.llm_engine.engine_core.engine_core  # stepped by its own loop function, step_fn
+    shadow, natural = shadow_and_natural_tokens(llm, core, True, "first-light")
     differing = [ctx for ctx, a, b in zip(CONTEXTS, shadow, natural) if a != b]
     facts = {"adapter": adapter, "contexts": CONTEXTS, "shadow": shadow, "natural": natural}
     detail = (
