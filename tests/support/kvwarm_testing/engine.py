@@ -135,6 +135,25 @@ def keep_async_scheduling(monkeypatch) -> None:
     monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_resolved))
 
 
+def lift_cpu_async_override() -> None:
+    """keep_async_scheduling for the rest of this process, where no pytest undoes it: an
+    engine process of a benchmark or a first-light step that runs the batch queue on the CPU
+    engine as on CUDA. Does nothing on another platform (CUDA keeps vLLM's value itself)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    platform_update = platform.check_and_update_config
+
+    def keep_resolved(cls, vllm_config):
+        resolved = vllm_config.scheduler_config.async_scheduling
+        platform_update(vllm_config)
+        vllm_config.scheduler_config.async_scheduling = resolved
+
+    platform.check_and_update_config = classmethod(keep_resolved)
+
+
 def engine_env(device: str) -> dict[str, str]:
     """The environment of an engine in another process on `device` (cpu | cuda)."""
     return dict(CPU_ENGINE_ENV) if device == "cpu" else {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
