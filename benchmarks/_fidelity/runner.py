@@ -105,9 +105,9 @@ def engine_args(model: Path, case, settings: Settings):
     if not settings.gpu_defaults:
         sync = "vllm.kvwarm.scheduler.KvWarmScheduler"
         return EngineArgs(model=str(model), scheduler_cls=sync, async_scheduling=False, **case.engine)
-    from kvwarm_testing.engine import lift_cpu_async_override
+    from kvwarm_testing.engine import lift_cpu_overrides
 
-    lift_cpu_async_override()
+    lift_cpu_overrides(("scheduler_config.async_scheduling",))
     kwargs = dict(case.engine)
     if current_platform.is_cuda():
         kwargs["enforce_eager"] = False
