@@ -91,6 +91,8 @@ def main() -> None:
         help="async scheduling at vLLM's default (the batch queue; on CPU the platform's override lifted), "
         "graphs on CUDA",
     )
+    parser.add_argument("--gpu-memory-utilization", type=float, help="CUDA: the engine's share of the GPU")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, help="CUDA: a fixed KV pool (beside other engines)")
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one engine process
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -122,6 +124,12 @@ def main() -> None:
         settings = replace(settings, flush_denormal=True)
     if args.gpu_defaults:
         settings = replace(settings, gpu_defaults=True)
+    if args.gpu_memory_utilization or args.kv_cache_memory_bytes:
+        memory = {
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        }
+        settings = replace(settings, **memory)
     if args.pairs:
         settings = replace(settings, pairs=args.pairs)
     if args.runs:

@@ -238,9 +238,13 @@ def step_fidelity(args) -> Result:
     root = Path(__file__).resolve().parents[1]
     log = args.work / "logs" / "fidelity.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "tooling"), os.environ.get("PYTHONPATH", "")])}
+    # on CUDA it may run beside other engines (the shapes plan): a share of the GPU, a fixed pool
+    share = (
+        [] if args.device == "cpu" else ["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", str(2 << 30)]
+    )
     with log.open("w") as handle:
         rc = subprocess.run(
-            [sys.executable, str(root / "benchmarks" / "step_fidelity.py"), "--quick", "--gpu-defaults"],
+            [sys.executable, str(root / "benchmarks" / "step_fidelity.py"), "--quick", "--gpu-defaults", *share],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,

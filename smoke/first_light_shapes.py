@@ -28,22 +28,23 @@ from collections import Counter
 from pathlib import Path
 
 import kvwarm_smoke
-from first_light_engine import kit_settings, run_sweep, shape_models
+from first_light_engine import CONCURRENT_GPU, kit_settings, run_sweep, shape_models
 from first_light_report import Result, engine_log_facts
 from shape_plans import PLANS, SweepPlan
 
 NEMOTRON_STATE = ("--mamba-cache-mode", "align", "--mamba-ssm-cache-dtype", "float32")
-# Beside the correctness steps' small engines: a slice of the GPU and a fixed KV pool, so no
-# engine sizes its cache from memory another is using (the NemotronH ladder needs ~20 GiB).
+# Beside the correctness steps' small engines (CONCURRENT_GPU each): a slice of the GPU and a
+# fixed KV pool, so no engine sizes its cache from memory another is using. NemotronH: 63 GB
+# of weights, the ladder's ~20 GB of KV and state blocks, graphs and activations in 0.7 of an H200.
 GPU_SHARE = ("--gpu-memory-utilization", "0.7", "--kv-cache-memory-bytes", str(24 << 30))
 # The in-place check: the small NemotronH at contexts past its state blocks.
 SMALL = SweepPlan("nemotron-small", ((900, 2), (750, 2), (800, 4)), (), 2048, 8, 512, (1, 2, 4, 8))
 
 
-def shape_cli(args, plan: SweepPlan, folder: Path, extra: tuple[str, ...] = ()) -> list[str]:
+def shape_cli(args, plan: SweepPlan, folder: Path, extra: tuple[str, ...] = (), share=GPU_SHARE) -> list[str]:
     """The engine arguments of a shape's sweep: dummy weights, bf16, prefix caching and expert
     parallel on; on CUDA the kit's settings (FlashAttention's MLA kernels for the MLA model),
-    graphs of the plan's sizes and a GPU share; on the CPU engine eager."""
+    graphs of the plan's sizes and a `share` of the GPU; on the CPU engine eager."""
     cli = ["--model", str(folder), "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "0"]
     cli += ["--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs)]
     cli += ["--max-num-batched-tokens", str(plan.batched_tokens), "--enable-prefix-caching", "--enable-expert-parallel"]
@@ -54,7 +55,7 @@ def shape_cli(args, plan: SweepPlan, folder: Path, extra: tuple[str, ...] = ()) 
     kit = list(settings["engine_args"])
     if plan.model == "mla" and "--attention-backend" in kit:  # Hopper's first MLA choice, FA3 (in the wheel)
         kit[kit.index("--attention-backend") + 1] = "FLASH_ATTN_MLA"
-    cli += [*kit, "--cudagraph-capture-sizes", *(str(s) for s in plan.capture), *GPU_SHARE]
+    cli += [*kit, "--cudagraph-capture-sizes", *(str(s) for s in plan.capture), *share]
     if settings["additional_config"]:
         cli += ["--additional-config", json.dumps(settings["additional_config"])]
     return cli
@@ -91,13 +92,13 @@ def sweep_facts(artifact: dict, log: Path, seconds: float, estimate: dict) -> di
     }
 
 
-def _sweep(args, name: str, plan: SweepPlan, folder: Path, env: dict, extra=(), exact=False):
+def _sweep(args, name: str, plan: SweepPlan, folder: Path, env: dict, extra=(), exact=False, share=GPU_SHARE):
     spec = args.work / f"points-{name}.json"
     spec.write_text(json.dumps(plan.points()))
     if args.device == "cpu" and plan.model.startswith("nemotron"):  # the CPU's NemotronH is dense
         env = {**env, "DYN_BENCH_KV_WARMUP": "force"}
     started = time.monotonic()
-    arguments = ["--points", str(spec), *shape_cli(args, plan, folder, extra)]
+    arguments = ["--points", str(spec), *shape_cli(args, plan, folder, extra, share)]
     rc, artifact, log = run_sweep(args, name, arguments, env, launch=True)
     took = time.monotonic() - started
     print(f"[first light] {name}: sized {plan.estimate(exact)}, took {took:.0f} s", flush=True)
@@ -137,8 +138,7 @@ def step_nemotron_inplace(args) -> Result:
     """In place on the small NemotronH: admitted (rows real_kv, stamped) or refused by name."""
     folder = shape_models(args)["nemotron-small"]
     env = {"DYN_BENCH_KV_WARMUP_STATE": "inplace"}
-    extra = NEMOTRON_STATE if args.device == "cpu" else (*NEMOTRON_STATE, "--kv-cache-memory-bytes", str(2 << 30))
-    rc, artifact, log, took = _sweep(args, "nemotron-inplace", SMALL, folder, env, extra)
+    rc, artifact, log, took = _sweep(args, "nemotron-inplace", SMALL, folder, env, NEMOTRON_STATE, share=CONCURRENT_GPU)
     if artifact is None:
         return Result("nemotron-inplace", "fail", detail=f"no artifact (exit {rc}); see {log.name}")
     facts = sweep_facts(artifact, log, took, SMALL.estimate())

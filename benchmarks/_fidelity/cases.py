@@ -32,6 +32,9 @@ class Settings:
     # default (its batch queue, the async adapter; the CPU platform's override of it lifted)
     # and, on CUDA, graphs. Off: one step at a time (EngineCore.step), eager.
     gpu_defaults: bool = False
+    # On CUDA beside other engines: a share of the GPU and a fixed KV pool (else vLLM's defaults)
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

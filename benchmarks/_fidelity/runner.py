@@ -112,6 +112,9 @@ def engine_args(model: Path, case, settings: Settings):
     if current_platform.is_cuda():
         kwargs["enforce_eager"] = False
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
+        for key in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
+            if getattr(settings, key) is not None:
+                kwargs[key] = getattr(settings, key)
     adapter = adapter_for(EngineArgs(model=str(model), **kwargs).create_engine_config())
     return EngineArgs(model=str(model), scheduler_cls=adapter, **kwargs)
 
