@@ -30,18 +30,30 @@ from pathlib import Path
 import kvwarm_smoke
 from first_light_engine import CONCURRENT_GPU, kit_settings, run_sweep, shape_models
 from first_light_report import Result, engine_log_facts
+from gpu_models import NEMOTRON_PATTERN
 from shape_plans import PLANS, SweepPlan
 
 NEMOTRON_STATE = ("--mamba-cache-mode", "align", "--mamba-ssm-cache-dtype", "float32")
-# Beside the correctness steps' small engines (CONCURRENT_GPU each): a slice of the GPU and a
-# fixed KV pool, so no engine sizes its cache from memory another is using. NemotronH: 63 GB
-# of weights, the ladder's ~20 GB of KV and state blocks, graphs and activations in 0.7 of an H200.
-GPU_SHARE = ("--gpu-memory-utilization", "0.7", "--kv-cache-memory-bytes", str(24 << 30))
+# A full-shape model's fixed KV pool (so no engine sizes its cache from memory another is
+# using): NemotronH's ladder holds ~9 GB of attention KV and state blocks at its largest rung,
+# the MLA model's 640k tokens of latent KV 20 GB; the rest keeps earlier rungs' chains cached.
+POOL = 24 << 30
+
+
+def gpu_share(args, model: str, alone: bool) -> tuple[str, ...]:
+    """A full-shape engine's share of the GPU: 0.9 alone, 0.7 beside the small engines
+    (CONCURRENT_GPU each); NemotronH's pool shrinks with its layers (--nemotron-layers)."""
+    pool = POOL
+    if model == "nemotron" and getattr(args, "nemotron_layers", None):
+        pool = POOL * args.nemotron_layers // len(NEMOTRON_PATTERN)
+    return ("--gpu-memory-utilization", "0.9" if alone else "0.7", "--kv-cache-memory-bytes", str(pool))
+
+
 # The in-place check: the small NemotronH at contexts past its state blocks.
 SMALL = SweepPlan("nemotron-small", ((900, 2), (750, 2), (800, 4)), (), 2048, 8, 512, (1, 2, 4, 8))
 
 
-def shape_cli(args, plan: SweepPlan, folder: Path, extra: tuple[str, ...] = (), share=GPU_SHARE) -> list[str]:
+def shape_cli(args, plan: SweepPlan, folder: Path, extra: tuple[str, ...], share: tuple[str, ...]) -> list[str]:
     """The engine arguments of a shape's sweep: dummy weights, bf16, prefix caching and expert
     parallel on; on CUDA the kit's settings (FlashAttention's MLA kernels for the MLA model),
     graphs of the plan's sizes and a `share` of the GPU; on the CPU engine eager."""
@@ -92,7 +104,7 @@ def sweep_facts(artifact: dict, log: Path, seconds: float, estimate: dict) -> di
     }
 
 
-def _sweep(args, name: str, plan: SweepPlan, folder: Path, env: dict, extra=(), exact=False, share=GPU_SHARE):
+def _sweep(args, name: str, plan: SweepPlan, folder: Path, env: dict, extra=(), exact=False, share=()):
     spec = args.work / f"points-{name}.json"
     spec.write_text(json.dumps(plan.points()))
     if args.device == "cpu" and plan.model.startswith("nemotron"):  # the CPU's NemotronH is dense
@@ -128,7 +140,8 @@ def step_nemotron(args, mode: str) -> Result:
     plan, name = PLANS[args.device]["nemotron"], f"nemotron-{mode}"
     folder = shape_models(args)["nemotron"]
     env = {"DYN_BENCH_KV_WARMUP_STATE": mode}
-    rc, artifact, log, took = _sweep(args, name, plan, folder, env, NEMOTRON_STATE, exact=mode == "exact")
+    share = gpu_share(args, "nemotron", alone=mode != "exact")  # exact's boot overlaps the small engines
+    rc, artifact, log, took = _sweep(args, name, plan, folder, env, NEMOTRON_STATE, mode == "exact", share)
     facts = sweep_facts(artifact, log, took, plan.estimate(mode == "exact", warm=mode != "exact")) if artifact else {}
     case = _case(plan, regime="real_kv", prefix_regime="real_prefix", state=mode)
     return _checked(name, rc, artifact, log, case, facts)
@@ -155,7 +168,9 @@ def step_nemotron_inplace(args) -> Result:
 def step_mla(args) -> Result:
     """DeepSeek-V2-Lite's shape (scaled on the CPU): decode and prefill on real latent KV."""
     plan = PLANS[args.device]["mla"]
-    rc, artifact, log, took = _sweep(args, "mla", plan, shape_models(args)["mla"], {})
+    rc, artifact, log, took = _sweep(
+        args, "mla", plan, shape_models(args)["mla"], {}, share=gpu_share(args, "mla", True)
+    )
     facts = sweep_facts(artifact, log, took, plan.estimate()) if artifact else {}
     return _checked("mla", rc, artifact, log, _case(plan, regime="real_kv", prefix_regime="real_prefix"), facts)
 
