@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.command
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "smoke"))
-import gpu_models  # noqa: E402  (a script of smoke/, importable from there)
+import gpu_models  # a script of smoke/, importable from there
 
 # The publishers' figures the issues quote: parameters in billions.
 PUBLISHED = {"nemotron": 31.6, "mla": 15.7, "qwen3": 30.5}
