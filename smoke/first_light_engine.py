@@ -88,11 +88,24 @@ def models(work: Path) -> dict[str, Path]:
     return made
 
 
-def run_sweep(args, name: str, arguments: list[str], env: dict) -> tuple:
-    """`python -m vllm.kvwarm sweep --out WORK/sweeps/NAME ARGUMENTS`, its log in
-    WORK/logs/NAME.log; returns its exit status, its artifact (None if it wrote none), the log."""
+def shape_models(args) -> dict[str, Path]:
+    """The shape steps' model folders (smoke/gpu_models.py): on CUDA the full shapes and a
+    small NemotronH, on the CPU engine the scaled ones; beside WORK, which a rerun empties."""
+    from gpu_models import write_models
+
+    return write_models(
+        args.work.parent / "models", args.device, nemotron_layers=getattr(args, "nemotron_layers", None)
+    )
+
+
+def run_sweep(args, name: str, arguments: list[str], env: dict, launch: bool = False, where=None) -> tuple:
+    """`python -m vllm.kvwarm sweep --out WORK/sweeps/NAME ARGUMENTS` (with `launch`, through
+    launch() here: the CPU dry run's overrides lifted; with `where`, its processes pinned as
+    placement.Pinner does), its log in WORK/logs/NAME.log; returns its exit status, its
+    artifact (None if it wrote none), the log."""
     out, log = args.work / "sweeps" / name, args.work / "logs" / f"{name}.log"
-    cmd = [sys.executable, "-m", "vllm.kvwarm", "sweep", "--out", str(out), *arguments]
+    entry = [str(Path(__file__).resolve())] if launch else ["-m", "vllm.kvwarm"]
+    cmd = [sys.executable, *entry, "sweep", "--out", str(out), *arguments]
     env = {
         **os.environ,
         **engine_env(args.device),
@@ -102,6 +115,38 @@ def run_sweep(args, name: str, arguments: list[str], env: dict) -> tuple:
     }
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as handle:
-        rc = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT, check=False).returncode
+        sweep = subprocess.Popen(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        if where is not None:
+            from placement import Pinner
+
+            pinner = Pinner(sweep.pid, where)
+        rc = sweep.wait()
+        if where is not None:
+            pinner.stop()
     artifact = out / "sweep.json"
     return rc, (json.loads(artifact.read_text()) if artifact.exists() else None), log
+
+
+def launch(argv: list[str]) -> int:
+    """`python first_light_engine.py sweep ARGS` (the sweep command) or `serve ARGS` (the OpenAI
+    server) with the CPU platform's overrides lifted (kvwarm_testing.engine.lift_cpu_overrides):
+    async scheduling as CUDA has it (the batch queue and the async adapter), and prefix caching
+    for MLA models. On CUDA nothing is lifted: the same code path as the GPU's."""
+    from kvwarm_testing.engine import lift_cpu_overrides
+
+    lift_cpu_overrides()
+    if argv[:1] == ["sweep"]:
+        from vllm.kvwarm.sweep.command import run
+
+        return run(argv[1:])
+    if argv[:1] == ["serve"]:
+        import runpy
+
+        sys.argv = ["vllm.entrypoints.openai.api_server", *argv[1:]]
+        runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
+        return 0
+    sys.exit("usage: first_light_engine.py sweep|serve ARGS")
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[1:]))

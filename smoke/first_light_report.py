@@ -22,6 +22,7 @@ from pathlib import Path
 
 # The steps in priority order (gpu_first_light.sh runs them so); the summary lists them so.
 ORDER = ["install", "info", "models", "generate", "sweep", "shadows", "hybrid", "fidelity", "served"]
+ORDER += ["nemotron-exact", "nemotron-inplace", "nemotron-copy", "mla", "served-moe"]
 MIB = 1 << 20
 LOG_TAIL = 3 * MIB  # what each log keeps (its end) in logs.tar.gz
 MAX_FILE = 15 * MIB  # under the 16 MiB a file may have to come back
@@ -96,7 +97,7 @@ def record(work: Path, step: str, status: str, detail: str, seconds: float | Non
         Result(step, status, detail, seconds).write(work)
 
 
-def summary(work: Path, out: Path) -> int:
+def summary(work: Path, out: Path, asked: list[str] | None = None) -> int:
     results = {}
     for path in sorted((work / "results").glob("*.json")):
         found = json.loads(path.read_text())
@@ -109,7 +110,7 @@ def summary(work: Path, out: Path) -> int:
     for r in ordered:
         seconds = "" if r.get("seconds") is None else f"{r['seconds']:.0f}"
         lines.append(f"{r['step']:<{width}}  {r['status']:<7}  {seconds:>7}  {r['detail']}")
-    missing = [s for s in ORDER if s not in results]
+    missing = [s for s in (asked or ORDER) if s not in results]
     if missing:
         lines.append(f"not run: {', '.join(missing)}")
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
@@ -141,7 +142,16 @@ def pack(work: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     logs = [(p, p.relative_to(work).as_posix()) for p in sorted((work / "logs").rglob("*")) if p.is_file()]
     _tarball(out / "logs.tar.gz", logs, LOG_TAIL)
-    wanted = ("sweeps", "generate", "served", "results", "info.json", "nvidia-smi.txt", "kit-manifest.json")
+    wanted = (
+        "sweeps",
+        "generate",
+        "served",
+        "served-moe",
+        "results",
+        "info.json",
+        "nvidia-smi.txt",
+        "kit-manifest.json",
+    )
     found = []
     for name in wanted:
         path = work / name
@@ -166,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("status", choices=["pass", "fail", "skip", "timeout"])
     r.add_argument("detail")
     r.add_argument("--seconds", type=float)
-    for q in (r, sub.add_parser("summary"), sub.add_parser("pack")):
+    summary_parser = sub.add_parser("summary")
+    summary_parser.add_argument("--steps", help="the steps asked for (comma-separated): those not run are named")
+    for q in (r, summary_parser, sub.add_parser("pack")):
         q.add_argument("--work", type=Path, required=True)
         q.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "pack":
         pack(args.work, args.out)
         return 0
-    return summary(args.work, args.out)
+    return summary(args.work, args.out, args.steps.split(",") if args.steps else None)
 
 
 if __name__ == "__main__":

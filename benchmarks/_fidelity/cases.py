@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 MAX_MODEL_LEN, BLOCK, BATCHED_TOKENS = 2048, 32, 2048
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]  # with --gpu-defaults on CUDA: the ladders' batches, few to capture
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,13 @@ class Settings:
     modes: tuple[str, ...] | None = None  # the hybrids' state modes (default: every one)
     flush_denormal: bool = False  # torch.set_flush_denormal: subnormal floats read as zero
     allocator: str = "glibc"  # the engine process's malloc: a key of ALLOCATORS
+    # The engine as vLLM sets it up on a GPU (--gpu-defaults): async scheduling at vLLM's
+    # default (its batch queue, the async adapter; the CPU platform's override of it lifted)
+    # and, on CUDA, graphs. Off: one step at a time (EngineCore.step), eager.
+    gpu_defaults: bool = False
+    # On CUDA beside other engines: a share of the GPU and a fixed KV pool (else vLLM's defaults)
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

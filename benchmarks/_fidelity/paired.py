@@ -111,10 +111,14 @@ class PairedRun:
     its chains stay parked) and the natural requests of the same point run."""
 
     def __init__(self, core, text, settings: Settings, mode: str | None, lending: str | None):
+        from vllm.kvwarm.sweep.provenance import trailing_steps
         from vllm.kvwarm.sweep.timing import StepTimer
 
         self.core, self.scheduler, self.text = core, core.scheduler, text
         self.settings, self.mode, self.lending = settings, mode, lending
+        # Under the batch queue each side runs one untimed step after its timed ones (the
+        # window of the last timed step holds the next step's schedule(): the sweep's rule)
+        self.trailing = trailing_steps(core.vllm_config)
         self.steps = steps_of(self.scheduler)
         self.natural_timer = StepTimer(time.perf_counter, closed=self.steps.windows)
         self.results: dict[tuple[int, int], dict] = {}
@@ -130,6 +134,7 @@ class PairedRun:
             state_mode=self.mode,
             state_lending=self.lending,
             gc_hold=self.settings.gc_hold,
+            trailing_steps=self.trailing,
         )
         sequence = [p for p in points for _ in range(1 + self.settings.pairs)]
         sweep = Sweep(sequence, self.text, config, progress=lambda m: None, on_row=self.rows.append)
@@ -141,16 +146,24 @@ class PairedRun:
             self.rows.clear()
             if naturals:
                 scheduler.kvwarm_sweep = None
+                self._drain()
                 for point, warm_up in naturals:
                     self._natural(point, warm_up)
                 scheduler.kvwarm_sweep = sweep
-            if not scheduler.has_requests():
+            if not scheduler.has_requests() and not self.core.batch_queue:
                 break
             self.core.step_fn()
         scheduler.kvwarm_sweep = None
         if not sweep.reset_prefix_cache_ok:
             sys.exit(f"mode {self.mode}: the sweep's leak check (reset_prefix_cache) failed")
         return [self.results[(p.batch_size, p.total_kv_read_tokens)] for p in points]
+
+    def _drain(self) -> None:
+        """Take in every step still in flight (vLLM's batch queue: the step the engine scheduled
+        before the last update, empty once a point's requests are done), so that no update of
+        one side's step reaches the other side's timer. Nothing to do one step at a time."""
+        while self.scheduler.has_requests() or self.core.batch_queue:
+            self.core.step_fn()
 
     def _result(self, point) -> dict:
         key = (point.batch_size, point.total_kv_read_tokens)
@@ -179,7 +192,8 @@ class PairedRun:
         if row.kv_seed_regime != "real_kv":
             sys.exit(f"{where}: {row.kv_seed_regime} {row.detail}")
         steady = [s for s in self.steps.take() if all(r.startswith(SHADOW_PREFIX) for r in s.ids)]
-        if [s.window.wall for s in steady] != row.samples or len({s.ids for s in steady}) != 1:
+        steady, trailing = steady[: len(steady) - self.trailing], steady[len(steady) - self.trailing :]
+        if [s.window.wall for s in steady] != row.samples or len({s.ids for s in steady + trailing}) != 1:
             sys.exit(f"{where}: the shadows' steady steps seen here are not the row's {row.samples}")
         ids = sorted(steady[0].ids, key=lambda r: int(r[len(SHADOW_PREFIX) :]))
         prompts = [self.steps.new_prompts.get(r) for r in ids]
@@ -216,7 +230,8 @@ class PairedRun:
             salt += f"-{next(NATURAL_IDS)}"
             warm_up = True
         scheduler.kvwarm_timer = self.natural_timer
-        for max_tokens in (1, 1 + self.settings.steps) if warm_up else (1 + self.settings.steps,):
+        decoded = 1 + self.settings.steps + self.trailing  # as many as a shadow
+        for max_tokens in (1, decoded) if warm_up else (decoded,):
             ids = []
             for i, prompt in enumerate(prompts):
                 ids.append(f"natural_{next(NATURAL_IDS)}")
@@ -228,8 +243,7 @@ class PairedRun:
             if hold:
                 gc.disable()  # as the sweep holds it for its points (sweep.gc_hold)
             self.steps.take()
-            while scheduler.has_requests():
-                self.core.step_fn()
+            self._drain()
             if hold:
                 gc.collect()
                 if enabled:
@@ -239,10 +253,10 @@ class PairedRun:
         where = f"{self.mode or 'attention'} K={point.total_kv_read_tokens} B={point.batch_size}"
         tokens = self.steps.tokens(ids, where)
         self.steps.forget()
-        if len(steady) != self.settings.steps or any(s.ids != frozenset(ids) for s in steady):
-            sys.exit(
-                f"{where}: the natural side ran {len(steady)} steady step(s) of its requests, not {self.settings.steps}"
-            )
+        expected = self.settings.steps + self.trailing
+        if len(steady) != expected or any(s.ids != frozenset(ids) for s in steady):
+            sys.exit(f"{where}: the natural side ran {len(steady)} steady step(s) of its requests, not {expected}")
+        steady = steady[: self.settings.steps]  # the timed ones: as the shadows', the trailing step left out
         if warm_up and "natural" not in result["warm_up"]:
             result["warm_up"]["natural"] = [s.window.wall for s in steady]
             return

@@ -24,7 +24,7 @@ def print_attention_case(result: dict) -> list[dict]:
     rows = []
     print(
         f"{'B':>3} {'K':>6}  {'shadow ms':>9} {'natural ms':>10}  {'shadow/natural [95%]':>22}  "
-        f"{'A/A shadow':>22}  {'A/A natural':>22}  {'spread S|N':>11}  faults S|N  load"
+        f"{'A/A shadow':>22}  {'A/A natural':>22}  {'spread S|N':>11}  faults S|N  tokens  load"
     )
     for p in result["points"]:
         f = point_figures(p)
@@ -34,7 +34,8 @@ def print_attention_case(result: dict) -> list[dict]:
             f"{interval(f['ratio']):>22}  "
             f"{interval(f['aa_shadow']):>22}  {interval(f['aa_natural']):>22}  "
             f"{100 * f['spread']['shadow']:>4.1f}|{100 * f['spread']['natural']:<4.1f}%  "
-            f"{f['faults']['shadow']:>4.0f}|{f['faults']['natural']:<4.0f}  " + "-".join(f"{x:.1f}" for x in p["load"])
+            f"{f['faults']['shadow']:>4.0f}|{f['faults']['natural']:<4.0f}  {f['tokens_match']:>6}  "
+            + "-".join(f"{x:.1f}" for x in p["load"])
         )
     print("  phases, ms (per measurement the median of its steps; the median over measurements): shadow | natural")
     print(f"  {'B':>3} {'K':>6}  " + "  ".join(f"{ph:>15}" for ph in PHASES) + "   schedule S/N [95%]")
@@ -201,12 +202,28 @@ def _largest_spread(results) -> float | None:
     return round(100 * max(spreads), 2) if spreads else None
 
 
+def _tokens_agreeing(rows: list[dict]) -> str:
+    """Over the attention-only points: the shadows' greedy tokens equal to the natural requests'."""
+    pairs = [tuple(int(n) for n in r["tokens_match"].split("/")) for r in rows]
+    return f"{sum(a for a, _ in pairs)}/{sum(b for _, b in pairs)}"
+
+
+def _loop_label(loop: dict | None) -> str:
+    """`batch_queue, KvWarmAsyncScheduler, graphs FULL_AND_PIECEWISE`: how a case's engine ran."""
+    if not loop:
+        return "loop not recorded"
+    graphs = "eager" if loop["enforce_eager"] else f"graphs {loop['cudagraph_mode'].rsplit('.', 1)[-1]}"
+    return f"{loop['loop']}, {loop['scheduler_cls'].rsplit('.', 1)[-1]}, {graphs}"
+
+
 def print_paired(by_case: dict[str, list[dict]], release: str, quick: bool) -> None:
     """Each case's table (by_case: its engines' results), the attention-only summary and the
     JSON result line."""
     headline, hybrids, hybrid_schedules, hybrid_refused = [], {}, {}, {}
+    loops = {_loop_label(r.get("loop")) for runs in by_case.values() for r in runs}
     for name, runs in by_case.items():
-        print(f"\n{name}: {CASES[name].title}", flush=True)
+        ran = ", ".join(sorted({_loop_label(r.get("loop")) for r in runs}))
+        print(f"\n{name}: {CASES[name].title}; {ran}", flush=True)
         if CASES[name].hybrid():
             hybrids[name], hybrid_schedules[name], hybrid_refused[name] = print_hybrid_case(runs)
         else:
@@ -230,7 +247,9 @@ def print_paired(by_case: dict[str, list[dict]], release: str, quick: bool) -> N
     print(
         json.dumps(
             {
-                "metric": f"step_fidelity_paired_{attention}_{release}" + ("_quick" if quick else ""),
+                "metric": f"step_fidelity_paired_{attention}_{release}"
+                + ("_batch_queue" if any(x.startswith("batch_queue") for x in loops) else "")
+                + ("_quick" if quick else ""),
                 "value": round(100 * worst, 2),
                 "unit": "%",
                 "baseline": round(100 * noise, 2),
@@ -238,10 +257,12 @@ def print_paired(by_case: dict[str, list[dict]], release: str, quick: bool) -> N
                 "target": f"every point's 95% interval within 1 +- {100 * TOLERANCE:g}% "
                 f"and A/A <= {100 * TOLERANCE:g}%",
                 "points_within": f"{inside}/{len(headline)}",
+                "tokens_agreeing": _tokens_agreeing(headline),
                 "schedule_holding_1": f"{schedule_at_1}/{len(headline)}",
                 "hybrid_rows_agreeing": hybrids,
                 "hybrid_schedule_holding_1": hybrid_schedules,
                 "hybrid_modes_refused": hybrid_refused,
+                "engine_loop": sorted(loops),
             }
         )
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvwarm_testing import tiny_models
 
-from .cases import ALLOCATORS, CASES, Settings, ladder
+from .cases import ALLOCATORS, CAPTURE_SIZES, CASES, Settings, ladder
 from .paired import PairedRun
 
 # The script an engine process runs (`--case`): the benchmark's entry point.
@@ -36,7 +36,6 @@ def isolate_this_thread() -> None:
 
 
 def run_case(name: str, out: Path, settings: Settings) -> None:
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.kv.layout import group_layouts
     from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
     from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
@@ -53,20 +52,12 @@ def run_case(name: str, out: Path, settings: Settings) -> None:
         model = getattr(tiny_models, case.maker)(Path(tmp) / name)
         conversations, _ = load_dataset(tiny_models.write_sharegpt(Path(tmp) / "sharegpt.json"))
         started = time.perf_counter()
-        # The run steps the engine core one step at a time (EngineCore.step), so the sync loop and
-        # its adapter; on CUDA vLLM would resolve async scheduling on and the adapter refuse it.
-        engine = LLMEngine.from_engine_args(
-            EngineArgs(
-                model=str(model),
-                scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
-                async_scheduling=False,
-                **case.engine,
-            )
-        )
+        engine = LLMEngine.from_engine_args(engine_args(model, case, settings))
         start_seconds = time.perf_counter() - started
         if settings.pin and settings.isolate:
             isolate_this_thread()
         core = engine.engine_core.engine_core
+        loop = engine_loop(core)
         tokenizer = engine.get_tokenizer()
         text = ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
         kvm = core.scheduler.kv_cache_manager
@@ -90,9 +81,54 @@ def run_case(name: str, out: Path, settings: Settings) -> None:
                 r[side] = r[side].__dict__
     out.write_text(
         json.dumps(
-            {"case": name, "engine_start_seconds": start_seconds, "huge_pages_kib": huge_pages, "points": results}
+            {
+                "case": name,
+                "engine_start_seconds": start_seconds,
+                "huge_pages_kib": huge_pages,
+                "loop": loop,
+                "points": results,
+            }
         )
     )
+
+
+def engine_args(model: Path, case, settings: Settings):
+    """The case's engine. By default one step at a time (EngineCore.step) through the sync
+    adapter, asked for: on CUDA vLLM would resolve async scheduling on. With gpu_defaults,
+    async scheduling at vLLM's default (on: the batch queue; on the CPU engine the platform's
+    override is lifted for this process) through the adapter matching the loop vLLM
+    resolves, and on CUDA graphs of a few sizes (the CPU engine stays eager)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.kvwarm.sweep.provenance import adapter_for
+    from vllm.platforms import current_platform
+
+    if not settings.gpu_defaults:
+        sync = "vllm.kvwarm.scheduler.KvWarmScheduler"
+        return EngineArgs(model=str(model), scheduler_cls=sync, async_scheduling=False, **case.engine)
+    from kvwarm_testing.engine import lift_cpu_overrides
+
+    lift_cpu_overrides(("scheduler_config.async_scheduling",))
+    kwargs = dict(case.engine)
+    if current_platform.is_cuda():
+        kwargs["enforce_eager"] = False
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
+        for key in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
+            if getattr(settings, key) is not None:
+                kwargs[key] = getattr(settings, key)
+    adapter = adapter_for(EngineArgs(model=str(model), **kwargs).create_engine_config())
+    return EngineArgs(model=str(model), scheduler_cls=adapter, **kwargs)
+
+
+def engine_loop(core) -> dict:
+    """The loop the engine core runs and what it was built with (the result records it)."""
+    config = core.vllm_config
+    return {
+        "loop": "batch_queue" if core.batch_queue is not None else "sync",
+        "scheduler_cls": f"{type(core.scheduler).__module__}.{type(core.scheduler).__name__}",
+        "async_scheduling": bool(config.scheduler_config.async_scheduling),
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "enforce_eager": bool(config.model_config.enforce_eager),
+    }
 
 
 def _huge_pages_kib() -> int:

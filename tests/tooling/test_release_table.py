@@ -373,3 +373,11 @@ def test_no_release_in_the_table_is_named_in_tooling_tests_or_benchmarks():
                 if pattern.search(line):
                     found.append(f"{path.relative_to(project.ROOT)}:{number}: {line.strip()}")
     assert found == []
+
+
+def test_the_first_light_dry_run_without_a_kit_runs_the_script_on_the_sessions_python(tmp_path):
+    script = sessions.first_light_script(tmp_path, "/venv/bin/python", tmp_path / "tmp" / "first-light")
+    assert script[:2] == ["bash", str(tmp_path / "smoke" / "gpu_first_light.sh")]
+    assert script[script.index("--python") + 1] == "/venv/bin/python" and "--cpu" in script
+    assert script[script.index("--out") + 1] == str(tmp_path / "tmp" / "first-light")
+    assert script[script.index("--base") + 1] == str(tmp_path / "tmp" / "first-light-base")

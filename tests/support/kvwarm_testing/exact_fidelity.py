@@ -15,7 +15,7 @@ from vllm.kvwarm.kv.injector import Admission
 from vllm.kvwarm.kv.layout import group_layouts
 from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
 
-from .fidelity import STEPS, step_core_until
+from .fidelity import STEPS, prefill_and_park, step_core_until
 
 # A lead (in logprob) the order of a chunked prefill's bf16 sums can turn: the one seen
 # (Qwen3-Next, vLLM's CPU engine) was 0.02. A wrong state moves the whole distribution.
@@ -37,11 +37,10 @@ def _prefilled_chain(engine, name: str, tokens: list[int], block: int | None):
         cap.apply()
     try:
         scheduler.add_request(chain)
-        step_core_until(engine.core, lambda: is_prefilled(chain))
+        prefill_and_park(scheduler, engine.core, chain)
     finally:
         if cap:
             cap.restore()
-    park(scheduler, chain)
     return chain
 
 

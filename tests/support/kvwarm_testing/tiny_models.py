@@ -276,3 +276,35 @@ def make_tiny_nemotron_h(directory: Path, seed: int = 0) -> Path:
         tensors["backbone.embeddings.weight"] = tensors.pop("backbone.embedding.weight")
         save_file(tensors, weights, metadata={"format": "pt"})
     return directory
+
+
+def make_tiny_deepseek_v2(directory: Path, seed: int = 0) -> Path:
+    """DeepSeek-V2's MLA + MoE: 2 layers (layer 0 dense, layer 1 a 4-expert top-2 MoE with a
+    shared expert), 2 heads, no query compression, a latent KV of kv_lora_rank 512 plus a
+    rope part of 64 per token (576: the only width vLLM's CPU MLA decode kernel is built
+    for), fp32. Run it with --enable-expert-parallel (the gate's condition for MoE models)."""
+    return _save_model(
+        directory,
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        "float32",
+        seed,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=64,
+        v_head_dim=32,
+        first_k_dense_replace=1,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=4096,
+    )
