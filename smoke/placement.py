@@ -4,10 +4,17 @@ process) on others, the load's client on the rest, as on a deployment; a table's
 same way, so served and swept steps run on the same cores. What ran where is read back from
 /proc and printed. benchmarks/_served/pinning.py pins the CPU host's served benchmark.
 
+On a host of fewer than 4 cores the CPU engine's model worker gets the last core alone, as
+the served benchmark's pinning has it: under vLLM's batch queue an engine core sharing the
+worker's core takes each output late while the worker, the next step already queued, runs it
+back to back: in the dry run a fifth of the served decode windows held no forward, and a
+table's bias read +150 % (docs/measurements/served-vs-table.md, "The batch queue on two cores").
+
 Processes are told apart by the tree, not by title (the GPU host's kit leaves setproctitle
 out, so a forked engine core has its parent's command line): the launched process is the
 frontend, the trace's writer and multiprocessing's resource tracker are frontend work, every
-other descendant is the engine's.
+other descendant is the engine's. The model worker alone is told by vLLM's title; where
+titles are missing it stays the engine's, which on a host of 4 or more cores is its place.
 """
 
 from __future__ import annotations
@@ -17,19 +24,22 @@ import threading
 from pathlib import Path
 
 FRONTEND_MARKS = (b"served/sink.py", b"resource_tracker")
+WORKER_TITLE = b"::Worker"  # vLLM's title for an executor's worker process (VLLM::Worker_...)
 
 
 def cores() -> dict[str, set[int]]:
-    """{engine, frontend, client: cores}: on a host of at least 4 cores, the engine half of
-    them, the frontend and the client a quarter each; on a smaller one the engine the last
-    core and the other two sharing the rest (said in the placement)."""
+    """{engine, worker, frontend, client: cores}: on a host of at least 4 cores, the engine
+    (its core and any model worker) half of them, the frontend and the client a quarter each;
+    on a smaller one the model worker the last core alone and the engine core, the frontend
+    and the client sharing the rest (said in the placement)."""
     mine = sorted(os.sched_getaffinity(0))
     if len(mine) < 4:
         rest = set(mine[:-1]) or set(mine)
-        return {"engine": {mine[-1]}, "frontend": rest, "client": rest}
+        return {"engine": rest, "worker": {mine[-1]}, "frontend": rest, "client": rest}
     half, quarter = len(mine) // 2, len(mine) // 4
     return {
         "engine": set(mine[:half]),
+        "worker": set(mine[:half]),
         "frontend": set(mine[half : half + quarter]),
         "client": set(mine[half + quarter :]),
     }
@@ -54,11 +64,14 @@ def _tree(root: int) -> dict[int, bytes]:
 
 
 def roles(root: int) -> dict[int, str]:
-    """{pid: engine | frontend} of the tree under `root` (the launched frontend)."""
-    return {
-        pid: "frontend" if pid == root or any(m in line for m in FRONTEND_MARKS) else "engine"
-        for pid, line in _tree(root).items()
-    }
+    """{pid: engine | worker | frontend} of the tree under `root` (the launched frontend)."""
+
+    def role(pid: int, line: bytes) -> str:
+        if pid == root or any(m in line for m in FRONTEND_MARKS):
+            return "frontend"
+        return "worker" if WORKER_TITLE in line else "engine"
+
+    return {pid: role(pid, line) for pid, line in _tree(root).items()}
 
 
 def pin_tree(root: int, where: dict[str, set[int]]) -> None:
@@ -118,4 +131,8 @@ def words(where: dict[str, set[int]]) -> str:
         return f"{min(cpus)}-{max(cpus)}" if len(cpus) > 1 else str(min(cpus))
 
     shared = " (shared: fewer than 4 cores here)" if where["frontend"] == where["client"] else ""
-    return f"engine {span(where['engine'])}, frontend {span(where['frontend'])}, client {span(where['client'])}{shared}"
+    worker = f", model worker {span(where['worker'])} alone" if where["worker"] != where["engine"] else ""
+    return (
+        f"engine {span(where['engine'])}{worker}, frontend {span(where['frontend'])}, "
+        f"client {span(where['client'])}{shared}"
+    )
