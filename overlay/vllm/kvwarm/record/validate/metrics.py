@@ -15,7 +15,11 @@ coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repe
   after a pause  the steps within AFTER_PAUSE_STEPS of a pause of their rank's engine (a
             step without a window, as the first after the engine had nothing to run, or idle
             PAUSE_SECONDS or more between a step's update and the next step's schedule()): a
-            table of steps run back to back does not predict them
+            table of steps run back to back does not predict them. The idle is read by one
+            of PAUSE_RULES per rank (pause_rule): the trace's recorded gap where it has one;
+            else, one step at a time, a window's wall less its step's span; under the batch
+            queue without a gap nothing but the steps without a window (there the next
+            schedule() runs before the update, so wall - span is never a pause)
   first size  the steps whose token count (Step.tokens) their rank's engine runs for the first
             time in the trace: on the CPU engine such a step pays about 2.5 ms more than the
             same count run again (its linears' kernels are made for it: docs/measurements/served-vs-table.md);
@@ -51,6 +55,16 @@ PAUSE_SECONDS, AFTER_PAUSE_STEPS = 0.005, 10
 # development host decode steps at 0.7x to 1.4x: docs/measurements/served-vs-table.md); the decode steps
 # around a step (a served trace is mostly decode steps) say where that level stood then
 LEVEL_STEPS, LEVEL_MIN = 50, 5
+# How a rank's pauses are read (pause_rule), and what each says of them
+GAP, WALL_LESS_SPAN, WINDOWS_ONLY = "gap", "wall_minus_span", "no_window_only"
+PAUSE_RULES = {
+    GAP: "the recorded gap from an update's end to the next schedule()",
+    WALL_LESS_SPAN: "a step's window less its own span (one step at a time, no recorded gap)",
+    WINDOWS_ONLY: (
+        "only the steps without a window: a batch-queue trace without a recorded gap, whose windows overlap the "
+        "next schedule(), so an idle shorter than a wait for work is not seen"
+    ),
+}
 
 
 def _tokens(n: int) -> str:
@@ -128,14 +142,34 @@ class Scored:
         return band(self.step.depth)
 
 
-def steps_since_pause(steps: list[Step]) -> dict[tuple[int, int], int]:
+def pause_rule(steps: list[Step], batch_queue: bool) -> str:
+    """How one rank's pauses are read (PAUSE_RULES): by the recorded gap where its steps carry
+    one, else by wall - span one step at a time, else (the batch queue) by the windows alone."""
+    if any(s.gap is not None for s in steps):
+        return GAP
+    return WINDOWS_ONLY if batch_queue else WALL_LESS_SPAN
+
+
+def paused(step: Step, rule: str) -> bool:
+    """Whether the rank's engine paused before the step: no window (an idle wait, the rank's
+    first step, the sweep's work between points), or idle PAUSE_SECONDS or more by `rule`."""
+    if step.wall is None:
+        return True
+    if rule == GAP:
+        return step.gap is not None and step.gap >= PAUSE_SECONDS
+    if rule == WALL_LESS_SPAN:
+        return step.span is None or step.wall - step.span >= PAUSE_SECONDS
+    return False
+
+
+def steps_since_pause(steps: list[Step], rules: dict[int, str] | None = None) -> dict[tuple[int, int], int]:
     """Per (rank, step number): the steps its rank ran since its engine last paused, in each
-    rank's order (every traced step counts, scored or not)."""
+    rank's order (every traced step counts, scored or not); `rules`: each rank's pause_rule
+    (default: wall - span)."""
     since, last = {}, {}
     for step in sorted(steps, key=lambda s: (s.rank, s.number)):
-        idle = None if step.wall is None or step.span is None else step.wall - step.span
-        paused = idle is None or idle >= PAUSE_SECONDS
-        last[step.rank] = 0 if paused else last.get(step.rank, 0) + 1
+        rule = (rules or {}).get(step.rank, WALL_LESS_SPAN)
+        last[step.rank] = 0 if paused(step, rule) else last.get(step.rank, 0) + 1
         since[(step.rank, step.number)] = last[step.rank]
     return since
 
