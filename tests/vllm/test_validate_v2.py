@@ -2,18 +2,21 @@
 the recorder writes, composed by the reader): speculative tokens, a preempted request
 resuming, a request first seen mid-prompt; pauses read from the recorded gap under the batch
 queue (where a window less its span never shows one); and the steps whose window holds the
-sweep's work between its points, left out by their named reason and counted. Every figure is
-worked out by hand on the rows of test_validate."""
+sweep's work between its points, left out by their named reason and counted; the figures by
+the graph each step ran in, beside the one its shape expects. Every figure is worked out by
+hand on the rows of test_validate."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
 from kvwarm_testing.traces import header, raw_step, write_table, write_trace
 from test_validate import DECODE_ROWS, PREFILL_ROWS, phases
 from vllm.kvwarm.record.artifact import PointRow
+from vllm.kvwarm.record.shape import GraphConfig, expected_graph
 from vllm.kvwarm.record.trace.reader import read_trace
 from vllm.kvwarm.record.validate.command import run
 from vllm.kvwarm.record.validate.output import steps_csv, text
@@ -155,3 +158,46 @@ def test_steps_carrying_the_sweeps_work_are_left_out_by_name_and_counted(tmp_pat
     assert run([table, str(tmp_path / "trace"), "--out", str(out), "--json"]) == 0
     line = json.loads(capsys.readouterr().out)
     assert line["excluded"] == 2 and line["excluded_by_reason"] == {"untimed": 1, "sweep_between_points": 1}
+
+
+def test_the_figures_split_by_the_graph_each_step_ran_and_its_expected_one(tmp_path):
+    # the engine: full graphs for decode batches of 1-8, piecewise ones for other steps; two
+    # decodes expect the full graph of 2. Steps 1-2 ran it (12 ms, as the rows); steps 3-4 ran
+    # eager (24 ms: -50 %), step 5 said nothing of its graph
+    graphs = {"enforce_eager": False, "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": [1, 2, 4, 8]}
+    said = {1: ["FULL", 2], 2: ["FULL", 2], 3: ["NONE", 2], 4: ["NONE", 2], 5: None}
+    steps = [raw_step(0, None, cached=TWO_DECODES)]
+    steps += [raw_step(n, 24.0 if n in (3, 4) else 12.0, cached=TWO_DECODES, graph=g) for n, g in said.items()]
+    write_trace(tmp_path / "trace", steps, head=header(resolved=graphs, **V2))
+    # the table's rows: two whose graph the runner reported (one ran another than expected),
+    # two whose runner reported none
+    expected = expected_graph(GraphConfig.of("FULL_AND_PIECEWISE", "FULL", "PIECEWISE", [1, 2, 4, 8], 8, 256), 2, 2)
+    rows = [dataclasses.replace(r, graph=dict(expected)) for r in DECODE_ROWS]
+    rows[0].observed_graphs, rows[1].observed_graphs = [["FULL", 2]], [["PIECEWISE", 2]]
+    rows[2].observed_why = rows[3].observed_why = "the model runner reported no cudagraph_stats"
+    result = validate(str(write_table(tmp_path / "table", rows, resolved=graphs)), str(tmp_path / "trace"))
+    decode = result.kinds()["decode"]
+    by_mode = {mode: (f["steps"], f["mape"], f["bias"]) for mode, f in decode["graphs"].items()}
+    assert by_mode == {
+        "FULL": (2, pytest.approx(0.0), pytest.approx(0.0)),
+        "NONE": (2, pytest.approx(50.0), pytest.approx(-50.0)),
+        "unreported": (1, pytest.approx(0.0), pytest.approx(0.0)),
+    }
+    assert decode["expected_against_observed"] == [
+        {"expected": "FULL", "observed": "NONE", "steps": 2, "mape": pytest.approx(50.0), "bias": pytest.approx(-50.0)},
+        {"expected": "FULL", "observed": "FULL", "steps": 2, "mape": pytest.approx(0.0), "bias": pytest.approx(0.0)},
+    ]
+    summary = result.summary()
+    assert (summary["graph_reported_steps"], summary["graph_unexpected_steps"]) == (4, 2)
+    printed = text(result)
+    assert "decode: 2 step(s) ran graph NONE where their shape expects FULL: MAPE 50.00%, bias -50.00%" in printed
+    assert "table: 1 of the 2 row(s) whose graph the runner reported ran the graph their shape expects" in printed
+    assert "table: 2 row(s) without an observed graph: the model runner reported no cudagraph_stats" in printed
+    lines = list(csv.DictReader(steps_csv(result).splitlines()))
+    assert [(r["graph_mode"], r["padded_tokens"], r["expected_graph_mode"]) for r in lines[:5]] == [
+        ("FULL", "2", "FULL"),
+        ("FULL", "2", "FULL"),
+        ("NONE", "2", "FULL"),
+        ("NONE", "2", "FULL"),
+        ("", "", "FULL"),
+    ]

@@ -57,6 +57,7 @@ class Step:
     queued: dict = field(default_factory=lambda: dict(NO_QUEUE))
     gap: float | None = None  # the previous update's end to this step's schedule() entry (None: unrecorded)
     untimed: str | None = None  # why the step has no wall where the recorder named it (e.g. sweep_between_points)
+    stream: int = 0  # which launch of its rank wrote it (part A's streams: numbers count per stream)
 
     @property
     def kind(self) -> str:

@@ -162,26 +162,31 @@ def paused(step: Step, rule: str) -> bool:
     return False
 
 
-def steps_since_pause(steps: list[Step], rules: dict[int, str] | None = None) -> dict[tuple[int, int], int]:
-    """Per (rank, step number): the steps its rank ran since its engine last paused, in each
-    rank's order (every traced step counts, scored or not); `rules`: each rank's pause_rule
-    (default: wall - span)."""
+def step_key(step: Step) -> tuple[int, int, int]:
+    """Where a step stands: its rank, its stream (a launch of the rank) and its number there."""
+    return step.rank, step.stream, step.number
+
+
+def steps_since_pause(steps: list[Step], rules: dict[int, str] | None = None) -> dict[tuple[int, int, int], int]:
+    """Per step (`step_key`): the steps its engine ran since it last paused, in each stream's order
+    (every traced step counts, scored or not); `rules`: each rank's pause_rule (default:
+    wall - span)."""
     since, last = {}, {}
-    for step in sorted(steps, key=lambda s: (s.rank, s.number)):
-        rule = (rules or {}).get(step.rank, WALL_LESS_SPAN)
-        last[step.rank] = 0 if paused(step, rule) else last.get(step.rank, 0) + 1
-        since[(step.rank, step.number)] = last[step.rank]
+    for step in sorted(steps, key=step_key):
+        rule, engine = (rules or {}).get(step.rank, WALL_LESS_SPAN), step_key(step)[:2]
+        last[engine] = 0 if paused(step, rule) else last.get(engine, 0) + 1
+        since[step_key(step)] = last[engine]
     return since
 
 
-def size_runs(steps: list[Step]) -> dict[tuple[int, int], int]:
-    """Per (rank, step number): its rank's steps of its token count up to it, itself included,
-    in each rank's order (every traced step counts, scored or not)."""
+def size_runs(steps: list[Step]) -> dict[tuple[int, int, int], int]:
+    """Per step (`step_key`): its engine's steps of its token count up to it, itself included, in
+    each stream's order (every traced step counts, scored or not)."""
     runs, seen = {}, {}
-    for step in sorted(steps, key=lambda s: (s.rank, s.number)):
-        key = (step.rank, step.tokens)
+    for step in sorted(steps, key=step_key):
+        key = (*step_key(step)[:2], step.tokens)
         seen[key] = seen.get(key, 0) + 1
-        runs[(step.rank, step.number)] = seen[key]
+        runs[step_key(step)] = seen[key]
     return runs
 
 
@@ -212,20 +217,21 @@ def pause_split(scored: list[Scored]) -> dict:
 def mark_levels(scored: list[Scored], *also: list[Scored]) -> None:
     """Each prefill and mixed step's level, in `scored` and in `also` (the same steps predicted
     another way): the median served / predicted of its rank's decode steps within LEVEL_STEPS."""
-    ratios: dict[int, list[tuple[int, float]]] = {}
+    ratios: dict[tuple[int, int], list[tuple[int, float]]] = {}  # per engine (rank, stream)
     for s in scored:
         if s.step.kind == v.DECODE and s.error is not None and s.prediction.ms > 0:
-            ratios.setdefault(s.step.rank, []).append((s.step.number, s.served_ms / s.prediction.ms))
+            ratios.setdefault(step_key(s.step)[:2], []).append((s.step.number, s.served_ms / s.prediction.ms))
     for points in ratios.values():
         points.sort()
-    numbers = {rank: [n for n, _ in points] for rank, points in ratios.items()}
+    numbers = {engine: [n for n, _ in points] for engine, points in ratios.items()}
     for s in [*scored, *(x for group in also for x in group)]:
-        if s.step.kind == v.DECODE or s.step.rank not in ratios:
+        engine = step_key(s.step)[:2]
+        if s.step.kind == v.DECODE or engine not in ratios:
             continue
-        at = numbers[s.step.rank]
-        lo, hi = bisect_left(at, s.step.number - LEVEL_STEPS), bisect_right(at, s.step.number + LEVEL_STEPS)
+        near = numbers[engine]
+        lo, hi = bisect_left(near, s.step.number - LEVEL_STEPS), bisect_right(near, s.step.number + LEVEL_STEPS)
         if hi - lo >= LEVEL_MIN:
-            s.level = statistics.median(q for _, q in ratios[s.step.rank][lo:hi])
+            s.level = statistics.median(q for _, q in ratios[engine][lo:hi])
 
 
 def relative(scored: list[Scored]) -> dict:

@@ -18,6 +18,7 @@ LEFT_OUT_WHY = {
     SWEEP_WORK: "their window holds the sweep's own work between its points (a collection, the artifact's write)",
     "untimed": "no window: the first step of a rank, or after the engine waited for work",
     "speculative": "draft tokens: no row is such a step",
+    "unknown_output": "an output the adapter did not see scheduled: docs/hooks.md's served-trace contracts broke",
 }
 
 CSV_COLUMNS = [

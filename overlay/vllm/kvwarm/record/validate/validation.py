@@ -33,6 +33,7 @@ from .metrics import (
     relative,
     size_runs,
     size_split,
+    step_key,
     steps_since_pause,
 )
 from .predict import MEASURED, MIXED, STEP, Predictor, read_continuation_rows, read_mixed_rows
@@ -279,7 +280,7 @@ def validate(
             continue
         rank = min(step.rank, len(by_rank) - 1)
         predictor = by_rank[rank]
-        at = (step.rank, step.number)
+        at = step_key(step)
         prediction = predict(predictor, step)
         result.scored.append(Scored(step, served, prediction, since_pause=since[at], size_runs=runs[at]))
         if step.kind == MIXED and kinds[rank][MIXED] == MEASURED:
