@@ -66,9 +66,29 @@ def test_an_adapter_built_for_the_other_loop_refuses_to_start_naming_both_ways_o
 
 
 @pytest.mark.parametrize("cls", [KvWarmScheduler, KvWarmAsyncScheduler], ids=["sync", "async"])
-def test_an_adapter_built_for_its_loop_starts(tmp_path, cls):
+def test_an_adapter_built_for_its_loop_serves_it_every_step(tmp_path, cls):
+    """Each class in its own loop's order (the batch queue for the async one): a request of a
+    20-token prompt and 5 tokens is served with no step scheduled empty until it ends (the
+    sync class under the batch queue gets every other step empty: the refusal above keeps it
+    out), with its 5 tokens, one a step after its prompt's."""
+    from kvwarm_testing.recorded import add
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    init_none_hash(sha256)
     scheduler = make_scheduler(tmp_path, scheduler_cls=cls)
-    assert bool(scheduler.vllm_config.scheduler_config.async_scheduling) is (cls is KvWarmAsyncScheduler)
+    steps = EngineLoop(scheduler, batch_queue=cls is KvWarmAsyncScheduler)
+    add(scheduler, "r", 20, max_tokens=5, token=3)
+    request = scheduler.requests["r"]
+    for _ in range(50):
+        if not steps.busy():
+            break
+        steps.step()
+    served = [o.num_scheduled_tokens.get("r") for o in steps.outputs]
+    last = max(i for i, tokens in enumerate(served) if tokens)
+    assert served[: last + 1] == [20, 1, 1, 1, 1]  # after it only the loop's last, empty schedule()s
+    assert request.is_finished() and request.num_output_tokens == 5
+    assert in_use(scheduler.kv_cache_manager.block_pool) == {}
 
 
 @pytest.mark.parametrize(

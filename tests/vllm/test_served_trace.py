@@ -82,6 +82,7 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
     prefill and mixed steps all occur; two prompts share their first blocks (a prefix hit)."""
     scheduler, clock, out = traced_scheduler(tmp_path, cls)
     seen = Observed(scheduler)
+    order = engine_order(scheduler)
     serve(scheduler, EngineLoop(scheduler, batch_queue, clock, forward_seconds), MIXED_ARRIVALS)
     header, steps = read(out)
     assert header["type"] == "kvwarm_trace" and header["schema_version"] == 2
@@ -125,8 +126,48 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
             if line.wall is not None:
                 assert line.wall == pytest.approx(forward_seconds(output))
                 assert line.phases["forward"] == pytest.approx(forward_seconds(output))
-    else:  # the batch queue: a step's span starts at its own schedule(), before the window does
-        assert any(line.span > line.wall for line in windows)
+    else:  # the batch queue: each step's window and span from the loop's order (engine_order)
+        expected = expected_times(order)
+        for line, output in zip(steps, traced):
+            wall, span = expected[id(output)]
+            assert line.span == pytest.approx(span) and (line.wall is None or line.wall == pytest.approx(wall))
+        assert sum(line.span > line.wall for line in windows) > len(windows) / 2  # the next schedule() overlaps
+
+
+def engine_order(scheduler) -> list[tuple[str, object]]:
+    """The engine loop's calls as they happen: ("schedule", output) and ("update", output)."""
+    order, schedule, update = [], scheduler.schedule, scheduler.update_from_output
+
+    def scheduled(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        order.append(("schedule", output))
+        return output
+
+    def updated(output, runner_output):
+        result = update(output, runner_output)
+        order.append(("update", output))
+        return result
+
+    scheduler.schedule, scheduler.update_from_output = scheduled, updated
+    return order
+
+
+def expected_times(order) -> dict:
+    """Per output (by id), (its window, its span) in the played runner's seconds: EngineLoop advances
+    the clock by forward_seconds(output) when it submits an output, right after its
+    schedule(); a window runs from one update's end to the next, a span from the output's own
+    schedule() to its update's end."""
+    times, since_update, since_scheduled = {}, 0.0, {}
+    for call, output in order:
+        if call == "schedule":
+            since_update += forward_seconds(output)
+            for key in since_scheduled:
+                since_scheduled[key] += forward_seconds(output)
+            since_scheduled[id(output)] = forward_seconds(output)
+        else:
+            times[id(output)] = (since_update, since_scheduled.pop(id(output)))
+            since_update = 0.0
+    return times
 
 
 @pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)

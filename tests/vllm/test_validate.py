@@ -376,8 +376,11 @@ def test_the_command_prints_its_json_line_and_writes_json_csv_and_a_plot(tmp_pat
     assert contract <= set(line) and line["steps"] == 8
     record = json.loads((out / "validate.json").read_text())
     assert record["summary"] == line and record["excluded"] == {"untimed": 1, "speculative": 1}
-    rows = list(csv.DictReader((out / "validate.csv").open()))
+    lines = list(csv.DictReader((out / "validate.csv").open()))
+    rows = [r for r in lines if not r["left_out"]]  # then the two left out, each with why
     assert len(rows) == 8 and {r["kind"] for r in rows} == {"decode", "prefill", "mixed"}
+    left_out = [(r["step"], r["left_out"], r["served_ms"]) for r in lines[8:]]
+    assert left_out == [("0", "untimed", ""), ("9", "speculative", "")]
     assert rows[0]["predicted_ms"] == "12.0000" and rows[0]["error_pct"] == "0.000"
     pytest.importorskip("matplotlib")
     assert (out / "validate.png").read_bytes().startswith(b"\x89PNG")

@@ -199,7 +199,7 @@ class KvWarmSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         end = timer.clock()
         scheduled = self.kvwarm_in_flight.take(scheduler_output)
-        timer.update_started(start)
+        timer.update_started(start, model_runner_output)
         window = timer.update_done(scheduled.timing if scheduled else None, end)
         if sweep is not None:
             self._drive(sweep.after_update, self, scheduler_output, window)

@@ -1,7 +1,8 @@
 """Served-step traces and sweep tables made by hand for tests: a trace folder written as the
-recorder's JSON lines (the format of docs/validate-reference.md, version 1; plain data), and a table
-written by the sweep's own artifact writer. Both carry the same provenance unless a test
-changes a field of one."""
+recorder's JSON lines (the format of docs/validate-reference.md: version 1's composed lines,
+`step`, and version 2's raw numbers, `raw_step`, as the recorder writes now; plain data), and
+a table written by the sweep's own artifact writer. Both carry the same provenance unless a
+test changes a field of one."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ GIVEN = ["--model", MODEL, "--dtype", "float32", "--max-num-batched-tokens", "25
 
 
 def header(rank: int = 0, dp_size: int = 1, loop: str = "sync", **changes) -> dict:
-    """A trace file's first line; `changes` replace top-level fields, `resolved` entries update
-    the resolved engine arguments."""
+    """A trace file's first line (format version 1 unless `schema_version` is changed);
+    `changes` replace top-level fields, `resolved` entries update the resolved engine
+    arguments."""
     resolved = {**RESOLVED, **changes.pop("resolved", {}), "async_scheduling": loop == "batch_queue"}
     h = {
         "type": "kvwarm_trace",
@@ -109,6 +111,54 @@ def step(
         "preempted": 0,
         "graph": graph or {"mode": None, "padded_tokens": None},
     }
+
+
+def raw_step(
+    n: int,
+    wall_ms: float | None,
+    new: list[list[int]] = (),
+    cached: list[tuple[int, int, int]] = (),
+    span_ms: float | None = None,
+    gap_ms: float | None = None,
+    spec: list[int] | None = None,
+    resumed: list[int] | None = None,
+    preempted: int = 0,
+    queued: list[int] | None = None,
+    graph: list | None = None,
+    untimed: str | None = None,
+) -> dict:
+    """One step line of format version 2, as served.sink writes it: `new`, [prompt length,
+    tokens computed before, tokens scheduled] per new request; `cached`, (computed,
+    scheduled, prompt) per request scheduled again (a request first seen mid-prompt carries
+    the prompt the sink guessed); `spec`, speculative tokens per cached request; `resumed`,
+    positions in `cached` of preempted requests resuming; `gap_ms`, the previous update's end
+    to this schedule(); `graph`, [mode, padded tokens]; `untimed`, why it has no wall."""
+    wall = None if wall_ms is None else wall_ms / 1e3
+    forward = 0.0 if wall_ms is None else wall_ms * 0.8 / 1e3
+    line = {
+        "step": n,
+        "at": 0.01 * (n + 1),
+        "wall": wall,
+        "span": None if span_ms is None else span_ms / 1e3,
+        "phases": {"schedule": 0.0001, "forward": forward, "update": 0.0001, "sweep": 0.0, "other": 0.0},
+        "new": [list(r) for r in new],
+        "cached": {
+            "computed": [c[0] for c in cached],
+            "scheduled": [c[1] for c in cached],
+            "prompt": [c[2] for c in cached],
+        },
+        "queued": list(queued or [0] * 6),
+        "outputs": 1,
+        "gc": [0, 0.0],
+    }
+    line.update({"gap": gap_ms / 1e3} if gap_ms is not None else {})  # none: a trace without the field
+    if spec is not None:
+        line["spec"], line["spec_tokens"] = list(spec), sum(spec)
+    line.update({"resumed": list(resumed)} if resumed else {})
+    line.update({"preempted": preempted} if preempted else {})
+    line.update({"graph": list(graph)} if graph is not None else {})
+    line.update({"untimed": untimed} if untimed else {})
+    return line
 
 
 def write_trace(

@@ -41,7 +41,11 @@ class PointRow:
     point_type: str = v.DECODE
     total_prefill_tokens: int = 0  # prefill: N, the new tokens the step computes (decode: 0)
     phases: dict[str, float | None] | None = None  # the median of each vocabulary PHASES over the samples
-    graph: dict | None = None  # the CUDA graph the steps should run in, and what they ran
+    graph: dict | None = None  # the CUDA graph the steps should run in (record.shape.expected_graph)
+    # what the runner reported each timed sample's step ran in, [mode, padded tokens] (None
+    # for a sample it said nothing of); None: it reported none, and `observed_why` says why
+    observed_graphs: list | None = None
+    observed_why: str | None = None
     # what one sample times (vocabulary SAMPLE_KINDS); None: the usual kind of the point type
     sample_kind: str | None = None
     # prefill: each request's prefix and new tokens as the shots ran them (None: decode)
@@ -126,13 +130,42 @@ SINGLE_RANK = {
 }
 
 
+def graph_block(r: PointRow) -> dict | None:
+    """The row's `graph`: the graph its shape expects (`r.graph`) and the one its steps ran in,
+    as the runner reported it: per sample (`observed`), the median sample's mode and padded
+    size (`observed_cudagraph_mode`, `observed_size`), or null and `why`. None where the row
+    has neither."""
+    if r.graph is None and r.observed_graphs is None and r.observed_why is None:
+        return None
+    median = None
+    if r.observed_graphs is not None and r.median_seconds in r.samples:
+        median = r.observed_graphs[r.samples.index(r.median_seconds)]
+    return {
+        **(r.graph or {}),
+        "observed_cudagraph_mode": median[0] if median else None,
+        "observed_size": median[1] if median else None,
+        "observed": r.observed_graphs,
+        "why": None if r.observed_graphs is not None else r.observed_why,
+    }
+
+
+def _stamps(r: PointRow, graph: dict | None) -> list[str]:
+    """The row's stamps, and GRAPH_MISMATCH where its median sample ran another graph than
+    its shape expects (both known)."""
+    expected = (graph or {}).get("expected_cudagraph_mode")
+    observed = (graph or {}).get("observed_cudagraph_mode")
+    differs = None not in (expected, observed) and expected != observed and v.GRAPH_MISMATCH not in r.sample_reasons
+    return [*r.sample_reasons, v.GRAPH_MISMATCH] if differs else r.sample_reasons
+
+
 def _result(r: PointRow, dp_size: int) -> dict:
     times = r.samples
+    graph = graph_block(r)
     return {
         "point": r.point,
         "global_batch_size": r.batch_size * dp_size,
         "kv_seed_regime": r.kv_seed_regime,
-        "sample_reasons": r.sample_reasons,
+        "sample_reasons": _stamps(r, graph),
         "steady_seconds": times,
         "sample_kind": r.sample_kind,
         "median_seconds": r.median_seconds,
@@ -140,7 +173,7 @@ def _result(r: PointRow, dp_size: int) -> dict:
         "max_seconds": max(times),
         "spread": r.spread or 0.0,
         "phases": r.phases,
-        "graph": r.graph,
+        "graph": graph,
         **({"split": r.split} if r.split is not None else {}),
     }
 
@@ -214,6 +247,8 @@ def results_csv(results: list[dict]) -> bytes:
             "decode_batch_size",  # mixed rows: the decode part (the prefill part is the rest)
             "decode_kv_read_tokens",
             "continuation",  # 1: the prefill requests were running ones (sweep-reference.md#continuation-points)
+            "observed_cudagraph_mode",  # the graph the median sample ran in, where the runner said
+            "observed_size",
         ]
     )
     for row in results:
@@ -240,6 +275,8 @@ def results_csv(results: list[dict]) -> bytes:
                 decode.get("batch_size", ""),
                 decode.get("total_kv_read_tokens", ""),
                 1 if is_continuation(row["point"]) else "",
+                graph.get("observed_cudagraph_mode") or "",
+                "" if graph.get("observed_size") is None else graph["observed_size"],
             ]
         )
     return text.getvalue().encode()

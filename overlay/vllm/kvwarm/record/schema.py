@@ -52,6 +52,10 @@ GRAPH = {
         "reasons": {"type": "array", "items": {"enum": list(v.GRAPH_REASONS)}},
         "observed_cudagraph_mode": NULLABLE_STRING,
         "observed_size": {"type": ["integer", "null"]},
+        # per timed sample [mode, padded tokens] as the runner reported it (null: it reported
+        # none, and `why` says why)
+        "observed": {"type": ["array", "null"], "items": {"type": ["array", "null"]}},
+        "why": NULLABLE_STRING,
     },
 }
 DATASET = _object(

@@ -39,13 +39,23 @@ class TraceSettings:
     files: int = DEFAULT_FILES  # per rank, the current one included
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _positive(value, what: str, fix: str, whole: bool) -> float:
     kinds = (int,) if whole else (int, float)
     if isinstance(value, str):
         try:
             value = int(value) if whole else float(value)
         except ValueError:
-            raise TraceSettingsError(f"{what}={value!r} is not a number; {fix}") from None
+            # "8.5" for a count is a number, just not a whole one: say which
+            kind = "not a whole number" if whole and _is_number(value) else "not a number"
+            raise TraceSettingsError(f"{what}={value!r} is {kind}; {fix}") from None
     if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
         raise TraceSettingsError(f"{what}={value!r} must be a positive {'integer' if whole else 'number'}; {fix}")
     return value

@@ -51,6 +51,7 @@ from .decode_steps import DecodeSteps, shadow_admission
 from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
 from .gc_workers import worker_hold
+from .limits import trim_mixed_rung
 from .meetings import BODIES, Meetings, check_same_point, has_others, pool_record, usable_blocks
 from .phase import Phase
 from .plan import (
@@ -249,7 +250,10 @@ class Sweep:
         if rung.prefill:
             plan_prefill_rung(rung, prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size))
         elif rung.mixed:
-            plan_mixed_rung(rung, prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size), self.config)
+            unit = prefix_unit(group_layouts(kvm), kvm.block_pool.hash_block_size)
+            usable = min(r["usable_blocks"] for r in records)
+            trim_mixed_rung(rung, group_layouts(kvm), self.config, usable, unit)  # never waits on blocks
+            plan_mixed_rung(rung, unit, self.config)
         elif rung.depth:
             trim_rung(rung, group_layouts(kvm), self.config, min(r["usable_blocks"] for r in records))
         digest = self.plan_digest(rung)

@@ -24,7 +24,7 @@ from ..kv.injector import Admission
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .plan import PointPlan, SweepConfig, settled_contexts
-from .rows import measured_row, skipped_row
+from .rows import measured_row, observe, skipped_row
 from .timing import Window, phase_medians
 
 
@@ -45,6 +45,7 @@ class DecodeSteps:
         self._steps = 0  # steady steps run
         self._times: list[float] = []
         self._windows: list[Window] = []  # the timed steps' phases
+        self._sampled: list[Window | None] = []  # each timed step's window (None: none closed), for its graph
         self._ids: set[str] | None = None  # the point's request ids
         self._last_update = clock()
         self._mismatch: str | None = None  # why the point's steps were not B alone
@@ -76,6 +77,7 @@ class DecodeSteps:
         self._steps += 1
         if self._settle < self._steps <= self._settle + self._timed:
             self._times.append(window.wall if window is not None else now - self._last_update)
+            self._sampled.append(window)
             if window is not None:
                 self._windows.append(window)
         self._last_update = now
@@ -89,4 +91,4 @@ class DecodeSteps:
         contexts = settled_contexts(self.admission.contexts, self._settle)
         row = measured_row(self.plan, contexts, self._times, config, chains, drifted)
         row.phases = phase_medians(self._windows)
-        return row
+        return observe(row, self._sampled)

@@ -17,8 +17,15 @@ the point, the limit and the fix.
   is two steps; ranks a step apart would time one beside the other's lead).
 - A mixed point is one step: its decode requests' tokens and its prefill part's N fit
   max_num_batched_tokens, and its prefill part passes the prefill checks (so that the engine
-  runs it unchunked beside the decodes). Mixed points are measured at any data-parallel
-  size (the ranks meet at every shot as for prefill points), on attention-only layouts and
+  runs it unchunked beside the decodes). Its rung fits the KV pool as the real rung needs it
+  (`mixed_rung_blocks`): max(B_decode, B_prefill) chains (sweep.plan.mixed_chains), each as
+  deep as the rung's deepest decode context with the admission token and the steps its
+  shadows run, or its deepest prefix, and beside them each point's shot: the shadows' tails
+  (and in exact state their catch-ups) and the prefill part's new blocks; a point beyond it
+  is refused by name. Once the ranks agree on the pool at the rung's start, the points beyond
+  it go to fake KV (`trim_mixed_rung`), so a rung never waits on blocks it cannot get. Mixed
+  points are measured at any data-parallel size (their shots run as a prefill point's, with a
+  trailing untimed one over several ranks: sweep.mixed_runner), on attention-only layouts and
   on layouts with recurrent state whose sweep hands the state over on real KV by exact
   state (the decode part's catch-ups, sweep.catchups) or copy. Elsewhere they are refused
   (`mixed_refusal`, by which a generated grid lays none): in place lends the chains' own
@@ -28,13 +35,14 @@ the point, the limit and the fix.
 
 from __future__ import annotations
 
-from ..kv.arithmetic import chain_blocks
+from ..kv.arithmetic import chain_blocks, shadow_private_blocks
+from ..kv.catchup import planned_catchup_blocks
 from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import new_request_blocks, prefix_unit
 from ..kv.state_mode import STATE_ENV
 from ..record import vocabulary as v
-from .plan import CHAIN_DEPTH_MARGIN
-from .points import MixedPoint, PointsFileError, PrefillPoint, check_budget
+from .plan import CHAIN_DEPTH_MARGIN, Rung, SweepConfig, injected_contexts, mixed_chains
+from .points import MixedPoint, PointsFileError, PrefillPoint, check_budget, mixed_decode_steps
 from .provenance import rank_layout
 
 
@@ -61,11 +69,19 @@ def check_engine(vllm_config) -> None:
 
 
 def check_points(
-    points: list, vllm_config, kv_cache_manager, source: str, free: int | None = None, state_mode: str | None = None
+    points: list,
+    vllm_config,
+    kv_cache_manager,
+    source: str,
+    free: int | None = None,
+    state_mode: str | None = None,
+    decode_steps: int = 0,
 ) -> None:
     """`free`: the blocks the pool check allows (default: this pool's free ones, less any
     watermark; a grid under data parallel passes the ranks' smallest); `state_mode`: how the
-    sweep hands recurrent state over (SweepConfig.state_mode; None: on fake KV, or no state)."""
+    sweep hands recurrent state over (SweepConfig.state_mode; None: on fake KV, or no state);
+    `decode_steps`: what a decode point's requests run after their admission
+    (SweepConfig.decode_steps), which a mixed point's shadows run more of."""
     scheduler_config = vllm_config.scheduler_config
     max_seqs = scheduler_config.max_num_seqs
     too_wide = sorted({p.batch_size for p in points if p.batch_size > max_seqs})
@@ -121,7 +137,12 @@ def check_points(
             )
         splits[point] = prefixes, new
     # A rung's chains are as deep as its deepest prefix, whatever the file's order: every
-    # point's shot runs beside them.
+    # point's shot runs beside them. A mixed point's prefill part runs beside its own rung's
+    # chains (_check_mixed_pool), not a prefill rung's.
+    parts = {p.prefill for p in points if isinstance(p, MixedPoint)} - {
+        p for p in points if isinstance(p, PrefillPoint)
+    }
+    splits = {point: split for point, split in splits.items() if point not in parts}
     deepest: dict[int, int] = {}
     for point, (prefixes, _) in splits.items():
         deepest[point.batch_size] = max(deepest.get(point.batch_size, 0), max(prefixes))
@@ -135,6 +156,70 @@ def check_points(
                 f"the rung's deepest prefix) and one shot need {need} KV blocks, the pool has {free} free; lower N "
                 "or P (of this point or of its rung's deepest) or give the engine more KV cache memory"
             )
+    _check_mixed_pool(points, layouts, unit, decode_steps, state_mode, max_model_len, free, source)
+
+
+def mixed_rung_blocks(
+    rung: list[MixedPoint], layouts, unit: int, decode_steps: int, state_mode: str | None, max_model_len: int
+) -> tuple[int, int, dict[MixedPoint, int]]:
+    """What a rung of mixed points holds at once, in blocks, as the sweep builds and runs it:
+    (its chains' depth in tokens, the chains' blocks, each point's shot's blocks). The chains
+    (sweep.plan.plan_mixed_rung) are max(B_decode, B_prefill) of them, each as deep as the
+    rung's deepest decode context with its admission token and the steps its shadows run
+    (points.mixed_decode_steps), or its deepest prefix; a point's shot beside them holds its
+    shadows' private tails (and in exact state each shadow's catch-up) and its prefill part's
+    new requests' blocks past their hits."""
+    steps = mixed_decode_steps(decode_steps)
+    depth = max(max(max(injected_contexts(p.decode)) + 1 + steps, max(p.prefill.prefixes(unit))) for p in rung)
+    depth = min(depth, max_model_len - CHAIN_DEPTH_MARGIN)
+    catchup = planned_catchup_blocks(layouts) if state_mode == v.EXACT else 0
+    shots = {}
+    for p in rung:
+        tails = sum(
+            shadow_private_blocks(layouts, ctx, steps, state_mode == v.COPY) + catchup
+            for ctx in injected_contexts(p.decode)
+        )
+        prefill = p.prefill
+        new = sum(new_request_blocks(layouts, a, n) for a, n in zip(prefill.prefixes(unit), prefill.new_tokens()))
+        shots[p] = tails + new
+    return depth, mixed_chains(rung[0]) * chain_blocks(layouts, depth), shots
+
+
+def _mixed_rungs(points: list) -> dict[int, list[MixedPoint]]:
+    """The mixed points by rung (its chains: the larger part's batch), as sweep.plan lays them."""
+    rungs: dict[int, list[MixedPoint]] = {}
+    for p in points:
+        if isinstance(p, MixedPoint):
+            rungs.setdefault(mixed_chains(p), []).append(p)
+    return rungs
+
+
+def _check_mixed_pool(points, layouts, unit, decode_steps, state_mode, max_model_len, free, source) -> None:
+    for rung in _mixed_rungs(points).values():
+        depth, chains, shots = mixed_rung_blocks(rung, layouts, unit, decode_steps, state_mode, max_model_len)
+        for point, shot in shots.items():
+            if chains + shot > free:
+                raise PointsFileError(
+                    f"{source}: mixed point {point.name()}: its rung's chains ({mixed_chains(point)} of {depth} "
+                    "tokens: one per request of the larger part, as deep as the rung's deepest decode context and "
+                    f"the steps its shadows run, or its deepest prefix) and its shot need {chains + shot} KV blocks, "
+                    f"the pool has {free} free; lower K, N or P (of this point or of its rung's deepest) or give "
+                    "the engine more KV cache memory"
+                )
+
+
+def trim_mixed_rung(rung: Rung, layouts, config: SweepConfig, usable: int, unit: int) -> None:
+    """Once the ranks agree on the pool at a mixed rung's start (`usable`: their smallest),
+    the points whose chains and shot it cannot hold go to fake KV, the deepest first, so the
+    rung never waits on blocks it cannot get (what the pool lost to served requests since the
+    points were checked)."""
+    while rung.points:
+        _, chains, shots = mixed_rung_blocks(
+            rung.points, layouts, unit, config.decode_steps, config.state_mode, config.max_model_len
+        )
+        if chains + max(shots.values()) <= usable:
+            return
+        rung.fake_points.insert(0, rung.points.pop(0))  # the rung's points are deepest first
 
 
 def mixed_refusal(attention_only: bool, state_mode: str | None = None) -> str | None:

@@ -12,7 +12,9 @@ the shadows are admitted short by the tokens they compute before the first timed
 points.mixed_advance), then the measured shots, each with fresh tails. A shot joins once the
 last one's requests are gone and, for new requests, after a gap: one step of the shadows
 alone (points.mixed_gap_steps), as a served prompt's first chunk joins decodes that ran
-alone (on one rank only: ranks may start a point a step apart). Under vLLM's batch queue,
+alone (on one rank only: ranks may start a point a step apart, and there a trailing untimed
+shot follows the measured ones, as a prefill point's does, so that every timed shot runs
+beside a shot of the same shape on every other rank: sweep.prefill_runner). Under vLLM's batch queue,
 where a step is scheduled before the last one's output is in, the step scheduled while a
 shot's or a gap's is in flight runs nothing (current_ids), so each shot's span holds its
 own step's forward. The shadows run enough steps (points.mixed_decode_steps) and are
@@ -114,8 +116,9 @@ class MixedRunner:
         self.decode = DecodePart(scheduler, plan, chains, config, self._advance, admission)
         prefill_plan = PointPlan(point.prefill, plan.real)
         steps, settle = config.steady_steps, config.settle_steps
+        trailing = 1 if ranks > 1 else 0  # ranks a step apart (sweep.prefill_runner)
         self.prefill = PrefillRunner(
-            scheduler, prefill_plan, chains, tails, steps, ids, settle=settle, beside=self.decode
+            scheduler, prefill_plan, chains, tails, steps, ids, trailing, settle, beside=self.decode
         )
 
     def current_ids(self) -> set[str]:

@@ -135,7 +135,9 @@ def mixed_decode_steps(decode_steps: int) -> int:
     """The steps a mixed point's decode requests run after their admission: one per shot
     (the warm one and at most `decode_steps` more, SweepConfig.decode_steps: what a decode
     point's requests run), each followed by at most one more (the decode-only step before a
-    new request's shot: mixed_gap_steps), and one more."""
+    new request's shot: mixed_gap_steps), and one more. Under data parallel the shots are
+    one more (a trailing untimed shot: sweep.mixed_runner) and run without gap steps, so
+    decode_steps + 2 steps, which this bound holds too."""
     return 2 * (decode_steps + 1) + 1
 
 

@@ -43,6 +43,7 @@ from .prefill import (
     shot_requests,
     verify_step,
 )
+from .rows import observe
 from .timing import Window
 
 
@@ -203,4 +204,4 @@ class PrefillRunner:
         if live:
             scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
         self.release(scheduler)
-        return prefill_row(self.shots)
+        return observe(prefill_row(self.shots), self.shots.windows)  # the spans: each shot's own step

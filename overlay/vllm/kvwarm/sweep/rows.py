@@ -2,7 +2,8 @@
 
 The median is upstream's upper median (sorted[n // 2]); a row whose timed samples (decode
 steps, prefill shots) spread more than NOISY_SPREAD of it is stamped noisy (its median may be
-polluted, e.g. by the first steps after a rung build).
+polluted, e.g. by the first steps after a rung build). Each sample's graph is the one the model
+runner reported for its step (`observe`: sweep.timing.observed_graph), or why none is known.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from .plan import PointPlan, SweepConfig
 from .points import DecodePoint
+from .timing import NOT_REPORTED, Window
 
 NOISY_SPREAD = 0.5
 
@@ -54,6 +56,20 @@ def state_reasons(config: SweepConfig, contexts: list[int], chains: list, drifte
         reasons += [v.STATE_DRIFTED] if ids & drifted else []
         drifted |= ids
     return reasons
+
+
+def observe(row: PointRow, windows: list[Window | None]) -> PointRow:
+    """The graph each timed sample's step ran in as the runner reported it, [mode, padded
+    tokens] (`windows`: the samples' own, in their order; None where a step had none), or,
+    where it reported none for any, why (the first reason a step gives)."""
+    if row.skipped:
+        return row
+    graphs = [w.graph if w is not None else None for w in windows]
+    if any(g is not None for g in graphs):
+        row.observed_graphs = graphs
+    else:
+        row.observed_why = next((w.graph_why for w in windows if w is not None and w.graph_why), NOT_REPORTED)
+    return row
 
 
 def stamp_noise(row: PointRow) -> PointRow:

@@ -243,7 +243,8 @@ class SweepRun:
                 settle_steps=settings.settle_steps,
             )
             return Sweep([], None, provisional, lay_grid=lay_grid, **common)
-        check_points(inputs.points, vllm_config, kvm, f"points file {spec['points']}", state_mode=state_mode)
+        source, steps = f"points file {spec['points']}", settings.point_steps + trailing
+        check_points(inputs.points, vllm_config, kvm, source, state_mode=state_mode, decode_steps=steps)
         setup = self._setup(scheduler, inputs, inputs.points, reason, decision, encode, trailing)
         return Sweep(setup.points, setup.chain_tokens, setup.config, tail_tokens=setup.tail_tokens, **common)
 

@@ -27,6 +27,10 @@ its forward runs from that call's end to the model output's arrival (the update'
 and its update is its own; other is 0. Under one step at a time it lies inside the window
 its update closes; under the batch queue it begins before that window does. A prefill shot's
 time is its span's forward.
+
+Both carry the graph the model runner says that step ran in (`observed_graph`: its output's
+`cudagraph_stats`, probed, where the release has the field and the runner filled it), or why
+it is not known.
 """
 
 from __future__ import annotations
@@ -37,6 +41,28 @@ from dataclasses import dataclass
 
 from ..record.vocabulary import PHASES
 
+NO_FIELD = "the release's ModelRunnerOutput has no cudagraph_stats"
+NOT_FILLED = "the model runner reported no cudagraph_stats (vLLM fills them only with --cudagraph-metrics)"
+NOT_REPORTED = "the step's model output did not reach the sweep's timer"
+
+
+def observed_graph(runner_output) -> tuple[list | None, str | None]:
+    """The graph the model runner says its step ran in, [mode, padded tokens] (its output's
+    `cudagraph_stats`: runtime_mode, num_padded_tokens), or None and why not."""
+    if runner_output is None:
+        return None, NOT_REPORTED
+    stats = getattr(runner_output, "cudagraph_stats", NO_FIELD)
+    if stats is NO_FIELD:
+        return None, NO_FIELD
+    if stats is None:
+        return None, NOT_FILLED
+    mode = getattr(stats, "runtime_mode", None)
+    padded = getattr(stats, "num_padded_tokens", None)
+    return [
+        None if mode is None else str(getattr(mode, "name", mode)),
+        padded if isinstance(padded, int) else None,
+    ], None
+
 
 @dataclass
 class Window:
@@ -46,6 +72,8 @@ class Window:
     wall: float
     phases: dict[str, float]
     span: Window | None = None
+    graph: list | None = None  # [mode, padded tokens] the runner reported for the step (observed_graph)
+    graph_why: str | None = NOT_REPORTED  # why `graph` is None
 
 
 @dataclass(frozen=True)
@@ -72,6 +100,7 @@ class StepTimer:
         self._acc = {"schedule": 0.0, "sweep": 0.0}
         self._schedule_exit: float | None = None
         self._update_start: float | None = None
+        self._graph: tuple[list | None, str | None] = (None, NOT_REPORTED)  # the update's (update_started)
 
     def schedule_done(self, enter: float, stock_start: float, stock_end: float, leave: float) -> Scheduling:
         """A schedule() ran from `enter` to `leave`, vLLM's own part from stock_start to
@@ -82,8 +111,11 @@ class StepTimer:
         self._schedule_exit = leave
         return Scheduling(enter, stock, leave, self)
 
-    def update_started(self, at: float) -> None:
+    def update_started(self, at: float, runner_output=None) -> None:
+        """update_from_output starts taking in `runner_output` (the step's ModelRunnerOutput,
+        whose graph the window and span it closes carry)."""
         self._update_start = at
+        self._graph = observed_graph(runner_output)
 
     def update_done(self, scheduled: Scheduling | None, at: float) -> Window | None:
         """update_from_output took in the output that `scheduled` made and ended at `at`: the
@@ -95,7 +127,11 @@ class StepTimer:
         self._acc = dict.fromkeys(acc, 0.0)
         self._schedule_exit = None
         known = scheduled is not None and scheduled.timer is self and update_start is not None
+        graph, why = self._graph
+        self._graph = (None, NOT_REPORTED)
         self.last_span = _span(scheduled, update_start, at) if known else None
+        if self.last_span is not None:
+            self.last_span.graph, self.last_span.graph_why = graph, why
         if start is None or update_start is None:
             return None
         update = at - update_start
@@ -103,7 +139,7 @@ class StepTimer:
         wall = at - start
         phases = {"schedule": acc["schedule"], "forward": forward, "update": update, "sweep": acc["sweep"]}
         phases["other"] = max(0.0, wall - sum(phases.values()))
-        window = Window(wall, phases, self.last_span)
+        window = Window(wall, phases, self.last_span, graph, why)
         if self.closed is not None:
             self.closed.append(window)
         return window

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from .steps import DECODE, KINDS, MIXED, PARSERS, PREFILL, Step, TraceError, parse_step
@@ -73,6 +74,11 @@ def _header(path: Path, line: str, rank: int) -> dict:
             f"{where}: trace schema_version {version!r}; this reader reads {', '.join(map(str, READS))}: "
             "validate it with the kvwarm build that wrote it, or a newer one"
         )
+    if not _iso_time(header.get("started_at")):  # the FPM export's clock and the rotation check read it
+        raise TraceError(
+            f"{where}: started_at {header.get('started_at')!r} is not an ISO 8601 time; the header was edited "
+            "or not written by the trace recorder: restore the started_at it wrote (e.g. 2026-12-01T10:00:00Z)"
+        )
     if header.get("rank") != rank:
         raise TraceError(f"{where}: header says rank {header.get('rank')!r}, the file's name rank {rank}; rename it")
     timing = header.get("timing") or {}
@@ -82,6 +88,14 @@ def _header(path: Path, line: str, rank: int) -> dict:
             "(one update end to the next), so only such a trace can be held against one"
         )
     return header
+
+
+def _iso_time(value) -> bool:
+    try:
+        datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _parses(line: str) -> bool:

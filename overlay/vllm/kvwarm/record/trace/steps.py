@@ -55,6 +55,9 @@ class Step:
     preempted: int = 0
     outputs: int = 0
     queued: dict = field(default_factory=lambda: dict(NO_QUEUE))
+    gap: float | None = None  # the previous update's end to this step's schedule() entry (None: unrecorded)
+    untimed: str | None = None  # why the step has no wall where the recorder named it (e.g. sweep_between_points)
+    stream: int = 0  # which launch of its rank wrote it (part A's streams: numbers count per stream)
 
     @property
     def kind(self) -> str:
@@ -129,6 +132,8 @@ def _common(record: dict, rank: int) -> dict:
         "at": float(record.get("at") or 0.0),
         "phases": {p: t for p, t in (record.get("phases") or {}).items() if t is not None},
         "outputs": record.get("outputs") if _count(record.get("outputs")) else 0,
+        "gap": record.get("gap") if _seconds(record.get("gap")) else None,
+        "untimed": record.get("untimed") if isinstance(record.get("untimed"), str) else None,
     }
 
 

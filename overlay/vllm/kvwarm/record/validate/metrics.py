@@ -15,7 +15,11 @@ coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repe
   after a pause  the steps within AFTER_PAUSE_STEPS of a pause of their rank's engine (a
             step without a window, as the first after the engine had nothing to run, or idle
             PAUSE_SECONDS or more between a step's update and the next step's schedule()): a
-            table of steps run back to back does not predict them
+            table of steps run back to back does not predict them. The idle is read by one
+            of PAUSE_RULES per rank (pause_rule): the trace's recorded gap where it has one;
+            else, one step at a time, a window's wall less its step's span; under the batch
+            queue without a gap nothing but the steps without a window (there the next
+            schedule() runs before the update, so wall - span is never a pause)
   first size  the steps whose token count (Step.tokens) their rank's engine runs for the first
             time in the trace: on the CPU engine such a step pays about 2.5 ms more than the
             same count run again (its linears' kernels are made for it: docs/measurements/served-vs-table.md);
@@ -51,6 +55,16 @@ PAUSE_SECONDS, AFTER_PAUSE_STEPS = 0.005, 10
 # development host decode steps at 0.7x to 1.4x: docs/measurements/served-vs-table.md); the decode steps
 # around a step (a served trace is mostly decode steps) say where that level stood then
 LEVEL_STEPS, LEVEL_MIN = 50, 5
+# How a rank's pauses are read (pause_rule), and what each says of them
+GAP, WALL_LESS_SPAN, WINDOWS_ONLY = "gap", "wall_minus_span", "no_window_only"
+PAUSE_RULES = {
+    GAP: "the recorded gap from an update's end to the next schedule()",
+    WALL_LESS_SPAN: "a step's window less its own span (one step at a time, no recorded gap)",
+    WINDOWS_ONLY: (
+        "only the steps without a window: a batch-queue trace without a recorded gap, whose windows overlap the "
+        "next schedule(), so an idle shorter than a wait for work is not seen"
+    ),
+}
 
 
 def _tokens(n: int) -> str:
@@ -128,26 +142,51 @@ class Scored:
         return band(self.step.depth)
 
 
-def steps_since_pause(steps: list[Step]) -> dict[tuple[int, int], int]:
-    """Per (rank, step number): the steps its rank ran since its engine last paused, in each
-    rank's order (every traced step counts, scored or not)."""
+def pause_rule(steps: list[Step], batch_queue: bool) -> str:
+    """How one rank's pauses are read (PAUSE_RULES): by the recorded gap where its steps carry
+    one, else by wall - span one step at a time, else (the batch queue) by the windows alone."""
+    if any(s.gap is not None for s in steps):
+        return GAP
+    return WINDOWS_ONLY if batch_queue else WALL_LESS_SPAN
+
+
+def paused(step: Step, rule: str) -> bool:
+    """Whether the rank's engine paused before the step: no window (an idle wait, the rank's
+    first step, the sweep's work between points), or idle PAUSE_SECONDS or more by `rule`."""
+    if step.wall is None:
+        return True
+    if rule == GAP:
+        return step.gap is not None and step.gap >= PAUSE_SECONDS
+    if rule == WALL_LESS_SPAN:
+        return step.span is None or step.wall - step.span >= PAUSE_SECONDS
+    return False
+
+
+def step_key(step: Step) -> tuple[int, int, int]:
+    """Where a step stands: its rank, its stream (a launch of the rank) and its number there."""
+    return step.rank, step.stream, step.number
+
+
+def steps_since_pause(steps: list[Step], rules: dict[int, str] | None = None) -> dict[tuple[int, int, int], int]:
+    """Per step (`step_key`): the steps its engine ran since it last paused, in each stream's order
+    (every traced step counts, scored or not); `rules`: each rank's pause_rule (default:
+    wall - span)."""
     since, last = {}, {}
-    for step in sorted(steps, key=lambda s: (s.rank, s.number)):
-        idle = None if step.wall is None or step.span is None else step.wall - step.span
-        paused = idle is None or idle >= PAUSE_SECONDS
-        last[step.rank] = 0 if paused else last.get(step.rank, 0) + 1
-        since[(step.rank, step.number)] = last[step.rank]
+    for step in sorted(steps, key=step_key):
+        rule, engine = (rules or {}).get(step.rank, WALL_LESS_SPAN), step_key(step)[:2]
+        last[engine] = 0 if paused(step, rule) else last.get(engine, 0) + 1
+        since[step_key(step)] = last[engine]
     return since
 
 
-def size_runs(steps: list[Step]) -> dict[tuple[int, int], int]:
-    """Per (rank, step number): its rank's steps of its token count up to it, itself included,
-    in each rank's order (every traced step counts, scored or not)."""
+def size_runs(steps: list[Step]) -> dict[tuple[int, int, int], int]:
+    """Per step (`step_key`): its engine's steps of its token count up to it, itself included, in
+    each stream's order (every traced step counts, scored or not)."""
     runs, seen = {}, {}
-    for step in sorted(steps, key=lambda s: (s.rank, s.number)):
-        key = (step.rank, step.tokens)
+    for step in sorted(steps, key=step_key):
+        key = (*step_key(step)[:2], step.tokens)
         seen[key] = seen.get(key, 0) + 1
-        runs[(step.rank, step.number)] = seen[key]
+        runs[step_key(step)] = seen[key]
     return runs
 
 
@@ -178,20 +217,21 @@ def pause_split(scored: list[Scored]) -> dict:
 def mark_levels(scored: list[Scored], *also: list[Scored]) -> None:
     """Each prefill and mixed step's level, in `scored` and in `also` (the same steps predicted
     another way): the median served / predicted of its rank's decode steps within LEVEL_STEPS."""
-    ratios: dict[int, list[tuple[int, float]]] = {}
+    ratios: dict[tuple[int, int], list[tuple[int, float]]] = {}  # per engine (rank, stream)
     for s in scored:
         if s.step.kind == v.DECODE and s.error is not None and s.prediction.ms > 0:
-            ratios.setdefault(s.step.rank, []).append((s.step.number, s.served_ms / s.prediction.ms))
+            ratios.setdefault(step_key(s.step)[:2], []).append((s.step.number, s.served_ms / s.prediction.ms))
     for points in ratios.values():
         points.sort()
-    numbers = {rank: [n for n, _ in points] for rank, points in ratios.items()}
+    numbers = {engine: [n for n, _ in points] for engine, points in ratios.items()}
     for s in [*scored, *(x for group in also for x in group)]:
-        if s.step.kind == v.DECODE or s.step.rank not in ratios:
+        engine = step_key(s.step)[:2]
+        if s.step.kind == v.DECODE or engine not in ratios:
             continue
-        at = numbers[s.step.rank]
-        lo, hi = bisect_left(at, s.step.number - LEVEL_STEPS), bisect_right(at, s.step.number + LEVEL_STEPS)
+        near = numbers[engine]
+        lo, hi = bisect_left(near, s.step.number - LEVEL_STEPS), bisect_right(near, s.step.number + LEVEL_STEPS)
         if hi - lo >= LEVEL_MIN:
-            s.level = statistics.median(q for _, q in ratios[s.step.rank][lo:hi])
+            s.level = statistics.median(q for _, q in ratios[engine][lo:hi])
 
 
 def relative(scored: list[Scored]) -> dict:

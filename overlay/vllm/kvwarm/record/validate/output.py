@@ -9,8 +9,17 @@ import json
 from pathlib import Path
 
 from ..files import write_atomically
-from .metrics import LEVEL_STEPS, figures, relative
-from .validation import WARM_UP, Validation
+from .graphs import expected_mode
+from .metrics import LEVEL_STEPS, PAUSE_RULES, band, figures, relative
+from .validation import SWEEP_WORK, WARM_UP, Validation
+
+# what a reason for leaving a step out means, where its name does not say it all
+LEFT_OUT_WHY = {
+    SWEEP_WORK: "their window holds the sweep's own work between its points (a collection, the artifact's write)",
+    "untimed": "no window: the first step of a rank, or after the engine waited for work",
+    "speculative": "draft tokens: no row is such a step",
+    "unknown_output": "an output the adapter did not see scheduled: docs/hooks.md's served-trace contracts broke",
+}
 
 CSV_COLUMNS = [
     "rank",
@@ -24,6 +33,8 @@ CSV_COLUMNS = [
     "prefill_new_tokens",
     "prefill_prefix_tokens",
     "graph_mode",
+    "padded_tokens",
+    "expected_graph_mode",
     "served_ms",
     "predicted_ms",
     "error_pct",
@@ -33,6 +44,7 @@ CSV_COLUMNS = [
     "size_runs",
     "noise_pct",
     "level",
+    "left_out",
 ]
 
 
@@ -84,6 +96,39 @@ def _relative(kind: str, apart: dict, composed: dict | None) -> str | None:
     return line
 
 
+def _graphs(kind: str, k: dict) -> list[str]:
+    """The kind's figures per graph mode the runner reported, and expected against observed."""
+    modes = k["graphs"]
+    if list(modes) == ["unreported"]:
+        return []
+    lines = [
+        f"{kind} in graph {mode}: {f['steps']} step(s), MAPE {_pct(f['mape'])}, bias {_pct(f['bias'], True)}"
+        for mode, f in modes.items()
+    ]
+    for p in k["expected_against_observed"]:
+        if p["expected"] != p["observed"]:
+            lines.append(
+                f"{kind}: {p['steps']} step(s) ran graph {p['observed']} where their shape expects {p['expected']}: "
+                f"MAPE {_pct(p['mape'])}, bias {_pct(p['bias'], True)}"
+            )
+    return lines
+
+
+def _context(result: Validation) -> list[str]:
+    """How the pauses were read, and what the table's rows say of their graphs."""
+    rules = sorted(result.pause_rules.items())
+    lines = [f"pauses on rank {rank} read by {rule}: {PAUSE_RULES[rule]}" for rank, rule in rules]
+    rows = result.table_graphs
+    if rows.get("observed"):
+        lines.append(
+            f"table: {rows['as_expected']} of the {rows['observed']} row(s) whose graph the runner reported ran "
+            "the graph their shape expects"
+        )
+    for why, count in (rows.get("unknown") or {}).items():
+        lines.append(f"table: {count} row(s) without an observed graph: {why}")
+    return lines
+
+
 def text(result: Validation) -> str:
     """The table users read: per kind each band, then the kind over every band."""
     s = result.summary()
@@ -96,11 +141,11 @@ def text(result: Validation) -> str:
         if k["not_covered"]:
             lines.append(f"{kind:<8} {'all':<10} {k['steps']:>7}  not covered: {k['not_covered']}")
             continue
-        for band, f in k["bands"].items():
-            lines.append(_line(kind, band, f))
+        for depth, f in k["bands"].items():
+            lines.append(_line(kind, depth, f))
         label = f"{kind}*" if k["predictor"] == "composed" else kind
         lines.append(_line(label, "all", k))
-        pauses += [_pauses(kind, k["pauses"]), _sizes(kind, k["sizes"])]
+        pauses += [_pauses(kind, k["pauses"]), _sizes(kind, k["sizes"]), *_graphs(kind, k)]
         if "relative" in k:
             composed = relative(result.composed) if kind == "mixed" and result.composed else None
             pauses.append(_relative(kind, k["relative"], composed))
@@ -117,9 +162,10 @@ def text(result: Validation) -> str:
         "the floor under MAPE"
     )
     lines += [p for p in pauses if p]
+    lines += _context(result)
     for reason, count in result.excluded.items():
         within = f" (ended within the trace's first {result.skip_seconds:g} s: --skip-seconds)"
-        within = within if reason == WARM_UP else ""
+        within = within if reason == WARM_UP else f" ({LEFT_OUT_WHY[reason]})" if reason in LEFT_OUT_WHY else ""
         lines.append(f"left out: {count} {reason} step(s){within}")
     for torn in result.torn:
         lines.append(f"torn last line, skipped: {torn}")
@@ -131,25 +177,36 @@ def text(result: Validation) -> str:
     return "\n".join(lines)
 
 
+def _shape(st) -> list:
+    return [
+        st.rank,
+        st.number,
+        st.kind,
+        band(st.depth),
+        st.depth,
+        st.decode_requests,
+        st.decode_kv_tokens,
+        st.prefill_requests,
+        st.prefill_new_tokens,
+        st.prefill_prefix_tokens,
+    ]
+
+
 def steps_csv(result: Validation) -> str:
+    """One line per traced step: those held against the table, then those left out (their
+    `left_out` says why; nothing predicted)."""
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow(CSV_COLUMNS)
     for s in result.scored:
         st, p = s.step, s.prediction
+        expected = expected_mode(st, result.graphs)
         writer.writerow(
             [
-                st.rank,
-                st.number,
-                st.kind,
-                s.band,
-                st.depth,
-                st.decode_requests,
-                st.decode_kv_tokens,
-                st.prefill_requests,
-                st.prefill_new_tokens,
-                st.prefill_prefix_tokens,
+                *_shape(st),
                 st.graph_mode or "",
+                "" if st.padded_tokens is None else st.padded_tokens,
+                expected or "",
                 f"{s.served_ms:.4f}",
                 "" if p is None else f"{p.ms:.4f}",
                 "" if s.error is None else f"{s.error:.3f}",
@@ -159,8 +216,11 @@ def steps_csv(result: Validation) -> str:
                 s.size_runs,
                 "" if s.noise is None else f"{s.noise:.3f}",
                 "" if s.level is None else f"{s.level:.4f}",
+                "",
             ]
         )
+    for st, reason in result.left_out:
+        writer.writerow([*_shape(st), st.graph_mode or "", *[""] * (len(CSV_COLUMNS) - 12), reason])
     return out.getvalue()
 
 

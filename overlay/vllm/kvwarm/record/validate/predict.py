@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import vocabulary as v
-from ..runs import Row, read_rows
+from ..runs import ReportError, Row, read_rows
 from ..shape import CONTINUATION, is_continuation
 
 STEP, FORWARD = "step", "forward"
@@ -170,20 +170,38 @@ def row_value(row: Row, basis: str) -> float | None:
     return row.median_ms if basis == STEP else phases.get("forward")
 
 
-def read_mixed_rows(artifact: dict) -> list[MixedRow]:
+def read_mixed_rows(artifact: dict, source: str = "the table") -> list[MixedRow]:
     """The artifact's measured mixed rows: point {"point_type": "mixed", "decode":
     {batch_size, total_kv_read_tokens}, "prefill": {batch_size, total_prefill_tokens,
     total_kv_read_tokens}} (and the step's totals, as other rows have them), median_seconds and
     phases. A row whose samples time its shot's forward (sample_kind shot_forward, as the
     sweep's mixed rows do) is read as a prefill row is: its step is its phases summed (None
-    where one lacks), its forward its median."""
+    where one lacks), its forward its median. A row without those fields (hand-edited, or
+    older than mixed points) is refused by name (ReportError), as runs.read_rows refuses one."""
     rows = []
-    for r in artifact.get("results") or []:
-        point = r.get("point") or {}
-        if point.get("point_type") != MIXED:
+    for i, r in enumerate(artifact.get("results") or []):
+        point = r.get("point") if isinstance(r, dict) else None
+        if not isinstance(point, dict) or point.get("point_type") != MIXED:
             continue
-        d, p = point.get("decode") or {}, point.get("prefill") or {}
-        phases = {name: t * 1e3 for name, t in (r.get("phases") or {}).items() if isinstance(t, (int, float))}
+        d, p = point.get("decode"), point.get("prefill")
+        counts = [
+            (d, "batch_size"),
+            (d, "total_kv_read_tokens"),
+            (p, "batch_size"),
+            (p, "total_prefill_tokens"),
+            (p, "total_kv_read_tokens"),
+        ]
+        if not all(isinstance(part, dict) and _count(part.get(name)) for part, name in counts) or not _seconds(
+            r.get("median_seconds")
+        ):
+            raise ReportError(
+                f"{source}: results[{i}]: not a measured mixed row (it needs point.decode.batch_size and "
+                "total_kv_read_tokens, point.prefill.batch_size, total_prefill_tokens and total_kv_read_tokens, "
+                "and median_seconds); the file was not written by the sweep or was edited: sweep the mixed "
+                "points again, or remove the row"
+            )
+        recorded = r.get("phases") if isinstance(r.get("phases"), dict) else {}
+        phases = {name: t * 1e3 for name, t in recorded.items() if _seconds(t)}
         median_ms = r["median_seconds"] * 1e3
         if r.get("sample_kind") == v.SHOT_FORWARD:
             median_ms, phases = (
@@ -203,6 +221,14 @@ def read_mixed_rows(artifact: dict) -> list[MixedRow]:
             )
         )
     return rows
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
 
 
 def read_continuation_rows(artifact: dict, source: str) -> list[Row]:

@@ -15,25 +15,33 @@ import json
 from dataclasses import dataclass, field
 
 from .. import vocabulary as v
+from ..export.dynamo_engine import recorded_graphs
 from ..export.input import ExportError, SweepRecord, load_sweep
 from ..runs import ReportError, locate, read_rows
+from ..shape import GraphConfig
 from ..trace.reader import KINDS, Step, Trace, TraceError, read_trace
-from .match import Match, Provenance, loop_refusal, match, refusal
+from . import graphs as by_graph
+from .match import ASYNC, Match, Provenance, loop_of, loop_refusal, match, refusal
 from .metrics import (
     Scored,
     by_band,
     figures,
     mark_levels,
     mark_noise,
+    pause_rule,
     pause_split,
     relative,
     size_runs,
     size_split,
+    step_key,
     steps_since_pause,
 )
 from .predict import MEASURED, MIXED, STEP, Predictor, read_continuation_rows, read_mixed_rows
 
 SPECULATIVE, UNTIMED, WARM_UP = "speculative", "untimed", "warm-up"  # why a step is left out
+# a step's own named reason for its missing wall (the trace's `untimed`) is its reason here:
+# the sweep's work between its points held in the step's window (sweep_between_points)
+SWEEP_WORK = "sweep_between_points"
 
 
 class ValidateError(ValueError):
@@ -69,7 +77,7 @@ def predictors(table: SweepRecord, basis: str) -> list[Predictor]:
     for artifact, path in zip(table.ranks, table.paths):
         plain = {**artifact, "results": [r for r in artifact["results"] if r["point"].get("point_type") != MIXED]}
         continued = read_continuation_rows(artifact, str(path))
-        out.append(Predictor(read_rows(plain, str(path)), read_mixed_rows(artifact), basis, continued))
+        out.append(Predictor(read_rows(plain, str(path)), read_mixed_rows(artifact, str(path)), basis, continued))
     return out
 
 
@@ -115,6 +123,10 @@ class Validation:
     how: dict[str, str | None] = field(default_factory=dict)  # per kind: measured, composed, None
     # mixed steps predicted by composition too, where mixed rows predicted them: the comparison
     composed: list[Scored] = field(default_factory=list)
+    left_out: list[tuple[Step, str]] = field(default_factory=list)  # every step not scored, with why
+    pause_rules: dict[int, str] = field(default_factory=dict)  # per rank: how its pauses were read
+    graphs: GraphConfig | None = None  # the table's engine's graphs (None: not recorded)
+    table_graphs: dict = field(default_factory=dict)  # its rows' observed graphs (graphs.table_rows)
 
     def of_kind(self, kind: str) -> list[Scored]:
         return [s for s in self.scored if s.step.kind == kind]
@@ -132,6 +144,8 @@ class Validation:
                     "bands": by_band(scored),
                     "pauses": pause_split(scored),
                     "sizes": size_split(scored),
+                    "graphs": by_graph.by_mode(scored),
+                    "expected_against_observed": by_graph.expected_against_observed(scored, self.graphs),
                     **({} if kind == v.DECODE else {"relative": relative(scored)}),
                 }
         return out
@@ -159,7 +173,15 @@ class Validation:
         apart = relative(self.composed) if self.composed else {}
         line.update({f"mixed_composed_relative_{name}": apart.get(name) for name in ("mape", "bias")})
         line.update(basis=self.basis, excluded=sum(self.excluded.values()), torn_lines=len(self.torn))
+        line["excluded_by_reason"] = dict(self.excluded)
         line["skip_seconds"] = self.skip_seconds
+        rules = set(self.pause_rules.values())
+        line["pause_rule"] = rules.pop() if len(rules) == 1 else "per_rank" if rules else None
+        known = [s for s in self.scored if s.step.graph_mode is not None]
+        line["graph_reported_steps"] = len(known)
+        line["graph_unexpected_steps"] = sum(
+            p["steps"] for p in by_graph.expected_against_observed(known, self.graphs) if p["expected"] != p["observed"]
+        )
         return line
 
     def record(self) -> dict:
@@ -178,6 +200,8 @@ class Validation:
             },
             "noted_differences": [{"field": d.field, "trace": d.trace, "table": d.table} for d in self.match.noted],
             "excluded": self.excluded,
+            "pauses": {"rules": {str(rank): rule for rank, rule in self.pause_rules.items()}},
+            "table_graphs": self.table_graphs,
             "torn_lines": self.torn,
         }
 
@@ -207,6 +231,18 @@ def check(trace: Trace, table: SweepRecord, allow_loop_mismatch: bool) -> Match:
     return m
 
 
+def pause_rules(trace: Trace) -> dict[int, str]:
+    """Per rank, how its pauses are read (record.validate.metrics.pause_rule): by the recorded
+    gap where its steps carry one; else by its loop, which its header says."""
+    rules = {}
+    for rank, header in trace.headers.items():
+        engine = header.get("engine") if isinstance(header.get("engine"), dict) else {}
+        resolved = engine.get("resolved") if isinstance(engine.get("resolved"), dict) else {}
+        batch_queue = loop_of(header.get("engine_loop"), resolved) == ASYNC
+        rules[rank] = pause_rule([s for s in trace.steps if s.rank == rank], batch_queue)
+    return rules
+
+
 def validate(
     table_arg: str, trace_arg: str, basis: str = STEP, allow_loop_mismatch: bool = False, skip_seconds: float = 0.0
 ) -> Validation:
@@ -231,17 +267,20 @@ def validate(
     kinds = [p.kinds() for p in by_rank]
     for kind in KINDS:
         result.how[kind] = next((k[kind] for k in kinds if k[kind]), None)
-    since, runs = steps_since_pause(trace.steps), size_runs(trace.steps)
+    result.pause_rules = pause_rules(trace)
+    result.graphs, result.table_graphs = recorded_graphs(table.ranks[0]), by_graph.table_rows(table.ranks)
+    since, runs = steps_since_pause(trace.steps, result.pause_rules), size_runs(trace.steps)
     for step in trace.steps:
         served = served_ms(step, basis)
-        reason = WARM_UP if step.at < skip_seconds else None
+        reason = WARM_UP if step.at < skip_seconds else step.untimed
         reason = reason or (SPECULATIVE if step.spec_tokens else UNTIMED if served is None else None)
         if reason:
             result.excluded[reason] = result.excluded.get(reason, 0) + 1
+            result.left_out.append((step, reason))
             continue
         rank = min(step.rank, len(by_rank) - 1)
         predictor = by_rank[rank]
-        at = (step.rank, step.number)
+        at = step_key(step)
         prediction = predict(predictor, step)
         result.scored.append(Scored(step, served, prediction, since_pause=since[at], size_runs=runs[at]))
         if step.kind == MIXED and kinds[rank][MIXED] == MEASURED:
