@@ -213,7 +213,7 @@ class KvWarmSchedulerMixin:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         end = timer.clock()
         trace = self.kvwarm_trace
-        oldest = self.kvwarm_in_flight.oldest() is scheduler_output
+        oldest = trace is not None and self.kvwarm_in_flight.oldest() is scheduler_output
         scheduled = self.kvwarm_in_flight.take(scheduler_output)
         timer.update_started(start)
         window = timer.update_done(scheduled.timing if scheduled else None, end)

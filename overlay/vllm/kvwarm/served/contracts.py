@@ -16,6 +16,8 @@ is O(1) per step: none walks the queues or the requests.
 
 from __future__ import annotations
 
+import functools
+
 from vllm.logger import init_logger
 from vllm.v1.core.sched.request_queue import RequestQueue
 
@@ -34,6 +36,22 @@ CONTRACTS = {
 QUEUES_EVERY = 1024  # H6 looks at the scheduler's attributes at the first schedule() and every this many
 
 
+def _guarded(check):
+    """A check whose own failure never reaches the engine: said once, and the checks stop."""
+
+    @functools.wraps(check)
+    def run(self, *args) -> None:
+        if self.failed:
+            return
+        try:
+            check(self, *args)
+        except Exception:
+            self.failed = True
+            logger.exception("[kvwarm trace] a check of docs/hooks.md's contracts failed; the checks stop here")
+
+    return run
+
+
 class Contracts:
     """The checks; `broken`: how often each contract was seen broken."""
 
@@ -41,6 +59,7 @@ class Contracts:
         """`one_at_a_time`: the engine's loop is EngineCore.step (sweep.provenance.engine_loop)."""
         self.one_at_a_time = one_at_a_time
         self.broken: dict[str, int] = {}
+        self.failed = False
         self._schedules = 0
         self._last_taken = None  # the output update_from_output took last (H2: taken twice)
 
@@ -58,6 +77,7 @@ class Contracts:
 
     # --- at schedule()'s entry and exit ---------------------------------------------------
 
+    @_guarded
     def entering_schedule(self, scheduler, in_flight: int) -> None:
         if not in_flight and not scheduler.has_requests():
             self.say("H3", "schedule() ran with no request and no step in flight", "a null wall may be a step's own")
@@ -80,6 +100,7 @@ class Contracts:
                 "the requests of another queue are missing from `queued` and not held out of a sweep's points",
             )
 
+    @_guarded
     def scheduled(self, scheduler, output) -> None:
         """Right after a served step's schedule(): its first cached request's count, before
         the step and as vLLM has advanced it."""
@@ -101,6 +122,7 @@ class Contracts:
 
     # --- at update_from_output() --------------------------------------------------------------
 
+    @_guarded
     def taken(self, output, known: bool, oldest: bool) -> None:
         """update_from_output took `output`: `known`, the adapter saw schedule() return it;
         `oldest`, it was the first in flight."""
@@ -117,6 +139,7 @@ class Contracts:
             self.say("H5", "update_from_output took an output before an older one", "the windows are misattributed")
         self._last_taken = output
 
+    @_guarded
     def lost(self) -> None:
         """The in-flight record was full: an output never reached update_from_output."""
         self.say("H2", "a scheduled output never reached update_from_output", "its step is missing from the trace")
