@@ -79,7 +79,11 @@ class EngineCoreStandIn(EngineCoreProc):
         self.log_stats = False
         self._iteration_index = 0
         self._weight_version = None
-        self.is_pooling_model = self.is_mm_encoder_only = self.is_ec_consumer = False
+        # as EngineCore.__init__ derives them from the config (a release reads the ones it has)
+        transfer = getattr(self.vllm_config, "ec_transfer_config", None)
+        self.is_ec_consumer = transfer is None or transfer.is_ec_consumer
+        self.is_mm_encoder_only = bool(getattr(self.vllm_config, "is_mm_encoder_only", False))
+        self.is_pooling_model = False
         self.check_for_draft_tokens = False
         self.async_scheduling = batch_queue
         self.prefill_schedule_interval, self.step_counter = 0, 0
