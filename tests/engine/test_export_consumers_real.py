@@ -123,7 +123,8 @@ def test_a_real_served_traces_capture_is_read_by_the_planner(dynamo):
     served = Path(folder) / "served"
     assert served.is_dir(), f"{served}: the served trace's export is missing; see tests/engine/test_export_sweeps.py"
     fpms = check_capture(dynamo, served / "trace" / "fpm.jsonl")
-    steps = [json.loads(x) for x in (served / "trace" / "trace-dp0.jsonl").read_text().splitlines()[1:]]
+    [current] = [p for p in (served / "trace").glob("trace-dp0-*.jsonl") if p.name.count(".") == 1]  # one launch
+    steps = [json.loads(x) for x in current.read_text().splitlines()[1:]]
     assert [f.counter_id for f in fpms] == [s["step"] + 1 for s in steps]
     seen = feed_models(dynamo, fpms)
     assert seen["agg"] == len(steps) and seen["decode"] > 0 and seen["prefill"] > 0

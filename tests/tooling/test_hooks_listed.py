@@ -83,6 +83,7 @@ BUILTIN_METHODS = frozenset(
     "__float__",  # the number protocol (served.step_parts.plain)
     "communicate",
     "kill",
+    "pid",
     "returncode",  # subprocess.Popen (the trace's writer process)
     "stat",
     "st_size",

@@ -26,7 +26,9 @@ def test_a_header_without_a_readable_started_at_is_refused_naming_it(tmp_path, c
     else:
         head["started_at"] = started_at
     write_trace(tmp_path / "trace", [step(0, None, (2, 200)), step(1, 12.0, (2, 200))], head=head)
-    with pytest.raises(TraceError, match=r"line 1: started_at .* is not an ISO 8601 time; .*restore the started_at"):
+    with pytest.raises(
+        TraceError, match=r"line 1: started_at .* is not a UTC time like .*restore the header the recorder wrote"
+    ):
         read_trace(tmp_path / "trace")
     assert export([str(tmp_path / "trace"), "--to", "fpm"]) == 2
     assert "started_at" in capsys.readouterr().err and not (tmp_path / "trace" / "fpm.jsonl").exists()

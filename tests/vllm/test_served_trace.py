@@ -19,6 +19,7 @@ from kvwarm_testing.real_kv import EngineLoop, make_scheduler
 from kvwarm_testing.recorded import (
     MIXED_ARRIVALS,
     add,
+    current_files,
     forward_seconds,
     read,
     rotated_trace,
@@ -28,6 +29,7 @@ from kvwarm_testing.recorded import (
 )
 from vllm.kvwarm.record.trace.reader import read_trace
 from vllm.kvwarm.record.validate.match import Provenance
+from vllm.kvwarm.record.vocabulary import trace_file_name
 from vllm.kvwarm.scheduler import KvWarmAsyncScheduler, KvWarmScheduler
 from vllm.kvwarm.served.settings import TraceSettingsError, trace_settings
 from vllm.kvwarm.served.sink import prepare
@@ -85,7 +87,7 @@ def test_every_served_step_is_one_line_with_its_composition_and_its_window(tmp_p
     order = engine_order(scheduler)
     serve(scheduler, EngineLoop(scheduler, batch_queue, clock, forward_seconds), MIXED_ARRIVALS)
     header, steps = read(out)
-    assert header["type"] == "kvwarm_trace" and header["schema_version"] == 2
+    assert header["type"] == "kvwarm_trace" and header["schema_version"] == 3
     assert header["engine_loop"] == loop_record(scheduler)  # the sweep artifact's record, same code
     assert header["engine_loop"]["loop"] == ("batch_queue" if batch_queue else "sync")
     assert header["model"] == scheduler.vllm_config.model_config.model
@@ -170,6 +172,62 @@ def expected_times(order) -> dict:
     return times
 
 
+class Moments:
+    """The played clock's reading at each schedule()'s entry and each update_from_output()'s
+    end, read by the test around the adapter's own calls."""
+
+    def __init__(self, scheduler, clock):
+        self.entered: dict[int, float] = {}
+        self.ended: dict[int, float] = {}
+        self.last_end_before: dict[int, float | None] = {}
+        schedule, update = scheduler.schedule, scheduler.update_from_output
+        last_end = [None]
+
+        def observed_schedule(*args, **kwargs):
+            entered, before = clock(), last_end[0]
+            output = schedule(*args, **kwargs)
+            self.entered[id(output)], self.last_end_before[id(output)] = entered, before
+            return output
+
+        def observed_update(output, runner_output):
+            outputs = update(output, runner_output)
+            self.ended[id(output)] = last_end[0] = clock()
+            return outputs
+
+        scheduler.schedule, scheduler.update_from_output = observed_schedule, observed_update
+
+
+@pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
+def test_at_and_gap_read_the_adapters_one_clock(tmp_path, cls, batch_queue):
+    """`at`: the step's update end, from the clock's reading when the trace started (0 here);
+    `gap`: the last update end before its schedule() to that schedule()'s entry, the idle wait
+    included (null where no update ended before it)."""
+    scheduler, clock, out = traced_scheduler(tmp_path, cls)
+    moments = Moments(scheduler, clock)
+    loop = EngineLoop(scheduler, batch_queue, clock, forward_seconds)
+    add(scheduler, "first", 50, max_tokens=4, token=3)
+    run(loop)
+    clock.advance(5.0)  # the engine waits for work
+    add(scheduler, "later", 300, max_tokens=4, token=5)
+    run(loop)
+    scheduler.kvwarm_trace.close()
+    _, steps = read(out)
+    traced = [o for o in loop.outputs if o.total_num_scheduled_tokens]
+    assert len(steps) == len(traced) > 6
+    gaps = []
+    for line, output in zip(steps, traced):
+        assert line.at == moments.ended[id(output)]
+        before = moments.last_end_before[id(output)]
+        assert line.gap == (None if before is None else pytest.approx(moments.entered[id(output)] - before, abs=1e-9))
+        gaps.append(line.gap)
+    waited = next(i for i, s in enumerate(steps) if s.prefill_requests and i > 0)
+    assert gaps[waited] == pytest.approx(5.0) and steps[waited].wall is None
+    # under the batch queue the next step was scheduled before any update ended after the wait
+    paused = [i for i, g in enumerate(gaps) if g is not None and g >= 5.0]
+    assert paused == ([waited, waited + 1] if batch_queue else [waited])
+    assert gaps[: 2 if batch_queue else 1] == [None] * (2 if batch_queue else 1)
+
+
 @pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
 def test_a_step_after_an_idle_wait_has_no_wall(tmp_path, cls, batch_queue):
     scheduler, clock, out = traced_scheduler(tmp_path, cls)
@@ -187,12 +245,36 @@ def test_a_step_after_an_idle_wait_has_no_wall(tmp_path, cls, batch_queue):
     assert walls and all(w is not None and w < 1 for w in walls)
 
 
+class PointEnds:
+    """Which update_from_output calls finished a sweep's point (its rows grew), in the order
+    the updates ran."""
+
+    def __init__(self, scheduler):
+        self.order: list[tuple[object, bool]] = []
+        update = scheduler.update_from_output
+
+        def observed_update(output, runner_output):
+            rows = len(scheduler.kvwarm_sweep.rows)
+            outputs = update(output, runner_output)
+            self.order.append((output, len(scheduler.kvwarm_sweep.rows) > rows))
+            return outputs
+
+        scheduler.update_from_output = observed_update
+
+    def after_a_point(self) -> set[int]:
+        """The outputs whose update closed a window holding a point's end (the update after one
+        that finished a point)."""
+        return {id(output) for (output, _), (_, ended) in zip(self.order[1:], self.order) if ended}
+
+
 @pytest.mark.parametrize("cls, batch_queue", LOOPS, ids=LOOP_IDS)
 def test_the_sweeps_own_steps_are_left_out_and_the_served_ones_between_points_are_traced(
     tmp_path, monkeypatch, cls, batch_queue
 ):
     """A sweep (fake KV: no dataset needed) and the trace in one engine; requests from outside
-    arrive during it and are served between points."""
+    arrive all through it and are served between points. The first served step after a point
+    carries the point's end (its collection, its artifact write) in its window: traced with
+    no wall, the reason named."""
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
@@ -204,12 +286,12 @@ def test_the_sweeps_own_steps_are_left_out_and_the_served_ones_between_points_ar
     out = tmp_path / "trace"
     spec = {"kvwarm_sweep": {"points": str(points), "out": str(tmp_path / "sweep")}, "kvwarm_trace": {"out": str(out)}}
     scheduler = make_scheduler(tmp_path, num_blocks=1024, scheduler_cls=cls, additional_config=spec)
-    users = {f"u{i}" for i in range(6)}
-    seen = Observed(scheduler)
+    users = {f"u{i}" for i in range(40)}
+    seen, ends = Observed(scheduler), PointEnds(scheduler)
     loop = EngineLoop(scheduler, batch_queue)
-    for i in range(400):
-        if i < 6:
-            add(scheduler, f"u{i}", 30 + 20 * i, max_tokens=5, token=20 + i)
+    for i in range(600):
+        if i % 3 == 0 and i < 120:
+            add(scheduler, f"u{i // 3}", 30 + i % 40, max_tokens=3, token=20 + i % 50)
         if not loop.busy():
             break
         loop.step()
@@ -219,8 +301,17 @@ def test_the_sweeps_own_steps_are_left_out_and_the_served_ones_between_points_ar
     served = [o for o in seen.order if o.total_num_scheduled_tokens and set(o.num_scheduled_tokens) <= users]
     swept = [o for o in seen.order if set(o.num_scheduled_tokens) - users]
     assert swept and len(steps) == len(served) > 0  # every step of users' requests alone, none of the sweep's
+    after_a_point = ends.after_a_point()
     for line, output in zip(steps, served):
         assert line.decode_requests + line.prefill_requests == len(output.num_scheduled_tokens)
+        if id(output) in after_a_point:
+            assert line.untimed == "sweep_between_points" and line.wall is None
+        if line.untimed is not None:
+            assert line.untimed == "sweep_between_points" and line.wall is None
+    # one step at a time, the step after a point's last is the users' (under the batch queue it
+    # was scheduled with the point, so the sweep's own: not traced)
+    assert batch_queue or sum(id(output) in after_a_point for output in served) == len(decode)
+    assert sum(line.untimed is not None for line in steps) < len(steps) / 4  # the others keep their walls
 
 
 def test_the_trace_off_keeps_no_timer_and_records_nothing(tmp_path):
@@ -250,10 +341,12 @@ def test_the_header_records_the_run_as_the_sweeps_artifact_does(tmp_path):
 
 def test_files_rotate_at_the_cap_each_with_the_header_and_the_oldest_removed(tmp_path):
     out = rotated_trace(tmp_path, files=3, requests=12, max_tokens=12)
-    names = sorted(p.name for p in out.iterdir())
-    assert names == ["trace-dp0.1.jsonl", "trace-dp0.2.jsonl", "trace-dp0.jsonl"]
+    [current] = current_files(out)
+    launch = current.name.removeprefix("trace-dp0-").removesuffix(".jsonl")
+    names = [f"trace-dp0-{launch}.2.jsonl", f"trace-dp0-{launch}.1.jsonl", current.name]  # oldest first
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)
     numbers = []
-    for name in ("trace-dp0.2.jsonl", "trace-dp0.1.jsonl", "trace-dp0.jsonl"):  # oldest first
+    for name in names:
         lines = (out / name).read_text().splitlines()
         assert json.loads(lines[0])["type"] == "kvwarm_trace"
         assert (out / name).stat().st_size <= 4096 or len(lines) == 2
@@ -263,7 +356,7 @@ def test_files_rotate_at_the_cap_each_with_the_header_and_the_oldest_removed(tmp
 
 def test_a_failed_write_stops_the_trace_and_the_engine_serves_on(tmp_path, caplog):
     scheduler, clock, out = traced_scheduler(tmp_path, KvWarmScheduler, max_file_mb=4096 / (1 << 20), files=2)
-    (out / "trace-dp0.1.jsonl").mkdir()  # rotation cannot replace a folder
+    (out / trace_file_name(0, scheduler.kvwarm_trace.launch, 1)).mkdir()  # rotation cannot replace a folder
     loop = EngineLoop(scheduler, False, clock, forward_seconds)
     for i in range(12):
         add(scheduler, f"r{i}", 20, max_tokens=12, token=30 + i)
@@ -274,14 +367,23 @@ def test_a_failed_write_stops_the_trace_and_the_engine_serves_on(tmp_path, caplo
     assert "the trace stops here, the engine serves on" in caplog.text
 
 
-def test_an_earlier_runs_files_of_the_rank_are_replaced(tmp_path):
+def test_a_launch_touches_no_other_file_in_its_folder(tmp_path):
+    """An earlier run's files, another engine's, anything else: left as they are; a launch's
+    own name that exists already is refused rather than overwritten."""
     out = tmp_path / "trace"
     out.mkdir()
-    for name in ("trace-dp0.jsonl", "trace-dp0.3.jsonl", "trace-dp1.jsonl", "notes.txt"):
+    others = ("trace-dp0.jsonl", "trace-dp0.3.jsonl", "trace-dp1.jsonl", "notes.txt")
+    others += (trace_file_name(0, "20260101T000000000000-p1"), trace_file_name(0, "20260101T000000000000-p1", 1))
+    for name in others:
         (out / name).write_text("old\n")
-    prepare(out, 0, '{"type":"kvwarm_trace"}\n', "trace-dp0.jsonl")
-    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "trace-dp0.jsonl", "trace-dp1.jsonl"]
-    assert json.loads((out / "trace-dp0.jsonl").read_text()) == {"type": "kvwarm_trace"}
+    scheduler, _, _ = traced_scheduler(tmp_path, KvWarmScheduler)
+    scheduler.kvwarm_trace.close()
+    mine = scheduler.kvwarm_trace.path
+    assert sorted(p.name for p in out.iterdir()) == sorted([*others, mine.name])
+    assert all((out / name).read_text() == "old\n" for name in others)
+    with pytest.raises(OSError, match="cannot be written"):
+        prepare(out, '{"type":"kvwarm_trace"}\n', mine.name)
+    assert json.loads(mine.read_text().splitlines()[0])["type"] == "kvwarm_trace"
 
 
 @pytest.mark.parametrize(

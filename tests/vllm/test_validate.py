@@ -179,7 +179,7 @@ def test_the_reader_takes_rotated_files_oldest_first_and_reports_a_torn_last_lin
 @pytest.mark.parametrize(
     "head, message",
     [
-        (header(schema_version=3), "trace schema_version 3; this reader reads 1, 2"),
+        (header(schema_version=4), "trace schema_version 4; this reader reads 1, 2, 3"),
         (header(type="kvwarm_sweep"), "not a kvwarm trace header"),
         (header(rank=1), "header says rank 1, the file's name rank 0"),
         (header(timing={"basis": "schedule_to_output"}), "timing basis 'schedule_to_output'"),

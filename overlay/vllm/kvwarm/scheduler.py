@@ -40,7 +40,7 @@ from .kv.catchup import lone_prefill_budget
 from .kv.injector import ShadowInjector
 from .served.recorder import TraceRecorder
 from .served.settings import trace_settings
-from .sweep.in_flight import InFlight, Scheduled
+from .sweep.in_flight import MAX_IN_FLIGHT, InFlight, Scheduled
 from .sweep.provenance import ASYNC_ADAPTER, SYNC_ADAPTER
 from .sweep.run import CONFIG_KEY, SweepRun
 from .sweep.timing import StepTimer
@@ -76,6 +76,10 @@ def check_matches_loop(scheduler) -> None:
 
 
 class KvWarmSchedulerMixin:
+    # The adapter's clock: its step timer and the trace read it (a test's subclass may play
+    # another); a sweep's timer reads time.perf_counter, the same clock.
+    kvwarm_clock = staticmethod(time.perf_counter)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         check_matches_loop(self)
@@ -89,6 +93,9 @@ class KvWarmSchedulerMixin:
         # The steps scheduled and not yet taken in, while a timer runs: what its schedule() gave
         # the timer and the trace, kept here since the timer may change before the update.
         self.kvwarm_in_flight = InFlight()
+        # The open window holds the sweep's work between points (its phase or rows moved in a
+        # hook): the trace's step whose update closes it gets no wall (finding 7 of the review).
+        self.kvwarm_sweep_moved = False
         # Every queue of waiting requests this scheduler keeps (`waiting`, and as the release
         # has them `skipped_waiting`, `kv_holding_waiting`, `async_kv_waiting`), found by type
         # so a queue a release adds is held out of measured steps too; made once, in __init__.
@@ -96,8 +103,8 @@ class KvWarmSchedulerMixin:
         additional = self.vllm_config.additional_config
         trace = trace_settings(additional)
         if trace is not None:
-            self.kvwarm_trace = TraceRecorder(self, trace, time.perf_counter)
-            self.kvwarm_timer = StepTimer(self.kvwarm_trace.clock)
+            self.kvwarm_trace = TraceRecorder(self, trace, self.kvwarm_clock)
+            self.kvwarm_timer = StepTimer(self.kvwarm_clock)
         spec = additional.get(CONFIG_KEY) if isinstance(additional, dict) else None
         if spec is not None:
             self.kvwarm_run = SweepRun(self, spec)
@@ -135,19 +142,26 @@ class KvWarmSchedulerMixin:
         sweep, timer = self._live_sweep(), self._step_timer()
         clock = timer.clock if timer is not None else None
         enter = clock() if clock else 0.0
+        trace = self.kvwarm_trace
+        if trace is not None:
+            trace.contracts.entering_schedule(self, len(self.kvwarm_in_flight))
         if sweep is not None:
+            mark = _progress(sweep)
             self._drive(self._sweep_step)
+            self.kvwarm_sweep_moved |= mark != _progress(sweep)
         measuring = sweep.measuring() if sweep is not None and not sweep.done else None
         output, stock_start, stock_end = self._schedule_only(measuring, clock, *args, **kwargs)
         if self.kvwarm_injector.has_pending():
             self._drive(self.kvwarm_injector.admit_pending, self, output)
         note = None
-        if self.kvwarm_trace is not None:
+        if trace is not None:
             held = sweep is not None and sweep.may_run_own_requests()
             waiting = tuple(chain.from_iterable(getattr(self, name) for name in self.kvwarm_queues))
-            note = self.kvwarm_trace.scheduled(output, held, waiting)
+            note = trace.scheduled(self, output, held, waiting, enter)
         if timer is not None:
             timing = timer.schedule_done(enter, stock_start, stock_end, clock())
+            if trace is not None and len(self.kvwarm_in_flight) >= MAX_IN_FLIGHT:
+                trace.contracts.lost()  # the oldest is dropped: it never reached its update
             self.kvwarm_in_flight.add(Scheduled(output, timing, note))
         return output
 
@@ -198,17 +212,23 @@ class KvWarmSchedulerMixin:
         start = timer.clock()
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         end = timer.clock()
+        trace = self.kvwarm_trace
+        oldest = trace is not None and self.kvwarm_in_flight.oldest() is scheduler_output
         scheduled = self.kvwarm_in_flight.take(scheduler_output)
         timer.update_started(start, model_runner_output)
         window = timer.update_done(scheduled.timing if scheduled else None, end)
+        moved, self.kvwarm_sweep_moved = self.kvwarm_sweep_moved, False  # of the window just closed
         if sweep is not None:
+            mark = _progress(sweep)
             self._drive(sweep.after_update, self, scheduler_output, window)
-        trace = self.kvwarm_trace
+            self.kvwarm_sweep_moved = mark != _progress(sweep)  # in the window opening now
         if trace is not None:
+            trace.contracts.taken(scheduler_output, scheduled is not None, oldest)
             note = scheduled.trace if scheduled else None
             in_flight = len(self.kvwarm_in_flight)
+            has_requests = self.has_requests()
             trace.updated(
-                scheduler_output, note, model_runner_output, outputs, timer, window, end, self.has_requests(), in_flight
+                scheduler_output, note, model_runner_output, outputs, timer, window, end, has_requests, in_flight, moved
             )
         if sweep is not None or trace is not None:
             timer.sweep_work(timer.clock() - end)
@@ -226,6 +246,12 @@ class KvWarmSchedulerMixin:
         finally:
             if self.kvwarm_trace is not None:  # what is pending written, the file closed
                 self.kvwarm_trace.close()
+
+
+def _progress(sweep) -> tuple:
+    """Where a sweep stands: its phase and rows (a hook that moves either did the work between
+    points: a meeting's callback, a finished point's collection and artifact write)."""
+    return sweep.phase, len(sweep.rows)
 
 
 class KvWarmScheduler(KvWarmSchedulerMixin, Scheduler):

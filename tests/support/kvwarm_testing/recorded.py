@@ -15,16 +15,19 @@ def forward_seconds(output) -> float:
     return 0.002 + 0.0001 * output.total_num_scheduled_tokens
 
 
-def traced_scheduler(tmp_path: Path, cls, **settings):
-    """An adapter of class `cls` with the trace on (in tmp_path/trace) whose timer reads a
-    ManualClock: (scheduler, clock, trace folder)."""
-    from vllm.kvwarm.sweep.timing import StepTimer
+def on_clock(cls, clock):
+    """A subclass of the adapter class `cls` whose clock (`kvwarm_clock`, read by its step
+    timer and its trace alike; time.perf_counter in the real one) is `clock`."""
+    return type(cls.__name__, (cls,), {"kvwarm_clock": staticmethod(clock)})
 
+
+def traced_scheduler(tmp_path: Path, cls, **settings):
+    """An adapter of class `cls` with the trace on (in tmp_path/trace) on a ManualClock that
+    reads 0 when the trace starts: (scheduler, clock, trace folder)."""
     out = tmp_path / "trace"
     spec = {"kvwarm_trace": {"out": str(out), **settings}}
-    scheduler = make_scheduler(tmp_path, num_blocks=1024, scheduler_cls=cls, additional_config=spec)
     clock = ManualClock()
-    scheduler.kvwarm_timer = StepTimer(clock, closed=[])  # the played clock (the adapter's: perf_counter)
+    scheduler = make_scheduler(tmp_path, num_blocks=1024, scheduler_cls=on_clock(cls, clock), additional_config=spec)
     return scheduler, clock, out
 
 
@@ -82,10 +85,19 @@ def rotated_trace(tmp_path: Path, files: int, requests: int, max_tokens: int) ->
     return out
 
 
+def current_files(out: Path, rank: int = 0) -> list[Path]:
+    """Each launch's current trace file of `rank` in `out`, the earliest launch first."""
+    from vllm.kvwarm.record.trace.reader import stream_files
+
+    return [files[-1] for (of, _), files in stream_files(out).items() if of == rank]
+
+
 def read(out: Path) -> tuple[dict, list]:
-    """Rank 0's header as written, and every step as validate reads it (record.trace.reader's
-    Steps: the raw numbers composed); no steps where the recorder wrote none."""
+    """Rank 0's header as written (one launch's), and every step as validate reads it
+    (record.trace.reader's Steps: the raw numbers composed); no steps where the recorder
+    wrote none."""
     from vllm.kvwarm.record.trace.reader import read_trace
 
-    lines = (out / "trace-dp0.jsonl").read_text().splitlines()
+    [current] = current_files(out)
+    lines = current.read_text().splitlines()
     return json.loads(lines[0]), (read_trace(out).steps if len(lines) > 1 else [])

@@ -115,11 +115,13 @@ def metric(server_url: str, name: str) -> float:
 
 
 def trace_lines(folder: Path, rank: int = 0) -> tuple[dict, list]:
-    """A rank's header as written and its steps as validate reads them (record.trace.reader's
-    Steps, every file oldest first); no steps while the recorder has written none."""
-    from vllm.kvwarm.record.trace.reader import TraceError, read_trace
+    """A rank's header as written (its one launch's) and its steps as validate reads them
+    (record.trace.reader's Steps, every file oldest first); no steps while the recorder has
+    written none."""
+    from vllm.kvwarm.record.trace.reader import TraceError, read_trace, stream_files
 
-    header = json.loads((folder / f"trace-dp{rank}.jsonl").read_text().splitlines()[0])
+    [current] = [files[-1] for (of, _), files in stream_files(folder).items() if of == rank]
+    header = json.loads(current.read_text().splitlines()[0])
     try:
         steps = [s for s in read_trace(folder).steps if s.rank == rank]
     except TraceError as err:

@@ -6,6 +6,8 @@ never rename one; add new words here.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 # --- the artifact --------------------------------------------------------------------------
 SCHEMA_VERSION = 3
 ARTIFACT = "sweep.json"
@@ -144,11 +146,23 @@ STATE_MISSING = "state_missing"
 
 # --- the served-step trace (docs/validate-reference.md#the-trace): served.recorder writes it ---
 TRACE_TYPE = "kvwarm_trace"  # the header's `type`
-TRACE_SCHEMA_VERSION = 2  # 2: raw per-request numbers, composed when read (1: composed lines)
+TRACE_SCHEMA_VERSION = 3  # 3: a step's gap and untimed reason, the dropped records (2: raw numbers; 1: composed)
 TRACE_BASIS = "update_to_update"  # a step's `wall`: one update end to the next, as a decode row's
 TRACE_CLOCK = "perf_counter"
+# a step's `untimed`: why its `wall` is null (besides a rank's first step and an idle wait)
+TRACE_UNTIMED_SWEEP = "sweep_between_points"  # its window holds the sweep's own work between points
+TRACE_UNTIMED_UNKNOWN = "unknown_output"  # its output was not seen scheduled (docs/hooks.md, H1 and H2)
+TRACE_UNTIMED = (TRACE_UNTIMED_SWEEP, TRACE_UNTIMED_UNKNOWN)
+TRACE_DROPPED = "dropped"  # the key of a record of the steps dropped at the writer's bound
 
 
-def trace_file_name(rank: int, rotation: int = 0) -> str:
-    """A rank's trace file: the current one, or its k-th rotated predecessor (1 the newest)."""
-    return f"trace-dp{rank}.{rotation}.jsonl" if rotation else f"trace-dp{rank}.jsonl"
+def trace_launch(started: datetime, pid: int) -> str:
+    """What makes one launch's trace file names its own: its start (UTC, to the microsecond)
+    and its process id."""
+    return f"{started:%Y%m%dT%H%M%S%f}-p{pid}"
+
+
+def trace_file_name(rank: int, launch: str, rotation: int = 0) -> str:
+    """A launch's trace file of a rank: the current one, or its k-th rotated predecessor (1 the
+    newest)."""
+    return f"trace-dp{rank}-{launch}.{rotation}.jsonl" if rotation else f"trace-dp{rank}-{launch}.jsonl"

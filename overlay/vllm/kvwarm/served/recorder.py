@@ -14,16 +14,21 @@ configured, held none of its own requests in it (Sweep.may_run_own_requests); it
 counts traced steps. Its `wall` is the window the timer closed (one update end to the next:
 a decode row's basis), null where the window holds an idle wait: the engine had no request
 and no step in flight when the previous window closed, so it waited for work before this
-step (a rank's first step has no window either). Its `span` is its own schedule() entry to
-its update end (what Dynamo's FPM falls back to after an idle wait). Its `gc`: the
-collections Python's collector ran in the window, in any thread, and their time (a served
-engine collects as it goes; a sweep holds its collector still in timed steps).
+step (a rank's first step has no window either); null too, with the reason in `untimed`,
+where the window holds the sweep's work between points or the output was not seen scheduled
+(served.contracts). Its `gap`: the last update end before its schedule() to that schedule()'s
+entry. Its `span` is its own schedule() entry to its update end (what Dynamo's FPM falls back
+to after an idle wait). Its `gc`: the collections Python's collector ran in the window, in
+any thread, and their time (a served engine collects as it goes; a sweep holds its collector
+still in timed steps). All times are on one clock, the adapter's: `at` counts from its reading
+when the trace started.
 """
 
 from __future__ import annotations
 
 import atexit
 import gc
+import os
 import time
 from datetime import UTC, datetime
 
@@ -31,9 +36,10 @@ from vllm.logger import init_logger
 
 from ..record import vocabulary as v
 from ..sweep.provenance import loop_record, rank_layout, run_record
+from .contracts import Contracts
 from .settings import TraceSettings
 from .sink import line
-from .step_parts import graph, parts, waiting
+from .step_parts import NOTHING_WAITS, graph, parts, waiting
 from .writer import TraceWriter
 
 logger = init_logger(__name__)
@@ -65,19 +71,24 @@ def trace_header(scheduler, settings: TraceSettings, started: datetime) -> dict:
 
 class TraceRecorder:
     def __init__(self, scheduler, settings: TraceSettings, clock=time.perf_counter):
+        """`clock`: the adapter's, which its step timers read too."""
         from vllm.v1.request import RequestStatus
 
         self.clock = clock
         started = datetime.now(UTC)
-        self._t0 = clock()
+        self.origin = clock()  # the header's started_at on `clock`: a step's `at` counts from here
         header = trace_header(scheduler, settings, started)
         self.rank = header["rank"]
+        self.launch = v.trace_launch(started, os.getpid())
         self._preempted = RequestStatus.PREEMPTED
-        self.writer = TraceWriter(settings.out, self.rank, line(header), settings.max_file_bytes, settings.files)
+        self.writer = TraceWriter(settings, self.rank, self.launch, line(header))
         self.path = self.writer.path
+        self.contracts = Contracts(header["engine_loop"]["loop"] == v.LOOP_SYNC)
+        self.unknown = 0  # outputs taken in that were not seen scheduled (H1, H2)
         self._failed = False  # a hook failed (logged once); the trace goes on with the next step
         self._count = 0  # traced steps so far
         self._idle = True  # the last window closed with nothing to do (and the first has no start)
+        self._last_end: float | None = None  # the last update's end: where the next step's gap starts
         self._gc = [0, 0.0, 0.0]  # collections and their seconds since the last update; the open one's start
         gc.callbacks.append(self._collected)
         atexit.register(self.close)
@@ -92,37 +103,59 @@ class TraceRecorder:
 
     # --- in the step (the engine's thread): plain data, handed to the writer process ----------
 
-    def scheduled(self, output, held: bool, queued: tuple) -> tuple | None:
-        """schedule() made `output`; `held`: the sweep's own requests may be in it; `queued`:
-        the requests its queues held after it. The step's note, for `updated` (None where it
-        could not be read)."""
+    def scheduled(self, scheduler, output, held: bool, queued: tuple, enter: float) -> tuple:
+        """`scheduler`'s schedule(), entered at `enter`, made `output`; `held`: the sweep's own
+        requests may be in it; `queued`: the requests its queues held after it. The step's
+        note, for `updated`: (held, what waits, its gap)."""
+        gap = None if self._last_end is None else enter - self._last_end
         try:
-            return held, waiting(queued, self._preempted)
+            if not held:
+                self.contracts.scheduled(scheduler, output)
+            return held, waiting(queued, self._preempted), gap
         except Exception:  # noqa: BLE001  (a failure here must never reach the engine)
             self._hook_failed()
-            return None
+            return held, NOTHING_WAITS, gap
 
     def updated(
-        self, output, note, runner_output, engine_outputs, timer, window, end: float, has_requests: bool, in_flight: int
+        self,
+        output,
+        note,
+        runner_output,
+        engine_outputs,
+        timer,
+        window,
+        end: float,
+        has_requests: bool,
+        in_flight: int,
+        sweep_work: bool,
     ) -> None:
-        """update_from_output took `output` in, ended at `end` (the timer's clock) and returned
-        `engine_outputs`; `note`: what `scheduled` gave for it (None: not seen scheduled, which
-        counts as held); `window`: what `timer` closed; `has_requests`: the scheduler's, after;
-        `in_flight`: the steps still scheduled and not taken in."""
+        """update_from_output took `output` in, ended at `end` (the adapter's clock) and
+        returned `engine_outputs`; `note`: what `scheduled` gave for it (None: the adapter did
+        not see it scheduled, H1 or H2 broken: traced with a null wall); `window`: what `timer`
+        closed; `has_requests`: the scheduler's, after; `in_flight`: the steps still scheduled
+        and not taken in; `sweep_work`: the window holds the sweep's work between points."""
         try:
-            held, waits = note if note is not None else (True, ((), ()))
+            self._last_end = end
+            untimed = v.TRACE_UNTIMED_SWEEP if sweep_work else None
+            if note is None:  # said by the contracts' check (H1, H2)
+                self.unknown += 1
+                note, untimed = (False, NOTHING_WAITS, None), v.TRACE_UNTIMED_UNKNOWN
+            held, waits, gap = note
             waited, self._idle = self._idle, not has_requests and not in_flight
             collected, self._gc = self._gc, [0, 0.0, self._gc[2]]
+            at = end - self.origin
             if held or not output.total_num_scheduled_tokens:  # read for the prompt lengths alone
-                step = (None, None, None, None, None, parts(output), waits, 0, None, None)
+                step = (None, None, None, None, None, None, None, parts(output), waits, 0, None, None)
             else:
                 number, self._count = self._count, self._count + 1
                 span = timer.last_span
                 stats = getattr(runner_output, "cudagraph_stats", None)
                 step = (
                     number,
-                    end - self._t0,
-                    None if waited or window is None else window.wall,
+                    at,
+                    None if waited or window is None or untimed else window.wall,
+                    untimed,
+                    gap,
                     span.wall if span is not None else None,
                     window.phases if window is not None else {},
                     parts(output),
@@ -131,7 +164,7 @@ class TraceRecorder:
                     collected[:2],
                     graph(stats),
                 )
-            self.writer.submit(step, end, self._idle)
+            self.writer.submit(step, at, self._idle)
         except Exception:  # noqa: BLE001  (a failure here must never reach the engine)
             self._hook_failed()
 

@@ -9,9 +9,10 @@ for the GIL with the engine's thread; here the rendering, the JSON and the write
 another core (docs/validate-reference.md#what-the-trace-costs).
 
 The stream: each frame is a 4-byte little-endian length and a marshal dump. The first is the
-setup (the folder, the rank, the header's line, the size cap, the files' names by rotation);
-each next one is a step (served.recorder: `number` None for a step that is not traced, whose
-frame is read only for the prompt lengths it brings). The process ends at the end of its
+setup (the folder, the header's line, the size cap, the files' names by rotation); each next
+one is a step (served.recorder's tuple: `number` None for a step that is not traced, whose
+frame is read only for the prompt lengths it brings) or a record written as it is (a dict:
+served.writer's record of the steps it dropped at its bound). The process ends at the end of its
 input (the engine closed the trace, or the engine's process is gone), or when the engine's
 process is gone while something else holds the pipe open (a process forked from it): it
 then writes every whole frame it has, flushes, closes the file and prints one JSON line, its
@@ -27,7 +28,6 @@ from __future__ import annotations
 import json
 import marshal
 import os
-import re
 import select
 import sys
 import traceback
@@ -41,17 +41,15 @@ def line(record: dict) -> str:
     return _ENCODE(record) + "\n"
 
 
-def prepare(folder: Path, rank: int, header: str, current: str) -> None:
-    """In the engine's process, at the trace's start: the folder made, a rank's files of an
-    earlier run removed, the current file begun with the header. Raises OSError naming the
-    folder and the fix."""
+def prepare(folder: Path, header: str, current: str) -> None:
+    """In the engine's process, at the trace's start: the folder made, the current file begun
+    with the header. Nothing else in the folder is touched: the names are this launch's own
+    (record.vocabulary.trace_file_name), so another engine's files, or an earlier run's, stay
+    as they are. Raises OSError naming the folder and the fix."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        pattern = re.compile(rf"^trace-dp{rank}(\.\d+)?\.jsonl$")
-        for old in folder.iterdir():
-            if pattern.match(old.name):
-                old.unlink()
-        (folder / current).write_text(header, encoding="ascii")
+        with (folder / current).open("x", encoding="ascii") as file:  # "x": never another launch's file
+            file.write(header)
     except OSError as err:
         raise OSError(
             f"the trace folder {folder} cannot be written ({err}); give kvwarm_trace an 'out' folder this "
@@ -60,8 +58,8 @@ def prepare(folder: Path, rank: int, header: str, current: str) -> None:
 
 
 class TraceFiles:
-    """One rank's trace files: the current one open (begun by `prepare`), the rotated ones
-    behind it. `names`: the file names by rotation, names[0] the current one."""
+    """One launch's trace files of a rank: the current one open (begun by `prepare`), the
+    rotated ones behind it. `names`: the file names by rotation, names[0] the current one."""
 
     def __init__(self, folder: Path, header: str, max_file_bytes: int, names: list[str]):
         self.folder, self._header, self._max, self._names = folder, header, max_file_bytes, names
@@ -163,13 +161,18 @@ def queued(prompts: list[int], resuming: list[int]) -> list[int]:
     ]
 
 
-def render(raw_steps: RawSteps, step: tuple) -> str | None:
-    """A step's frame as its line (None: a step that is not traced)."""
-    number, at, wall, span, phases, parts, waiting, sent, collected, graph = step
+def render(raw_steps: RawSteps, step: tuple | dict) -> str | None:
+    """A step's frame as its line (None: a step that is not traced); a record as it is."""
+    if isinstance(step, dict):
+        return line(step)
+    number, at, wall, untimed, gap, span, phases, parts, waiting, sent, collected, graph = step
     raw = raw_steps.observe(parts)
     if number is None:
         return None
-    record = {"step": number, "at": at, "wall": wall, "span": span, "phases": phases, **raw}
+    record = {"step": number, "at": at, "wall": wall}
+    if untimed is not None:
+        record["untimed"] = untimed
+    record.update(gap=gap, span=span, phases=phases, **raw)
     record["queued"] = queued(*waiting)
     record["outputs"] = sent
     record["gc"] = list(collected)

@@ -15,7 +15,7 @@ from operator import attrgetter
 
 _PROMPT = attrgetter("num_prompt_tokens")
 _STATUS = attrgetter("status")
-_NOTHING_WAITS = ((), ())
+NOTHING_WAITS = ((), ())  # nothing waits: no prompt to prefill, no preempted request
 
 
 def _prompt_len(new) -> int:
@@ -49,7 +49,7 @@ def waiting(requests: tuple, preempted_status) -> tuple:
     to prefill, the tokens computed of preempted requests to resume). The common case (no
     preempted request) reads the queue in two passes in C."""
     if not requests:
-        return _NOTHING_WAITS
+        return NOTHING_WAITS
     if preempted_status not in map(_STATUS, requests):
         return list(map(_PROMPT, requests)), ()
     return (

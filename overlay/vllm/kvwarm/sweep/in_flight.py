@@ -36,6 +36,11 @@ class InFlight:
             del self._by_output[next(iter(self._by_output))]
         self._by_output[id(scheduled.output)] = scheduled
 
+    def oldest(self):
+        """The output scheduled first of those in flight (None: none)."""
+        first = next(iter(self._by_output.values()), None)
+        return first.output if first is not None else None
+
     def take(self, output) -> Scheduled | None:
         """The record of `output`, no longer in flight (None where it was never added, or dropped)."""
         return self._by_output.pop(id(output), None)

@@ -94,6 +94,8 @@ def _run_fpm(folder: str, out: str | None) -> int:
         return 2
     for torn in trace.torn:
         print(f"kvwarm export: torn last line, skipped: {torn}", file=sys.stderr)
+    for note in trace.notes:
+        print(f"kvwarm export: trace: {note}", file=sys.stderr)
     note = f" ({left_out} step(s) without a wall or a span left out)" if left_out else ""
     print(f"wrote {path}: {len(trace.steps) - left_out} forward-pass metrics of {len(trace.headers)} rank(s){note}")
     return 0

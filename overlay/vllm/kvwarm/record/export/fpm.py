@@ -13,12 +13,14 @@ One FPM per traced step of every rank, in the order of their update ends:
                        lengths' variance, as Dynamo's field means)
   queued_requests      the queue the step's schedule() left: prefill (its prompt tokens) and
                        preempted requests to resume
-  counter_id           the rank's step number + 1 (Dynamo stamps from 1; a gap is a step the
-                       trace's writer dropped); worker_id "" (no Dynamo runtime), dp_rank the rank
-  received_at_ns       the header's started_at plus the step's `at`
+  counter_id           the step's number + 1 in its stream (Dynamo stamps from 1; a skip is a step
+                       the trace's writer dropped, recorded in the trace); dp_rank the rank;
+                       worker_id "" (no Dynamo runtime), or, where a folder holds several launches
+                       of one rank (several DP=1 servers sharing it), the step's launch
+  received_at_ns       its launch's started_at plus the step's `at`
 
-The trace is read by record.trace.reader, as validate reads it: a torn last line of a file is
-skipped and reported. Plain data: nothing here imports vLLM.
+The trace is read by record.trace.reader, as validate reads it: every launch of every rank, a
+torn last line of a file skipped and reported. Plain data: nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -28,22 +30,21 @@ from datetime import datetime
 from pathlib import Path
 
 from ..files import write_atomically
-from ..trace.reader import FILE_NAME, Step, Trace, read_trace
+from ..trace.reader import Step, Trace, is_trace, read_trace
 
 FPM_VERSION = 1
 FPM_FILE = "fpm.jsonl"
 
 
-def is_trace(folder: Path) -> bool:
-    return folder.is_dir() and any(FILE_NAME.match(p.name) for p in folder.iterdir())
+__all__ = ["FPM_FILE", "fpm", "fpm_lines", "is_trace", "write_fpm"]
 
 
-def fpm(step: Step) -> dict:
+def fpm(step: Step, worker_id: str = "") -> dict:
     """One step as ForwardPassMetrics (Dynamo's field names and JSON types)."""
     queued = step.queued
     return {
         "version": FPM_VERSION,
-        "worker_id": "",
+        "worker_id": worker_id,
         "dp_rank": step.rank,
         "counter_id": step.number + 1,
         "wall_time": float(step.wall if step.wall is not None else step.span or 0.0),
@@ -76,13 +77,16 @@ def fpm_lines(trace: Trace) -> tuple[list[str], int]:
     """The capture's lines, in the order of the steps' update ends; and the steps left out
     (neither a wall nor a span)."""
     records, left_out = [], 0
-    started = {rank: _epoch_ns(header["started_at"]) for rank, header in trace.headers.items()}
+    started = {s.index: _epoch_ns(s.header["started_at"]) for s in trace.streams if s.header}
+    launches = [s.rank for s in trace.streams if s.header]
+    worker = {s.index: s.launch if launches.count(s.rank) > 1 else "" for s in trace.streams}
     for step in trace.steps:
         if step.wall is None and step.span is None:
             left_out += 1
             continue
-        at_ns = started[step.rank] + round(step.at * 1e9)
-        records.append((at_ns, step.rank, step.number, {"received_at_ns": at_ns, "metrics": fpm(step)}))
+        at_ns = started[step.stream] + round(step.at * 1e9)
+        metrics = fpm(step, worker[step.stream])
+        records.append((at_ns, step.rank, step.number, {"received_at_ns": at_ns, "metrics": metrics}))
     records.sort(key=lambda r: r[:3])
     return [json.dumps(r[3], separators=(",", ":")) + "\n" for r in records], left_out
 

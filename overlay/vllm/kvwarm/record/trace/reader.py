@@ -1,6 +1,14 @@
-"""A served-step trace read back (the recorder's format, versions 1 and 2: docs/validate-reference.md):
-every rank's file and its rotated predecessors, oldest first, each header checked, every
-step line turned into a `Step` (record.trace.steps composes version 2's raw numbers).
+"""A served-step trace read back (the recorder's format, versions 1 to 3: docs/validate-reference.md):
+every launch's files of every rank, each launch's current file and its rotated predecessors
+oldest first, each header checked, every step line turned into a `Step` (record.trace.steps
+composes the raw numbers of versions 2 and 3), every record of steps dropped at the writer's
+bound kept (`Dropped`).
+
+A launch's files are one stream: trace-dp<R>-<LAUNCH>.jsonl (record.vocabulary.trace_file_name;
+files written before launches had names, trace-dp<R>.jsonl, are one stream per rank). Several
+engines of one data-parallel rank writing to one folder (several DP=1 servers sharing it, or
+one server started again) are several streams of that rank, each with its own header and its
+own step numbers; `Step.stream` tells them apart and `Trace.notes` says so.
 
 A torn last line (the process died mid-write) is reported, not fatal; any other line that is
 not a step is an error naming the file and the line. A trace without a single step is
@@ -19,23 +27,50 @@ from pathlib import Path
 
 from .steps import DECODE, KINDS, MIXED, PARSERS, PREFILL, Step, TraceError, parse_step
 
-__all__ = ["DECODE", "KINDS", "MIXED", "PREFILL", "Step", "Trace", "TraceError", "read_trace"]
+__all__ = ["DECODE", "KINDS", "MIXED", "PREFILL", "Dropped", "Step", "Stream", "Trace", "TraceError", "read_trace"]
 
 TRACE_TYPE = "kvwarm_trace"
 READS = tuple(PARSERS)  # the trace schema versions this reader knows
 TIMING_BASIS = "update_to_update"  # the only timing basis a trace may have: the sweep's decode window
-# trace-dp<R>.jsonl (the current file) and trace-dp<R>.<k>.jsonl (rotated, k = 1 the newest)
-FILE_NAME = re.compile(r"^trace-dp(\d+)(?:\.(\d+))?\.jsonl$")
+DROPPED = "dropped"  # a record of steps dropped at the writer's bound (record.vocabulary.TRACE_DROPPED)
+# trace-dp<R>-<LAUNCH>.jsonl (the current file) and trace-dp<R>-<LAUNCH>.<k>.jsonl (rotated, k = 1
+# the newest); without -<LAUNCH>, the names of traces written before launches were named
+FILE_NAME = re.compile(r"^trace-dp(?P<rank>\d+)(?:-(?P<launch>\d{8}T\d{12}-p\d+))?(?:\.(?P<rotation>\d+))?\.jsonl$")
+
+
+@dataclass
+class Stream:
+    """One launch's steps of one rank: its header and files (oldest first)."""
+
+    index: int  # Step.stream of its steps
+    rank: int
+    launch: str  # "" for files named by rank alone
+    files: list[Path]
+    header: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """Steps the writer dropped at its bound (their numbers skip by `steps`)."""
+
+    stream: int
+    steps: int  # traced steps
+    untraced: int  # steps the trace leaves out (a sweep's, those that scheduled nothing), dropped too
+    start: float  # the first dropped step's `at`
+    end: float  # the last's
+    where: str  # file: line
 
 
 @dataclass
 class Trace:
     root: Path
-    header: dict  # the lowest rank's header: what the trace is compared on
-    headers: dict[int, dict]  # per rank
+    header: dict  # the lowest rank's first stream's header: what the trace is compared on
+    headers: dict[int, dict]  # per rank, its first stream's
     steps: list[Step] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     torn: list[str] = field(default_factory=list)  # "file: line n", one per torn last line
+    streams: list[Stream] = field(default_factory=list)
+    dropped: list[Dropped] = field(default_factory=list)
 
     @property
     def ranks(self) -> list[int]:
@@ -45,16 +80,39 @@ class Trace:
     def dp_size(self) -> int:
         return int(self.header.get("dp_size") or 1)
 
+    @property
+    def notes(self) -> list[str]:
+        """What a reader of this trace should know beyond its steps: several launches of a
+        rank, steps dropped at the writer's bound."""
+        notes = []
+        for rank in self.ranks:
+            streams = [s for s in self.streams if s.rank == rank and s.header]
+            if len(streams) > 1:
+                launches = ", ".join(s.launch or "unnamed" for s in streams)
+                notes.append(f"rank {rank}: {len(streams)} launches in this folder ({launches}), each its own stream")
+        for gap in self.dropped:
+            notes.append(
+                f"{gap.where}: {gap.steps} step(s) dropped (and {gap.untraced} the trace leaves out) from "
+                f"{gap.start:.3f} s to {gap.end:.3f} s: the trace's writer process fell behind"
+            )
+        return notes
 
-def rank_files(root: Path) -> dict[int, list[Path]]:
-    """Every rank's files, oldest first: the highest rotation number first, the current last."""
-    found: dict[int, list[tuple[int, Path]]] = {}
+
+def stream_files(root: Path) -> dict[tuple[int, str], list[Path]]:
+    """Every launch's files of every rank, by (rank, launch), oldest first: the highest
+    rotation number first, the current file last."""
+    found: dict[tuple[int, str], list[tuple[int, Path]]] = {}
     for path in root.iterdir():
         match = FILE_NAME.match(path.name)
         if match and path.is_file():
-            rotation = int(match.group(2)) if match.group(2) else 0
-            found.setdefault(int(match.group(1)), []).append((rotation, path))
-    return {rank: [p for _, p in sorted(files, reverse=True)] for rank, files in found.items()}
+            rotation = int(match["rotation"]) if match["rotation"] else 0
+            found.setdefault((int(match["rank"]), match["launch"] or ""), []).append((rotation, path))
+    return {key: [p for _, p in sorted(files, reverse=True)] for key, files in sorted(found.items())}
+
+
+def is_trace(folder: Path) -> bool:
+    """Whether `folder` holds a served-step trace's files."""
+    return folder.is_dir() and bool(stream_files(folder))
 
 
 def _header(path: Path, line: str, rank: int) -> dict:
@@ -74,13 +132,13 @@ def _header(path: Path, line: str, rank: int) -> dict:
             f"{where}: trace schema_version {version!r}; this reader reads {', '.join(map(str, READS))}: "
             "validate it with the kvwarm build that wrote it, or a newer one"
         )
-    if not _iso_time(header.get("started_at")):  # the FPM export's clock and the rotation check read it
-        raise TraceError(
-            f"{where}: started_at {header.get('started_at')!r} is not an ISO 8601 time; the header was edited "
-            "or not written by the trace recorder: restore the started_at it wrote (e.g. 2026-12-01T10:00:00Z)"
-        )
     if header.get("rank") != rank:
         raise TraceError(f"{where}: header says rank {header.get('rank')!r}, the file's name rank {rank}; rename it")
+    if not _moment(header.get("started_at")):
+        raise TraceError(
+            f"{where}: started_at {header.get('started_at')!r} is not a UTC time like 2025-01-31T12:00:00.000000Z; "
+            "a step's `at` counts from it: restore the header the recorder wrote"
+        )
     timing = header.get("timing") or {}
     if timing.get("basis") != TIMING_BASIS:
         raise TraceError(
@@ -90,9 +148,9 @@ def _header(path: Path, line: str, rank: int) -> dict:
     return header
 
 
-def _iso_time(value) -> bool:
+def _moment(value) -> bool:
     try:
-        datetime.fromisoformat(value)
+        datetime.fromisoformat(value)  # Python 3.11 reads the Z
     except (TypeError, ValueError):
         return False
     return True
@@ -106,8 +164,21 @@ def _parses(line: str) -> bool:
     return True
 
 
-def _read_file(path: Path, rank: int, trace: Trace) -> dict | None:
-    """The file's header (None for an empty file); its steps appended to the trace."""
+def _dropped(record: dict, stream: int, where: str) -> Dropped:
+    steps, untraced, start, end = (record.get(k) for k in (DROPPED, "untraced", "from", "to"))
+    counts = all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (steps, untraced))
+    seconds = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (start, end))
+    if not counts or not seconds:
+        raise TraceError(
+            f"{where}: not a record of dropped steps ({DROPPED} and untraced counts, from and to seconds); the file "
+            "was not written by the trace recorder, or was edited"
+        )
+    return Dropped(stream, steps, untraced, float(start), float(end), where)
+
+
+def _read_file(path: Path, stream: Stream, trace: Trace) -> dict | None:
+    """The file's header (None for an empty file); its steps and dropped records appended to
+    the trace."""
     try:
         lines = path.read_text().split("\n")
     except (OSError, UnicodeDecodeError) as err:
@@ -119,7 +190,8 @@ def _read_file(path: Path, rank: int, trace: Trace) -> dict | None:
     if len(lines) == 1 and not _parses(lines[0]):  # died writing the header
         trace.torn.append(f"{path}: line 1")
         return None
-    header = _header(path, lines[0], rank)
+    header = _header(path, lines[0], stream.rank)
+    version = header["schema_version"]
     for number, line in enumerate(lines[1:], start=2):
         last = number == len(lines)
         try:
@@ -132,7 +204,11 @@ def _read_file(path: Path, rank: int, trace: Trace) -> dict | None:
                 f"{path}: line {number} is not JSON, and is not the file's last line (a torn write can only "
                 "be the last); the file was edited or damaged"
             ) from None
-        trace.steps.append(parse_step(record, rank, f"{path}: line {number}", header["schema_version"]))
+        where = f"{path}: line {number}"
+        if isinstance(record, dict) and DROPPED in record and "step" not in record:
+            trace.dropped.append(_dropped(record, stream.index, where))
+            continue
+        trace.steps.append(parse_step(record, stream.rank, where, version, stream.index))
     return header
 
 
@@ -143,31 +219,37 @@ def read_trace(arg: str | Path) -> Trace:
         root = root.parent
     if not root.is_dir():
         raise TraceError(f"{root}: not a folder; pass the folder the trace setting wrote (kvwarm_trace.out)")
-    files = rank_files(root)
-    if not files:
+    found = stream_files(root)
+    if not found:
         raise TraceError(
-            f"{root}: no trace-dp<R>.jsonl here; pass the folder the trace setting wrote (kvwarm_trace.out)"
+            f"{root}: no trace-dp<R>.jsonl here (nor trace-dp<R>-<launch>.jsonl); pass the folder the trace setting "
+            "wrote (kvwarm_trace.out)"
         )
     trace = Trace(root, {}, {})
-    for rank in sorted(files):
-        for path in files[rank]:
-            header = _read_file(path, rank, trace)
+    for (rank, launch), paths in found.items():
+        stream = Stream(len(trace.streams), rank, launch, paths)
+        trace.streams.append(stream)
+        for path in paths:
+            header = _read_file(path, stream, trace)
             trace.files.append(path)
             if header is None:
                 continue
-            first = trace.headers.setdefault(rank, header)
+            first = stream.header = stream.header or header
             if header.get("started_at") != first.get("started_at"):
                 raise TraceError(
-                    f"{path}: from a run started at {header.get('started_at')}, the rank's other files at "
-                    f"{first.get('started_at')}; keep one run's files in a trace folder"
+                    f"{path}: from a run started at {header.get('started_at')}, the launch's other files at "
+                    f"{first.get('started_at')}; keep one run's files in a trace folder, under their launch's name"
                 )
+        if stream.header:
+            trace.headers.setdefault(rank, stream.header)
     if not trace.headers:
         raise TraceError(f"{root}: the trace files are empty (not even a header); the recorder never wrote")
     trace.header = trace.headers[min(trace.headers)]
-    for rank, header in trace.headers.items():
-        if header.get("dp_size") != trace.header.get("dp_size") or not rank < int(header.get("dp_size") or 1):
+    for stream in trace.streams:
+        header = stream.header
+        if header and (header.get("dp_size") != trace.header.get("dp_size") or not stream.rank < _dp(header)):
             raise TraceError(
-                f"{root}: rank {rank}'s header says dp_size {header.get('dp_size')!r}, rank "
+                f"{stream.files[-1]}: rank {stream.rank}'s header says dp_size {header.get('dp_size')!r}, rank "
                 f"{min(trace.headers)}'s {trace.header.get('dp_size')!r}; keep one deployment's files in a trace folder"
             )
     if not trace.steps:
@@ -177,3 +259,7 @@ def read_trace(arg: str | Path) -> Trace:
             "then validate"
         )
     return trace
+
+
+def _dp(header: dict) -> int:
+    return int(header.get("dp_size") or 1)

@@ -1,11 +1,14 @@
 """A trace's step line as a `Step`: composed here from the raw numbers the recorder writes
-(format version 2), or read as composed by the recorder of version 1.
+(format versions 2 and 3), or read as composed by the recorder of version 1.
 
-Version 2's raw fields (docs/validate-reference.md#the-trace): `new` ([prompt length, tokens computed
-before, tokens scheduled] per new request), `cached` (`computed`, `scheduled`, `prompt`:
-one entry per request scheduled again), `spec` and `spec_tokens` (speculative tokens per
-cached request, where any), `resumed` (positions in `cached` of preempted requests
-resuming), `preempted`, `queued` ([requests, prompt tokens, their squares, resuming
+Version 3 is version 2 with, per step, `gap` (the last update end before its schedule() to
+that schedule()'s entry; null for a rank's first step) and, where its `wall` is null for a
+named reason, `untimed` (record.vocabulary.TRACE_UNTIMED); its records of dropped steps are
+the reader's (record.trace.reader). Version 2's raw fields (docs/validate-reference.md#the-trace):
+`new` ([prompt length, tokens computed before, tokens scheduled] per new request), `cached`
+(`computed`, `scheduled`, `prompt`: one entry per request scheduled again), `spec` and
+`spec_tokens` (speculative tokens per cached request, where any), `resumed` (positions in
+`cached` of preempted requests resuming), `preempted`, `queued` ([requests, prompt tokens, their squares, resuming
 requests, their KV, its squares]), `gc` ([collections, seconds]), `graph` ([mode, padded
 tokens], where the runner reports it).
 
@@ -35,8 +38,8 @@ class Step:
     """One traced engine step, in the trace's own units (tokens, seconds)."""
 
     rank: int
-    number: int  # this rank's step counter
-    wall: float | None  # the window since the previous update end (None: the rank's first step)
+    number: int  # its stream's step counter (record.trace.reader: a stream is one launch of a rank)
+    wall: float | None  # the window since the last update end (None: a rank's first, after idle, `untimed`)
     phases: dict[str, float]
     decode_requests: int
     decode_kv_tokens: int  # the decode requests' contexts, summed
@@ -55,9 +58,9 @@ class Step:
     preempted: int = 0
     outputs: int = 0
     queued: dict = field(default_factory=lambda: dict(NO_QUEUE))
-    gap: float | None = None  # the previous update's end to this step's schedule() entry (None: unrecorded)
-    untimed: str | None = None  # why the step has no wall where the recorder named it (e.g. sweep_between_points)
-    stream: int = 0  # which launch of its rank wrote it (part A's streams: numbers count per stream)
+    gap: float | None = None  # the last update end before its schedule() to that schedule()'s entry
+    untimed: str | None = None  # why `wall` is null, where named (record.vocabulary.TRACE_UNTIMED)
+    stream: int = 0  # the launch of its rank it belongs to (record.trace.reader.Stream.index)
 
     @property
     def kind(self) -> str:
@@ -116,6 +119,8 @@ def _timing(record: dict) -> list[tuple[str, bool]]:
         ("step", _count(record.get("step"))),
         ("wall", record.get("wall") is None or _seconds(record.get("wall"))),
         ("span", record.get("span") is None or _seconds(record.get("span"))),
+        ("gap", record.get("gap") is None or _seconds(record.get("gap"))),
+        ("untimed", record.get("untimed") is None or isinstance(record.get("untimed"), str)),
         (
             "phases",
             phases is None or (isinstance(phases, dict) and all(_seconds(t) for t in phases.values() if t is not None)),
@@ -123,22 +128,23 @@ def _timing(record: dict) -> list[tuple[str, bool]]:
     ]
 
 
-def _common(record: dict, rank: int) -> dict:
+def _common(record: dict, rank: int, stream: int) -> dict:
     return {
         "rank": rank,
+        "stream": stream,
+        "gap": record.get("gap"),
+        "untimed": record.get("untimed"),
         "number": record["step"],
         "wall": record["wall"],
         "span": record.get("span"),
         "at": float(record.get("at") or 0.0),
         "phases": {p: t for p, t in (record.get("phases") or {}).items() if t is not None},
         "outputs": record.get("outputs") if _count(record.get("outputs")) else 0,
-        "gap": record.get("gap") if _seconds(record.get("gap")) else None,
-        "untimed": record.get("untimed") if isinstance(record.get("untimed"), str) else None,
     }
 
 
-def step_v2(record: dict, rank: int, where: str) -> Step:
-    """A version 2 line: raw numbers, composed here."""
+def step_v2(record: dict, rank: int, where: str, stream: int = 0) -> Step:
+    """A version 2 or 3 line: raw numbers, composed here."""
     cached, new = record.get("cached"), record.get("new")
     cached = cached if isinstance(cached, dict) else {}
     columns = [cached.get(k) for k in ("computed", "scheduled", "prompt")]
@@ -178,7 +184,7 @@ def step_v2(record: dict, rank: int, where: str) -> Step:
     q = queue or [0] * 6
     graph = record.get("graph") if isinstance(record.get("graph"), list) and len(record["graph"]) == 2 else [None, None]
     return Step(
-        **_common(record, rank),
+        **_common(record, rank, stream),
         decode_requests=n_decode,
         decode_kv_tokens=kv,
         decode_kv_var=kv_var,
@@ -203,7 +209,7 @@ def step_v2(record: dict, rank: int, where: str) -> Step:
     )
 
 
-def step_v1(record: dict, rank: int, where: str) -> Step:
+def step_v1(record: dict, rank: int, where: str, stream: int = 0) -> Step:
     """A version 1 line: composed by the recorder."""
     decode, prefill = record.get("decode"), record.get("prefill")
     _refuse(
@@ -226,7 +232,7 @@ def step_v1(record: dict, rank: int, where: str) -> Step:
     padded = graph.get("padded_tokens")
     queue = record.get("queued") if isinstance(record.get("queued"), dict) else {}
     return Step(
-        **_common(record, rank),
+        **_common(record, rank, stream),
         decode_requests=decode["requests"],
         decode_kv_tokens=decode["kv_tokens"],
         decode_kv_var=float(decode.get("kv_var") or 0.0),
@@ -244,11 +250,11 @@ def step_v1(record: dict, rank: int, where: str) -> Step:
     )
 
 
-PARSERS = {1: step_v1, 2: step_v2}  # the trace schema versions this reader knows
+PARSERS = {1: step_v1, 2: step_v2, 3: step_v2}  # the trace schema versions this reader knows
 
 
-def parse_step(record, rank: int, where: str, version: int = 2) -> Step:
+def parse_step(record, rank: int, where: str, version: int = 3, stream: int = 0) -> Step:
     """One step line's record as a Step; TraceError naming `where` and the field when it is not one."""
     if not isinstance(record, dict):
         raise TraceError(f"{where}: not a step record (a JSON {type(record).__name__})")
-    return PARSERS[version](record, rank, where)
+    return PARSERS[version](record, rank, where, stream)

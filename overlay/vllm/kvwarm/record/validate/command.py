@@ -51,6 +51,8 @@ def run(argv: list[str]) -> int:
         print(json.dumps(result.summary(), sort_keys=True))
         for torn in result.torn:
             print(f"kvwarm validate: torn last line, skipped: {torn}", file=sys.stderr)
+        for note in result.trace_notes:
+            print(f"kvwarm validate: trace: {note}", file=sys.stderr)
     else:
         print(text(result))
         print(f"\nwrote {', '.join(p.name for p in written)} in {Path(args.out).resolve()}")

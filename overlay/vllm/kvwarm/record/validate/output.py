@@ -169,6 +169,8 @@ def text(result: Validation) -> str:
         lines.append(f"left out: {count} {reason} step(s){within}")
     for torn in result.torn:
         lines.append(f"torn last line, skipped: {torn}")
+    for note in result.trace_notes:
+        lines.append(f"trace: {note}")
     for d in result.match.noted:
         lines.append(f"differs, said and not refused: {d}")
     if result.loop_mismatch_allowed and result.match.loop_differs:

@@ -120,6 +120,7 @@ class Validation:
     scored: list[Scored] = field(default_factory=list)
     excluded: dict[str, int] = field(default_factory=dict)
     torn: list[str] = field(default_factory=list)
+    trace_notes: list[str] = field(default_factory=list)  # the reader's: several launches of a rank, dropped steps
     how: dict[str, str | None] = field(default_factory=dict)  # per kind: measured, composed, None
     # mixed steps predicted by composition too, where mixed rows predicted them: the comparison
     composed: list[Scored] = field(default_factory=list)
@@ -203,6 +204,7 @@ class Validation:
             "pauses": {"rules": {str(rank): rule for rank, rule in self.pause_rules.items()}},
             "table_graphs": self.table_graphs,
             "torn_lines": self.torn,
+            "trace_notes": self.trace_notes,
         }
 
 
@@ -262,7 +264,14 @@ def validate(
     except ReportError as err:
         raise ValidateError(str(err)) from None
     result = Validation(
-        str(table.root), str(trace.root), basis, m, allow_loop_mismatch, skip_seconds, torn=list(trace.torn)
+        str(table.root),
+        str(trace.root),
+        basis,
+        m,
+        allow_loop_mismatch,
+        skip_seconds,
+        torn=list(trace.torn),
+        trace_notes=trace.notes,
     )
     kinds = [p.kinds() for p in by_rank]
     for kind in KINDS:
