@@ -234,6 +234,9 @@ def test_the_figures_per_kind_and_band_match_those_worked_out_by_hand(tmp_path):
     assert decode["steps"] == 6 and decode["covered"] == 5
     assert decode["mape"] == pytest.approx(sum(map(abs, errors)) / 6)
     assert decode["bias"] == pytest.approx(sum(errors) / 6)
+    # the median signed error: the 3rd and 4th of the six sorted (-8, 0, 0.18, 10, 13.3, 260): the deep step's
+    # +260 % moves the bias (+46 %), not the median
+    assert decode["median_error"] == pytest.approx((100 * 0.04 / 22 + 100 * 2 / 20) / 2)
     # the repeat noise: steps 3-5 (20, 22, 24 ms around their median 22): 2/22, 0, 2/22
     assert decode["noise"] == pytest.approx(100 * 4 / 66) and decode["noise_steps"] == 3
     assert set(decode["bands"]) == {"0-1k", "4k-16k"} and decode["bands"]["4k-16k"]["coverage"] == 0

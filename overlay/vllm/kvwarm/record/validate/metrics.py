@@ -5,6 +5,9 @@ coverage, MAPE, P95 of the absolute error, signed bias, and the trace's own repe
   MAPE      the mean absolute error over the steps predicted
   P95       the 95th percentile of the absolute errors (linear between order statistics)
   bias      the mean signed error
+  median_error  the median signed error: beside the bias where a few steps far off move the
+            mean (under the batch queue a host stall longer than a forward leaves a window
+            with no forward in it, which a table row over-predicts many times)
   coverage  the share of the steps whose prediction needed no extrapolation
   noise     the trace's repeat noise: steps of the same shape (SHAPE_BIN) grouped, each
             step's |served - its group's median| / that median, averaged over the steps of
@@ -273,6 +276,7 @@ def figures(scored: list[Scored]) -> dict:
         "mape": _mean([abs(e) for e in errors]),
         "p95": p95([abs(e) for e in errors]) if errors else None,
         "bias": _mean(errors),
+        "median_error": statistics.median(errors) if errors else None,
         "noise": _mean([s.noise for s in scored if s.noise is not None]),
         "noise_steps": sum(s.noise is not None for s in scored),
     }
