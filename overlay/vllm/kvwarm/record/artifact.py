@@ -1,6 +1,10 @@
-"""One rank's measurement record: sweep.json (checked against record.schema) and sweep.csv
-(the plot, sweep.png, is record.plot's). Written after every point, each file through an
-atomic replace, so a failure mid-sweep never loses the rows already measured.
+"""One rank's measurement record: sweep.json and sweep.csv (the plot, sweep.png, is
+record.plot's), each file written through an atomic replace. While the sweep runs they are
+rewritten at a pace (sweep.writer), compact and unchecked; the final write is checked against
+record.schema. What a kill cannot take is in rows.jsonl (record.row_log): every row is
+appended there as it ends, so a sweep that fails keeps every row in its final sweep.json, and
+one killed outright loses at most the point it was measuring (its sweep.json lags behind its
+rows.jsonl, which a resume reads: sweep.resume).
 
 Plain data: nothing here imports vLLM. The sweep builds PointRows and a KvwarmMeta, and
 `build_artifact` turns them into the JSON document; tests build their fixtures through it.
@@ -51,6 +55,10 @@ class PointRow:
     parts: dict[str, dict[str, int]] | None = None
     # prefill: its requests were running, their prefix computed by an earlier step of their own
     continuation: bool = False
+    # an A/B sweep's row (--ab): the side it measured (vocabulary AB_SIDES), and whether that
+    # side ran first at its point (the sides alternate); None on other sweeps
+    ab: str | None = None
+    ab_first: bool | None = None
 
     def __post_init__(self):
         if self.sample_kind is None:
@@ -102,6 +110,12 @@ class KvwarmMeta:
     grid: dict | None = None  # a generated grid: its points file and axes (sweep.grid)
     engine_loop: dict | None = None  # the engine's loop and the adapter class that served it (sweep.provenance)
     exchange: dict | None = None  # how the data-parallel ranks met: exchange, address, port, port_origin
+    # what the sweep's plan is made from, which a resume holds itself to (sweep.resume.plan_inputs)
+    plan: dict | None = None
+    # a resumed sweep: each boot, {boot, started_at, rows}; what its resume replaced (sweep.resume)
+    boots: list[dict] | None = None
+    resume: dict | None = None
+    ab: dict | None = None  # an A/B sweep (--ab): how the sides were measured (sweep.ab)
 
     @classmethod
     def read(cls, block: dict | None) -> KvwarmMeta:
@@ -142,7 +156,12 @@ def _result(r: PointRow, dp_size: int) -> dict:
         "phases": r.phases,
         "graph": r.graph,
         **({"split": r.split} if r.split is not None else {}),
+        **_ab(r),
     }
+
+
+def _ab(r: PointRow) -> dict:
+    return {"ab": r.ab, "ab_first": r.ab_first} if r.ab is not None else {}
 
 
 def build_artifact(
@@ -160,6 +179,7 @@ def build_artifact(
     run = run or {}
     layout = layout or SINGLE_RANK
     measured = [r for r in rows if not r.skipped]
+    table = [r for r in measured if r.ab != v.AB_FAKE]  # an A/B sweep's counts are its real side's
     engine_args = run.get("engine_args")
     return {
         "schema_version": v.SCHEMA_VERSION,
@@ -173,14 +193,15 @@ def build_artifact(
         "layout": layout,
         "hardware": run.get("hardware"),
         "torch": run.get("torch"),
-        "kvwarm": meta.as_dict(measured),
-        "results": [_result(r, layout["data_parallel_size"]) for r in measured],
+        "kvwarm": meta.as_dict(table),
+        "results": [_result(r, layout["data_parallel_size"]) for r in measured if r.ab != v.AB_FAKE],
+        **(
+            {v.AB_FAKE_RESULTS: [_result(r, layout["data_parallel_size"]) for r in measured if r.ab == v.AB_FAKE]}
+            if any(r.ab is not None for r in rows)
+            else {}
+        ),
         "skipped_points": [
-            {
-                "point": r.point,
-                "kv_seed_regime": r.kv_seed_regime,
-                "reason": r.detail or "",
-            }
+            {"point": r.point, "kv_seed_regime": r.kv_seed_regime, "reason": r.detail or "", **_ab(r)}
             for r in rows
             if r.skipped
         ],
@@ -214,6 +235,7 @@ def results_csv(results: list[dict]) -> bytes:
             "decode_batch_size",  # mixed rows: the decode part (the prefill part is the rest)
             "decode_kv_read_tokens",
             "continuation",  # 1: the prefill requests were running ones (sweep-reference.md#continuation-points)
+            "ab",  # an A/B sweep's rows: the side (real, fake); empty on other sweeps
         ]
     )
     for row in results:
@@ -240,16 +262,26 @@ def results_csv(results: list[dict]) -> bytes:
                 decode.get("batch_size", ""),
                 decode.get("total_kv_read_tokens", ""),
                 1 if is_continuation(row["point"]) else "",
+                row.get("ab") or "",
             ]
         )
     return text.getvalue().encode()
 
 
-def write_artifact(out_dir: str | Path, artifact: dict) -> list[Path]:
-    """sweep.json and sweep.csv, after checking the artifact against the schema."""
-    validate(artifact)
+def all_results(artifact: dict) -> list[dict]:
+    """Every measured row: the results, then an A/B sweep's fake side."""
+    return [*artifact["results"], *artifact.get(v.AB_FAKE_RESULTS, [])]
+
+
+def write_artifact(out_dir: str | Path, artifact: dict, final: bool = True) -> list[Path]:
+    """sweep.json and sweep.csv. A final artifact is checked against the schema first and
+    written indented; a running one (rewritten while the engine serves) neither: compact, as
+    fast as it goes."""
+    if final:
+        validate(artifact)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomically(out / v.ARTIFACT, json.dumps(artifact, indent=2).encode())
-    write_atomically(out / v.ARTIFACT_CSV, results_csv(artifact["results"]))
+    text = json.dumps(artifact, indent=2) if final else json.dumps(artifact, separators=(",", ":"))
+    write_atomically(out / v.ARTIFACT, text.encode())
+    write_atomically(out / v.ARTIFACT_CSV, results_csv(all_results(artifact)))
     return [out / v.ARTIFACT, out / v.ARTIFACT_CSV]

@@ -125,14 +125,17 @@ def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] 
     return combined
 
 
-def write_combined(root: str | Path, size: int, before_final=None) -> dict:
+def write_combined(root: str | Path, size: int, before_final=None, wait: bool = True) -> dict | None:
     """Rebuild OUT/sweep.json from every rank's latest artifact in OUT/dp<R>/ (under a lock,
     so the last writer has read every rank's last write). `before_final`: called with every
     rank's artifact when the view is final, before it is written (so whoever waits for the
-    final view finds what it made)."""
+    final view finds what it made). `wait` False: where another rank holds the lock, nothing
+    is written (None), at once."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    with locked(root / LOCK):
+    with locked(root / LOCK, wait) as held:
+        if not held:
+            return None
         ranks = [_read_rank(root, r) for r in range(size)]
         if before_final is not None and combine(ranks)["status"] != v.RUNNING:
             before_final(ranks)

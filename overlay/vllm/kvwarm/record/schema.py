@@ -100,6 +100,18 @@ KVWARM = _object(
                 "batch_queue_size": POSITIVE,
             },
         },
+        "plan": {"type": ["object", "null"]},
+        "boots": {
+            "type": ["array", "null"],
+            "items": _object({"boot": COUNT, "started_at": {"type": "string"}, "rows": COUNT}),
+        },
+        "resume": {
+            "type": ["object", "null"],
+            "properties": {
+                "replaced": {"type": "array", "items": _object({"point": POINT, "reason": {"type": "string"}})}
+            },
+        },
+        "ab": {"type": ["object", "null"], "required": ["first"], "properties": {"first": {"enum": ["alternate"]}}},
         "exchange": {
             "type": ["object", "null"],
             "required": ["exchange", "address", "port"],
@@ -112,6 +124,7 @@ KVWARM = _object(
         },
     },
 )
+AB = {"ab": {"enum": list(v.AB_SIDES)}, "ab_first": {"type": "boolean"}}  # an A/B sweep's rows
 RESULT = _object(
     {
         "point": POINT,
@@ -135,10 +148,16 @@ RESULT = _object(
                 "new_tokens": {"type": "array", "items": POSITIVE, "minItems": 1},
             }
         ),
+        **AB,
     },
 )
 SKIPPED = _object(
-    {"point": POINT, "kv_seed_regime": {"type": "string", "pattern": f"^{v.SKIP_PREFIX}"}, "reason": {"type": "string"}}
+    {
+        "point": POINT,
+        "kv_seed_regime": {"type": "string", "pattern": f"^{v.SKIP_PREFIX}"},
+        "reason": {"type": "string"},
+    },
+    AB,
 )
 LAYOUT = _object(
     {
@@ -190,7 +209,7 @@ SCHEMA = {
             "results": {"type": "array", "items": RESULT},
             "skipped_points": {"type": "array", "items": SKIPPED},
         },
-        {"ranks": {"type": "array", "items": RANK_SUMMARY}},
+        {"ranks": {"type": "array", "items": RANK_SUMMARY}, v.AB_FAKE_RESULTS: {"type": "array", "items": RESULT}},
     ),
 }
 
