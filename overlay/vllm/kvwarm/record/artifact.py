@@ -175,11 +175,13 @@ def build_artifact(
     layout: dict | None = None,
 ) -> dict:
     """One rank's artifact. `run` holds the run record (build, torch, hardware, engine
-    arguments) and the times; `layout` the rank layout (default: one rank)."""
+    arguments) and the times; `layout` the rank layout (default: one rank). An A/B sweep's
+    fake side goes to its own block (vocabulary AB_FAKE_SIDE): `results` and
+    `skipped_points` are the real side's, the table every reader takes."""
     run = run or {}
     layout = layout or SINGLE_RANK
-    measured = [r for r in rows if not r.skipped]
-    table = [r for r in measured if r.ab != v.AB_FAKE]  # an A/B sweep's counts are its real side's
+    size = layout["data_parallel_size"]
+    table = [r for r in rows if r.ab != v.AB_FAKE]
     engine_args = run.get("engine_args")
     return {
         "schema_version": v.SCHEMA_VERSION,
@@ -193,13 +195,16 @@ def build_artifact(
         "layout": layout,
         "hardware": run.get("hardware"),
         "torch": run.get("torch"),
-        "kvwarm": meta.as_dict(table),
-        "results": [_result(r, layout["data_parallel_size"]) for r in measured if r.ab != v.AB_FAKE],
-        **(
-            {v.AB_FAKE_RESULTS: [_result(r, layout["data_parallel_size"]) for r in measured if r.ab == v.AB_FAKE]}
-            if any(r.ab is not None for r in rows)
-            else {}
-        ),
+        "kvwarm": meta.as_dict([r for r in table if not r.skipped]),
+        **_entries(table, size),
+        **({v.AB_FAKE_SIDE: _entries([r for r in rows if r.ab == v.AB_FAKE], size)} if meta.ab else {}),
+    }
+
+
+def _entries(rows: list[PointRow], size: int) -> dict:
+    """The rows as an artifact's `results` (measured) and `skipped_points`."""
+    return {
+        "results": [_result(r, size) for r in rows if not r.skipped],
         "skipped_points": [
             {"point": r.point, "kv_seed_regime": r.kv_seed_regime, "reason": r.detail or "", **_ab(r)}
             for r in rows
@@ -269,8 +274,8 @@ def results_csv(results: list[dict]) -> bytes:
 
 
 def all_results(artifact: dict) -> list[dict]:
-    """Every measured row: the results, then an A/B sweep's fake side."""
-    return [*artifact["results"], *artifact.get(v.AB_FAKE_RESULTS, [])]
+    """Every measured row: the results, then an A/B sweep's fake side's."""
+    return [*artifact["results"], *(artifact.get(v.AB_FAKE_SIDE) or {}).get("results", [])]
 
 
 def write_artifact(out_dir: str | Path, artifact: dict, final: bool = True) -> list[Path]:

@@ -159,6 +159,10 @@ SKIPPED = _object(
     },
     AB,
 )
+# an A/B sweep's fake side: its rows, as the artifact's own
+AB_FAKE_SIDE = _object(
+    {"results": {"type": "array", "items": RESULT}, "skipped_points": {"type": "array", "items": SKIPPED}}
+)
 LAYOUT = _object(
     {
         "data_parallel_size": POSITIVE,
@@ -209,7 +213,7 @@ SCHEMA = {
             "results": {"type": "array", "items": RESULT},
             "skipped_points": {"type": "array", "items": SKIPPED},
         },
-        {"ranks": {"type": "array", "items": RANK_SUMMARY}, v.AB_FAKE_RESULTS: {"type": "array", "items": RESULT}},
+        {"ranks": {"type": "array", "items": RANK_SUMMARY}, v.AB_FAKE_SIDE: AB_FAKE_SIDE},
     ),
 }
 

@@ -56,11 +56,12 @@ PREFILL_REGIMES = (REAL_PREFIX, FAKE_PREFIX, NOT_APPLICABLE)
 SKIP_PREFIX = "skip:"  # a skipped point's regime is skip:<reason>
 
 # --- real and fake KV in one boot (--ab): the side a row measured (a row's `ab`) -------------
-# The real side's rows are the artifact's `results`, the table every reader takes; the fake
-# side's (fake KV, regime legacy; fake prefixes) are AB_FAKE_RESULTS.
+# The real side's rows are the artifact's `results` and `skipped_points`, the table every
+# reader takes; the fake side's (fake KV, regime legacy; fake prefixes) are the AB_FAKE_SIDE
+# block's `results` and `skipped_points`.
 AB_REAL, AB_FAKE = "real", "fake"
 AB_SIDES = (AB_REAL, AB_FAKE)
-AB_FAKE_RESULTS = "ab_fake_results"
+AB_FAKE_SIDE = "ab_fake_side"
 
 
 def skip_regime(reason: str) -> str:

@@ -11,8 +11,9 @@ side runs first, at an odd one the fake side, so neither side always follows a r
 the other side. The order is a function of the point list alone, the same on every rank and
 in every boot of a resumed sweep.
 
-The real side's rows are the artifact's table (`results`), the fake side's its
-`ab_fake_results` (record.artifact); `report` of one A/B artifact compares them.
+The real side's rows are the artifact's table (`results`, `skipped_points`: what every reader
+takes), the fake side's its `ab_fake_side` block (record.artifact); `report` of one A/B
+artifact compares them.
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ class SweepRun:
             self._run = run_record(scheduler, spec.get("engine_args"))
             if self._resuming is None:
                 self.writer.run.update(self._run)
-            self.writer.start_log(self._resuming.boot if self._resuming else 0)
+                self.writer.start_log()  # a resumed one's once it is held to the first boot's (_build)
             self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder (or resumes it)
             self.sweep = self._build(scheduler, vllm_config, spec, environ, exchange)
         except BaseException as err:
@@ -134,6 +134,7 @@ class SweepRun:
         if self._resuming is not None:  # before the first point
             model, loop = vllm_config.model_config.model, loop_record(scheduler)
             self._resuming.check(self._plan, model, self._run, self.layout.as_dict(), loop, inputs.dataset)
+            self.writer.start_log(self._resuming.boot)
         kvm = scheduler.kv_cache_manager
         graphs = graph_config(vllm_config)
         meta.cudagraph = graphs.record()
