@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ from pathlib import Path
 from ..record import vocabulary as v
 from ..record.combined import rank_path
 from ..record.validate.match import given_model
+from .exchange.files import SYNC_DIR
 from .grid_settings import check_grid
 from .inputs import read_inputs
 from .points import check_budget
@@ -195,6 +197,8 @@ def run(argv: list[str]) -> int:
         return refused(str(err))
     if not args.resume:
         writer.write(v.RUNNING)  # replaces any earlier run's artifact in --out
+    else:  # the file exchange's records of the stopped launch, which this launch's ranks must not read
+        shutil.rmtree(Path(spec["out"]) / SYNC_DIR, ignore_errors=True)
     engine_args = engine_args_from(engine_argv, spec)
     ray = ray_refusal(engine_args)
     if ray is not None:

@@ -46,7 +46,7 @@ SET_BY = {
 }
 BUILD_FIELDS = ("version", "flavour", "series_digest", "overlay_digest")
 POINTS_DIGEST = "points_digest"  # the plan record's digest of the points measured, once known
-FIX = "resume with what the first boot ran with, or start the sweep again without --resume (or in another --out)"
+FIX = "Resume with what the first boot ran with, or start the sweep again without --resume (or in another --out)"
 
 
 class ResumeError(ValueError):
