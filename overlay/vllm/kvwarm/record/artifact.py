@@ -182,6 +182,7 @@ def build_artifact(
     layout = layout or SINGLE_RANK
     size = layout["data_parallel_size"]
     table = [r for r in rows if r.ab != v.AB_FAKE]
+    ab = meta.ab is not None or len(table) < len(rows)
     engine_args = run.get("engine_args")
     return {
         "schema_version": v.SCHEMA_VERSION,
@@ -197,7 +198,7 @@ def build_artifact(
         "torch": run.get("torch"),
         "kvwarm": meta.as_dict([r for r in table if not r.skipped]),
         **_entries(table, size),
-        **({v.AB_FAKE_SIDE: _entries([r for r in rows if r.ab == v.AB_FAKE], size)} if meta.ab else {}),
+        **({v.AB_FAKE_SIDE: _entries([r for r in rows if r.ab == v.AB_FAKE], size)} if ab else {}),
     }
 
 
