@@ -165,3 +165,33 @@ def test_the_combined_view_of_an_ab_sweep_merges_each_side_apart(tmp_path):
     fake = combined[v.AB_FAKE_SIDE]["results"]
     assert [r["median_seconds"] * 1e3 for r in fake] == pytest.approx([9.5, 22.0])  # the slower rank's
     assert [len(r["ranks"]) for r in fake] == [2, 2]
+
+
+def test_the_fake_side_crosses_the_store_to_rank_0s_combined_view(tmp_path):
+    """Through the real store exchange: rank 1's fake side travels as rows of their own (its
+    summary stays a head without rows), and rank 0's combined view merges each side apart."""
+    from kvwarm_testing.rank_sweeps import exchanges, until
+    from vllm.kvwarm.record.artifact import KvwarmMeta, build_artifact
+
+    rank_0, rank_1 = exchanges(tmp_path, "store")
+    meta = KvwarmMeta(ab={"first": "alternate"})
+    layouts = [{**_LAYOUT, "data_parallel_rank": r} for r in range(2)]
+    sides = [_rows((10.0, 20.0), (9.0, 21.0)), _rows((11.0, 19.0), (9.5, 22.0))]
+    for exchange, rows, layout in zip((rank_1, rank_0), sides[::-1], layouts[::-1]):
+        exchange.share(build_artifact(rows, meta, {}, "complete", layout=layout))
+    path = tmp_path / "out0" / "sweep.json"
+
+    def final() -> dict | None:
+        combined = json.loads(path.read_text()) if path.exists() else {}
+        return combined if combined.get("status") == "complete" else None
+
+    combined = until(final, "no final combined view", 60)
+    assert [r["median_seconds"] * 1e3 for r in combined["results"]] == pytest.approx([11.0, 20.0])
+    fake = combined[v.AB_FAKE_SIDE]["results"]
+    assert [r["median_seconds"] * 1e3 for r in fake] == pytest.approx([9.5, 22.0])
+    assert [[x["rank"] for x in r["ranks"]] for r in fake] == [[0, 1], [0, 1]]
+    for exchange in (rank_0, rank_1):
+        exchange.close()
+
+
+_LAYOUT = {"data_parallel_size": 2, "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "expert_parallel": False}

@@ -134,3 +134,22 @@ def test_the_file_exchanges_running_combine_never_waits_for_another_ranks_lock(t
         fcntl.flock(held, fcntl.LOCK_UN)
     rank_1.share({"status": "running"})  # the next write rebuilds it
     assert json.loads((tmp_path / "sweep.json").read_text())["status"] == "running"
+
+
+def test_a_running_artifact_is_the_artifact_with_each_row_encoded_once(tmp_path, monkeypatch):
+    from vllm.kvwarm.record import encoded as encoded_module
+    from vllm.kvwarm.record.artifact import KvwarmMeta, artifact_head, build_artifact
+    from vllm.kvwarm.record.encoded import EncodedRows
+
+    made = []
+    entry = encoded_module.entry
+    monkeypatch.setattr(encoded_module, "entry", lambda row, size: made.append(row) or entry(row, size))
+    rows = [_row(100, v.AB_REAL), _row(100, v.AB_FAKE), PointRow(9, 2, "skip:decode_injection_failed", ab=v.AB_FAKE)]
+    meta, layout = KvwarmMeta(ab={"first": "alternate"}), {"data_parallel_size": 2, "data_parallel_rank": 1}
+    encoded = EncodedRows(2)
+    for upto in (1, 3, 3):  # three writes, the rows growing
+        head = artifact_head(rows[:upto], meta, {"model": "m"}, v.RUNNING, layout=layout)
+        as_written = json.loads(encoded.dumps(head, rows[:upto]))
+        assert as_written == build_artifact(rows[:upto], meta, {"model": "m"}, v.RUNNING, layout=layout)
+    assert made == rows  # each row's entry made once, whatever the writes
+    assert as_written[v.AB_FAKE_SIDE]["skipped_points"][0]["ab"] == v.AB_FAKE

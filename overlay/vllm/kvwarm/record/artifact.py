@@ -178,12 +178,31 @@ def build_artifact(
     arguments) and the times; `layout` the rank layout (default: one rank). An A/B sweep's
     fake side goes to its own block (vocabulary AB_FAKE_SIDE): `results` and
     `skipped_points` are the real side's, the table every reader takes."""
+    head = artifact_head(rows, meta, config, status, error, run=run, layout=layout)
+    size, artifact = head["layout"]["data_parallel_size"], dict(head)
+    for name, side in split(rows, head):
+        lists = {
+            "results": [entry(r, size) for r in side if not r.skipped],
+            "skipped_points": [entry(r, size) for r in side if r.skipped],
+        }
+        artifact.update(lists) if name is None else artifact.update({name: lists})
+    return artifact
+
+
+def artifact_head(
+    rows: list[PointRow],
+    meta: KvwarmMeta,
+    config: dict,
+    status: str,
+    error: str | None = None,
+    *,
+    run: dict | None = None,
+    layout: dict | None = None,
+) -> dict:
+    """The artifact less its rows (build_artifact's arguments): what `split` lays them out by."""
     run = run or {}
-    layout = layout or SINGLE_RANK
-    size = layout["data_parallel_size"]
-    table = [r for r in rows if r.ab != v.AB_FAKE]
-    ab = meta.ab is not None or len(table) < len(rows)
     engine_args = run.get("engine_args")
+    table = [r for r in rows if r.ab != v.AB_FAKE]
     return {
         "schema_version": v.SCHEMA_VERSION,
         "artifact_type": v.RANK,
@@ -193,25 +212,27 @@ def build_artifact(
         "finished_at": run.get("finished_at"),
         "config": {**config, **({"engine_args": engine_args} if engine_args else {})},
         "build": run.get("build"),
-        "layout": layout,
+        "layout": layout or SINGLE_RANK,
         "hardware": run.get("hardware"),
         "torch": run.get("torch"),
         "kvwarm": meta.as_dict([r for r in table if not r.skipped]),
-        **_entries(table, size),
-        **({v.AB_FAKE_SIDE: _entries([r for r in rows if r.ab == v.AB_FAKE], size)} if ab else {}),
     }
 
 
-def _entries(rows: list[PointRow], size: int) -> dict:
-    """The rows as an artifact's `results` (measured) and `skipped_points`."""
-    return {
-        "results": [_result(r, size) for r in rows if not r.skipped],
-        "skipped_points": [
-            {"point": r.point, "kv_seed_regime": r.kv_seed_regime, "reason": r.detail or "", **_ab(r)}
-            for r in rows
-            if r.skipped
-        ],
-    }
+def split(rows: list[PointRow], head: dict) -> list[tuple[str | None, list[PointRow]]]:
+    """The rows by where they go: the table's (None) and, in an A/B sweep, the fake side's block."""
+    table = [r for r in rows if r.ab != v.AB_FAKE]
+    if head["kvwarm"].get("ab") is None and len(table) == len(rows):
+        return [(None, table)]
+    return [(None, table), (v.AB_FAKE_SIDE, [r for r in rows if r.ab == v.AB_FAKE])]
+
+
+def entry(r: PointRow, size: int) -> dict:
+    """A row as its artifact entry: a measured row's in `results`, a skipped one's in
+    `skipped_points`; `size`: the data-parallel size."""
+    if r.skipped:
+        return {"point": r.point, "kv_seed_regime": r.kv_seed_regime, "reason": r.detail or "", **_ab(r)}
+    return _result(r, size)
 
 
 def _ms(value: float | None) -> str:
@@ -279,15 +300,12 @@ def all_results(artifact: dict) -> list[dict]:
     return [*artifact["results"], *(artifact.get(v.AB_FAKE_SIDE) or {}).get("results", [])]
 
 
-def write_artifact(out_dir: str | Path, artifact: dict, final: bool = True) -> list[Path]:
-    """sweep.json and sweep.csv. A final artifact is checked against the schema first and
-    written indented; a running one (rewritten while the engine serves) neither: compact, as
-    fast as it goes."""
-    if final:
-        validate(artifact)
+def write_artifact(out_dir: str | Path, artifact: dict) -> list[Path]:
+    """sweep.json and sweep.csv of a final artifact, checked against the schema first (a
+    running one is sweep.writer's: compact, unchecked, without its CSV)."""
+    validate(artifact)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(artifact, indent=2) if final else json.dumps(artifact, separators=(",", ":"))
-    write_atomically(out / v.ARTIFACT, text.encode())
+    write_atomically(out / v.ARTIFACT, json.dumps(artifact, indent=2).encode())
     write_atomically(out / v.ARTIFACT_CSV, results_csv(all_results(artifact)))
     return [out / v.ARTIFACT, out / v.ARTIFACT_CSV]

@@ -6,8 +6,9 @@ file exchange, in the one OUT every rank shares).
 
 A row's line is flushed before anything else is written, so a process killed mid-sweep
 loses at most the point it was measuring. Rewriting sweep.json costs more as it grows (every
-row is written again, compact and unchecked while running; the schema is checked at the final
-write alone): once one write, with what the exchange did with it, takes more than WRITE_FLOOR
+row is written again; while running compact, unchecked, each row encoded once; the schema, the
+CSV and the plot at the final write alone): once one write, with what the exchange did with
+it, takes more than WRITE_FLOOR
 seconds, the next points' writes are left out until it is paid for (it takes at most
 WRITE_SHARE of the time since; sweep.pacing). The final write is never left out.
 
@@ -23,7 +24,9 @@ from pathlib import Path
 from vllm.logger import init_logger
 
 from ..record import vocabulary as v
-from ..record.artifact import KvwarmMeta, PointRow, build_artifact, utc_now, write_artifact
+from ..record.artifact import KvwarmMeta, PointRow, artifact_head, build_artifact, utc_now, write_artifact
+from ..record.encoded import EncodedRows
+from ..record.files import write_atomically
 from ..record.row_log import RowLog
 from .pacing import Pacing
 from .provenance import RankLayout
@@ -32,7 +35,7 @@ from .rows import NOISY_SPREAD
 logger = init_logger(__name__)
 
 WRITE_SHARE = 0.1  # the most of a sweep's time its running record's rewrites may take
-WRITE_FLOOR = 0.01  # seconds: a write cheaper than this is never left out
+WRITE_FLOOR = 0.05  # seconds: a write cheaper than this is never left out
 
 
 class ArtifactWriteError(RuntimeError):
@@ -58,6 +61,8 @@ class ArtifactWriter:
         self.log_started = ""  # when this boot's log began
         self._earlier = 0  # rows an earlier boot measured (a resumed sweep), not timed here
         self._pacing = Pacing(WRITE_SHARE, WRITE_FLOOR)
+        self._encoded = EncodedRows(layout.data_parallel_size if layout is not None else 1)
+        self._started = False  # the first running write clears an earlier run's CSV and plot
 
     def start_log(self, boot: int = 0) -> None:
         """rows.jsonl: started anew (boot 0), or appended to by a resumed sweep's boot."""
@@ -80,6 +85,7 @@ class ArtifactWriter:
         measure again; `boots`: each boot's line (this one's last); `replaced`: the rows it
         measures again, with why."""
         self.rows = [row for _, row in rows]
+        self._encoded.keep(self.rows)
         self._earlier = len(rows)
         count = {b["boot"]: 0 for b in boots}
         for boot, _ in rows:
@@ -113,21 +119,23 @@ class ArtifactWriter:
         write is not yet paid for (WRITE_SHARE)."""
         if status == v.RUNNING and not self._pacing.due():
             return
-        began = self._pacing.clock()
-        if status != v.RUNNING:
+        began, final = self._pacing.clock(), status != v.RUNNING
+        if final:
             self.run["finished_at"] = utc_now()
         layout = self.layout.as_dict() if self.layout is not None else None
-        artifact = build_artifact(self.rows, self.meta, self.config, status, error, run=self.run, layout=layout)
-        if status != v.RUNNING and self.before_final is not None:
+        made = (self.rows, self.meta, self.config, status, error)
+        # what the exchange takes (every row's entry: O(rows)), only where there is one
+        artifact = build_artifact(*made, run=self.run, layout=layout) if final or self.exchange else None
+        if final and self.before_final is not None:
             self.before_final(artifact)
         try:
-            write_artifact(self.out, artifact, final=status != v.RUNNING)
-            if status == v.RUNNING:  # no plot of an earlier run stays beside this record
-                (Path(self.out) / v.ARTIFACT_PNG).unlink(missing_ok=True)
-            else:  # drawn once, at the end: a plot stalls the engine about half a second
+            if final:  # checked, with its CSV and its plot (drawn once: it stalls the engine about half a second)
                 from ..record.plot import write_plot
 
+                write_artifact(self.out, artifact)
                 write_plot(self.out, artifact)
+            else:
+                self._write_running(artifact_head(*made, run=self.run, layout=layout))
         except Exception as err:
             raise ArtifactWriteError(f"writing the artifact to {self.out} failed: {type(err).__name__}: {err}") from err
         if self.exchange is not None:
@@ -141,6 +149,17 @@ class ArtifactWriter:
         if status != v.RUNNING and self.log is not None:
             self.log.close()
             self.log = None
+
+    def _write_running(self, head: dict) -> None:
+        """sweep.json while the sweep runs: compact, its rows each encoded once (record.encoded),
+        unchecked. Its CSV and plot come with the final write: an earlier run's go now."""
+        out = Path(self.out)
+        out.mkdir(parents=True, exist_ok=True)
+        if not self._started:
+            for name in (v.ARTIFACT_CSV, v.ARTIFACT_PNG):
+                (out / name).unlink(missing_ok=True)
+            self._started = True
+        write_atomically(out / v.ARTIFACT, self._encoded.dumps(head, self.rows))
 
     def progress(self, message: str) -> None:
         done, here = len(self.rows), len(self.rows) - self._earlier
