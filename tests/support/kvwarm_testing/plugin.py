@@ -136,7 +136,8 @@ def kill_at(moment: str, count: int) -> None:
 
         def _build_step(self, scheduler):
             seen["calls"] += 1
-            if seen["builds"] == count and seen["calls"] == 2:  # one prefill step of this build has run
+            # the chains' first prefill step ran in the step that added them: this is the next one's
+            if seen["builds"] == count and seen["calls"] == 1:
                 _kill()
             return build(self, scheduler)
 

@@ -1,0 +1,293 @@
+"""What a real-KV table costs against a fake-KV one: the same points swept with the warm-up on
+and off, alternated in one run of one engine, and where the real side's extra time goes.
+
+Runs inside a release's engine venv (`nox -s bench-S -- table_cost`; NEEDS_ENGINE). One
+in-process CPU engine of the tiny MoE (random weights, attention only) serves every sweep. A
+sweep is a SweepRun as the adapter builds it from `additional_config` (rows on disk, the
+artifact, a generated grid laid in the pool), driven by the engine's own steps. Each step is
+put in the bucket of the sweep's phase once its schedule() ran (sweep.phase: a rung's chain
+build, a restage of them, exact state's catch-ups, a point's own steps, the steps between),
+timed from step_fn()'s start to its end.
+
+The bound of the builds: one prefill of the chains' tokens at the engine's own prefill rate,
+measured in the same run: after each real sweep the chains it built (its rungs' text, in its
+order) are sent again as plain requests of one token, salted apart from the sweep's, and
+prefilled; their prefix reuse across rungs is the sweep's own (chain i of a deeper rung
+extends chain i of the one before).
+
+Workloads: a decode grid to 32,768 tokens of KV (B = 1, 4 and 16); a `--grid` with prefill
+points (laid around capture sizes given for it: the CPU platform has none); with the full run,
+a points file of 1,000 points and more (decode and prefill), whose whole ratio is the result.
+The sides alternate (the real one first in odd rounds), two rounds; --quick (or
+KVWARM_BENCH_QUICK=1): a smaller decode grid and grid, one round. Targets, printed beside the
+figures: chain builds within 1.1x their bound, the real points' own steps within 1.3x the fake
+ones'. The last line is the JSON result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from kvwarm_testing import tiny_models
+
+from kvwarm_build.sessions import quick_mode
+
+NEEDS_ENGINE = True  # noxfile: run in the release's CPU engine venv
+
+QUICK = quick_mode(sys.argv, os.environ)
+ROUNDS = 1 if QUICK else 2
+MAX_MODEL_LEN, BLOCK, BATCHED_TOKENS, MAX_SEQS = 4096, 32, 2048, 32
+BUILD_TARGET, POINTS_TARGET = 1.1, 1.3
+BUCKETS = ("build", "restage", "catch_up", "points", "between")
+GRID_CAPS = {"decode_batches": 3, "kv_ladder": 3, "prefill_tokens": 3, "mixed": 1, "capture_sizes": [1, 2, 4, 8]}
+if not QUICK:
+    GRID_CAPS = {
+        "decode_batches": 6,
+        "kv_ladder": 6,
+        "prefill_tokens": 6,
+        "mixed": 2,
+        "capture_sizes": [1, 2, 4, 8, 16],
+    }
+
+
+def ladder(batch: int, top: int, count: int) -> list[int]:
+    """`count` K values from 2B to `top`, spaced geometrically (whole, distinct)."""
+    low = 2 * batch
+    return sorted({round(low * (top / low) ** (j / max(1, count - 1))) for j in range(count)})
+
+
+def decode_grid() -> dict:
+    """Decode points to 32,768 tokens of KV (B = 16 at 2,048 a request); quick: to 4,096."""
+    batches, per = ((1, 8), 3) if QUICK else ((1, 4, 16), 6)
+    top = 4096 if QUICK else 32768
+    points = [(k, b) for b in batches for k in ladder(b, min(top, b * 2000), per)]
+    return {"schema_version": 1, "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in points]}
+
+
+def big_grid() -> dict:
+    """1,000 points and more: decode at eight batch sizes along a K ladder each, prefill at
+    three batch sizes, eight new-token counts and four prefix depths."""
+    decode = [(k, b) for b in (1, 2, 3, 4, 6, 8, 12, 16) for k in ladder(b, b * 1800, 110)]
+    prefill = [
+        (n, p * b, b) for b in (1, 2, 4) for n in (8, 16, 32, 64, 128, 256, 512, 1024) for p in (0, 256, 512, 1024)
+    ]
+    return {
+        "schema_version": 1,
+        "decode": [{"total_kv_read_tokens": k, "batch_size": b} for k, b in decode],
+        "prefill": [{"total_prefill_tokens": n, "total_kv_read_tokens": p, "batch_size": b} for n, p, b in prefill],
+    }
+
+
+class Steps:
+    """Every engine step timed and put in the bucket of the sweep's phase after its schedule()."""
+
+    def __init__(self, core):
+        from vllm.kvwarm.sweep.phase import Phase
+
+        self.core, self.scheduler = core, core.scheduler
+        self.kind = {Phase.BUILDING: "build", Phase.CATCHING_UP: "catch_up", Phase.MEASURING: "points"}
+        self.tokens = 0  # tokens the last schedule() scheduled
+        self._bucket = "between"
+        schedule = self.scheduler.schedule
+
+        def classified(*args, **kwargs):
+            output = schedule(*args, **kwargs)
+            sweep = self.scheduler.kvwarm_sweep
+            self._bucket = self.kind.get(sweep.phase, "between") if sweep is not None else "plain"
+            self.tokens = output.total_num_scheduled_tokens
+            return output
+
+        self.scheduler.schedule = classified  # the engine core calls it through the instance
+
+    def step(self) -> tuple[str, float, int]:
+        self._bucket, self.tokens = "between", 0
+        started = time.perf_counter()
+        self.core.step_fn()
+        return self._bucket, time.perf_counter() - started, self.tokens
+
+
+def sweep_side(steps: Steps, spec: dict, environ: dict) -> dict:
+    """One sweep to its end: its wall time, seconds per bucket, its chains' tokens computed,
+    its rows and stages."""
+    from vllm.kvwarm.sweep.run import SweepRun
+
+    scheduler = steps.scheduler
+    started = time.perf_counter()
+    run = SweepRun(scheduler, spec, environ)
+    scheduler.kvwarm_run, scheduler.kvwarm_sweep = run, run.sweep
+    seconds = dict.fromkeys(BUCKETS, 0.0)
+    build, build_tokens, stages = 0.0, 0, 0
+    while scheduler.has_requests():
+        bucket, took, tokens = steps.step()
+        if bucket == "build":
+            build, build_tokens = build + took, build_tokens + tokens
+        else:
+            seconds[bucket] = seconds.get(bucket, 0.0) + took
+        if len(run.sweep.stages) > stages:  # a build ended: a rung's first, or a restage of it
+            stage = run.sweep.stages[-1]
+            again = any((s["batch"], s["depth"]) == (stage["batch"], stage["depth"]) for s in run.sweep.stages[:-1])
+            seconds["restage" if again else "build"] += build
+            build, stages = 0.0, len(run.sweep.stages)
+    wall = time.perf_counter() - started
+    scheduler.kvwarm_run = scheduler.kvwarm_sweep = None
+    artifact = json.loads(run.writer.artifact_path.read_text())
+    if artifact["status"] != "complete":
+        sys.exit(f"the sweep in {spec['out']} ended {artifact['status']}: {artifact['error']}")
+    rows = len(artifact["results"]) + len(artifact["skipped_points"])
+    return {"wall": wall, "seconds": seconds, "build_tokens": build_tokens, "rows": rows, "stages": run.sweep.stages}
+
+
+def bound_side(steps: Steps, stages: list[dict], chain_text, label: str) -> tuple[float, int]:
+    """The chains of `stages` prefilled as plain requests of one token, rung after rung, each
+    chain salted by its index (as the sweep's are); returns the seconds and tokens computed."""
+    from vllm.kvwarm.kv.chains import prefix_hasher
+    from vllm.kvwarm.kv.request import greedy_request
+
+    scheduler, seconds, tokens = steps.scheduler, 0.0, 0
+    hasher = prefix_hasher(scheduler)
+    for n, stage in enumerate(stages):
+        for i in range(stage["batch"]):
+            salt = f"bound-{label}-{i}"
+            scheduler.add_request(
+                greedy_request(f"{salt}-{n}", chain_text(i, stage["depth"]), 1, cache_salt=salt, block_hasher=hasher)
+            )
+        while scheduler.has_requests():
+            _, took, computed = steps.step()
+            seconds, tokens = seconds + took, tokens + computed
+    return seconds, tokens
+
+
+def workload(name: str, steps: Steps, tmp: Path, what: dict, environ: dict, chain_text) -> dict:
+    """Both sides of a workload, alternating, ROUNDS times; the median round's figures."""
+    rounds = []
+    for round_ in range(1, ROUNDS + 1):
+        sides = {}
+        order = ("real", "fake") if round_ % 2 else ("fake", "real")
+        for side in order:
+            warmup = {"real": "force", "fake": "off"}[side]
+            spec = {**what, "out": str(tmp / f"{name}-{side}-{round_}")}
+            sides[side] = sweep_side(steps, spec, {**environ, "DYN_BENCH_KV_WARMUP": warmup})
+            if not steps.scheduler.reset_prefix_cache():
+                sys.exit(f"{name}: blocks still in use after the {side} sweep")
+        real = sides["real"]
+        real["bound"], real["bound_tokens"] = bound_side(steps, real["stages"], chain_text, f"{name}{round_}")
+        steps.scheduler.reset_prefix_cache()
+        rounds.append(sides)
+        print(
+            f"  round {round_} ({' first, '.join(order)} second): real {real['wall']:.2f} s, fake "
+            f"{sides['fake']['wall']:.2f} s; {real['rows']} row(s) a side",
+            flush=True,
+        )
+    ratios = [r["real"]["wall"] / r["fake"]["wall"] for r in rounds]
+    median = rounds[ratios.index(statistics.median_low(ratios))]
+    report(name, median)
+    return median
+
+
+def report(name: str, sides: dict) -> None:
+    real, fake = sides["real"], sides["fake"]
+    rs, fs = real["seconds"], fake["seconds"]
+    rate = real["bound_tokens"] / real["bound"] if real["bound"] else 0.0
+    build_ratio = rs["build"] / real["bound"] if real["bound"] else float("nan")
+    points_ratio = rs["points"] / fs["points"] if fs["points"] else float("nan")
+    print(f"  {name}: real {real['wall']:.2f} s against fake {fake['wall']:.2f} s: x{real['wall'] / fake['wall']:.2f}")
+    print(f"    the real side's extra {real['wall'] - fake['wall']:+.2f} s:", flush=True)
+    print(
+        f"      chain builds   {rs['build']:7.2f} s ({real['build_tokens']} tokens computed); bound "
+        f"{real['bound']:.2f} s ({real['bound_tokens']} tokens at the engine's {rate:.0f} tokens/s): "
+        f"x{build_ratio:.2f} (target <= {BUILD_TARGET})"
+    )
+    print(f"      restages       {rs['restage']:7.2f} s")
+    print(f"      catch-ups      {rs['catch_up']:7.2f} s (settle steps: none set, DYN_BENCH_KV_WARMUP_SETTLE_STEPS)")
+    print(
+        f"      points' steps  {rs['points']:7.2f} s against fake {fs['points']:.2f} s: x{points_ratio:.2f} "
+        f"(target <= {POINTS_TARGET}; {rs['points'] - fs['points']:+.2f} s)"
+    )
+    print(f"      between points {rs['between']:7.2f} s against fake {fs['between']:.2f} s", flush=True)
+
+
+def main() -> None:
+    run_in_temp_dir(run)
+
+
+def run(tmp: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    release = release_label()
+    model = tiny_models.make_tiny_qwen3_moe(tmp / "tiny-moe")
+    dataset = tiny_models.write_sharegpt(tmp / "sharegpt.json", conversations=256)
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(model),
+            dtype="float32",
+            seed=0,
+            enforce_eager=True,
+            block_size=BLOCK,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=BATCHED_TOKENS,
+            max_num_seqs=MAX_SEQS,
+            enable_prefix_caching=True,
+            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
+        )
+    )
+    steps = Steps(engine.engine_core.engine_core)
+    tokenizer = engine.get_tokenizer()
+    conversations, _ = load_dataset(dataset)
+    chain_text = ChainText(conversations, lambda s: tokenizer.encode(s, add_special_tokens=False))
+    environ = {
+        "DYN_BENCH_KV_WARMUP_DATASET": str(dataset),
+        "DYN_BENCH_GIANT_KV_REPEATS": "3",
+        "DYN_BENCH_GIANT_KV_THRESHOLD": "0",  # the fake side times as many steps as the real one
+    }
+    print(
+        f"vLLM {release} CPU engine, tiny MoE (2 layers, 4 experts, fp32); max_model_len {MAX_MODEL_LEN}, block "
+        f"{BLOCK}, max_num_batched_tokens {BATCHED_TOKENS}, max_num_seqs {MAX_SEQS}; 3 timed steps a point on "
+        f"both sides; {ROUNDS} round(s), the sides alternating",
+        flush=True,
+    )
+    figures = {}
+    for name, what in (
+        ("decode grid", {"points": decode_grid()}),
+        ("grid with prefill points", {"grid": GRID_CAPS}),
+        *(() if QUICK else (("grid of 1,000+ points", {"points": big_grid()}),)),
+    ):
+        if "points" in what:
+            path = tmp / f"{name.replace(' ', '-').replace(',', '')}.json"
+            path.write_text(json.dumps(what["points"]))
+            what = {"points": str(path)}
+        print(f"{name}:", flush=True)
+        figures[name] = workload(name, steps, tmp, what, environ, chain_text)
+    whole = figures["decode grid" if QUICK else "grid of 1,000+ points"]
+    real, fake = whole["real"], whole["fake"]
+    builds = [f["real"]["seconds"]["build"] / f["real"]["bound"] for f in figures.values() if f["real"]["bound"]]
+    points = [f["real"]["seconds"]["points"] / f["fake"]["seconds"]["points"] for f in figures.values()]
+    print(
+        f"targets: chain builds <= {BUILD_TARGET}x their bound (worst x{max(builds):.2f}); real points' steps <= "
+        f"{POINTS_TARGET}x the fake ones' (worst x{max(points):.2f}); whole ratio of the {real['rows']}-row "
+        f"workload x{real['wall'] / fake['wall']:.2f}",
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {
+                "metric": f"table_cost_real_over_fake_{real['rows']}rows_{release}" + ("_quick" if QUICK else ""),
+                "value": round(real["wall"], 2),
+                "unit": "s",
+                "baseline": round(fake["wall"], 2),
+                "ratio": round(real["wall"] / fake["wall"], 2),
+                "target": f"builds <= {BUILD_TARGET}x bound, points <= {POINTS_TARGET}x fake",
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
