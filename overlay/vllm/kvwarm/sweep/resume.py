@@ -73,7 +73,7 @@ def record_path(out: str | Path) -> Path | None:
     """The sweep.json that says how a sweep in `out` stands: its own (one rank, or the
     combined view), else rank 0's; None where there is neither."""
     for path in (Path(out) / v.ARTIFACT, Path(out) / "dp0" / v.ARTIFACT):
-        if path.is_file():
+        if path.exists():
             return path
     return None
 
@@ -100,7 +100,7 @@ def load_earlier(folder: str | Path) -> Earlier:
     """A rank's folder: its sweep.json and its rows.jsonl (none: no row was measured)."""
     folder = Path(folder)
     path = folder / v.ARTIFACT
-    artifact = read_record(path if path.is_file() else None, folder)
+    artifact = read_record(path if path.exists() else None, folder)
     try:
         logged = read_log(folder / v.ROWS)
     except FileNotFoundError:
