@@ -265,7 +265,7 @@ def run(tmp: Path) -> None:
             what = {"points": str(path)}
         print(f"{name}:", flush=True)
         figures[name] = workload(name, steps, tmp, what, environ, chain_text)
-    whole = figures["decode grid" if QUICK else "grid of 1,000+ points"]
+    whole = figures["grid with prefill points" if QUICK else "grid of 1,000+ points"]
     real, fake = whole["real"], whole["fake"]
     builds = [f["real"]["seconds"]["build"] / f["real"]["bound"] for f in figures.values() if f["real"]["bound"]]
     points = [f["real"]["seconds"]["points"] / f["fake"]["seconds"]["points"] for f in figures.values()]
