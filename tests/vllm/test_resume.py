@@ -213,3 +213,34 @@ def test_the_command_says_a_complete_sweep_has_nothing_to_resume(tmp_path, capsy
     assert _command(tmp_path) == 0
     assert "the sweep is complete (5 row(s)); nothing to resume" in capsys.readouterr().out
     assert (tmp_path / "out" / "sweep.json").read_bytes() == record
+
+
+PLAN = {
+    "points_sha256": "a" * 64,
+    "grid": None,
+    "grid_from": False,
+    "grid_caps": None,
+    "grid_skip_seconds": None,
+    "warmup": "on",
+    "steady_steps": 3,
+    "settle_steps": 0,
+    "giant_kv_threshold": 1_000_000,
+    "gc_hold": True,
+    "state_mode": None,
+    "ab": False,
+}
+
+
+@pytest.mark.parametrize("field", sorted(PLAN))
+def test_every_input_of_the_plan_that_differs_is_named_with_what_sets_it(field):
+    from vllm.kvwarm.sweep.resume import SET_BY, check_plan
+
+    build = {"version": "1+kvwarm.2", "flavour": "cpu", "series_digest": "s", "overlay_digest": "o"}
+    first = {"kvwarm": {"plan": PLAN, "dataset": {"sha256": "d" * 64}}, "config": {"model": "/m/tiny"}, "build": build}
+    check_plan(first, "out", dict(PLAN), "/elsewhere/tiny", build, {"sha256": "d" * 64})  # the same plan: resumed
+    changed = {**PLAN, field: {"ab": True, "gc_hold": False, "grid_from": True}.get(field, "other")}
+    with pytest.raises(ResumeError) as refused:
+        check_plan(first, "out", changed, "/m/tiny", build, {"sha256": "d" * 64})
+    assert f"{SET_BY[field]} ({field}: first boot {PLAN[field]!r}, now {changed[field]!r})" in str(refused.value)
+    with pytest.raises(ResumeError, match=r"the dataset's content \(DYN_BENCH_KV_WARMUP_DATASET"):
+        check_plan(first, "out", dict(PLAN), "/m/tiny", build, {"sha256": "e" * 64})
