@@ -42,7 +42,7 @@ from .grid import GridLimits, decode_grid, mixed_grid, mixed_note, points_file, 
 from .grid_settings import GridLaying, grid_settings, wants_grid
 from .inputs import EMPTY_HELD_OUT, SweepInputs, chain_depth_needed, read_inputs, tail_tokens, tokenizer_encode
 from .limits import SweepRefused, check_engine, check_points
-from .plan import SweepConfig, SweepSetup
+from .plan import SweepConfig, SweepSetup, plan_rungs
 from .points import DecodePoint, PointsFileError, PrefillPoint, takes_tails
 from .provenance import loop_record, rank_layout, run_record, trailing_steps
 from .resume import POINTS_DIGEST, ResumeError, points_digest
@@ -230,6 +230,10 @@ class SweepRun:
             settle_steps=settings.settle_steps,
             ab=self._ab,
         )
+        if chain_text is not None:  # drawn (tokenized) now, not in the schedule() that builds a rung
+            for rung in plan_rungs(points, config.decode_steps, max_model_len):
+                for i in range(rung.batch_size):
+                    chain_text(i, rung.depth)  # a decode rung's, as planned before any trim
         return SweepSetup(points, chain_text, config, tails)
 
     def _grid(self, scheduler, laying: GridLaying, state_mode: str | None) -> list:
