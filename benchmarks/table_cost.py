@@ -173,7 +173,8 @@ def sweep_side(steps: Steps, spec: dict, environ: dict) -> dict:
     if artifact["status"] != "complete":
         sys.exit(f"the sweep in {spec['out']} ended {artifact['status']}: {artifact['error']}")
     rows = len(artifact["results"]) + len(artifact["skipped_points"])
-    return {"wall": wall, "seconds": seconds, "build_tokens": build_tokens, "rows": rows, "stages": run.sweep.stages}
+    figures = {"wall": wall, "seconds": seconds, "build_tokens": build_tokens, "rows": rows}
+    return {**figures, "stages": run.sweep.stages, "out": spec["out"]}
 
 
 def bound_side(steps: Steps, stages: list[dict], chain_text, label: str) -> tuple[float, int]:
@@ -221,6 +222,7 @@ def workload(name: str, steps: Steps, tmp: Path, what: dict, environ: dict, chai
     ratios = [r["real"]["wall"] / r["fake"]["wall"] for r in rounds]
     median = rounds[ratios.index(statistics.median_low(ratios))]
     report(name, median)
+    agree(median)
     best = {  # each figure's least over the rounds: the host's noise only ever adds time
         "build": min(r["real"]["seconds"]["build"] for r in rounds),
         "bound": min(r["real"]["bound"] for r in rounds),
@@ -260,6 +262,20 @@ def report(name: str, sides: dict) -> None:
         f"(target <= {POINTS_TARGET}; {rs['points'] - fs['points']:+.2f} s)"
     )
     print(f"      between points {rs['between']:7.2f} s against fake {fs['between']:.2f} s", flush=True)
+
+
+def agree(sides: dict) -> None:
+    """The fake side's rows against the real side's, point by point (record.report's A/B)."""
+    from vllm.kvwarm.record.report import compare
+    from vllm.kvwarm.record.runs import load_run
+
+    c = compare(load_run(sides["real"]["out"]), load_run(sides["fake"]["out"]))
+    ratios = [b.median_ms / a.median_ms for a, b in c.joined]
+    print(
+        f"    fake against real, point by point: MAPE {c.mape:.2f}% over {len(c.joined)} point(s), fake/real "
+        f"{min(ratios):.2f} to {max(ratios):.2f} (median {statistics.median(ratios):.2f})",
+        flush=True,
+    )
 
 
 def main() -> None:
