@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
         help="with --grid-from: leave out the steps that ended within the trace's first S seconds (a fresh "
         "server's warm-up), as validate --skip-seconds does",
     )
-    p.add_argument("--out", required=True, help="folder for sweep.json, sweep.csv and sweep.png")
+    p.add_argument("--out", required=True, help="folder for sweep.json, rows.jsonl, sweep.csv and sweep.png")
     p.add_argument(
         "--resume",
         action="store_true",
