@@ -75,7 +75,7 @@ def test_a_real_sweep_with_prefill_points_and_no_held_out_text_is_refused_before
     """Prefill points take their new tokens from the held-out half; a dataset whose
     conversations all fall in the chains' half is refused up front (it fell back to one
     repeated token), naming the file and the fix. Decode points never read that half."""
-    from vllm.kvwarm.sweep.run import read_inputs
+    from vllm.kvwarm.sweep.inputs import read_inputs
 
     even = [c for c in (_conversation(n) for n in range(60)) if _half(c) == 0]
     dataset = _write(tmp_path, even)

@@ -201,7 +201,7 @@ def assert_serves(scheduler) -> None:
 
 
 def test_a_failed_artifact_write_ends_the_sweep_as_failed_and_the_engine_serves_on(tmp_path, monkeypatch):
-    from vllm.kvwarm.record import artifact as artifact_module
+    from vllm.kvwarm.sweep import writer as writer_module
 
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     out = tmp_path / "out"
@@ -211,15 +211,16 @@ def test_a_failed_artifact_write_ends_the_sweep_as_failed_and_the_engine_serves_
         scheduler_cls=KvWarmScheduler,
         additional_config={"kvwarm_sweep": {"points": _points(tmp_path, (300, 2), (200, 2)), "out": str(out)}},
     )
-    write, calls = artifact_module.write_atomically, []
+    write, calls = writer_module.write_atomically, []
 
     def disk_full_once_rows_exist(path, data):
+        """The running sweep.json's writes (the final one is record.artifact's)."""
         calls.append(path.name)
-        if path.name == "sweep.csv" and calls.count("sweep.csv") == 2:  # the first row's write
+        if calls.count("sweep.json") == 2:  # the first row's write
             raise OSError(28, "No space left on device")
         return write(path, data)
 
-    monkeypatch.setattr(artifact_module, "write_atomically", disk_full_once_rows_exist)
+    monkeypatch.setattr(writer_module, "write_atomically", disk_full_once_rows_exist)
     _drive(scheduler)
     artifact = json.loads((out / "sweep.json").read_text())
     assert artifact["status"] == "failed"

@@ -213,7 +213,7 @@ def test_requests_from_outside_wait_while_a_point_is_measured_and_run_between_po
 
 
 def test_a_sweep_ends_without_its_leak_check_when_outside_requests_outlast_the_wait(tmp_path):
-    from vllm.kvwarm.sweep.controller import END_WAIT_SECONDS
+    from vllm.kvwarm.sweep.leak_check import END_WAIT_SECONDS
 
     scheduler = make_scheduler(tmp_path, num_blocks=256, scheduler_cls=KvWarmScheduler)
     endless = make_request("user-endless", 20)

@@ -14,6 +14,15 @@ that the multi-rank engine tests switch on through the environment.
   instead of the sweep's `out` (rank_out below), as if each rank's node had a disk of its
   own: the ranks of one launch on this host then share no folder, so only the rank
   exchange can carry anything between them.
+- KVWARM_TEST_KILL_AT=MOMENT:N: SIGKILL of this process's group (the sweep command's, started
+  in a session of its own: the command and its engine cores) at a named moment of the sweep,
+  counted in this process (kill_at below): `build:N` during the N-th rung build (after its
+  first prefill step), `step:N` once the N-th timed decode step has run (inside its update),
+  `write:N` halfway through writing the N-th row's line of rows.jsonl. With `write`,
+  KVWARM_TEST_KILL_FOLDER=NAME kills only the process whose rows.jsonl is in a folder of that
+  name (a data-parallel rank's dp<R>), and KVWARM_TEST_KILL_AFTER=PATH:M first waits (60 s at
+  most) until PATH holds M row lines (another rank's rows.jsonl): the moment is then the
+  same on every run.
 """
 
 from __future__ import annotations
@@ -95,6 +104,83 @@ def _own_folder_per_rank(original):
     return __init__
 
 
+KILL_ENV, KILL_FOLDER_ENV, KILL_AFTER_ENV = "KVWARM_TEST_KILL_AT", "KVWARM_TEST_KILL_FOLDER", "KVWARM_TEST_KILL_AFTER"
+
+
+def _kill() -> None:
+    import signal
+
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _rows_in(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b'"kind":"row"')
+    except OSError:
+        return 0
+
+
+def kill_at(moment: str, count: int) -> None:
+    """Patch the sweep so this process's group is killed at `moment`'s `count`-th time."""
+    import time
+
+    seen = {"builds": 0, "calls": 0, "steps": 0, "rows": 0}
+    if moment == "build":
+        from vllm.kvwarm.sweep.controller import Sweep
+
+        add, build = Sweep._add_chains, Sweep._build_step
+
+        def _add_chains(self, scheduler, rung):
+            seen["builds"], seen["calls"] = seen["builds"] + 1, 0
+            return add(self, scheduler, rung)
+
+        def _build_step(self, scheduler):
+            seen["calls"] += 1
+            # the chains' first prefill step ran in the step that added them: this is the next one's
+            if seen["builds"] == count and seen["calls"] == 1:
+                _kill()
+            return build(self, scheduler)
+
+        Sweep._add_chains, Sweep._build_step = _add_chains, _build_step
+    elif moment == "step":
+        from vllm.kvwarm.sweep.decode_steps import DecodeSteps
+
+        step = DecodeSteps.step
+
+        def counted(self, output, window=None):
+            timed = len(self._times)
+            done = step(self, output, window)
+            seen["steps"] += len(self._times) - timed
+            if seen["steps"] == count and len(self._times) > timed:
+                _kill()
+            return done
+
+        DecodeSteps.step = counted
+    elif moment == "write":
+        from vllm.kvwarm.record.row_log import RowLog
+
+        row, folder, after = RowLog.row, os.environ.get(KILL_FOLDER_ENV), os.environ.get(KILL_AFTER_ENV)
+
+        def torn(self, *args, **kwargs):
+            if folder and self.path.parent.name != folder:
+                return row(self, *args, **kwargs)
+            seen["rows"] += 1
+            if seen["rows"] != count:
+                return row(self, *args, **kwargs)
+            self._file.write(b'{"kind":"row","boot":')  # half a line, flushed: what a kill mid-write leaves
+            self._file.flush()
+            if after:
+                path, rows = after.rsplit(":", 1)
+                deadline = time.monotonic() + 60
+                while _rows_in(Path(path)) < int(rows) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            _kill()
+
+        RowLog.row = torn
+    else:
+        raise ValueError(f"{KILL_ENV}: no moment {moment!r} (build, step, write)")
+
+
 def register() -> None:
     if os.environ.get("KVWARM_TEST_CPU_ALL_GATHERV") == "1":
         from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
@@ -110,6 +196,9 @@ def register() -> None:
 
         blocks = rank_blocks(os.environ[RANK_BLOCKS_ENV])
         EngineCore._initialize_kv_caches = _pool_per_rank(EngineCore._initialize_kv_caches, blocks)
+    if os.environ.get(KILL_ENV):
+        moment, count = os.environ[KILL_ENV].split(":")
+        kill_at(moment, int(count))
     if os.environ.get(RANK_OUT_ENV) == "1":
         from vllm.kvwarm.sweep.run import SweepRun
 

@@ -114,14 +114,25 @@ def launched(data_parallel_size: int):
 
 
 def rank_runs(
-    tmp_path, monkeypatch, points, kind="store", size=2, timeout=None, start=None, port=None, grid=None, blocks=None
+    tmp_path,
+    monkeypatch,
+    points,
+    kind="store",
+    size=2,
+    timeout=None,
+    start=None,
+    port=None,
+    grid=None,
+    blocks=None,
+    resume=False,
 ):
     """SweepRuns configured as the adapter builds them, one per rank of a launch of `size`
     (`start`: those ranks only, rank 0 first). Through the store each rank has an OUT of its own
     (as on nodes with their own disks: kvwarm_testing.plugin.rank_out), and rank 0's store
     takes a free port (where `port` gives none) that the other ranks read from the
     environment; through files they share one OUT. `grid`: a --grid sweep with these caps
-    instead of `points`; `blocks`: each rank's pool. Returns (schedulers, OUT)."""
+    instead of `points`; `blocks`: each rank's pool; `resume`: the launch resumes the sweep in
+    OUT. Returns (schedulers, OUT)."""
     from vllm.kvwarm.scheduler import KvWarmScheduler
     from vllm.kvwarm.sweep.exchange import store
     from vllm.kvwarm.sweep.run import SweepRun
@@ -146,6 +157,7 @@ def rank_runs(
         scheduler.vllm_config.parallel_config.data_parallel_index = rank
         spec = {"grid": grid} if grid else {"points": str(path)}
         spec["out"] = str(out if kind == "files" else rank_out(out, rank))
+        spec.update({"resume": True} if resume else {})
         with launched(size), monkeypatch.context() as local:
             if kind == "store" and port is None and rank == 0:
                 local.setattr(store, "store_address", any_free_port)

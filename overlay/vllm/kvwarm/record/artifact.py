@@ -1,6 +1,10 @@
-"""One rank's measurement record: sweep.json (checked against record.schema) and sweep.csv
-(the plot, sweep.png, is record.plot's). Written after every point, each file through an
-atomic replace, so a failure mid-sweep never loses the rows already measured.
+"""One rank's measurement record: sweep.json and sweep.csv (the plot, sweep.png, is
+record.plot's), each file written through an atomic replace. While the sweep runs they are
+rewritten at a pace (sweep.writer), compact and unchecked; the final write is checked against
+record.schema. What a kill cannot take is in rows.jsonl (record.row_log): every row is
+appended there as it ends, so a sweep that fails keeps every row in its final sweep.json, and
+one killed outright loses at most the point it was measuring (its sweep.json lags behind its
+rows.jsonl, which a resume reads: sweep.resume).
 
 Plain data: nothing here imports vLLM. The sweep builds PointRows and a KvwarmMeta, and
 `build_artifact` turns them into the JSON document; tests build their fixtures through it.
@@ -55,6 +59,10 @@ class PointRow:
     parts: dict[str, dict[str, int]] | None = None
     # prefill: its requests were running, their prefix computed by an earlier step of their own
     continuation: bool = False
+    # an A/B sweep's row (--ab): the side it measured (vocabulary AB_SIDES), and whether that
+    # side ran first at its point (the sides alternate); None on other sweeps
+    ab: str | None = None
+    ab_first: bool | None = None
 
     def __post_init__(self):
         if self.sample_kind is None:
@@ -106,6 +114,12 @@ class KvwarmMeta:
     grid: dict | None = None  # a generated grid: its points file and axes (sweep.grid)
     engine_loop: dict | None = None  # the engine's loop and the adapter class that served it (sweep.provenance)
     exchange: dict | None = None  # how the data-parallel ranks met: exchange, address, port, port_origin
+    # what the sweep's plan is made from, which a resume holds itself to (sweep.resume.plan_inputs)
+    plan: dict | None = None
+    # a resumed sweep: each boot, {boot, started_at, rows}; what its resume replaced (sweep.resume)
+    boots: list[dict] | None = None
+    resume: dict | None = None
+    ab: dict | None = None  # an A/B sweep (--ab): how the sides were measured (sweep.ab)
 
     @classmethod
     def read(cls, block: dict | None) -> KvwarmMeta:
@@ -175,7 +189,12 @@ def _result(r: PointRow, dp_size: int) -> dict:
         "phases": r.phases,
         "graph": graph,
         **({"split": r.split} if r.split is not None else {}),
+        **_ab(r),
     }
+
+
+def _ab(r: PointRow) -> dict:
+    return {"ab": r.ab, "ab_first": r.ab_first} if r.ab is not None else {}
 
 
 def build_artifact(
@@ -189,11 +208,34 @@ def build_artifact(
     layout: dict | None = None,
 ) -> dict:
     """One rank's artifact. `run` holds the run record (build, torch, hardware, engine
-    arguments) and the times; `layout` the rank layout (default: one rank)."""
+    arguments) and the times; `layout` the rank layout (default: one rank). An A/B sweep's
+    fake side goes to its own block (vocabulary AB_FAKE_SIDE): `results` and
+    `skipped_points` are the real side's, the table every reader takes."""
+    head = artifact_head(rows, meta, config, status, error, run=run, layout=layout)
+    size, artifact = head["layout"]["data_parallel_size"], dict(head)
+    for name, side in split(rows, head):
+        lists = {
+            "results": [entry(r, size) for r in side if not r.skipped],
+            "skipped_points": [entry(r, size) for r in side if r.skipped],
+        }
+        artifact.update(lists) if name is None else artifact.update({name: lists})
+    return artifact
+
+
+def artifact_head(
+    rows: list[PointRow],
+    meta: KvwarmMeta,
+    config: dict,
+    status: str,
+    error: str | None = None,
+    *,
+    run: dict | None = None,
+    layout: dict | None = None,
+) -> dict:
+    """The artifact less its rows (build_artifact's arguments): what `split` lays them out by."""
     run = run or {}
-    layout = layout or SINGLE_RANK
-    measured = [r for r in rows if not r.skipped]
     engine_args = run.get("engine_args")
+    table = [r for r in rows if r.ab != v.AB_FAKE]
     return {
         "schema_version": v.SCHEMA_VERSION,
         "artifact_type": v.RANK,
@@ -203,21 +245,27 @@ def build_artifact(
         "finished_at": run.get("finished_at"),
         "config": {**config, **({"engine_args": engine_args} if engine_args else {})},
         "build": run.get("build"),
-        "layout": layout,
+        "layout": layout or SINGLE_RANK,
         "hardware": run.get("hardware"),
         "torch": run.get("torch"),
-        "kvwarm": meta.as_dict(measured),
-        "results": [_result(r, layout["data_parallel_size"]) for r in measured],
-        "skipped_points": [
-            {
-                "point": r.point,
-                "kv_seed_regime": r.kv_seed_regime,
-                "reason": r.detail or "",
-            }
-            for r in rows
-            if r.skipped
-        ],
+        "kvwarm": meta.as_dict([r for r in table if not r.skipped]),
     }
+
+
+def split(rows: list[PointRow], head: dict) -> list[tuple[str | None, list[PointRow]]]:
+    """The rows by where they go: the table's (None) and, in an A/B sweep, the fake side's block."""
+    table = [r for r in rows if r.ab != v.AB_FAKE]
+    if head["kvwarm"].get("ab") is None and len(table) == len(rows):
+        return [(None, table)]
+    return [(None, table), (v.AB_FAKE_SIDE, [r for r in rows if r.ab == v.AB_FAKE])]
+
+
+def entry(r: PointRow, size: int) -> dict:
+    """A row as its artifact entry: a measured row's in `results`, a skipped one's in
+    `skipped_points`; `size`: the data-parallel size."""
+    if r.skipped:
+        return {"point": r.point, "kv_seed_regime": r.kv_seed_regime, "reason": r.detail or "", **_ab(r)}
+    return _result(r, size)
 
 
 def _ms(value: float | None) -> str:
@@ -247,6 +295,7 @@ def results_csv(results: list[dict]) -> bytes:
             "decode_batch_size",  # mixed rows: the decode part (the prefill part is the rest)
             "decode_kv_read_tokens",
             "continuation",  # 1: the prefill requests were running ones (sweep-reference.md#continuation-points)
+            "ab",  # an A/B sweep's rows: the side (real, fake); empty on other sweeps
             "observed_cudagraph_mode",  # the graph the median sample ran in, where the runner said
             "observed_size",
         ]
@@ -275,6 +324,7 @@ def results_csv(results: list[dict]) -> bytes:
                 decode.get("batch_size", ""),
                 decode.get("total_kv_read_tokens", ""),
                 1 if is_continuation(row["point"]) else "",
+                row.get("ab") or "",
                 graph.get("observed_cudagraph_mode") or "",
                 "" if graph.get("observed_size") is None else graph["observed_size"],
             ]
@@ -282,11 +332,17 @@ def results_csv(results: list[dict]) -> bytes:
     return text.getvalue().encode()
 
 
+def all_results(artifact: dict) -> list[dict]:
+    """Every measured row: the results, then an A/B sweep's fake side's."""
+    return [*artifact["results"], *(artifact.get(v.AB_FAKE_SIDE) or {}).get("results", [])]
+
+
 def write_artifact(out_dir: str | Path, artifact: dict) -> list[Path]:
-    """sweep.json and sweep.csv, after checking the artifact against the schema."""
+    """sweep.json and sweep.csv of a final artifact, checked against the schema first (a
+    running one is sweep.writer's: compact, unchecked, without its CSV)."""
     validate(artifact)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_atomically(out / v.ARTIFACT, json.dumps(artifact, indent=2).encode())
-    write_atomically(out / v.ARTIFACT_CSV, results_csv(artifact["results"]))
+    write_atomically(out / v.ARTIFACT_CSV, results_csv(all_results(artifact)))
     return [out / v.ARTIFACT, out / v.ARTIFACT_CSV]

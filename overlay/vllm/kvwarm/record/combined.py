@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from . import vocabulary as v
-from .artifact import results_csv
+from .artifact import all_results, results_csv
 from .files import locked, write_atomically
 from .shape import point_key
 
@@ -66,24 +66,9 @@ def combine(ranks: list[dict | None], lost: dict[int, str] | None = None) -> dic
     failed = [s for s in summary if s["status"] == v.FAILED]
     error = "; ".join(f"rank {s['rank']}: {s['error']}" for s in failed) or None
     first = next((a for a in ranks if a), None) or {}
-    by_point: dict[tuple, list] = {}
-    for rank, artifact in enumerate(ranks):
-        for row in (artifact or {}).get("results", []):
-            key = point_key(row["point"])
-            by_point.setdefault(key, []).append((rank, row))
-    results = []
-    for entries in by_point.values():
-        base = dict(min(entries, key=lambda e: e[0])[1])  # rank 0's row where it has one
-        medians = [row["median_seconds"] for _, row in entries]
-        base.update(
-            median_seconds=max(medians),
-            min_seconds=min(row["min_seconds"] for _, row in entries),
-            max_seconds=max(row["max_seconds"] for _, row in entries),
-            ranks=[{"rank": rank, "median_seconds": row["median_seconds"]} for rank, row in entries],
-        )
-        base["spread"] = (base["max_seconds"] - base["min_seconds"]) / base["median_seconds"]
-        results.append(base)
-    skipped = [{**s, "rank": rank} for rank, a in enumerate(ranks) for s in (a or {}).get("skipped_points", [])]
+    results, skipped = _merged(ranks)
+    fake = [(a or {}).get(v.AB_FAKE_SIDE) for a in ranks]  # an A/B sweep's fake side, merged alike
+    ab = dict(zip(("results", "skipped_points"), _merged(fake))) if any(fake) else None
     finished = [a["finished_at"] for a in ranks if a and a["finished_at"]]
     return {
         "schema_version": v.SCHEMA_VERSION,
@@ -112,7 +97,32 @@ def combine(ranks: list[dict | None], lost: dict[int, str] | None = None) -> dic
         "kvwarm": first.get("kvwarm", {}),
         "results": results,
         "skipped_points": skipped,
+        **({v.AB_FAKE_SIDE: ab} if ab is not None else {}),
     }
+
+
+def _merged(ranks: list[dict | None]) -> tuple[list[dict], list[dict]]:
+    """Every rank's rows as one per point (each rank's median, the slowest as the point's)
+    and every rank's skipped points."""
+    by_point: dict[tuple, list] = {}
+    for rank, artifact in enumerate(ranks):
+        for row in (artifact or {}).get("results", []):
+            key = point_key(row["point"])
+            by_point.setdefault(key, []).append((rank, row))
+    results = []
+    for entries in by_point.values():
+        base = dict(min(entries, key=lambda e: e[0])[1])  # rank 0's row where it has one
+        medians = [row["median_seconds"] for _, row in entries]
+        base.update(
+            median_seconds=max(medians),
+            min_seconds=min(row["min_seconds"] for _, row in entries),
+            max_seconds=max(row["max_seconds"] for _, row in entries),
+            ranks=[{"rank": rank, "median_seconds": row["median_seconds"]} for rank, row in entries],
+        )
+        base["spread"] = (base["max_seconds"] - base["min_seconds"]) / base["median_seconds"]
+        results.append(base)
+    skipped = [{**s, "rank": rank} for rank, a in enumerate(ranks) for s in (a or {}).get("skipped_points", [])]
+    return results, skipped
 
 
 def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] | None = None) -> dict:
@@ -121,18 +131,21 @@ def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] 
     root.mkdir(parents=True, exist_ok=True)
     combined = combine(ranks, lost)
     write_atomically(root / v.ARTIFACT, json.dumps(combined, indent=2).encode())
-    write_atomically(root / v.ARTIFACT_CSV, results_csv(combined["results"]))
+    write_atomically(root / v.ARTIFACT_CSV, results_csv(all_results(combined)))
     return combined
 
 
-def write_combined(root: str | Path, size: int, before_final=None) -> dict:
+def write_combined(root: str | Path, size: int, before_final=None, wait: bool = True) -> dict | None:
     """Rebuild OUT/sweep.json from every rank's latest artifact in OUT/dp<R>/ (under a lock,
     so the last writer has read every rank's last write). `before_final`: called with every
     rank's artifact when the view is final, before it is written (so whoever waits for the
-    final view finds what it made)."""
+    final view finds what it made). `wait` False: where another rank holds the lock, nothing
+    is written (None), at once."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    with locked(root / LOCK):
+    with locked(root / LOCK, wait) as held:
+        if not held:
+            return None
         ranks = [_read_rank(root, r) for r in range(size)]
         if before_final is not None and combine(ranks)["status"] != v.RUNNING:
             before_final(ranks)

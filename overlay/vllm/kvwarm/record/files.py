@@ -25,11 +25,17 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 @contextmanager
-def locked(lock_path: Path) -> Iterator[None]:
-    """An exclusive flock on lock_path (made if missing) for the block's duration."""
+def locked(lock_path: Path, wait: bool = True) -> Iterator[bool]:
+    """An exclusive flock on lock_path (made if missing) for the block's duration; yields
+    whether it is held. `wait`: False: where another process holds it, the block runs
+    without it at once (yields False) instead of waiting."""
     with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            yield
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

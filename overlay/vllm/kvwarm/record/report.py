@@ -2,6 +2,8 @@
 artifacts (schema v1 and v2) rendered into report.html with PNG plots, and report.csv.
 With two or more runs, each is compared with the first: their points are joined by
 (K, B), and per point the ratio of medians and overall the MAPE are printed and shown.
+An A/B sweep (`sweep --ab`) is compared with itself: its fake side against its real side,
+measured in one boot. Its table, everywhere else, is its real side.
 """
 
 from __future__ import annotations
@@ -68,6 +70,11 @@ def skip_reason(run: Run, key: tuple) -> str:
     return "not in its points"
 
 
+def ab_comparison(run: Run) -> Comparison:
+    """An A/B sweep's fake side (B) against its real side (A), point by point."""
+    return compare(run.side(v.AB_REAL), run.side(v.AB_FAKE))
+
+
 def comparison_text(c: Comparison) -> str:
     lines = [
         f"B = {c.other.label} against A = {c.base.label}",
@@ -118,13 +125,13 @@ CSV_COLUMNS = [
 def write_csv(runs: list[Run], comparisons: list[Comparison]) -> str:
     """One line per measured row of every run; rows of the second and later runs carry the
     first run's median at the same (K, B) and the ratio, where it has one."""
-    baseline = {id(b): a for c in comparisons for a, b in c.joined}
+    baseline = {id(b): (c.base.label, a) for c in comparisons for a, b in c.joined}
     text = io.StringIO()
     writer = csv.writer(text)
     writer.writerow(CSV_COLUMNS)
     for run in runs:
         for row in run.rows:
-            base = baseline.get(id(row))
+            base_label, base = baseline.get(id(row), (None, None))
             writer.writerow(
                 [
                     run.label,
@@ -141,7 +148,7 @@ def write_csv(runs: list[Run], comparisons: list[Comparison]) -> str:
                     len(row.steps_ms),
                     " ".join(f"{t:.4f}" for t in row.steps_ms),
                     " ".join(row.reasons),
-                    runs[0].label if base else "",
+                    base_label or "",
                     f"{base.median_ms:.4f}" if base else "",
                     f"{row.median_ms / base.median_ms:.4f}" if base else "",
                     row.kind,
@@ -238,14 +245,14 @@ def _run_section(n: int, run: Run, png: str) -> str:
     return "\n".join(parts)
 
 
-def _comparison_section(n: int, c: Comparison, png: str) -> str:
+def _comparison_section(title: str, c: Comparison, png: str) -> str:
     mape = "n/a (no point in common)" if c.mape is None else f"{c.mape:.2f}%"
     lines = [
         [a.k, a.b, f"{a.median_ms:.3f}", f"{b.median_ms:.3f}", f"{b.median_ms / a.median_ms:.3f}", a.regime, b.regime]
         for a, b in c.joined
     ]
     parts = [
-        f"<h2>Run {n} (B: {html.escape(c.other.label)}) against run 1 (A: {html.escape(c.base.label)})</h2>",
+        f"<h2>{html.escape(title)}</h2>",
         (
             f"<p><b>MAPE of B against A: {mape}</b> over {len(c.joined)} joined point(s) "
             "(mean of |B − A| / A of the medians)</p>"
@@ -263,15 +270,29 @@ def _comparison_section(n: int, c: Comparison, png: str) -> str:
     return "\n".join(parts)
 
 
-def render(runs: list[Run], comparisons: list[Comparison], out: Path) -> list[Path]:
-    """report.html, report.csv and one PNG per run and per comparison, in `out`."""
+def render(runs: list[Run], comparisons: list[Comparison], out: Path, ab: list[Comparison] = ()) -> list[Path]:
+    """report.html, report.csv and one PNG per run and per comparison, in `out`; `ab`: each
+    A/B sweep's comparison of its sides (ab_comparison), in the order of the runs."""
     out.mkdir(parents=True, exist_ok=True)
     written, sections = [], []
-    for n, c in enumerate(comparisons, start=2):
-        name = f"compare-{n}-vs-1.png"
+    titled = [
+        *(
+            (f"compare-{n}-vs-1.png", f"Run {n} (B: {c.other.label}) against run 1 (A: {c.base.label})", c)
+            for n, c in enumerate(comparisons, start=2)
+        ),
+        *(
+            (
+                f"ab-{c.base.label}.png".replace("/", "_").replace(" ", "-"),
+                f"A/B in one boot: {c.other.label} (B) against {c.base.label} (A)",
+                c,
+            )
+            for c in ab
+        ),
+    ]
+    for name, title, c in titled:
         (out / name).write_bytes(png_bytes(figure([c.base, c.other])))
         written.append(out / name)
-        sections.append(_comparison_section(n, c, name))
+        sections.append(_comparison_section(title, c, name))
     for n, run in enumerate(runs, start=1):
         name = f"run-{n}.png"
         (out / name).write_bytes(png_bytes(figure([run])))
@@ -285,7 +306,7 @@ def render(runs: list[Run], comparisons: list[Comparison], out: Path) -> list[Pa
         + "</body></html>\n"
     )
     (out / "report.html").write_text(page)
-    (out / "report.csv").write_text(write_csv(runs, comparisons))
+    (out / "report.csv").write_text(write_csv([*runs, *(c.other for c in ab)], [*comparisons, *ab]))
     return [out / "report.html", out / "report.csv", *written]
 
 
@@ -322,6 +343,8 @@ def run(argv: list[str]) -> int:
         return 2
     for n, r in enumerate(runs, start=1):
         print(f"run {n}: {r.label} ({r.source}): {r.status}, {len(r.rows)} measured point(s), {r.describe()}")
+        if r.fake_side is not None:
+            print(f"  an A/B sweep: its table is its real side's rows; its {len(r.fake_side)} fake-KV row(s) below")
         if r.status == v.FAILED:
             print(
                 f"kvwarm report: warning: {r.source}: the sweep failed ({r.artifact.get('error')}); "
@@ -329,9 +352,13 @@ def run(argv: list[str]) -> int:
                 file=sys.stderr,
             )
     comparisons = [compare(runs[0], r) for r in runs[1:]]
+    ab = [ab_comparison(r) for r in runs if r.fake_side is not None]
     for c in comparisons:
         print()
         print(comparison_text(c))
-    written = render(runs, comparisons, Path(args.out))
+    for c in ab:
+        print("\nA/B in one boot (fake KV against real KV, the same engine):")
+        print(comparison_text(c))
+    written = render(runs, comparisons, Path(args.out), ab)
     print(f"\nwrote {', '.join(p.name for p in written)} in {Path(args.out).resolve()}")
     return 0

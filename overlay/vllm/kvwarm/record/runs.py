@@ -1,4 +1,6 @@
 """Sweep artifacts (schema v1 and v2) read into runs and rows, for the report and the plot.
+An A/B sweep's table is its real side (`results`); its fake side's rows are the run's
+`fake_side`, which the report compares with them.
 
 Plain data: nothing here imports vLLM or matplotlib.
 """
@@ -52,6 +54,15 @@ class Run:
     source: str
     artifact: dict
     rows: list[Row] = field(default_factory=list)
+    fake_side: list[Row] | None = None  # an A/B sweep's fake-KV rows (vocabulary AB_FAKE_SIDE)
+
+    def side(self, name: str) -> Run:
+        """An A/B sweep's side as a run of its own: the real one (its table) or the fake one."""
+        if name == v.AB_REAL:
+            return Run(f"{self.label} real KV", self.source, self.artifact, self.rows)
+        fake = self.artifact.get(v.AB_FAKE_SIDE) or {}
+        artifact = {**self.artifact, "skipped_points": fake.get("skipped_points", [])}
+        return Run(f"{self.label} fake KV", self.source, artifact, self.fake_side or [])
 
     @property
     def status(self) -> str:
@@ -205,7 +216,9 @@ def from_artifact(artifact: dict, label: str, source: str) -> Run:
             f"{source}: schema_version {version}; this report reads versions up to "
             f"{max(READS)}: render it with the vLLM kvwarm build that wrote it, or a newer one"
         )
-    return Run(label, source, artifact, read_rows(artifact, source))
+    fake = artifact.get(v.AB_FAKE_SIDE)
+    fake_side = read_rows(fake, f"{source}: {v.AB_FAKE_SIDE}") if isinstance(fake, dict) else None
+    return Run(label, source, artifact, read_rows(artifact, source), fake_side)
 
 
 def load_run(arg: str, allow_running: bool = False, label: str | None = None) -> Run:

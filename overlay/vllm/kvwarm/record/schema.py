@@ -104,6 +104,18 @@ KVWARM = _object(
                 "batch_queue_size": POSITIVE,
             },
         },
+        "plan": {"type": ["object", "null"]},
+        "boots": {
+            "type": ["array", "null"],
+            "items": _object({"boot": COUNT, "started_at": {"type": "string"}, "rows": COUNT}),
+        },
+        "resume": {
+            "type": ["object", "null"],
+            "properties": {
+                "replaced": {"type": "array", "items": _object({"point": POINT, "reason": {"type": "string"}})}
+            },
+        },
+        "ab": {"type": ["object", "null"], "required": ["first"], "properties": {"first": {"enum": ["alternate"]}}},
         "exchange": {
             "type": ["object", "null"],
             "required": ["exchange", "address", "port"],
@@ -116,6 +128,7 @@ KVWARM = _object(
         },
     },
 )
+AB = {"ab": {"enum": list(v.AB_SIDES)}, "ab_first": {"type": "boolean"}}  # an A/B sweep's rows
 RESULT = _object(
     {
         "point": POINT,
@@ -139,10 +152,20 @@ RESULT = _object(
                 "new_tokens": {"type": "array", "items": POSITIVE, "minItems": 1},
             }
         ),
+        **AB,
     },
 )
 SKIPPED = _object(
-    {"point": POINT, "kv_seed_regime": {"type": "string", "pattern": f"^{v.SKIP_PREFIX}"}, "reason": {"type": "string"}}
+    {
+        "point": POINT,
+        "kv_seed_regime": {"type": "string", "pattern": f"^{v.SKIP_PREFIX}"},
+        "reason": {"type": "string"},
+    },
+    AB,
+)
+# an A/B sweep's fake side: its rows, as the artifact's own
+AB_FAKE_SIDE = _object(
+    {"results": {"type": "array", "items": RESULT}, "skipped_points": {"type": "array", "items": SKIPPED}}
 )
 LAYOUT = _object(
     {
@@ -194,7 +217,7 @@ SCHEMA = {
             "results": {"type": "array", "items": RESULT},
             "skipped_points": {"type": "array", "items": SKIPPED},
         },
-        {"ranks": {"type": "array", "items": RANK_SUMMARY}},
+        {"ranks": {"type": "array", "items": RANK_SUMMARY}, v.AB_FAKE_SIDE: AB_FAKE_SIDE},
     ),
 }
 

@@ -13,6 +13,7 @@ SCHEMA_VERSION = 3
 ARTIFACT = "sweep.json"
 ARTIFACT_CSV = "sweep.csv"
 ARTIFACT_PNG = "sweep.png"
+ROWS = "rows.jsonl"  # a rank's rows as they are measured, beside its sweep.json (record.row_log)
 # artifact_type: our own tags (schema 3 on); schema 1 and 2 said "rank" / "combined", which
 # is also the tag of Dynamo's self-benchmark artifact, a file of another shape.
 RANK, COMBINED = "kvwarm.rank", "kvwarm.combined"
@@ -55,6 +56,14 @@ FAKE_PREFIX = "fake_prefix"  # blocks registered and hashed, never computed
 NOT_APPLICABLE = "not_applicable"  # no prefix (P = 0)
 PREFILL_REGIMES = (REAL_PREFIX, FAKE_PREFIX, NOT_APPLICABLE)
 SKIP_PREFIX = "skip:"  # a skipped point's regime is skip:<reason>
+
+# --- real and fake KV in one boot (--ab): the side a row measured (a row's `ab`) -------------
+# The real side's rows are the artifact's `results` and `skipped_points`, the table every
+# reader takes; the fake side's (fake KV, regime legacy; fake prefixes) are the AB_FAKE_SIDE
+# block's `results` and `skipped_points`.
+AB_REAL, AB_FAKE = "real", "fake"
+AB_SIDES = (AB_REAL, AB_FAKE)
+AB_FAKE_SIDE = "ab_fake_side"
 
 
 def skip_regime(reason: str) -> str:

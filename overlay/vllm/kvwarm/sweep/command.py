@@ -1,6 +1,11 @@
-"""`python -m vllm.kvwarm sweep (--points FILE | --grid | --grid-from TRACE) --out DIR [vLLM
-engine args]`: a sweep of prefill and decode points on the real engine, writing the artifact
-after every point.
+"""`python -m vllm.kvwarm sweep (--points FILE | --grid | --grid-from TRACE) --out DIR [--resume]
+[--ab] [vLLM engine args]`: a sweep of prefill and decode points on the real engine, writing
+every row as it is measured.
+
+--resume continues a sweep that was stopped (killed, or failed) from its --out: what it is
+held to before the engine starts (the plan's inputs, the model, the build, the dataset) is
+checked here, the rest once the engine is up (sweep.resume); a complete sweep is left as it
+is. --ab measures every point on real and fake KV in this one engine (sweep.ab).
 
 Every input is checked before the engine starts; any failure still writes an artifact
 (status "failed", the error, and every row measured before it). The sweep itself runs
@@ -27,15 +32,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 
 from ..record import vocabulary as v
 from ..record.combined import rank_path
+from ..record.validate.match import given_model
+from .exchange.files import SYNC_DIR
 from .grid_settings import check_grid
+from .inputs import read_inputs
 from .points import check_budget
-from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, read_inputs
+from .resume import check_plan, read_record, record_path
+from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, plan_inputs
 from .settings import SettingsError
 from .trace_grid import caps_of, check_given
 
@@ -86,7 +96,19 @@ def parser() -> argparse.ArgumentParser:
         help="with --grid-from: leave out the steps that ended within the trace's first S seconds (a fresh "
         "server's warm-up), as validate --skip-seconds does",
     )
-    p.add_argument("--out", required=True, help="folder for sweep.json, sweep.csv and sweep.png")
+    p.add_argument("--out", required=True, help="folder for sweep.json, rows.jsonl, sweep.csv and sweep.png")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep that was stopped in --out: its rows are kept, only the points it had not "
+        "measured are, with the same points, model, build and engine arguments (anything else is refused)",
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="measure every point twice, back to back in this engine: on real KV and on fake KV (rows tagged "
+        "by side; `report` of the one artifact gives the A/B)",
+    )
     return p
 
 
@@ -139,6 +161,7 @@ def run(argv: list[str]) -> int:
     if args.skip_seconds and not args.grid_from:
         p.error("--skip-seconds goes with --grid-from (it leaves a trace's first seconds out of the grid)")
     spec = {"out": str(Path(args.out).resolve()), "engine_args": engine_argv}  # recorded as given
+    spec.update({"resume": True} if args.resume else {}, **({"ab": True} if args.ab else {}))
     if args.grid_from:
         spec.update(grid_from=str(Path(args.grid_from).resolve()), grid_caps=args.grid_caps)
         if args.skip_seconds:
@@ -150,34 +173,42 @@ def run(argv: list[str]) -> int:
         {"points": spec.get("points") or str(grid_path(spec["out"])), "engine_args": {"given": engine_argv}},
         os.environ,
     )
+
+    def refused(message: str) -> int:
+        """Bad input: said, and recorded in a new sweep's artifact (a resumed one's is left as it is)."""
+        print(f"kvwarm sweep: {message}", file=sys.stderr)
+        if not args.resume:
+            writer.write(v.FAILED, message)
+        return 2
+
     try:
         inputs = read_inputs(spec.get("points"))  # max_model_len is checked again once the engine knows it
+        if args.ab and inputs.settings.warmup == "off":
+            raise SettingsError("--ab measures every point on real and fake KV: unset DYN_BENCH_KV_WARMUP=off")
         if spec.get("points"):  # a given budget refuses mixed points before the engine loads
             check_budget(inputs.points, engine_args_from(engine_argv, spec).max_num_batched_tokens, spec["points"])
         if args.grid_from:  # a trace of another model or layout: refused before the engine loads
             check_given(spec["grid_from"], engine_args_from(engine_argv, spec), args.skip_seconds)
         elif args.grid is not None:
             check_grid(args.grid)  # the caps, before the engine loads the model
+        if args.resume and resumable(spec, inputs, engine_argv) is None:
+            return 0
     except INPUT_ERRORS as err:
-        print(f"kvwarm sweep: {err}", file=sys.stderr)
-        writer.write(v.FAILED, str(err))
-        return 2
-    writer.write(v.RUNNING)  # replaces any earlier run's artifact in --out
+        return refused(str(err))
+    if not args.resume:
+        writer.write(v.RUNNING)  # replaces any earlier run's artifact in --out
+    else:  # the file exchange's records of the stopped launch, which this launch's ranks must not read
+        shutil.rmtree(Path(spec["out"]) / SYNC_DIR, ignore_errors=True)
     engine_args = engine_args_from(engine_argv, spec)
-    refused = ray_refusal(engine_args)
-    if refused is not None:
-        print(f"kvwarm sweep: {refused}", file=sys.stderr)
-        writer.write(v.FAILED, refused)
-        return 2
+    ray = ray_refusal(engine_args)
+    if ray is not None:
+        return refused(ray)
     if engine_args.data_parallel_size > 1:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            print(
-                "kvwarm sweep: --data-parallel-size > 1 needs the engine cores in vLLM's own processes; "
-                "unset VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 1)",
-                file=sys.stderr,
+            return refused(
+                "--data-parallel-size > 1 needs the engine cores in vLLM's own processes; "
+                "unset VLLM_ENABLE_V1_MULTIPROCESSING (or set it to 1)"
             )
-            writer.write(v.FAILED, "data parallel with VLLM_ENABLE_V1_MULTIPROCESSING=0")
-            return 2
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         print(
             f"kvwarm sweep: {engine_args.data_parallel_size} data-parallel ranks, each writing "
@@ -205,6 +236,22 @@ def run(argv: list[str]) -> int:
         print(f"kvwarm sweep: {status}: {recorded.get('error') or 'see the log above'}", file=sys.stderr)
     engine.engine_core.shutdown()
     return 0 if status == v.COMPLETE else 1
+
+
+def resumable(spec: dict, inputs, engine_argv: list[str]) -> dict | None:
+    """--resume, before the engine starts: the record in --out, held to this command's plan,
+    model, build and dataset (ResumeError where it differs or is missing); None, said, where
+    the sweep is complete already."""
+    from vllm.kvwarm import build_record
+
+    artifact = read_record(record_path(spec["out"]), spec["out"])
+    if artifact.get("status") == v.COMPLETE:
+        rows = len(artifact.get("results") or []) + len(artifact.get("skipped_points") or [])
+        print(f"kvwarm sweep: {spec['out']}: the sweep is complete ({rows} row(s)); nothing to resume")
+        return None
+    plan = plan_inputs(spec, inputs.settings, os.environ)
+    check_plan(artifact, spec["out"], plan, given_model(engine_argv), build_record(), inputs.dataset)
+    return artifact
 
 
 def ray_refusal(engine_args) -> str | None:

@@ -1,36 +1,31 @@
 """The sweep as a plain controller that the scheduler adapter drives, one phase at a time.
 
-First, a generated grid (`lay_grid`) is laid in the ranks' smallest pool. Then per rung (one
-batch size, deepest rung first; sweep.plan):
+First, a generated grid (`lay_grid`) is laid in the ranks' smallest pool; a resumed sweep's
+ranks agree on the points every one finished (sweep.resume). Then per rung (one batch size,
+deepest rung first; sweep.plan; a rung with nothing left to measure is not built):
   plan    the ranks agree on the smallest usable pool, every rank trims to it, and they
           compare plan digests (a mismatch stops every rank);
   build   B chains of the rung's depth are added; vLLM prefills them; each is parked;
-  points  per point the ranks meet, then its B requests (shadows, or fake-KV requests) are
-          queued one token short of each context (exact state mode: borrowing from
-          catch-up chains prefilled to their own contexts first, sweep.catchups); the
-          admission step runs untimed; the steady steps are timed (the gap between
-          consecutive update_from_output calls), every time kept (sweep.rows); under
-          vLLM's batch queue one more step runs untimed after them (sweep.decode_steps);
-          the requests then finish by length;
+  points  per point (sweep.point_order) the ranks meet, then its B requests (shadows, or
+          fake-KV requests) are queued one token short of each context (exact state: on
+          catch-ups prefilled to their own contexts first, sweep.catchups); the admission
+          step runs untimed, the steady steps are timed (sweep.decode_steps, sweep.rows);
   shed    the rung's chains are finished, then the rung's fake-KV points are measured.
-At the end the prefix cache is reset (the leak check: it only succeeds when nothing but the
-null block is in use).
-
-A sweep that is not `real` (warm-up off, or the gate refused the model) plans no chains:
-every point runs on fake KV, stamped with `fake_regime`.
+At the end the prefix cache is reset (the leak check, sweep.leak_check). A sweep that is not
+`real` (warm-up off, or the gate refused the model) plans no chains: every point runs on fake
+KV, stamped with `fake_regime`; an A/B one measures every point both ways (sweep.ab).
 
 Across data-parallel ranks every rank runs this same controller and they meet at its
 boundaries (MEETING, sweep.meetings), so every rank enters its admission and timed steps
 together and no rank's timed step overlaps another's chain prefill. B is per rank. Prefill
 and mixed points are started and driven by a collaborator (sweep.prefill_points), through the
 calls of its interface alone; whether a point's chains must be built again is settled at its
-meeting, so a restage is one every rank takes part in. What is here is the grid's pool, the
-rungs, the decode points and the exact state's catch-ups.
+meeting, so a restage is one every rank takes part in.
 
-The adapter calls `before_schedule` at the start of each schedule() and `after_update`
-after each update_from_output(); `has_work()` keeps the engine stepping; `measuring()` names
-the only requests a step may run while a point is measured. Nothing here imports the engine;
-tests step it against a real Scheduler with the model runner's part played by the test.
+The adapter calls `before_schedule` in each schedule() and `after_update` after each
+update_from_output(); `has_work()` keeps the engine stepping; `measuring()` names the only
+requests a step may run while a point is measured. Nothing here imports the engine: tests step
+it against a real Scheduler, the model runner's part played by the test.
 """
 
 from __future__ import annotations
@@ -51,6 +46,7 @@ from .decode_steps import DecodeSteps, shadow_admission
 from .exchange.solo import SoloExchange
 from .gc_hold import GcHold
 from .gc_workers import worker_hold
+from .leak_check import LeakCheck
 from .limits import trim_mixed_rung
 from .meetings import BODIES, Meetings, check_same_point, has_others, pool_record, usable_blocks
 from .phase import Phase
@@ -66,21 +62,19 @@ from .plan import (
     plan_rungs,
     trim_rung,
 )
+from .point_order import PointOrder
 from .points import DecodePoint, MixedPoint, PrefillPoint
 from .prefill import TailText
 from .prefill_points import PointInputs, PrefillPoints
 from .ranks import RankFailed
+from .resume import Resumed, agree, ranges
 from .rows import skipped_row
 from .rung_chains import add_chains, end_chains, park_built
 from .timing import StepTimer, Window
 
-# Each sweep in a process names its requests apart: vLLM's runner forgets a finished
-# request's align-mode state slot only in a step that runs a forward, so a later sweep's
-# chain with an earlier one's id would start from that stale slot.
+# Each sweep in a process names its requests apart: vLLM's runner forgets a finished request's
+# align-mode state slot only in a step with a forward; a later chain of the same id would reuse it.
 _SWEEP_NUMBERS = itertools.count()
-
-# How long the end of a sweep waits for requests from outside before its leak check.
-END_WAIT_SECONDS = 60.0
 
 
 class Sweep:
@@ -98,20 +92,22 @@ class Sweep:
         vocab_size: int = 0,
         graphs: GraphConfig | None = None,
         lay_grid: Callable[[dict], SweepSetup] | None = None,
+        resumed: Resumed | None = None,
+        on_resume: Callable[[list, list], None] | None = None,
     ):
         """`tail_tokens`: text the chains never use, for the new tokens of prefill points
         (the held-out half of the dataset; synthetic tokens where None); `vocab_size` bounds
         the synthetic tokens (the model's vocabulary); `graphs`: the engine's CUDA graphs, whose
         expected one each measured row records. `lay_grid`: the sweep's points are a grid,
         laid once the ranks agree on the pool (given the smallest of each BODIES["grid"]
-        value), which gives what the first arguments give otherwise."""
+        value), which gives what the first arguments give otherwise. `resumed`: an earlier boot's
+        rows; `on_resume` gets those the ranks keep, and those measured again (sweep.resume)."""
         self.rows: list[PointRow] = []
         self.stages: list[dict] = []  # one per rung built: batch, depth, build_seconds
         self.phase = Phase.NEXT_RUNG
         self.reset_prefix_cache_ok: bool | None = None
         self._number = next(_SWEEP_NUMBERS)  # in its requests' ids
-        self._vocab_size = vocab_size
-        self._lay_grid = lay_grid
+        self._vocab_size, self._lay_grid, self._graphs = vocab_size, lay_grid, graphs
         self._adopt(SweepSetup(points, chain_tokens, config, tail_tokens))
         self.clock = clock
         self.timer = StepTimer(clock)  # the adapter reports its clock readings to it
@@ -124,15 +120,18 @@ class Sweep:
         self._catchups: CatchUps | None = None
         self._prefills = PrefillPoints(self._meetings.exchange.size)  # prefill and mixed points
         self._restaging: PointPlan | None = None  # a prefill point waiting for its chains again
-        self._graphs = graphs
         self._chunk_cap: PrefillChunkCap | None = None  # exact: while a rung's chains are built
         self._drifted: set[str] = set()  # chains an in-place shadow has advanced
-        self._ending: float | None = None  # when the sweep began waiting for outside requests to end
+        self._leak_check = LeakCheck(self.clock, self._progress)
+        self._resumed, self._on_resume = resumed, on_resume or (lambda kept, replaced: None)
+        # the point plan being measured, and the point list's index of the last row handed on
+        self._plan, self.point_index = None, None
 
     def _adopt(self, setup: SweepSetup) -> None:
         self.config = setup.config
         self.rungs = plan_rungs(setup.points, setup.config.decode_steps, setup.config.max_model_len, setup.config.real)
         self._points, self._chain_tokens = setup.points, setup.chain_tokens
+        self._order = PointOrder(setup.points, setup.config.ab)
         self._tails = TailText(setup.tail_tokens or [], self._vocab_size)
 
     @property
@@ -229,6 +228,11 @@ class Sweep:
         if self._lay_grid is not None:
             self._meet("grid", pool_record(scheduler), self._grid_laid)
             return
+        if self._resumed is not None:
+            self._meet("resume", {"done": ranges(self._resumed.done())}, self._resume_agreed)
+            return
+        while self.rungs and self._order.finished(self.rungs[0]):
+            self.rungs.pop(0)  # measured in an earlier boot
         if not self.rungs:
             self.phase = Phase.ENDING
             self._end(scheduler)
@@ -242,6 +246,13 @@ class Sweep:
         pool = {field: min(r[field] for r in records) for field in BODIES["grid"]}
         lay, self._lay_grid = self._lay_grid, None
         self._adopt(lay(pool))
+        self.phase = Phase.NEXT_RUNG
+
+    def _resume_agreed(self, records: list[dict]) -> None:
+        """The ranks agree on the points every one finished; this rank keeps its rows of those."""
+        (self._order.done, kept, replaced), self._resumed = agree(self._resumed, records), None
+        self.rows = [row for *_, row in kept]
+        self._on_resume(kept, replaced)
         self.phase = Phase.NEXT_RUNG
 
     def _plan_rung(self, scheduler, rung: Rung, records: list[dict]) -> None:
@@ -267,7 +278,7 @@ class Sweep:
                 + ", ".join(f"rank {r} {d}" for r, d in sorted(digests.items()))
             )
         rung.started = self.clock()
-        self._queue = rung.plans()
+        self._queue = self._order.plans(rung)
         if not rung.depth:
             self.phase = Phase.NEXT_POINT
             return
@@ -306,14 +317,14 @@ class Sweep:
     # --- points ------------------------------------------------------------------------------
 
     def _next_point(self, scheduler) -> None:
-        if self._queue and not self._queue[0].real:
+        if self._queue and self._queue[0].beyond:
             end_chains(scheduler, self._rung)  # fake points need no chains, and their blocks may not fit beside them
         if not self._queue:
             end_chains(scheduler, self._rung)  # the rung is shed
             self._rung = None
             self.phase = Phase.NEXT_RUNG
             return
-        plan = self._queue.pop(0)
+        plan = self._plan = self._queue.pop(0)
         restage = self._prefills.must_restage(scheduler, plan, self._rung.chains)
         record = {"index": len(self.rows), "restage": restage}
         self._meet("point", record, lambda records: self._start_point(scheduler, plan, records))
@@ -328,8 +339,10 @@ class Sweep:
             return
         point, config = plan.point, self.config
         contexts = injected_contexts(point, config.settle_steps)
-        # Fake points below the giant-KV threshold keep the single step of the legacy path.
-        timed = config.steady_steps if plan.real or point.total_kv_read_tokens >= config.giant_kv_threshold else 1
+        # Fake points below the giant-KV threshold keep the single step of the legacy path
+        # (an A/B sweep's time as many steps on both sides).
+        many = plan.real or plan.ab is not None or point.total_kv_read_tokens >= config.giant_kv_threshold
+        timed = config.steady_steps if many else 1
         steps = config.settle_steps + timed + config.trailing_steps  # what they run after their admission
         chains = self._rung.chains[: point.batch_size]
         if plan.real and config.state_mode == v.EXACT:
@@ -410,6 +423,8 @@ class Sweep:
     def _finish_point(self, row: PointRow, scheduler) -> None:
         if self._graphs is not None and not row.skipped:
             row.graph = expected_graph(self._graphs, *step_tokens(row.point))
+        row.ab, row.ab_first = self._plan.ab, self._plan.ab_first
+        self.point_index = self._order.index_of(self._plan)
         self.rows.append(row)
         self._point = None
         if self._catchups is not None:
@@ -420,27 +435,17 @@ class Sweep:
         self._on_row(row)
         median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
         self._progress(
-            f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
-            f"B={row.batch_size} ({row.kv_seed_regime}): {median}"
+            f"point {len(self.rows)}/{self._order.rows} K={row.total_kv_read_tokens} "
+            f"B={row.batch_size} ({row.kv_seed_regime}{f', {row.ab} side' if row.ab else ''}): {median}"
         )
 
     # --- the end -----------------------------------------------------------------------------
 
     def _end(self, scheduler) -> None:
-        """The leak check: reset_prefix_cache() succeeds only when nothing but the null
-        block is in use, so requests from outside (a server's) must be done first. They are
-        waited for up to END_WAIT_SECONDS; after that the check is not made (None)."""
-        if scheduler.requests:
-            if self._ending is None:
-                self._ending = self.clock()
-            if self.clock() - self._ending < END_WAIT_SECONDS:
-                return
-            self._progress(
-                f"{len(scheduler.requests)} request(s) from outside still running: "
-                "no leak check (reset_prefix_cache) this time"
-            )
-        else:
-            self.reset_prefix_cache_ok = scheduler.kv_cache_manager.block_pool.reset_prefix_cache()
+        """The leak check (sweep.leak_check), once requests from outside are done."""
+        ended, self.reset_prefix_cache_ok = self._leak_check.run(scheduler)
+        if not ended:
+            return
         self._gc.end()
         self.phase = Phase.DONE
-        self._progress(f"sweep done: {len(self.rows)}/{len(self._points)} point(s)")
+        self._progress(f"sweep done: {len(self.rows)}/{self._order.rows} row(s)")

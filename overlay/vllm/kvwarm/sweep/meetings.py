@@ -20,6 +20,7 @@ BODIES: dict[str, dict[str, type]] = {
     "plan": {"digest": str},  # a rung's plan
     "point": {"index": int, "restage": bool},  # a point's start (a prefill point: its chains to rebuild)
     "caught_up": {"index": int},  # exact state: a point's catch-ups parked
+    "resume": {"done": list},  # a resumed sweep: the points this rank finished, as [start, end) runs
 }
 IDLE_SLEEP = 0.001  # seconds a rank with nothing else to run sleeps while it waits
 

@@ -45,7 +45,7 @@ from .plan import PointPlan, SweepConfig, injected_contexts, settled_contexts
 from .points import MixedPoint, mixed_advance, mixed_decode_steps, mixed_gap_steps
 from .prefill import TailText, skipped_row
 from .prefill_runner import Next, PrefillRunner
-from .rows import state_reasons
+from .rows import fake_regime, state_reasons
 
 
 class Gap(enum.Enum):
@@ -205,8 +205,8 @@ class MixedRunner:
             row.sample_reasons.append(v.STAMP_REAL_KV)
             row.sample_reasons += state_reasons(config, contexts, self.decode.chains, self._drifted)
         else:
-            row.kv_seed_regime = config.fake_regime
-            row.sample_reasons += [v.STAMP_FAKE_FALLBACK] if config.fake_regime == v.FAKE_FALLBACK else []
+            row.kv_seed_regime = fake_regime(self.plan, config)
+            row.sample_reasons += [v.STAMP_FAKE_FALLBACK] if row.kv_seed_regime == v.FAKE_FALLBACK else []
         return row
 
 

@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from ..kv.arithmetic import trim_depth
+from ..kv.arithmetic import chain_blocks, trim_depth
 from ..kv.catchup import planned_catchup_blocks
 from ..kv.layout import GroupLayout
 from ..record.vocabulary import COPY, EXACT, FAKE_FALLBACK
@@ -29,6 +29,7 @@ from .points import DecodePoint, MixedPoint, PrefillPoint, mixed_decode_steps
 # A parked chain has sampled a token or two (async scheduling) after its prompt; at
 # max_model_len vLLM would finish it, freeing the blocks its shadows borrow.
 CHAIN_DEPTH_MARGIN = 4
+TRIM_FLOOR = 8  # the shallowest chains a trim leaves (kv.arithmetic.trim_depth's floor)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class SweepConfig:
     # Untimed steps of a point's shape before its timed ones (settings.SETTLE_ENV): a decode
     # point's requests are admitted that many tokens short, so its timed steps read its K
     settle_steps: int = 0
+    # Real and fake KV in one boot (--ab, sweep.ab): every point measured both ways, back to
+    # back; a rung's chains leave room for the fake side's blocks beside them
+    ab: bool = False
 
     @property
     def decode_steps(self) -> int:
@@ -76,6 +80,9 @@ class PointPlan:
     point: DecodePoint | PrefillPoint
     real: bool  # on borrowed (real) KV, or a real prefix; False: on fake KV / a fake prefix
     retried: bool = False  # prefill: the chains were built again once for it
+    beyond: bool = False  # beyond the rung's chains (its fake points): measured once they are gone
+    ab: str | None = None  # an A/B sweep's side (vocabulary AB_SIDES; sweep.ab)
+    ab_first: bool | None = None  # that side runs first at its point
 
     @property
     def prefill(self) -> bool:
@@ -99,7 +106,7 @@ class Rung:
 
     def plans(self) -> list[PointPlan]:
         """The rung's points in the order they run: on real KV (a real prefix), then fake."""
-        return [PointPlan(p, True) for p in self.points] + [PointPlan(p, False) for p in self.fake_points]
+        return [PointPlan(p, True) for p in self.points] + [PointPlan(p, False, beyond=True) for p in self.fake_points]
 
 
 def injected_contexts(point: DecodePoint, settle: int = 0) -> list[int]:
@@ -156,6 +163,9 @@ def trim_rung(rung: Rung, layouts: list[GroupLayout], config: SweepConfig, usabl
     rung.depth = trim_depth(
         layouts, rung.depth, rung.batch_size, config.decode_steps, config.hand_off == COPY, usable, per_shadow=catchup
     )
+    if config.ab:  # the fake side's requests (as deep as the chains at most) hold blocks of their own beside them
+        while rung.depth > TRIM_FLOOR and rung.batch_size * chain_blocks(layouts, rung.depth) * 2 > usable:
+            rung.depth -= 1
     # A shadow's prompt is the chain's first ctx + 1 tokens; its steady tokens are its own.
     covered = [p for p in rung.points if max(injected_contexts(p)) + 1 <= rung.depth]
     rung.fake_points = [p for p in rung.points if p not in covered]

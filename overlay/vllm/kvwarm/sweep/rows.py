@@ -33,15 +33,21 @@ def measured_row(
     point = plan.point
     measured = sum(contexts) + point.batch_size
     reasons = [v.CONTEXT_CLAMPED] if measured != point.total_kv_read_tokens else []
+    regime = v.REAL_KV if plan.real else fake_regime(plan, config)
     if plan.real:
         reasons += [v.STAMP_REAL_KV, *state_reasons(config, contexts, chains, drifted)]
-    elif config.fake_regime == v.FAKE_FALLBACK:
+    elif regime == v.FAKE_FALLBACK:
         reasons.append(v.STAMP_FAKE_FALLBACK)
-    regime = v.REAL_KV if plan.real else config.fake_regime
     row = PointRow(
         measured, point.batch_size, regime, reasons, list(times), statistics.median_high(times), sample_kind=v.STEP
     )
     return stamp_noise(row)
+
+
+def fake_regime(plan: PointPlan, config: SweepConfig) -> str:
+    """The regime of a point on fake KV: an A/B sweep's fake side is the baseline fake KV
+    (legacy, as with the warm-up off); any other is the sweep's (fake_fallback or legacy)."""
+    return v.LEGACY if plan.ab == v.AB_FAKE else config.fake_regime
 
 
 def state_reasons(config: SweepConfig, contexts: list[int], chains: list, drifted: set[str]) -> list[str]:

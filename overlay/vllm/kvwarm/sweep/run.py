@@ -9,6 +9,8 @@ Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an ex
 (sweep.exchange.make_exchange), which also carries each write to the combined view
 OUT/sweep.json (record.combined) on rank 0's side. A generated grid (--grid) is laid once
 the ranks agree on the pool (sweep.controller), the same on every rank; rank 0 writes it.
+With "resume": true the run continues the sweep in its folder (sweep.resuming), with "ab":
+true it measures every point on real and fake KV (sweep.ab).
 With DYN_FPM_BENCHMARK_OUTPUT_PATH set, whichever rank ends up holding every rank's final
 artifact (rank 0 through the store, the last rank to finish through files, the only rank
 alone) writes Dynamo's self-benchmark artifact there (record.export.write.write_final).
@@ -19,8 +21,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from vllm.logger import init_logger
@@ -32,18 +32,22 @@ from ..record import vocabulary as v
 from ..record.export import write as dynamo_files
 from ..record.files import write_atomically
 from ..record.trace.reader import TraceError, read_trace
+from .ab import AB_RECORD
 from .controller import Sweep
-from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
+from .dataset import ChainText, DatasetError
 from .exchange import make_exchange
 from .gate import content_reason, model_gate_reason
 from .graphs import graph_config
 from .grid import GridLimits, decode_grid, mixed_grid, mixed_note, points_file, prefill_grid
 from .grid_settings import GridLaying, grid_settings, wants_grid
+from .inputs import EMPTY_HELD_OUT, SweepInputs, chain_depth_needed, read_inputs, tail_tokens, tokenizer_encode
 from .limits import SweepRefused, check_engine, check_points
-from .plan import SweepConfig, SweepSetup
-from .points import DecodePoint, MixedPoint, PointsFileError, PrefillPoint, load_points, mixed_decode_steps, takes_tails
+from .plan import SweepConfig, SweepSetup, plan_rungs
+from .points import DecodePoint, PointsFileError, PrefillPoint, takes_tails
 from .provenance import loop_record, rank_layout, run_record, trailing_steps
-from .settings import DATASET_ENV, Settings, SettingsError, read_settings
+from .resume import POINTS_DIGEST, ResumeError, points_digest
+from .resuming import Resuming
+from .settings import Settings, SettingsError, read_settings
 from .trace_grid import check_engine as check_trace_engine
 from .trace_grid import skip_first, trace_grid
 from .writer import ArtifactWriteError, ArtifactWriter
@@ -52,91 +56,7 @@ logger = init_logger(__name__)
 
 CONFIG_KEY = "kvwarm_sweep"
 GRID_FILE = "grid.json"  # a generated grid, beside the artifact (grid_path)
-INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused, TraceError)
-# Prefill points' new tokens come from the dataset's held-out half, as much of it as this
-# (tails cycle through it, each led by tokens of its own).
-TAIL_TOKENS = 8192
-_EMPTY_HELD_OUT = (
-    "dataset {path}: its held-out half (conversation_sha256_odd) holds no text, and prefill points take their "
-    "new tokens from it; use a larger ShareGPT-format file (or DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
-)
-
-
-@dataclass
-class SweepInputs:
-    settings: Settings
-    points: list[DecodePoint | PrefillPoint]
-    conversations: list[str] | None  # None when warm-up is off (no chains, no text)
-    dataset: dict | None  # the artifact's record of the file
-    held_out: list[str] | None = None  # the dataset's other half (prefill points' new tokens)
-
-
-def read_inputs(
-    points_path: str | None, environ=None, max_model_len: int = sys.maxsize, trailing_steps: int = 0
-) -> SweepInputs:
-    """Every input a sweep reads before it touches the engine; raises one of INPUT_ERRORS.
-    A dataset problem is an error, not a reason to measure on fake KV: a mistyped path
-    must not silently turn a real-KV table into a fake one. Without a points file (a
-    generated grid) the points come once the engine is known. `trailing_steps`: the
-    engine loop's untimed decode steps (sweep.provenance)."""
-    environ = os.environ if environ is None else environ
-    settings = read_settings(environ)
-    steps = settings.point_steps + trailing_steps
-    points = (
-        load_points(points_path, max_model_len=max_model_len, steady_steps=steps) if points_path is not None else []
-    )
-    if settings.warmup == "off":
-        return SweepInputs(settings, points, None, None)
-    if not settings.dataset:
-        raise DatasetError(
-            f"{DATASET_ENV} is not set; point it at a ShareGPT-format JSON file "
-            "(or set DYN_BENCH_KV_WARMUP=off to measure on fake KV)"
-        )
-    conversations, held_out, digest = load_halves(settings.dataset)
-    if not held_out and (points_path is None or takes_tails(points)):
-        raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
-    dataset = {
-        "path": str(settings.dataset),
-        "sha256": digest,
-        "collection_pool": COLLECTION_POOL,
-        "conversations": len(conversations),
-    }
-    return SweepInputs(settings, points, conversations, dataset, held_out)
-
-
-def chain_depth_needed(point, decode_steps: int, kv_cache_manager) -> int:
-    """Tokens of chain text a point needs: a decode point's longest request (over its
-    `decode_steps`, SweepConfig.decode_steps), a prefill point's deepest prefix, a mixed
-    point's deeper of its parts' (its decode part runs a step per shot and more)."""
-    if isinstance(point, MixedPoint):
-        steps = mixed_decode_steps(decode_steps)
-        return max(point.decode.tokens_spanned(steps), chain_depth_needed(point.prefill, steps, kv_cache_manager))
-    if isinstance(point, PrefillPoint):
-        return max(
-            point.prefixes(prefix_unit(group_layouts(kv_cache_manager), kv_cache_manager.block_pool.hash_block_size))
-        )
-    return point.tokens_spanned(decode_steps)
-
-
-def tail_tokens(texts: list[str], encode) -> list[int] | None:
-    """Up to TAIL_TOKENS tokens of the held-out half (None where it is empty)."""
-    tokens: list[int] = []
-    for text in texts:
-        tokens += encode(text)
-        if len(tokens) >= TAIL_TOKENS:
-            break
-    return tokens[:TAIL_TOKENS] or None
-
-
-def _tokenizer_encode(model_config):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_config.tokenizer,
-        revision=model_config.tokenizer_revision,
-        trust_remote_code=model_config.trust_remote_code,
-    )
-    return lambda text: tokenizer.encode(text, add_special_tokens=False)
+INPUT_ERRORS = (PointsFileError, SettingsError, DatasetError, SweepRefused, TraceError, ResumeError)
 
 
 def grid_path(out: str) -> Path:
@@ -160,7 +80,7 @@ class SweepRun:
             raise SettingsError(
                 f'additional_config["{CONFIG_KEY}"] must be {{"points": FILE, "out": DIR}}, '
                 f'{{"grid": true, "out": DIR}} or {{"grid_from": TRACE, "out": DIR}} (and optionally '
-                f'"engine_args": [ARG, ...]), got {spec!r}'
+                f'"engine_args": [ARG, ...], "resume": true, "ab": true), got {spec!r}'
             )
         vllm_config = scheduler.vllm_config
         parallel = vllm_config.parallel_config
@@ -172,18 +92,28 @@ class SweepRun:
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
         self.finished = False
         self.environ = environ
+        self._stages_logged = 0  # the controller's stages in the record so far
+        self._ab, self._resuming = bool(spec.get("ab")), None
         exchange = None
         if size == 1:
             self.writer.before_final = lambda artifact: self._export_final([artifact])
         try:
             dynamo_files.remove_stale(environ, rank)  # as Dynamo does: no earlier run's file stays there
             settings = read_settings(environ)
-            exchange = make_exchange(self.layout, spec["out"], parallel, settings, plan_inputs(spec, settings, environ))
+            self._plan = plan_inputs(spec, settings, environ)
+            if spec.get("resume"):  # the record as the first boot wrote it, rows and all
+                self._resuming = Resuming(self.writer, self._ab)
+            else:
+                self.writer.meta.plan = dict(self._plan)
+            exchange = make_exchange(self.layout, spec["out"], parallel, settings, self._plan)
             exchange.on_final = self._export_final
             self.writer.exchange, self.writer.meta.exchange = exchange, exchange.record()
             self._say_where_dynamo_goes(exchange)
-            self.writer.run.update(run_record(scheduler, spec.get("engine_args")))
-            self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder
+            self._run = run_record(scheduler, spec.get("engine_args"))
+            if self._resuming is None:
+                self.writer.run.update(self._run)
+                self.writer.start_log()  # a resumed one's once it is held to the first boot's (_build)
+            self.writer.write(v.RUNNING)  # replaces an earlier run's artifact in this folder (or resumes it)
             self.sweep = self._build(scheduler, vllm_config, spec, environ, exchange)
         except BaseException as err:
             if exchange is not None:  # the other ranks stop at their first boundary
@@ -199,6 +129,12 @@ class SweepRun:
         trailing = trailing_steps(vllm_config)
         inputs = read_inputs(spec.get("points"), environ, max_model_len, trailing)
         settings, meta = inputs.settings, self.writer.meta
+        if self._ab and settings.warmup == "off":
+            raise SettingsError("--ab measures every point on real and fake KV: unset DYN_BENCH_KV_WARMUP=off")
+        if self._resuming is not None:  # before the first point
+            model, loop = vllm_config.model_config.model, loop_record(scheduler)
+            self._resuming.check(self._plan, model, self._run, self.layout.as_dict(), loop, inputs.dataset)
+            self.writer.start_log(self._resuming.boot)
         kvm = scheduler.kv_cache_manager
         graphs = graph_config(vllm_config)
         meta.cudagraph = graphs.record()
@@ -213,13 +149,15 @@ class SweepRun:
         meta.state_mode_requested = decision.requested
         reason = model_gate_reason(vllm_config, settings.warmup) or decision.reason
         state_mode = decision.mode if reason is None else None  # None: on fake KV (or no state)
-        encode = _tokenizer_encode(vllm_config.model_config) if reason is None else None
+        encode = tokenizer_encode(vllm_config.model_config) if reason is None else None
         common = {
             "progress": self.writer.progress,
             "on_row": self._on_row,
             "exchange": exchange,
             "vocab_size": vllm_config.model_config.get_vocab_size(),
             "graphs": graphs,
+            "resumed": self._resuming.resumed() if self._resuming else None,
+            "on_resume": self._resuming.kept if self._resuming else None,
         }
         if wants_grid(spec) or spec.get("grid_from"):
             caps, axes = grid_settings(spec.get("grid") or True, graphs)  # bad caps: refused before it serves
@@ -232,6 +170,7 @@ class SweepRun:
                 steps = settings.point_steps + trailing
                 laying = GridLaying(steps, caps, axes, pool, trace, spec.get("grid_caps"), skip)
                 points = self._grid(scheduler, laying, state_mode)
+                self._points_known(points)
                 return self._setup(scheduler, inputs, points, reason, decision, encode, trailing)
 
             provisional = SweepConfig(
@@ -245,6 +184,7 @@ class SweepRun:
             return Sweep([], None, provisional, lay_grid=lay_grid, **common)
         source, steps = f"points file {spec['points']}", settings.point_steps + trailing
         check_points(inputs.points, vllm_config, kvm, source, state_mode=state_mode, decode_steps=steps)
+        self._points_known(inputs.points)
         setup = self._setup(scheduler, inputs, inputs.points, reason, decision, encode, trailing)
         return Sweep(setup.points, setup.chain_tokens, setup.config, tail_tokens=setup.tail_tokens, **common)
 
@@ -254,7 +194,7 @@ class SweepRun:
         engine loop's untimed decode steps (sweep.provenance)."""
         vllm_config, settings, meta = scheduler.vllm_config, inputs.settings, self.writer.meta
         max_model_len = vllm_config.model_config.max_model_len
-        self.writer.total = len(points)
+        self.writer.total = len(points) * (2 if self._ab else 1)
         chain_text, tails = None, None
         if reason is None:
             need = max(
@@ -265,10 +205,16 @@ class SweepRun:
             chain_text = ChainText(inputs.conversations, encode)
             tails = tail_tokens(inputs.held_out or [], encode)
             if tails is None and takes_tails(points):
-                raise DatasetError(_EMPTY_HELD_OUT.format(path=settings.dataset))
+                raise DatasetError(EMPTY_HELD_OUT.format(path=settings.dataset))
         meta.state_mode = decision.mode if reason is None else None
         meta.warm_eligible, meta.skip_reason = reason is None, reason
         meta.batch_semantics, meta.global_batch_factor = "per_rank", self.layout.data_parallel_size
+        if reason is not None and self._ab:
+            raise SettingsError(
+                f"--ab measures every point on real and fake KV, and this model gets no real KV ({reason}); "
+                "set DYN_BENCH_KV_WARMUP=force where the gate's heuristics skip the model, or sweep without --ab"
+            )
+        meta.ab = AB_RECORD if self._ab else None
         if reason is not None:
             hint = refusal_hint(reason)
             self.writer.progress(f"warm-up skipped ({reason}): every point on fake KV" + (f"; {hint}" if hint else ""))
@@ -283,7 +229,12 @@ class SweepRun:
             gc_hold=settings.gc_hold,
             trailing_steps=trailing,
             settle_steps=settings.settle_steps,
+            ab=self._ab,
         )
+        if chain_text is not None:  # drawn (tokenized) now, not in the schedule() that builds a rung
+            for rung in plan_rungs(points, config.decode_steps, max_model_len):
+                for i in range(rung.batch_size):
+                    chain_text(i, rung.depth)  # a decode rung's, as planned before any trim
         return SweepSetup(points, chain_text, config, tails)
 
     def _grid(self, scheduler, laying: GridLaying, state_mode: str | None) -> list:
@@ -353,14 +304,26 @@ class SweepRun:
         )
         return points
 
+    def _points_known(self, points: list) -> None:
+        """The points the sweep measures, recorded (and held to the first boot's on a resume)."""
+        if self._resuming is not None:
+            self._resuming.points(points)
+        else:
+            self.writer.meta.plan[POINTS_DIGEST] = points_digest(points)
+
+    def _log_stages(self) -> None:
+        """The rungs built since the last row, into the record."""
+        for stage in self.sweep.stages[self._stages_logged :]:
+            self.writer.add_stage(stage)
+        self._stages_logged = len(self.sweep.stages)
+
     def _on_row(self, row) -> None:
-        self.writer.rows.append(row)
-        self.writer.meta.stages = list(self.sweep.stages)
-        self.writer.write(v.RUNNING)
+        self._log_stages()
+        self.writer.add_row(row, self.sweep.point_index)
 
     def finish(self) -> None:
         """After the controller is done: the final artifact."""
-        self.writer.meta.stages = list(self.sweep.stages)
+        self._log_stages()
         self.writer.meta.reset_prefix_cache = self.sweep.reset_prefix_cache_ok
         self.writer.meta.gc = self.sweep.gc_record()
         self.writer.write(v.COMPLETE)
@@ -427,6 +390,7 @@ def plan_inputs(spec: dict, settings: Settings, environ) -> dict:
         "giant_kv_threshold": settings.giant_kv_threshold,
         "gc_hold": settings.gc_hold,
         "state_mode": environ.get(STATE_ENV),
+        "ab": bool(spec.get("ab")),
     }
 
 

@@ -81,6 +81,10 @@ def run(argv: list[str]) -> int:
     except (ExportError, OSError) as err:
         print(f"kvwarm export: {err}", file=sys.stderr)
         return 2
+    if sweep.ab:
+        print(
+            f"kvwarm export: {sweep.root} is an A/B sweep: its real-KV rows (its table) are exported, its fake side not"
+        )
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -33,6 +33,12 @@ class SweepRecord:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def ab(self) -> bool:
+        """An A/B sweep (`sweep --ab`): its rows here are its real side's (its table); its fake
+        side's stay in the artifact (vocabulary AB_FAKE_SIDE), which no export or validate reads."""
+        return any(v.AB_FAKE_SIDE in artifact for artifact in self.ranks)
+
     def kinds(self) -> list[str]:
         """The kinds of point the sweep has rows of (measured or skipped); with none, the
         kinds its points file lists where it can still be read, else decode."""

@@ -88,7 +88,10 @@ class FileExchange:
 
     def share(self, artifact: dict) -> None:
         """This rank's artifact is in OUT/dp<R>/ already: rebuild the combined view from every
-        rank's; once it is final nobody polls the records, and they go."""
-        combined = write_combined(self.out, self.size, self.on_final)
-        if combined["status"] != v.RUNNING:
+        rank's; once it is final nobody polls the records, and they go. A running one never
+        waits for the lock (another rank's rebuild, which reads this rank's latest artifact
+        too): where it is held, this rank's next write rebuilds it. A final one waits, so the
+        last rank to finish always writes the final view."""
+        combined = write_combined(self.out, self.size, self.on_final, wait=artifact["status"] != v.RUNNING)
+        if combined is not None and combined["status"] != v.RUNNING:
             shutil.rmtree(self.out / SYNC_DIR, ignore_errors=True)

@@ -34,6 +34,7 @@ from pathlib import Path
 from torch.distributed import TCPStore
 from vllm.logger import init_logger
 
+from ...record import vocabulary as v
 from ..ranks import DEFAULT_TIMEOUT, RankFailed
 from ..settings import RANK_START_TIMEOUT_ENV, RANK_SYNC_ENV, RANK_SYNC_PORT_ENV, RANK_TIMEOUT_ENV
 from .records import FAILURE, chunks, decode, encode, meeting_record
@@ -111,7 +112,7 @@ class StoreExchange:
         self._met: list[dict] | RankFailed | None = None  # the open boundary's records, once all are there
         self._seen: set[int] = set()  # the ranks whose record of the open boundary was there when last noted
         self._seen_at = 0.0
-        self._shared = (0, 0)  # rows published: results, skipped points
+        self._shared = (0, 0, 0, 0)  # rows published: results, skipped points, and an A/B sweep's fake side's
         self._chunks = 0
         self.created = clock()
         self.lost: dict[int, str] = {}  # ranks that missed a boundary, with why
@@ -314,12 +315,18 @@ class StoreExchange:
         if self.view is not None:
             self.view.update(artifact)
             return
-        results, skipped = artifact["results"], artifact["skipped_points"]
-        new = (results[self._shared[0] :], skipped[self._shared[1] :])
-        self._shared = (len(results), len(skipped))
-        head = {k: x for k, x in artifact.items() if k not in ("results", "skipped_points")}
+        fake = artifact.get(v.AB_FAKE_SIDE) or {}  # an A/B sweep's: its rows say their side (`ab`)
+        lists = (
+            artifact["results"],
+            artifact["skipped_points"],
+            fake.get("results", []),
+            fake.get("skipped_points", []),
+        )
+        new = [rows[n:] for rows, n in zip(lists, self._shared)]
+        self._shared = tuple(len(rows) for rows in lists)
+        head = {k: x for k, x in artifact.items() if k not in ("results", "skipped_points", v.AB_FAKE_SIDE)}
         with self._cond:
-            self._outbox += [("rows", *new), ("summary", head, len(results), len(skipped))]
+            self._outbox += [("rows", *new[:2]), ("rows", *new[2:]), ("summary", head, len(lists[0]), len(lists[1]))]
             self._cond.notify_all()
 
     # --- the courier ---------------------------------------------------------------------------

@@ -37,6 +37,7 @@ class CombinedView:
         self.own: dict | None = None
         self.heads: dict[int, dict] = {}  # rank: its latest summary's artifact (less its rows)
         self.rows: dict[int, tuple[list, list]] = {}  # rank: its results and skipped points so far
+        self.fake_rows: dict[int, tuple[list, list]] = {}  # rank: an A/B sweep's fake side's, alike
         self.fetched: dict[int, int] = {}  # rank: chunks read
         self.changed_at: dict[int, float] = {}  # rank: when its summary last changed
         self.refused: dict[str, str] = {}  # key: why its record was refused
@@ -85,7 +86,7 @@ class CombinedView:
             except RankFailed as err:
                 self._refuse(key, err)
                 continue
-            results, skipped = self.rows.setdefault(rank, ([], []))
+            table, fake = self.rows.setdefault(rank, ([], [])), self.fake_rows.setdefault(rank, ([], []))
             first = self.fetched.get(rank, 0)
             names = [f"kvwarm/rows/{rank}/{i}" for i in range(first, summary["chunks"])]
             for start in range(0, len(names), FETCH_BATCH):
@@ -96,8 +97,9 @@ class CombinedView:
                     except RankFailed as err:
                         self._refuse(name, err)
                         continue
-                    results += chunk["results"]
-                    skipped += chunk["skipped_points"]
+                    for i, field in enumerate(("results", "skipped_points")):
+                        for entry in chunk[field]:  # an A/B sweep's rows go to their side
+                            (fake if entry.get("ab") == v.AB_FAKE else table)[i].append(entry)
                 for name in batch:
                     exchange.store_call("delete_key", name)
             self.fetched[rank] = summary["chunks"]
@@ -108,7 +110,9 @@ class CombinedView:
         for rank in range(1, self.exchange.size):
             head = self.heads.get(rank)
             results, skipped = self.rows.get(rank, ([], []))
-            ranks.append(None if head is None else {**head, "results": results, "skipped_points": skipped})
+            fake = dict(zip(("results", "skipped_points"), self.fake_rows.get(rank, ([], []))))
+            side = {v.AB_FAKE_SIDE: fake} if any(fake.values()) else {}
+            ranks.append(None if head is None else {**head, "results": results, "skipped_points": skipped, **side})
         return ranks
 
     def _lost(self, ranks: list[dict | None]) -> dict[int, str]:
