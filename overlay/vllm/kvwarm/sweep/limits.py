@@ -28,6 +28,8 @@ the point, the limit and the fix.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..kv.arithmetic import chain_blocks
 from ..kv.layout import ATTENTION, group_layouts
 from ..kv.prefix import new_request_blocks, prefix_unit
@@ -60,81 +62,156 @@ def check_engine(vllm_config) -> None:
         )
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """What the point checks read of the engine, read once (`free`: the blocks the pool check
+    allows; `state_mode`: as check_points')."""
+
+    max_seqs: int
+    budget: int  # max_num_batched_tokens
+    threshold: int  # long_prefill_token_threshold (0: none)
+    max_model_len: int
+    layouts: list
+    unit: int  # the prefix-cache unit
+    free: int
+    prefix_caching: bool
+    vllm_config: object  # for the checks of continuations and mixed points
+    mixed_refused: str | None  # why mixed points cannot run here (None: they can)
+
+    @classmethod
+    def of(cls, vllm_config, kv_cache_manager, free: int | None = None, state_mode: str | None = None):
+        scheduler_config = vllm_config.scheduler_config
+        layouts = group_layouts(kv_cache_manager)
+        if free is None:
+            free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
+        return cls(
+            max_seqs=scheduler_config.max_num_seqs,
+            budget=scheduler_config.max_num_batched_tokens,
+            threshold=getattr(scheduler_config, "long_prefill_token_threshold", 0) or 0,
+            max_model_len=vllm_config.model_config.max_model_len,
+            layouts=layouts,
+            unit=prefix_unit(layouts, kv_cache_manager.block_pool.hash_block_size),
+            free=free,
+            prefix_caching=bool(getattr(vllm_config.cache_config, "enable_prefix_caching", False)),
+            vllm_config=vllm_config,
+            mixed_refused=mixed_refusal(all(g.kind == ATTENTION for g in layouts), state_mode),
+        )
+
+    def chains(self, batch: int, depth: int) -> int:
+        """Blocks a rung's `batch` chains of `depth` tokens hold."""
+        return batch * chain_blocks(self.layouts, depth) if depth else 0
+
+
 def check_points(
     points: list, vllm_config, kv_cache_manager, source: str, free: int | None = None, state_mode: str | None = None
 ) -> None:
     """`free`: the blocks the pool check allows (default: this pool's free ones, less any
     watermark; a grid under data parallel passes the ranks' smallest); `state_mode`: how the
     sweep hands recurrent state over (SweepConfig.state_mode; None: on fake KV, or no state)."""
-    scheduler_config = vllm_config.scheduler_config
-    max_seqs = scheduler_config.max_num_seqs
-    too_wide = sorted({p.batch_size for p in points if p.batch_size > max_seqs})
+    limits = EngineLimits.of(vllm_config, kv_cache_manager, free, state_mode)
+    too_wide = sorted({p.batch_size for p in points if p.batch_size > limits.max_seqs})
     if too_wide:
         raise PointsFileError(
-            f"{source}: batch size(s) {too_wide} exceed max_num_seqs {max_seqs}, so no step could run such a "
-            f"batch; start the engine with --max-num-seqs {too_wide[-1]} or more"
+            f"{source}: batch size(s) {too_wide} exceed max_num_seqs {limits.max_seqs}, so no step could run such "
+            f"a batch; start the engine with --max-num-seqs {too_wide[-1]} or more"
         )
-    layouts = group_layouts(kv_cache_manager)
-    unit = prefix_unit(layouts, kv_cache_manager.block_pool.hash_block_size)
-    budget = scheduler_config.max_num_batched_tokens
-    threshold = getattr(scheduler_config, "long_prefill_token_threshold", 0) or 0
-    max_model_len = vllm_config.model_config.max_model_len
-    if free is None:
-        free = kv_cache_manager.block_pool.get_num_free_blocks() - getattr(kv_cache_manager, "watermark_blocks", 0)
-    _check_mixed(points, vllm_config, layouts, source, state_mode)
+    _check_mixed(points, limits, source)
     # a mixed point's prefill part runs beside its own chains, checked as a prefill point of its own rung
     prefill = [p for p in points if isinstance(p, PrefillPoint)] + [
         p.prefill for p in points if isinstance(p, MixedPoint)
     ]
+    _check_prefixed(prefill, limits, source)
+    _check_continuations(prefill, limits.vllm_config, limits.unit, source)
+    shots = {point: _shot(point, limits, source) for point in prefill}  # per point: its prefix, its shot's blocks
+    # A rung's chains are as deep as its deepest prefix, whatever the file's order: every
+    # point's shot runs beside them.
+    deepest: dict[int, int] = {}
+    for point, (prefix, _) in shots.items():
+        deepest[point.batch_size] = max(deepest.get(point.batch_size, 0), prefix)
+    for point, (_, shot) in shots.items():
+        depth = deepest[point.batch_size]
+        need = limits.chains(point.batch_size, depth) + shot
+        if need > limits.free:
+            raise PointsFileError(
+                f"{source}: prefill point {_name(point)}: its rung's chains ({point.batch_size} of {depth} tokens, "
+                f"the rung's deepest prefix) and one shot need {need} KV blocks, the pool has {limits.free} free; "
+                "lower N or P (of this point or of its rung's deepest) or give the engine more KV cache memory"
+            )
+
+
+class GridFit:
+    """A generated grid's points kept one at a time, each where check_points passes it beside
+    the points kept before it, in constant time per point: per rung (a batch size) the deepest
+    prefix kept and the largest shot kept, so a point is checked against its rung's chains
+    without walking the rung (a deeper prefix deepens its rung-mates' chains too)."""
+
+    def __init__(self, limits: EngineLimits, source: str):
+        self.limits, self.source = limits, source
+        self.kept: list = []
+        self._deepest: dict[int, int] = {}  # batch: the deepest prefix of its rung so far
+        self._shot: dict[int, int] = {}  # batch: the most blocks one of its rung's shots takes
+
+    def add(self, point) -> bool:
+        """Whether `point` is kept (it fits beside the kept ones, which it then joins)."""
+        limits, source = self.limits, self.source
+        part = point.prefill if isinstance(point, MixedPoint) else point if isinstance(point, PrefillPoint) else None
+        try:
+            if point.batch_size > limits.max_seqs:
+                return False
+            _check_mixed([point], limits, source)
+            if part is not None:
+                _check_prefixed([part], limits, source)
+                _check_continuations([part], limits.vllm_config, limits.unit, source)
+                prefix, shot = _shot(part, limits, source)
+        except PointsFileError:
+            return False
+        if part is not None:
+            batch = part.batch_size
+            deepest, widest = max(self._deepest.get(batch, 0), prefix), max(self._shot.get(batch, 0), shot)
+            if limits.chains(batch, deepest) + widest > limits.free:
+                return False
+            self._deepest[batch], self._shot[batch] = deepest, widest
+        self.kept.append(point)
+        return True
+
+
+def _check_prefixed(prefill: list, limits: EngineLimits, source: str) -> None:
     prefixed = [p for p in prefill if p.total_kv_read_tokens]
-    if prefixed and not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+    if prefixed and not limits.prefix_caching:
         raise PointsFileError(
             f"{source}: {len(prefixed)} prefill point(s) read a prefix (P > 0, e.g. "
             f"{_name(prefixed[0])}), which only the prefix cache holds; start the engine with "
             "--enable-prefix-caching, or give those points P = 0"
         )
-    _check_continuations(prefill, vllm_config, unit, source)
-    splits = {}  # per point: its requests' prefixes and new tokens
-    for point in prefill:
-        where = f"{source}: prefill point {_name(point)}"
-        try:
-            prefixes = point.prefixes(unit)
-        except PointsFileError as err:
-            raise PointsFileError(f"{source}: {err}") from None
-        new = point.new_tokens()
-        if point.total_prefill_tokens > budget:
-            raise PointsFileError(
-                f"{where}: {point.total_prefill_tokens} new tokens exceed max_num_batched_tokens {budget}, so the "
-                f"engine would chunk the step; lower N or start the engine with --max-num-batched-tokens "
-                f"{point.total_prefill_tokens} or more"
-            )
-        if 0 < threshold < max(new):
-            raise PointsFileError(
-                f"{where}: a request of {max(new)} new tokens exceeds long_prefill_token_threshold {threshold}, "
-                "so the engine would chunk it; raise batch_size, lower N or raise the threshold"
-            )
-        if point.tokens_spanned(unit) > max_model_len or max(prefixes) > max_model_len - CHAIN_DEPTH_MARGIN:
-            raise PointsFileError(
-                f"{where}: a request of {max(p + n for p, n in zip(prefixes, new))} prompt tokens and its sampled "
-                f"token do not fit max_model_len {max_model_len}; lower N or P, raise batch_size or start the "
-                "engine with a larger --max-model-len"
-            )
-        splits[point] = prefixes, new
-    # A rung's chains are as deep as its deepest prefix, whatever the file's order: every
-    # point's shot runs beside them.
-    deepest: dict[int, int] = {}
-    for point, (prefixes, _) in splits.items():
-        deepest[point.batch_size] = max(deepest.get(point.batch_size, 0), max(prefixes))
-    for point, (prefixes, new) in splits.items():
-        depth = deepest[point.batch_size]
-        chains = point.batch_size * chain_blocks(layouts, depth) if depth else 0
-        need = chains + sum(new_request_blocks(layouts, p, n) for p, n in zip(prefixes, new))
-        if need > free:
-            raise PointsFileError(
-                f"{source}: prefill point {_name(point)}: its rung's chains ({point.batch_size} of {depth} tokens, "
-                f"the rung's deepest prefix) and one shot need {need} KV blocks, the pool has {free} free; lower N "
-                "or P (of this point or of its rung's deepest) or give the engine more KV cache memory"
-            )
+
+
+def _shot(point: PrefillPoint, limits: EngineLimits, source: str) -> tuple[int, int]:
+    """A prefill point checked alone: its deepest request prefix and the blocks its shot takes."""
+    where = f"{source}: prefill point {_name(point)}"
+    try:
+        prefixes = point.prefixes(limits.unit)
+    except PointsFileError as err:
+        raise PointsFileError(f"{source}: {err}") from None
+    new = point.new_tokens()
+    if point.total_prefill_tokens > limits.budget:
+        raise PointsFileError(
+            f"{where}: {point.total_prefill_tokens} new tokens exceed max_num_batched_tokens {limits.budget}, so the "
+            f"engine would chunk the step; lower N or start the engine with --max-num-batched-tokens "
+            f"{point.total_prefill_tokens} or more"
+        )
+    if 0 < limits.threshold < max(new):
+        raise PointsFileError(
+            f"{where}: a request of {max(new)} new tokens exceeds long_prefill_token_threshold {limits.threshold}, "
+            "so the engine would chunk it; raise batch_size, lower N or raise the threshold"
+        )
+    max_model_len = limits.max_model_len
+    if point.tokens_spanned(limits.unit) > max_model_len or max(prefixes) > max_model_len - CHAIN_DEPTH_MARGIN:
+        raise PointsFileError(
+            f"{where}: a request of {max(p + n for p, n in zip(prefixes, new))} prompt tokens and its sampled "
+            f"token do not fit max_model_len {max_model_len}; lower N or P, raise batch_size or start the "
+            "engine with a larger --max-model-len"
+        )
+    return max(prefixes), sum(new_request_blocks(limits.layouts, p, n) for p, n in zip(prefixes, new))
 
 
 def mixed_refusal(attention_only: bool, state_mode: str | None = None) -> str | None:
@@ -154,15 +231,14 @@ def mixed_refusal(attention_only: bool, state_mode: str | None = None) -> str | 
     )
 
 
-def _check_mixed(points: list, vllm_config, layouts, source: str, state_mode: str | None) -> None:
+def _check_mixed(points: list, limits: EngineLimits, source: str) -> None:
     mixed = [p for p in points if isinstance(p, MixedPoint)]
     if not mixed:
         return
-    check_budget(mixed, vllm_config.scheduler_config.max_num_batched_tokens, source)
-    why = mixed_refusal(all(g.kind == ATTENTION for g in layouts), state_mode)
-    if why:
+    check_budget(mixed, limits.budget, source)
+    if limits.mixed_refused:
         raise PointsFileError(
-            f"{source}: mixed point {mixed[0].name()}: {why}; drop the mixed points to sweep the rest"
+            f"{source}: mixed point {mixed[0].name()}: {limits.mixed_refused}; drop the mixed points to sweep the rest"
         )
 
 

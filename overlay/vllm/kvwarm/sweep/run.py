@@ -31,7 +31,7 @@ from ..kv.state_mode import STATE_ENV, decide_state_mode, refusal_hint
 from ..record import vocabulary as v
 from ..record.export import write as dynamo_files
 from ..record.files import write_atomically
-from ..record.trace.reader import TraceError, read_trace
+from ..record.trace.reader import TraceError
 from .controller import Sweep
 from .dataset import COLLECTION_POOL, ChainText, DatasetError, load_halves
 from .exchange import make_exchange
@@ -39,13 +39,13 @@ from .gate import content_reason, model_gate_reason
 from .graphs import graph_config
 from .grid import GridLimits, decode_grid, mixed_grid, mixed_note, points_file, prefill_grid
 from .grid_settings import GridLaying, grid_settings, wants_grid
-from .limits import SweepRefused, check_engine, check_points
+from .limits import EngineLimits, GridFit, SweepRefused, check_engine, check_points
 from .plan import SweepConfig, SweepSetup
 from .points import DecodePoint, MixedPoint, PointsFileError, PrefillPoint, load_points, mixed_decode_steps, takes_tails
 from .provenance import loop_record, rank_layout, run_record, trailing_steps
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
 from .trace_grid import check_engine as check_trace_engine
-from .trace_grid import skip_first, trace_grid
+from .trace_grid import read_shapes, trace_grid
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
@@ -223,14 +223,14 @@ class SweepRun:
         }
         if wants_grid(spec) or spec.get("grid_from"):
             caps, axes = grid_settings(spec.get("grid") or True, graphs)  # bad caps: refused before it serves
-            trace, skip = None, spec.get("grid_skip_seconds", 0.0)
-            if spec.get("grid_from"):  # read and held to this engine before it serves
-                trace = skip_first(read_trace(spec["grid_from"]), skip)
+            trace, found, skip = None, None, spec.get("grid_skip_seconds", 0.0)
+            if spec.get("grid_from"):  # read before it serves, held to this engine: its shapes kept, counted
+                trace, found = read_shapes(spec["grid_from"], skip)
                 check_trace_engine(trace, self.writer.run, self.layout.as_dict(), vllm_config.model_config.model)
 
             def lay_grid(pool: dict) -> SweepSetup:
                 steps = settings.point_steps + trailing
-                laying = GridLaying(steps, caps, axes, pool, trace, spec.get("grid_caps"), skip)
+                laying = GridLaying(steps, caps, axes, pool, trace, found, spec.get("grid_caps"), skip)
                 points = self._grid(scheduler, laying, state_mode)
                 return self._setup(scheduler, inputs, points, reason, decision, encode, trailing)
 
@@ -307,18 +307,16 @@ class SweepRun:
             continuations=vllm_config.scheduler_config.enable_chunked_prefill is not False
             and self.layout.data_parallel_size == 1,
         )
-        points, note = [], mixed_note(limits)
+        note = mixed_note(limits)
         if trace is not None:
-            laid = trace_grid(trace, laying.axes, limits, laying.trace_caps)
+            laid = trace_grid(laying.shapes, laying.axes, limits, laying.trace_caps)
         else:
             axes, caps = laying.axes, laying.caps
             laid = prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps) + mixed_grid(axes, limits, caps)
-        for point in laid:
-            try:  # with the points kept so far: a deeper prefix deepens its rung-mates' chains
-                check_points([*points, point], vllm_config, kvm, GRID_FILE, pool["usable_blocks"], state_mode)
-            except PointsFileError:
-                continue  # beyond what this engine runs as one step
-            points.append(point)
+        # each point kept where it fits beside those kept before it (a deeper prefix deepens
+        # its rung-mates' chains); the others are beyond what this engine runs as one step
+        fit = GridFit(EngineLimits.of(vllm_config, kvm, pool["usable_blocks"], state_mode), GRID_FILE)
+        points = [point for point in laid if fit.add(point)]
         if not points:
             raise PointsFileError(
                 f"{GRID_FILE}: the generated grid holds no point this engine can run as one step (max_model_len "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,7 @@ class Trace:
     steps: list[Step] = field(default_factory=list)
     files: list[Path] = field(default_factory=list)
     torn: list[str] = field(default_factory=list)  # "file: line n", one per torn last line
+    step_count: int = 0  # the steps read (held in `steps` unless read_trace was given `keep`)
 
     @property
     def ranks(self) -> list[int]:
@@ -92,38 +94,45 @@ def _parses(line: str) -> bool:
     return True
 
 
-def _read_file(path: Path, rank: int, trace: Trace) -> dict | None:
-    """The file's header (None for an empty file); its steps appended to the trace."""
+def _read_file(path: Path, rank: int, trace: Trace, keep) -> dict | None:
+    """The file's header (None for an empty file); each of its steps handed to `keep`, line by
+    line (a torn line is known to be the last once no line follows it)."""
+    header, torn, first = None, None, ""  # torn: the line number of a line that is not JSON
     try:
-        lines = path.read_text().split("\n")
+        with path.open() as lines:
+            for number, line in enumerate(lines, start=1):
+                line = line.removesuffix("\n")
+                if torn == 1:  # a first line that is not JSON, and more after it: not a trace
+                    _header(path, first, rank)
+                if torn is not None:
+                    raise TraceError(
+                        f"{path}: line {torn} is not JSON, and is not the file's last line (a torn write can only "
+                        "be the last); the file was edited or damaged"
+                    )
+                if number == 1:
+                    if not _parses(line):  # died writing the header, or not a trace (if more follows)
+                        first, torn = line, 1
+                        continue
+                    header = _header(path, line, rank)
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    torn = number
+                    continue
+                keep(parse_step(record, rank, f"{path}: line {number}", header["schema_version"]))
+                trace.step_count += 1
     except (OSError, UnicodeDecodeError) as err:
         raise TraceError(f"{path}: cannot be read ({err}); pass a trace folder the recorder wrote") from None
-    if lines[-1] == "":
-        lines.pop()  # the newline that ends the last whole line
-    if not lines:
-        return None
-    if len(lines) == 1 and not _parses(lines[0]):  # died writing the header
-        trace.torn.append(f"{path}: line 1")
-        return None
-    header = _header(path, lines[0], rank)
-    for number, line in enumerate(lines[1:], start=2):
-        last = number == len(lines)
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if last:
-                trace.torn.append(f"{path}: line {number}")
-                break
-            raise TraceError(
-                f"{path}: line {number} is not JSON, and is not the file's last line (a torn write can only "
-                "be the last); the file was edited or damaged"
-            ) from None
-        trace.steps.append(parse_step(record, rank, f"{path}: line {number}", header["schema_version"]))
+    if torn is not None:
+        trace.torn.append(f"{path}: line {torn}")
     return header
 
 
-def read_trace(arg: str | Path) -> Trace:
-    """The trace in a folder (or the folder of one of its files)."""
+def read_trace(arg: str | Path, keep: Callable[[Step], None] | None = None) -> Trace:
+    """The trace in a folder (or the folder of one of its files). `keep`: each step is handed
+    to it as it is read and the trace holds none (`steps` stays empty), for a reader that keeps
+    only what it needs of a large trace (sweep.trace_grid)."""
     root = Path(arg)
     if root.is_file() and FILE_NAME.match(root.name):
         root = root.parent
@@ -137,7 +146,7 @@ def read_trace(arg: str | Path) -> Trace:
     trace = Trace(root, {}, {})
     for rank in sorted(files):
         for path in files[rank]:
-            header = _read_file(path, rank, trace)
+            header = _read_file(path, rank, trace, keep or trace.steps.append)
             trace.files.append(path)
             if header is None:
                 continue
@@ -156,7 +165,7 @@ def read_trace(arg: str | Path) -> Trace:
                 f"{root}: rank {rank}'s header says dp_size {header.get('dp_size')!r}, rank "
                 f"{min(trace.headers)}'s {trace.header.get('dp_size')!r}; keep one deployment's files in a trace folder"
             )
-    if not trace.steps:
+    if not trace.step_count:
         torn = f" (only a torn line: {trace.torn[0]})" if trace.torn else ""
         raise TraceError(
             f"{root}: an empty trace: headers but no step recorded{torn}; serve requests with the trace on, "
