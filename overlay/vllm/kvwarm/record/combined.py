@@ -1,16 +1,19 @@
 """The combined view of a data-parallel sweep: OUT/sweep.json over every rank's artifact.
 
 Every rank's status and row count, and per point each rank's median and the maximum across
-ranks. It says "complete" only when every rank completed, and "failed" (naming the rank and
-its error) once every rank is done and one did not; a rank given up on (`lost`: it stopped
-reporting) counts as failed with the reason. Built from every rank's artifact however they
-were gathered: `write_view` from artifacts in hand (rank 0, through the ranks' store),
-`write_combined` from every rank's OUT/dp<R>/ under a file lock (the file exchange), so the
-last rank to write always sees every rank's latest record.
+ranks, as compact JSON. It says "complete" only when every rank completed, and "failed"
+(naming the rank and its error) once every rank is done and one did not; a rank given up on
+(`lost`: it stopped reporting) counts as failed with the reason. Built from every rank's
+artifact however they were gathered: `write_view` from artifacts in hand, `RunningView` from
+rows as they arrive (rank 0, through the ranks' store: each rewrite encodes only what arrived
+since the last), `write_combined` from every rank's OUT/dp<R>/ under a file lock (the file
+exchange), so the last rank to write always sees every rank's latest record.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from .files import locked, write_atomically
 from .shape import point_key
 
 LOCK = ".kvwarm-combine.lock"
+COMPACT = (",", ":")  # JSON separators without spaces
 
 
 def rank_path(rank: int) -> str:
@@ -46,44 +50,50 @@ def given_up(ranks: list[dict | None], lost: dict[int, str]) -> list[dict | None
 def combine(ranks: list[dict | None], lost: dict[int, str] | None = None) -> dict:
     """The combined view of every rank's artifact (None: that rank has written nothing yet).
     `lost`: ranks given up on, with why; one whose own record is final keeps its own status."""
+    by_point: dict[tuple, list] = {}
+    for rank, artifact in enumerate(ranks):
+        for row in (artifact or {}).get("results", []):
+            key = point_key(row["point"])
+            by_point.setdefault(key, []).append((rank, row))
+    skipped = [{**s, "rank": rank} for rank, a in enumerate(ranks) for s in (a or {}).get("skipped_points", [])]
+    rows = [len(a["results"]) if a else 0 for a in ranks]
+    return {
+        **combined_head(ranks, rows, lost),
+        "results": [combined_row(entries) for entries in by_point.values()],
+        "skipped_points": skipped,
+    }
+
+
+def combined_row(entries: list[tuple[int, dict]]) -> dict:
+    """A point's combined row from each rank's row of it ((rank, row), in rank order): rank
+    0's row where it has one, the slowest rank's median, every rank's median."""
+    base = dict(min(entries, key=lambda e: e[0])[1])
+    medians = [row["median_seconds"] for _, row in entries]
+    base.update(
+        median_seconds=max(medians),
+        min_seconds=min(row["min_seconds"] for _, row in entries),
+        max_seconds=max(row["max_seconds"] for _, row in entries),
+        ranks=[{"rank": rank, "median_seconds": row["median_seconds"]} for rank, row in entries],
+    )
+    base["spread"] = (base["max_seconds"] - base["min_seconds"]) / base["median_seconds"]
+    return base
+
+
+def combined_head(ranks: list[dict | None], rows: list[int], lost: dict[int, str] | None = None) -> dict:
+    """The combined view less its rows, from every rank's artifact (its rows not read: `rows`
+    gives each rank's count)."""
     summary = []
     for rank, artifact in enumerate(ranks):
         status = artifact["status"] if artifact else v.RUNNING
         error = artifact["error"] if artifact else None
         if lost and rank in lost and status == v.RUNNING:
             status, error = v.FAILED, lost[rank]
-        summary.append(
-            {
-                "rank": rank,
-                "status": status,
-                "rows": len(artifact["results"]) if artifact else 0,
-                "error": error,
-                "path": rank_path(rank),
-            }
-        )
+        summary.append({"rank": rank, "status": status, "rows": rows[rank], "error": error, "path": rank_path(rank)})
     statuses = {s["status"] for s in summary}
     status = v.RUNNING if v.RUNNING in statuses else v.COMPLETE if statuses == {v.COMPLETE} else v.FAILED
     failed = [s for s in summary if s["status"] == v.FAILED]
     error = "; ".join(f"rank {s['rank']}: {s['error']}" for s in failed) or None
     first = next((a for a in ranks if a), None) or {}
-    by_point: dict[tuple, list] = {}
-    for rank, artifact in enumerate(ranks):
-        for row in (artifact or {}).get("results", []):
-            key = point_key(row["point"])
-            by_point.setdefault(key, []).append((rank, row))
-    results = []
-    for entries in by_point.values():
-        base = dict(min(entries, key=lambda e: e[0])[1])  # rank 0's row where it has one
-        medians = [row["median_seconds"] for _, row in entries]
-        base.update(
-            median_seconds=max(medians),
-            min_seconds=min(row["min_seconds"] for _, row in entries),
-            max_seconds=max(row["max_seconds"] for _, row in entries),
-            ranks=[{"rank": rank, "median_seconds": row["median_seconds"]} for rank, row in entries],
-        )
-        base["spread"] = (base["max_seconds"] - base["min_seconds"]) / base["median_seconds"]
-        results.append(base)
-    skipped = [{**s, "rank": rank} for rank, a in enumerate(ranks) for s in (a or {}).get("skipped_points", [])]
     finished = [a["finished_at"] for a in ranks if a and a["finished_at"]]
     return {
         "schema_version": v.SCHEMA_VERSION,
@@ -110,9 +120,12 @@ def combine(ranks: list[dict | None], lost: dict[int, str] | None = None) -> dic
             "data_parallel_rank": None,
         },
         "kvwarm": first.get("kvwarm", {}),
-        "results": results,
-        "skipped_points": skipped,
     }
+
+
+def encode(value) -> str:
+    """Compact JSON: a view is rewritten while a sweep runs, and indenting it triples the cost."""
+    return json.dumps(value, separators=COMPACT)
 
 
 def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] | None = None) -> dict:
@@ -120,7 +133,7 @@ def write_view(root: str | Path, ranks: list[dict | None], lost: dict[int, str] 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     combined = combine(ranks, lost)
-    write_atomically(root / v.ARTIFACT, json.dumps(combined, indent=2).encode())
+    write_atomically(root / v.ARTIFACT, encode(combined).encode())
     write_atomically(root / v.ARTIFACT_CSV, results_csv(combined["results"]))
     return combined
 
@@ -137,3 +150,78 @@ def write_combined(root: str | Path, size: int, before_final=None) -> dict:
         if before_final is not None and combine(ranks)["status"] != v.RUNNING:
             before_final(ranks)
         return write_view(root, ranks)
+
+
+class RunningView:
+    """A combined view kept as every rank's rows arrive (rank 0's, through the ranks' store),
+    written as combine would write it from the same artifacts. Each point's combined row is
+    encoded when one of its ranks' rows arrives, never again: a rewrite of the view encodes
+    what arrived since the last one and joins the rest, and no combined artifact is kept
+    between writes."""
+
+    def __init__(self, size: int):
+        self.heads: list[dict | None] = [None] * size  # each rank's latest artifact less its rows
+        self.rows: list[tuple[list, list]] = [([], []) for _ in range(size)]  # its results, skipped points
+        self._entries: dict[tuple, list[tuple[int, dict]]] = {}  # point: (rank, row), in rank order
+        self._first: dict[tuple, int] = {}  # point: the lowest rank holding it
+        # per rank, the points it is the lowest rank to hold, in its order: combine's order
+        self._sections: list[dict[tuple, None]] = [{} for _ in range(size)]
+        self._json: dict[tuple, str] = {}  # point: its combined row, encoded
+        self._csv: dict[tuple, bytes] = {}  # point: its line of sweep.csv
+        self._skipped: list[list[str]] = [[] for _ in range(size)]  # per rank: its skipped points, encoded
+        self._changed: set[tuple] = set()  # points whose combined row is not encoded yet
+
+    def take(self, rank: int, head: dict, results: list[dict], skipped: list[dict]) -> None:
+        """Rank `rank`'s artifact less its rows (`head`) and the rows it added since."""
+        self.heads[rank] = head
+        self.rows[rank][0].extend(results)
+        self.rows[rank][1].extend(skipped)
+        for row in results:
+            key = point_key(row["point"])
+            entries = self._entries.setdefault(key, [])
+            entries.insert(bisect.bisect_right([r for r, _ in entries], rank), (rank, row))
+            first = self._first.get(key)
+            if first is None or rank < first:
+                if first is not None:
+                    del self._sections[first][key]
+                self._sections[rank][key] = None
+                self._first[key] = rank
+            self._changed.add(key)
+        self._skipped[rank] += [encode({**s, "rank": rank}) for s in skipped]
+
+    def artifacts(self) -> list[dict | None]:
+        """Every rank's artifact as it stands (its head and its rows)."""
+        return [
+            None if head is None else {**head, "results": results, "skipped_points": skipped}
+            for head, (results, skipped) in zip(self.heads, self.rows)
+        ]
+
+    def write(self, root: str | Path, lost: dict[int, str] | None = None) -> str:
+        """OUT/sweep.json and sweep.csv as write_view writes them; returns the view's status."""
+        for key in self._changed:
+            row = combined_row(self._entries[key])
+            self._json[key], self._csv[key] = encode(row), results_csv([row])[len(CSV_HEADER) :]
+        self._changed.clear()
+        head = combined_head(self.heads, [len(results) for results, _ in self.rows], lost)
+        order = list(itertools.chain.from_iterable(self._sections))
+        text = encode({**head, "results": [], "skipped_points": []})
+        assert text.endswith(_EMPTY_TAIL)
+        text = "".join(
+            (
+                text[: -len(_EMPTY_TAIL)],
+                '"results":[',
+                ",".join(map(self._json.__getitem__, order)),
+                '],"skipped_points":[',
+                ",".join(itertools.chain.from_iterable(self._skipped)),
+                "]}",
+            )
+        )
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        write_atomically(root / v.ARTIFACT, text.encode())
+        write_atomically(root / v.ARTIFACT_CSV, CSV_HEADER + b"".join(map(self._csv.__getitem__, order)))
+        return head["status"]
+
+
+CSV_HEADER = results_csv([])
+_EMPTY_TAIL = '"results":[],"skipped_points":[]}'
