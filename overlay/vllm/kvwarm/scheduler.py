@@ -29,7 +29,6 @@ are scheduled between points, so no timed step carries them.
 from __future__ import annotations
 
 import time
-from itertools import chain
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -144,8 +143,10 @@ class KvWarmSchedulerMixin:
         note = None
         if self.kvwarm_trace is not None:
             held = sweep is not None and sweep.may_run_own_requests()
-            waiting = tuple(chain.from_iterable(getattr(self, name) for name in self.kvwarm_queues))
-            note = self.kvwarm_trace.scheduled(output, held, waiting)
+            # what waits is read only for a step the trace keeps (held or empty ones are not)
+            traced = not held and output.total_num_scheduled_tokens
+            queues = [getattr(self, name) for name in self.kvwarm_queues] if traced else ()
+            note = self.kvwarm_trace.scheduled(output, held, queues)
         if timer is not None:
             timing = timer.schedule_done(enter, stock_start, stock_end, clock())
             self.kvwarm_in_flight.add(Scheduled(output, timing, note))

@@ -94,8 +94,8 @@ class TraceRecorder:
 
     def scheduled(self, output, held: bool, queued: tuple) -> tuple | None:
         """schedule() made `output`; `held`: the sweep's own requests may be in it; `queued`:
-        the requests its queues held after it. The step's note, for `updated` (None where it
-        could not be read)."""
+        the scheduler's queues after it (none where the step is not traced). The step's note,
+        for `updated` (None where it could not be read)."""
         try:
             return held, waiting(queued, self._preempted)
         except Exception:  # noqa: BLE001  (a failure here must never reach the engine)

@@ -149,20 +149,6 @@ class RawSteps:
         return raw
 
 
-def queued(prompts: list[int], resuming: list[int]) -> list[int]:
-    """What waits after the step's schedule(): [requests to prefill, their prompt tokens, the
-    tokens' squares summed, preempted requests to resume, the KV they hold, its squares
-    summed] (Dynamo's FPM split; the reader makes the variances)."""
-    return [
-        len(prompts),
-        sum(prompts),
-        sum(p * p for p in prompts),
-        len(resuming),
-        sum(resuming),
-        sum(k * k for k in resuming),
-    ]
-
-
 def render(raw_steps: RawSteps, step: tuple) -> str | None:
     """A step's frame as its line (None: a step that is not traced)."""
     number, at, wall, span, phases, parts, waiting, sent, collected, graph = step
@@ -170,7 +156,7 @@ def render(raw_steps: RawSteps, step: tuple) -> str | None:
     if number is None:
         return None
     record = {"step": number, "at": at, "wall": wall, "span": span, "phases": phases, **raw}
-    record["queued"] = queued(*waiting)
+    record["queued"] = list(waiting)  # served.step_parts.waiting's sums
     record["outputs"] = sent
     record["gc"] = list(collected)
     if graph is not None:
