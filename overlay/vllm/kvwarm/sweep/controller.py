@@ -413,12 +413,7 @@ class Sweep:
             self._catchups = None
         self.phase = Phase.NEXT_POINT
         self._gc.release()  # a collection now, between points
-        self._on_row(row)
-        median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
-        self._progress(
-            f"point {len(self.rows)}/{len(self._points)} K={row.total_kv_read_tokens} "
-            f"B={row.batch_size} ({row.kv_seed_regime}): {median}"
-        )
+        self._on_row(row)  # the run logs a point's line at its own pace (sweep.progress)
 
     # --- the end -----------------------------------------------------------------------------
 

@@ -4,11 +4,15 @@ The scheduler adapter builds a SweepRun when the engine's additional_config carr
 {"kvwarm_sweep": {"points": FILE, "out": DIR}}, so the sweep runs wherever the scheduler
 does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or the
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
-every point, and on any failure with status "failed", the error and every row measured.
+every point, and on any failure with status "failed", the error and every row measured;
+a point's line is logged at most once per sweep.progress.LOG_SECONDS.
 Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an exchange
 (sweep.exchange.make_exchange), which also carries each write to the combined view
 OUT/sweep.json (record.combined) on rank 0's side. A generated grid (--grid) is laid once
 the ranks agree on the pool (sweep.controller), the same on every rank; rank 0 writes it.
+A grid from a trace (--grid-from) is laid the same way: each rank reads the trace's shapes
+itself, line by line, and keeps only their counts (sweep.trace_grid.read_shapes), since the
+laying needs the pool the ranks agree on and sharing a laid grid would cross the exchange.
 With DYN_FPM_BENCHMARK_OUTPUT_PATH set, whichever rank ends up holding every rank's final
 artifact (rank 0 through the store, the last rank to finish through files, the only rank
 alone) writes Dynamo's self-benchmark artifact there (record.export.write.write_final).
@@ -42,6 +46,7 @@ from .grid_settings import GridLaying, grid_settings, wants_grid
 from .limits import EngineLimits, GridFit, SweepRefused, check_engine, check_points
 from .plan import SweepConfig, SweepSetup
 from .points import DecodePoint, MixedPoint, PointsFileError, PrefillPoint, load_points, mixed_decode_steps, takes_tails
+from .progress import PointLog
 from .provenance import loop_record, rank_layout, run_record, trailing_steps
 from .settings import DATASET_ENV, Settings, SettingsError, read_settings
 from .trace_grid import check_engine as check_trace_engine
@@ -170,6 +175,7 @@ class SweepRun:
         points = spec.get("points") or str(grid_path(spec["out"]))
         config = {"points": points, "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
+        self.points_log = PointLog(self.writer.progress)
         self.finished = False
         self.environ = environ
         exchange = None
@@ -354,6 +360,7 @@ class SweepRun:
         self.writer.rows.append(row)
         self.writer.meta.stages = list(self.sweep.stages)
         self.writer.write(v.RUNNING)
+        self.points_log.row(row, len(self.writer.rows), self.writer.total)  # a line at most every LOG_SECONDS
 
     def finish(self) -> None:
         """After the controller is done: the final artifact."""
