@@ -63,6 +63,7 @@ from .plan import (
     plan_mixed_rung,
     plan_prefill_rung,
     plan_rungs,
+    points_digest,
     trim_rung,
 )
 from .points import DecodePoint, MixedPoint, PrefillPoint
@@ -132,6 +133,7 @@ class Sweep:
         self.config = setup.config
         self.rungs = plan_rungs(setup.points, setup.config.decode_steps, setup.config.max_model_len, setup.config.real)
         self._points, self._chain_tokens = setup.points, setup.chain_tokens
+        self._points_digest = points_digest(setup.points)  # once: plan_digest takes it at every rung
         self._tails = TailText(setup.tail_tokens or [], self._vocab_size)
 
     @property
@@ -158,7 +160,7 @@ class Sweep:
         return self._gc.record()
 
     def plan_digest(self, rung: Rung) -> str:
-        return plan_digest(self._points, self.config, rung)
+        return plan_digest(self._points_digest, self.config, rung)
 
     # --- driven by the adapter -------------------------------------------------------------
 
