@@ -43,28 +43,39 @@ def ends(watch: Watch) -> tuple[list, list]:
 class Watch:
     """One scheduler's schedule() and update_from_output() timed (instance attributes, which the
     engine core and the harness call), its sweep's rows as they come, (when, the point), and
-    its artifact writer's writes, (when, seconds)."""
+    its artifact writer's writes, (when, seconds). A stall is kept with the part of it the
+    writer's writes took (`stall_less_writes`: the longest such call without them)."""
 
     def __init__(self, scheduler, sweep, writer=None):
         self.rows: list[tuple[float, tuple]] = []
         self.writes: list[tuple[float, float]] = []
         self.rss: dict[int, float] = {}  # rows done (every rank's): VmRSS then, at each decile's end
-        self.stall = 0.0  # the longest call at a point boundary
+        self.stall = self.stall_less_writes = 0.0  # the longest call at a point boundary
         self.boundary = 0.0  # the longest boundary, end to end
         self._from: float | None = None  # when the last point's row was taken
-        self._longest = 0.0  # the longest call at the boundary now open (kept if a point follows)
+        self._longest = [0.0, 0.0]  # the boundary now open: its longest call, and without writes
+        self._written = 0.0  # every write's seconds so far
         self._deciles: set[int] = set()
         rows = sweep.rows
         schedule, update, after_update = scheduler.schedule, scheduler.update_from_output, sweep.after_update
 
+        def note(seconds: float, written_before: float) -> None:
+            self._longest = [
+                max(self._longest[0], seconds),
+                max(self._longest[1], seconds - (self._written - written_before)),
+            ]
+
         def timed_schedule(*args, **kwargs):
-            began = time.perf_counter()
+            began, written = time.perf_counter(), self._written
             output = schedule(*args, **kwargs)
             ended = time.perf_counter()
+            if self._from is not None and sweep.done:  # the sweep's end: no boundary
+                self._from = None
             if self._from is not None:
-                self._longest = max(self._longest, ended - began)
+                note(ended - began, written)
                 if output.total_num_scheduled_tokens:  # the next point's first step: the boundary closes
-                    self.stall = max(self.stall, self._longest)
+                    self.stall = max(self.stall, self._longest[0])
+                    self.stall_less_writes = max(self.stall_less_writes, self._longest[1])
                     self.boundary = max(self.boundary, ended - self._from)
                     self._from = None
             return output
@@ -73,14 +84,14 @@ class Watch:
             began, before = time.perf_counter(), len(rows)
             after_update(*args, **kwargs)
             if len(rows) > before:
-                self._from, self._longest = began, 0.0
+                self._from, self._longest = began, [0.0, 0.0]
                 self.rows.append((began, (rows[-1].total_kv_read_tokens, rows[-1].batch_size)))
 
         def timed_update(*args, **kwargs):
-            began, at_boundary = time.perf_counter(), self._from is not None
+            began, at_boundary, written = time.perf_counter(), self._from is not None, self._written
             outputs = update(*args, **kwargs)
             if self._from is not None:  # timed from the row where this call took it
-                self._longest = max(self._longest, time.perf_counter() - (began if at_boundary else self._from))
+                note(time.perf_counter() - (began if at_boundary else self._from), written)
             return outputs
 
         scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
@@ -91,7 +102,9 @@ class Watch:
             def timed_write(*args, **kwargs):
                 began = time.perf_counter()
                 write(*args, **kwargs)
-                self.writes.append((began, time.perf_counter() - began))
+                seconds = time.perf_counter() - began
+                self.writes.append((began, seconds))
+                self._written += seconds
 
             writer.write = timed_write
 
@@ -135,6 +148,7 @@ def figures(long: list[Watch], first: list[Watch], last: list[Watch]) -> dict:
         "relative": relative,
         "relative_ratio": relative[1] / relative[0],
         "stall_ms": max(w.stall for w in long) * 1e3,
+        "stall_less_writes_ms": max(w.stall_less_writes for w in long) * 1e3,
         "boundary_ms": max(w.boundary for w in long) * 1e3,
         "longest_write_ms": max((seconds for _, seconds in writes), default=0.0) * 1e3,
         "write_share": [w / (b - a) for w, (a, b) in zip(written, itertools.pairwise(edges))],
@@ -154,7 +168,8 @@ def lines(name: str, side: dict) -> list[str]:
         f"  rows/min per decile: {rates}; last/first {side['ratio']:.2f}",
         f"  fresh over this sweep's time per row: first decile {first:.2f}, last {last:.2f}; "
         + f"last/first {side['relative_ratio']:.2f}",
-        f"  longest stall at a point boundary {side['stall_ms']:.1f} ms, longest boundary {side['boundary_ms']:.1f} ms",
+        f"  longest stall at a point boundary {side['stall_ms']:.1f} ms ({side['stall_less_writes_ms']:.1f} ms without "
+        + f"the artifact writer's writes), longest boundary {side['boundary_ms']:.1f} ms",
         f"  the artifact writer: longest write {side['longest_write_ms']:.1f} ms; per decile {shares}",
         f"  VmRSS {low:.0f} -> {high:.0f} MiB after the first decile: {side['mib_per_10k_rows']:.1f} MiB/10k rows",
     ]
