@@ -44,38 +44,41 @@ class Watch:
     """One scheduler's schedule() and update_from_output() timed (instance attributes, which the
     engine core and the harness call), its sweep's rows as they come, (when, the point), and
     its artifact writer's writes, (when, seconds). A stall is kept with the part of it the
-    writer's writes took (`stall_less_writes`: the longest such call without them)."""
+    writer's writes took (`stall_less_writes`: the longest such call without them, and
+    `stall_cpu` the CPU time this thread spent in it: far less than its wall time is a
+    thread kept waiting for a CPU by other processes, not work)."""
 
     def __init__(self, scheduler, sweep, writer=None):
         self.rows: list[tuple[float, tuple]] = []
         self.writes: list[tuple[float, float]] = []
         self.rss: dict[int, float] = {}  # rows done (every rank's): VmRSS then, at each decile's end
-        self.stall = self.stall_less_writes = 0.0  # the longest call at a point boundary
+        self.stall = self.stall_less_writes = self.stall_cpu = 0.0  # the longest call at a point boundary
         self.boundary = 0.0  # the longest boundary, end to end
         self._from: float | None = None  # when the last point's row was taken
-        self._longest = [0.0, 0.0]  # the boundary now open: its longest call, and without writes
-        self._written = 0.0  # every write's seconds so far
+        self._longest = [0.0, 0.0, 0.0]  # the boundary now open: its longest call; without writes, and its CPU
+        self._written = [0.0, 0.0]  # every write's seconds so far, and their CPU seconds
         self._deciles: set[int] = set()
         rows = sweep.rows
         schedule, update, after_update = scheduler.schedule, scheduler.update_from_output, sweep.after_update
 
-        def note(seconds: float, written_before: float) -> None:
-            self._longest = [
-                max(self._longest[0], seconds),
-                max(self._longest[1], seconds - (self._written - written_before)),
-            ]
+        def note(seconds: float, cpu: float, before: list[float]) -> None:
+            less = seconds - (self._written[0] - before[0])
+            if less > self._longest[1]:
+                self._longest[1:] = [less, cpu - (self._written[1] - before[1])]
+            self._longest[0] = max(self._longest[0], seconds)
 
         def timed_schedule(*args, **kwargs):
-            began, written = time.perf_counter(), self._written
+            began, cpu, written = time.perf_counter(), time.thread_time(), list(self._written)
             output = schedule(*args, **kwargs)
             ended = time.perf_counter()
             if self._from is not None and sweep.done:  # the sweep's end: no boundary
                 self._from = None
             if self._from is not None:
-                note(ended - began, written)
+                note(ended - began, time.thread_time() - cpu, written)
                 if output.total_num_scheduled_tokens:  # the next point's first step: the boundary closes
                     self.stall = max(self.stall, self._longest[0])
-                    self.stall_less_writes = max(self.stall_less_writes, self._longest[1])
+                    if self._longest[1] > self.stall_less_writes:
+                        self.stall_less_writes, self.stall_cpu = self._longest[1:]
                     self.boundary = max(self.boundary, ended - self._from)
                     self._from = None
             return output
@@ -84,14 +87,15 @@ class Watch:
             began, before = time.perf_counter(), len(rows)
             after_update(*args, **kwargs)
             if len(rows) > before:
-                self._from, self._longest = began, [0.0, 0.0]
+                self._from, self._longest = began, [0.0, 0.0, 0.0]
                 self.rows.append((began, (rows[-1].total_kv_read_tokens, rows[-1].batch_size)))
 
         def timed_update(*args, **kwargs):
-            began, at_boundary, written = time.perf_counter(), self._from is not None, self._written
+            began, cpu, written = time.perf_counter(), time.thread_time(), list(self._written)
+            at_boundary = self._from is not None
             outputs = update(*args, **kwargs)
             if self._from is not None:  # timed from the row where this call took it
-                note(time.perf_counter() - (began if at_boundary else self._from), written)
+                note(time.perf_counter() - (began if at_boundary else self._from), time.thread_time() - cpu, written)
             return outputs
 
         scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
@@ -100,11 +104,12 @@ class Watch:
             write = writer.write
 
             def timed_write(*args, **kwargs):
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.thread_time()
                 write(*args, **kwargs)
                 seconds = time.perf_counter() - began
                 self.writes.append((began, seconds))
-                self._written += seconds
+                self._written[0] += seconds
+                self._written[1] += time.thread_time() - cpu
 
             writer.write = timed_write
 
@@ -116,10 +121,12 @@ class Watch:
             self.rss[done] = resident_mib()
 
 
-def _per_row(watches: list[Watch]) -> float:
-    """A sweep's seconds per row, from its first row to its last (every rank's rows)."""
+def _per_row(watches: list[Watch], less_writes: bool = False) -> float:
+    """A sweep's seconds per row, from its first row to its last (every rank's rows); with
+    `less_writes`, less the artifact writer's writes between them."""
     times = sorted(at for w in watches for at, _ in w.rows)
-    return (times[-1] - times[0]) / (len(times) - 1)
+    written = sum(s for w in watches for at, s in w.writes if times[0] <= at <= times[-1]) if less_writes else 0.0
+    return (times[-1] - times[0] - written) / (len(times) - 1)
 
 
 def figures(long: list[Watch], first: list[Watch], last: list[Watch]) -> dict:
@@ -138,6 +145,8 @@ def figures(long: list[Watch], first: list[Watch], last: list[Watch]) -> dict:
     written = [0.0] * 10
     for at, seconds in writes:
         written[min(9, bisect.bisect_left(edges, at, 1) - 1)] += seconds
+    less = [t - w / n for t, w, n in ((per_row[0], written[0], counts[0]), (per_row[-1], written[-1], counts[-1]))]
+    relative_less = [_per_row(first, True) / less[0], _per_row(last, True) / less[1]]
     rss = long[0].rss  # one process: every rank's memory, by every rank's rows
     low, high = min(r for r in rss if r >= len(rows) // 10), max(rss)
     return {
@@ -147,8 +156,11 @@ def figures(long: list[Watch], first: list[Watch], last: list[Watch]) -> dict:
         "ratio": per_row[0] / per_row[-1],
         "relative": relative,
         "relative_ratio": relative[1] / relative[0],
+        "relative_less_writes": relative_less,
+        "relative_less_writes_ratio": relative_less[1] / relative_less[0],
         "stall_ms": max(w.stall for w in long) * 1e3,
         "stall_less_writes_ms": max(w.stall_less_writes for w in long) * 1e3,
+        "stall_cpu_ms": max(long, key=lambda w: w.stall_less_writes).stall_cpu * 1e3,
         "boundary_ms": max(w.boundary for w in long) * 1e3,
         "longest_write_ms": max((seconds for _, seconds in writes), default=0.0) * 1e3,
         "write_share": [w / (b - a) for w, (a, b) in zip(written, itertools.pairwise(edges))],
@@ -167,9 +179,12 @@ def lines(name: str, side: dict) -> list[str]:
         f"{name}: {side['rows']} rows in {side['seconds']:.0f} s",
         f"  rows/min per decile: {rates}; last/first {side['ratio']:.2f}",
         f"  fresh over this sweep's time per row: first decile {first:.2f}, last {last:.2f}; "
-        + f"last/first {side['relative_ratio']:.2f}",
-        f"  longest stall at a point boundary {side['stall_ms']:.1f} ms ({side['stall_less_writes_ms']:.1f} ms without "
-        + f"the artifact writer's writes), longest boundary {side['boundary_ms']:.1f} ms",
+        + f"last/first {side['relative_ratio']:.2f}; without the artifact writer's writes "
+        + f"{side['relative_less_writes'][0]:.2f} and {side['relative_less_writes'][1]:.2f}, "
+        + f"last/first {side['relative_less_writes_ratio']:.2f}",
+        f"  longest stall at a point boundary {side['stall_ms']:.1f} ms; without the artifact writer's writes "
+        + f"{side['stall_less_writes_ms']:.1f} ms (on this thread's CPU {side['stall_cpu_ms']:.1f} ms); longest "
+        + f"boundary {side['boundary_ms']:.1f} ms",
         f"  the artifact writer: longest write {side['longest_write_ms']:.1f} ms; per decile {shares}",
         f"  VmRSS {low:.0f} -> {high:.0f} MiB after the first decile: {side['mib_per_10k_rows']:.1f} MiB/10k rows",
     ]
