@@ -18,12 +18,12 @@ refuses one that does not match (sweep.provenance, vllm.kvwarm.scheduler.check_m
 With --data-parallel-size N > 1 the engine cores always run in vLLM's own processes (one
 per rank; an in-process engine core cannot be data parallel), each rank writes OUT/dp<R>/,
 and the command waits for the combined OUT/sweep.json to be final: its exit code is 0
-only when every rank completed.
+only when every rank completed. `--data-parallel-backend ray` is refused where vLLM's platform
+names no Ray device (the CPU platform): vLLM's Ray launcher could not place the ranks there.
 
 Where its standard error is a terminal the command shows the sweep's rows on a progress bar
 (planned and done, the rate, the time left: sweep.progress); elsewhere the engine's own lines
-say it, one per LOG_SECONDS at most. `--data-parallel-backend ray` is refused where vLLM's platform
-names no Ray device (the CPU platform): vLLM's Ray launcher could not place the ranks there.
+say it, one per LOG_SECONDS at most.
 """
 
 from __future__ import annotations

@@ -170,19 +170,20 @@ class CombinedView:
 
     # --- writing the view ----------------------------------------------------------------------
 
-    def _write(self) -> None:
+    def _write(self) -> bool:
+        """Whether the view was written (not: nothing changed, or its pace holds it back)."""
         if not self._take_own():
-            return
+            return False
         if self.exchange.unheard() is None:
             self._gather()
         lost = self._lost()
         made_of = (self._version, sorted(lost.items()))
         if made_of == self._written:
-            return
+            return False
         statuses = [head["status"] if head else v.RUNNING for head in self.view.heads]
         ending = all(s != v.RUNNING or r in lost for r, s in enumerate(statuses))
         if not ending and not self._pacing.due():
-            return  # a long sweep's view: written again once its last write is paid for
+            return False  # a long sweep's view: written again once its last write is paid for
         began = self._pacing.clock()
         if ending and not self._handed:  # handed on first: whoever waits for the final view finds Dynamo's files
             self._handed = True
@@ -190,6 +191,7 @@ class CombinedView:
         self.status = self.view.write(self.exchange.root, lost)
         self._written = made_of
         self._pacing.wrote(began)
+        return True
 
     def _turn(self) -> bool:
         """Whether the view may be read and written now: rank 0's sweep has ended, or rank 0
@@ -207,11 +209,11 @@ class CombinedView:
             if not self._turn():
                 continue
             try:
-                self._write()
+                wrote = self._write()
             except Exception as err:  # noqa: BLE001  (the view is retried; the sweep goes on)
                 self._failed(err)
                 continue
-            if self._failure is not None:
+            if wrote and self._failure is not None:
                 logger.info("[kvwarm sweep dp0] the combined view at %s is written again", self.exchange.root)
                 self._failure = None
             if self.final:
