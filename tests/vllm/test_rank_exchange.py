@@ -101,12 +101,14 @@ def test_a_forged_summary_never_reaches_the_combined_view_and_is_named(tmp_path)
     deadline = time.monotonic() + 30
     while "kvwarm/summary/1" not in rank_0.view.refused:
         assert time.monotonic() < deadline, "the forged summary was not refused"
+        rank_0.view.between_points()  # as rank 0's boundaries tell it: the view's turn
         time.sleep(0.05)
     assert "it is not this launch's (nonce 'not-ours'" in rank_0.view.refused["kvwarm/summary/1"]
     assert 1 not in rank_0.view.heads  # not in the view: rank 1 has sent nothing of its own
     rank_1.share(own)
     while 1 not in rank_0.view.heads:  # rank 1's own summary replaces it and is taken
         assert time.monotonic() < deadline, "rank 1's own summary never reached the view"
+        rank_0.view.between_points()
         time.sleep(0.05)
     assert rank_0.view.heads[1]["status"] == "running"
 

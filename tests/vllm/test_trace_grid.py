@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
+from collections import Counter
 
 import pytest
 from kvwarm_testing.real_kv import in_use, make_scheduler, step_scheduler
 from kvwarm_testing.traces import header, step, write_trace
 from vllm.kvwarm.record.runs import Row
 from vllm.kvwarm.record.shape import GraphConfig
-from vllm.kvwarm.record.trace.reader import Step, Trace, TraceError
+from vllm.kvwarm.record.trace.reader import Step, TraceError
 from vllm.kvwarm.record.validate.predict import MixedRow, Predictor
 from vllm.kvwarm.sweep.grid import GridLimits, deepest_kv
 from vllm.kvwarm.sweep.points import DecodePoint, MixedPoint, PrefillPoint
 from vllm.kvwarm.sweep.settings import SettingsError
 from vllm.kvwarm.sweep.trace_grid import (
     TRACE_CAPS,
+    Shapes,
     caps_of,
     decode_points,
     mixed_points,
@@ -133,7 +134,7 @@ def test_the_grid_over_a_small_trace_is_the_one_worked_out_by_hand():
         prefill_step(1, 200, 32),
         Step(0, 0, 0.01, {}, 2, 400, 1, 150, 0),
     ]
-    points = trace_grid(Trace(Path("trace"), {}, {}, steps), GRAPHS, LIMITS)
+    points = trace_grid(shapes(steps), GRAPHS, LIMITS)
     assert points == [
         *(PrefillPoint(n, p, 1) for n in (100, 150, 200) for p in (0, 32)),
         DecodePoint(400, 2),
@@ -145,7 +146,7 @@ def test_the_grid_over_a_small_trace_is_the_one_worked_out_by_hand():
 
 def test_the_axes_hold_the_graph_boundaries_and_the_ends_of_a_large_trace():
     steps = traced_steps()
-    points = trace_grid(Trace(Path("trace"), {}, {}, steps), GRAPHS, LIMITS)
+    points = trace_grid(shapes(steps), GRAPHS, LIMITS)
     batches = sorted({p.batch_size for p in points if isinstance(p, DecodePoint)})
     assert {8, 9, 16, 17} <= set(batches) and batches[0] == 3 and batches[-1] == 30  # boundaries, ends
     assert len(batches) < 28
@@ -171,8 +172,8 @@ def test_steps_that_continue_their_prompts_get_continuation_points_where_the_eng
     going_on = [dataclasses.replace(prefill_step(1, 256, u * 16), continuations=1) for u in (3, 9)]
     both = dataclasses.replace(prefill_step(2, 300, 160), continuations=1)  # one of two continues: new
     found = shapes([new, *going_on, both])
-    assert found.continued == [(1, 256, 48), (1, 256, 144)] and (2, 300, 160) in found.prefill
-    trace = Trace(Path("t"), {}, {}, [new, *going_on, both])
+    assert found.continued == {(1, 256, 48): 1, (1, 256, 144): 1} and (2, 300, 160) in found.prefill
+    trace = found
     able = dataclasses.replace(LIMITS, continuations=True)
     continued = [p for p in trace_grid(trace, GRAPHS, able) if p.continuation]
     assert {(p.batch_size, p.total_prefill_tokens, p.total_kv_read_tokens) for p in continued} == {
@@ -186,9 +187,9 @@ def test_steps_that_continue_their_prompts_get_continuation_points_where_the_eng
     assert {(p.prefill.total_prefill_tokens, p.prefill.total_kv_read_tokens, p.prefill.continuation) for p in laid} == {
         (300, 64, True)
     }
-    assert [p for p in trace_grid(Trace(Path("t"), {}, {}, [mixed]), GRAPHS, able) if isinstance(p, MixedPoint)] == laid
+    assert [p for p in trace_grid(shapes([mixed]), GRAPHS, able) if isinstance(p, MixedPoint)] == laid
     narrow = dataclasses.replace(GRAPHS, max_num_batched_tokens=47)  # 3 requests x 16 > 47
-    assert not prefill_points([(3, 300, 96)], narrow, able, TRACE_CAPS, continuation=True)
+    assert not prefill_points(Counter({(3, 300, 96): 1}), narrow, able, TRACE_CAPS, continuation=True)
     # where the engine cannot (more than one rank, or no chunked prefill) they join the new ones
     plain = trace_grid(trace, GRAPHS, LIMITS)
     assert not any(isinstance(p, PrefillPoint) and p.continuation for p in plain)
@@ -245,9 +246,7 @@ def test_mixed_points_span_the_traced_mixed_steps_within_the_budget():
     # (the capture sizes between 4 and 20 are on the batch axis, but no step reads their curves)
     assert {p.batch_size for p in decode_points(found, GRAPHS, LIMITS, TRACE_CAPS)} == {4, 20}
     assert {p.total_prefill_tokens for p in prefill_points(found.prefill, GRAPHS, LIMITS, TRACE_CAPS)} == {300, 505}
-    assert [
-        p for p in trace_grid(Trace(Path("t"), {}, {}, MIXED_STEPS), GRAPHS, LIMITS) if isinstance(p, MixedPoint)
-    ] == points
+    assert [p for p in trace_grid(shapes(MIXED_STEPS), GRAPHS, LIMITS) if isinstance(p, MixedPoint)] == points
 
 
 def test_a_cap_spreads_the_mixed_axes_over_the_traced_steps_within_the_engines_limits():
@@ -295,7 +294,7 @@ def test_decode_parts_beside_a_wider_prefill_part_give_way_to_what_max_num_seqs_
 @pytest.mark.parametrize("gate", [{"attention_only": False}, {"attention_only": False, "state_mode": "inplace"}])
 def test_no_mixed_point_is_laid_where_the_engine_cannot_measure_them(gate):
     limits = dataclasses.replace(LIMITS, **gate)
-    trace = Trace(Path("t"), {}, {}, MIXED_STEPS)
+    trace = shapes(MIXED_STEPS)
     assert mixed_points(shapes(MIXED_STEPS).mixed, GRAPHS, limits, TRACE_CAPS) == []
     assert trace_grid(trace, GRAPHS, limits) == [
         p for p in trace_grid(trace, GRAPHS, LIMITS) if not isinstance(p, MixedPoint)
@@ -393,7 +392,7 @@ def test_a_trace_of_another_model_is_refused_from_the_given_arguments_alone(tmp_
     assert "model (trace 'tiny-qwen3-moe', given 'other')" in said and "--model /models/tiny-qwen3-moe" in said
     assert "max_num_batched_tokens (trace 256, given 512)" in said and "tensor_parallel_size (trace 1, given 2)" in said
     # a path elsewhere to the same model, and arguments left to their defaults, are no difference
-    assert check_given(str(trace), EngineArgs(model="/elsewhere/tiny-qwen3-moe/")).steps
+    assert check_given(str(trace), EngineArgs(model="/elsewhere/tiny-qwen3-moe/"))[1].decode
 
 
 def test_a_skip_that_leaves_no_step_is_refused_on_a_real_scheduler(tmp_path, monkeypatch):
@@ -420,11 +419,16 @@ def test_skip_seconds_leaves_a_servers_warm_up_out_of_the_grid(tmp_path):
     served = [step(n, 7.0, prefill=(1, 100, 48)) for n in (4, 5)] + [step(6, 5.0, (2, 120), (1, 32, 64))]
     write_trace(trace, warm_up + served)
 
-    def prefill_tokens(t: Trace) -> list[int]:
-        return sorted({p.total_prefill_tokens for p in trace_grid(t, GRAPHS, LIMITS) if isinstance(p, PrefillPoint)})
+    def prefill_tokens(found: Shapes) -> list[int]:
+        return sorted(
+            {p.total_prefill_tokens for p in trace_grid(found, GRAPHS, LIMITS) if isinstance(p, PrefillPoint)}
+        )
 
-    whole, skipped = check_given(str(trace), args), check_given(str(trace), args, 0.045)
-    assert [s.number for s in skipped.steps] == [4, 5, 6] and len(whole.steps) == 7
+    (_, whole), (_, skipped) = check_given(str(trace), args), check_given(str(trace), args, 0.045)
+    assert skipped.prefill == {(1, 100, 48): 2, (1, 32, 64): 1} and skipped.decode == {(2, 120): 1}
+    assert sum(whole.prefill.values()) == 7  # the warm-up's 4 steps among them
+    trace_read, _ = check_given(str(trace), args)
+    assert trace_read.steps == [] and trace_read.step_count == 7  # streamed: counted per shape, never held
     assert prefill_tokens(whole)[0] == 1 and prefill_tokens(skipped)[0] == 32
     with pytest.raises(TraceError, match=r"leaves none of the 7 steps .*0\.1 s into it\); give fewer seconds"):
         check_given(str(trace), args, 1.0)

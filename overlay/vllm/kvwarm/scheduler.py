@@ -29,7 +29,6 @@ are scheduled between points, so no timed step carries them.
 from __future__ import annotations
 
 import time
-from itertools import chain
 
 from vllm.logger import init_logger
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -156,8 +155,10 @@ class KvWarmSchedulerMixin:
         note = None
         if trace is not None:
             held = sweep is not None and sweep.may_run_own_requests()
-            waiting = tuple(chain.from_iterable(getattr(self, name) for name in self.kvwarm_queues))
-            note = trace.scheduled(self, output, held, waiting, enter)
+            # what waits is read only for a step the trace keeps (held or empty ones are not)
+            traced = not held and output.total_num_scheduled_tokens
+            queues = [getattr(self, name) for name in self.kvwarm_queues] if traced else ()
+            note = trace.scheduled(self, output, held, queues, enter)
         if timer is not None:
             timing = timer.schedule_done(enter, stock_start, stock_end, clock())
             if trace is not None and len(self.kvwarm_in_flight) >= MAX_IN_FLIGHT:

@@ -103,10 +103,10 @@ class TraceRecorder:
 
     # --- in the step (the engine's thread): plain data, handed to the writer process ----------
 
-    def scheduled(self, scheduler, output, held: bool, queued: tuple, enter: float) -> tuple:
+    def scheduled(self, scheduler, output, held: bool, queued, enter: float) -> tuple:
         """`scheduler`'s schedule(), entered at `enter`, made `output`; `held`: the sweep's own
-        requests may be in it; `queued`: the requests its queues held after it. The step's
-        note, for `updated`: (held, what waits, its gap)."""
+        requests may be in it; `queued`: the scheduler's queues after it (none where the step
+        is not traced). The step's note, for `updated`: (held, what waits, its gap)."""
         gap = None if self._last_end is None else enter - self._last_end
         try:
             if not held:

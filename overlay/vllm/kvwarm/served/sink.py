@@ -147,20 +147,6 @@ class RawSteps:
         return raw
 
 
-def queued(prompts: list[int], resuming: list[int]) -> list[int]:
-    """What waits after the step's schedule(): [requests to prefill, their prompt tokens, the
-    tokens' squares summed, preempted requests to resume, the KV they hold, its squares
-    summed] (Dynamo's FPM split; the reader makes the variances)."""
-    return [
-        len(prompts),
-        sum(prompts),
-        sum(p * p for p in prompts),
-        len(resuming),
-        sum(resuming),
-        sum(k * k for k in resuming),
-    ]
-
-
 def render(raw_steps: RawSteps, step: tuple | dict) -> str | None:
     """A step's frame as its line (None: a step that is not traced); a record as it is."""
     if isinstance(step, dict):
@@ -173,7 +159,7 @@ def render(raw_steps: RawSteps, step: tuple | dict) -> str | None:
     if untimed is not None:
         record["untimed"] = untimed
     record.update(gap=gap, span=span, phases=phases, **raw)
-    record["queued"] = queued(*waiting)
+    record["queued"] = list(waiting)  # served.step_parts.waiting's sums
     record["outputs"] = sent
     record["gc"] = list(collected)
     if graph is not None:

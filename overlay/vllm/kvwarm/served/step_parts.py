@@ -4,18 +4,20 @@ alive after the step (docs/validate-reference.md#what-the-trace-costs). The trac
 (served.sink) turns them into the line's raw numbers (format version 2).
 
 Only reads: the fields of the SchedulerOutput vLLM made in this step's schedule(), the
-requests the queues hold after it, the runner's graph statistics. The lists and dicts of
+requests the queues hold after it (summed here: the writer gets six numbers, not the
+backlog), the runner's graph statistics. The lists and dicts of
 the SchedulerOutput are passed as they are (marshal copies them); a request's prompt length
 is read from its NewRequestData, once, in the step that first schedules it.
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
+from itertools import chain
+from operator import attrgetter, mul
 
 _PROMPT = attrgetter("num_prompt_tokens")
 _STATUS = attrgetter("status")
-NOTHING_WAITS = ((), ())  # nothing waits: no prompt to prefill, no preempted request
+NOTHING_WAITS = (0, 0, 0, 0, 0, 0)  # what `waiting` gives where nothing waits (or the queues are not read)
 
 
 def _prompt_len(new) -> int:
@@ -44,18 +46,33 @@ def parts(output) -> tuple:
     )
 
 
-def waiting(requests: tuple, preempted_status) -> tuple:
-    """What a schedule() left waiting, read right after it: (the prompt lengths of requests
-    to prefill, the tokens computed of preempted requests to resume). The common case (no
-    preempted request) reads the queue in two passes in C."""
+def waiting(queues, preempted_status) -> tuple:
+    """What a schedule() left waiting in `queues`, read right after it, as the line's `queued`
+    sums (served.sink): requests to prefill, their prompt tokens, the tokens' squares summed,
+    preempted requests to resume, the KV they hold, its squares summed (Dynamo's FPM split; the
+    reader makes the variances). Each queue is read as
+    it is held, never in its order (a priority queue's iteration sorts a copy of its heap: its
+    heap's list is read instead), and the common case (no preempted request) in C loops."""
+    requests = list(chain.from_iterable(map(_held, queues)))
     if not requests:
         return NOTHING_WAITS
     if preempted_status not in map(_STATUS, requests):
-        return list(map(_PROMPT, requests)), ()
+        return (*_sums(list(map(_PROMPT, requests))), 0, 0, 0)
     return (
-        [r.num_prompt_tokens for r in requests if r.status != preempted_status],
-        [r.num_computed_tokens for r in requests if r.status == preempted_status],
+        *_sums([r.num_prompt_tokens for r in requests if r.status != preempted_status]),
+        *_sums([r.num_computed_tokens for r in requests if r.status == preempted_status]),
     )
+
+
+def _held(queue):
+    """A queue's requests in whatever order it holds them: vLLM's priority queue's heap list
+    where it is one, else the queue itself (a deque)."""
+    heap = getattr(queue, "_heap", None)
+    return heap if isinstance(heap, list) else queue
+
+
+def _sums(values: list[int]) -> tuple[int, int, int]:
+    return len(values), sum(values), sum(map(mul, values, values))
 
 
 def graph(cudagraph_stats) -> list | None:

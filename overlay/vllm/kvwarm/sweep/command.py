@@ -25,6 +25,10 @@ per rank; an in-process engine core cannot be data parallel), each rank writes O
 and the command waits for the combined OUT/sweep.json to be final: its exit code is 0
 only when every rank completed. `--data-parallel-backend ray` is refused where vLLM's platform
 names no Ray device (the CPU platform): vLLM's Ray launcher could not place the ranks there.
+
+Where its standard error is a terminal the command shows the sweep's rows on a progress bar
+(planned and done, the rate, the time left: sweep.progress); elsewhere the engine's own lines
+say it, one per LOG_SECONDS at most.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from .exchange.files import SYNC_DIR
 from .grid_settings import check_grid
 from .inputs import read_inputs
 from .points import check_budget
+from .progress import ArtifactRows, Bar
 from .resume import check_plan, read_record, record_path
 from .run import CONFIG_KEY, INPUT_ERRORS, grid_path, new_writer, plan_inputs
 from .settings import SettingsError
@@ -230,7 +235,16 @@ def run(argv: list[str]) -> int:
         print(f"kvwarm sweep: {recorded['error']}", file=sys.stderr)
         return 2
     core = getattr(engine.engine_core, "engine_core", None)
-    status = _step(core) if core is not None else _wait(engine, artifact)
+    bar = Bar() if Bar.wanted(sys.stderr) else None
+    try:
+        if core is not None:
+            status = _step(core, bar)
+        else:
+            planned = len(inputs.points) * engine_args.data_parallel_size if spec.get("points") else None
+            status = _wait(engine, ArtifactRows(artifact, planned, engine_args.data_parallel_size), bar)
+    finally:
+        if bar is not None:
+            bar.close()
     if status != v.COMPLETE:
         recorded = _recorded(spec["out"], engine_args.data_parallel_size) or {}
         print(f"kvwarm sweep: {status}: {recorded.get('error') or 'see the log above'}", file=sys.stderr)
@@ -289,9 +303,10 @@ def _recorded(out: str, dp_size: int) -> dict | None:
         return None
 
 
-def _step(core) -> str:
-    """In-process engine core: step it until the sweep is done. The adapter records a sweep
-    failure itself (once); an engine failure outside the sweep's hooks is recorded here."""
+def _step(core, bar: Bar | None) -> str:
+    """In-process engine core: step it until the sweep is done (its rows on `bar`, where the
+    command shows one). The adapter records a sweep failure itself (once); an engine failure
+    outside the sweep's hooks is recorded here."""
     scheduler = core.scheduler
     run = getattr(scheduler, "kvwarm_run", None)
     if run is None:
@@ -299,9 +314,13 @@ def _step(core) -> str:
             "kvwarm sweep: --scheduler-cls must be one of vllm.kvwarm.scheduler's adapters (or a subclass of "
             "their mixin); leave it out and the command picks the one that matches the engine's loop"
         )
+    if bar is not None:
+        run.points_log.quiet = True  # the bar says it
     try:
         while scheduler.has_requests():
             core.step_fn()
+            if bar is not None:
+                bar.show(len(run.writer.rows), run.writer.total)
     except Exception as err:  # the rows already measured stay in the artifact
         run.fail(err)
         raise
@@ -314,16 +333,16 @@ def _engine_dead(engine) -> bool:
     return bool(getattr(resources, "engine_dead", False))
 
 
-def _wait(engine, artifact: Path) -> str:
+def _wait(engine, rows: ArtifactRows, bar: Bar | None) -> str:
     """Engine cores in their own processes: they step themselves; wait for the final
-    artifact (the combined view under data parallel) for as long as the engine lives."""
+    artifact (the combined view under data parallel) for as long as the engine lives,
+    following its rows on `bar` where the command shows one."""
     while True:
-        try:
-            status = json.loads(artifact.read_text()).get("status")
-        except (OSError, ValueError):  # not written yet, or being replaced
-            status = None
-        if status in (v.COMPLETE, v.FAILED):
-            return status
+        rows.read()
+        if rows.final:
+            return rows.status
+        if bar is not None and rows.planned:
+            bar.show(rows.done, rows.planned)
         if _engine_dead(engine):
             print(
                 "kvwarm sweep: an engine core died before the sweep's artifact was final; see its log above",

@@ -60,6 +60,7 @@ from .plan import (
     plan_mixed_rung,
     plan_prefill_rung,
     plan_rungs,
+    points_digest,
     trim_rung,
 )
 from .point_order import PointOrder
@@ -132,6 +133,7 @@ class Sweep:
         self.rungs = plan_rungs(setup.points, setup.config.decode_steps, setup.config.max_model_len, setup.config.real)
         self._points, self._chain_tokens = setup.points, setup.chain_tokens
         self._order = PointOrder(setup.points, setup.config.ab)
+        self._points_digest = points_digest(setup.points)  # once: plan_digest takes it at every rung
         self._tails = TailText(setup.tail_tokens or [], self._vocab_size)
 
     @property
@@ -158,7 +160,7 @@ class Sweep:
         return self._gc.record()
 
     def plan_digest(self, rung: Rung) -> str:
-        return plan_digest(self._points, self.config, rung)
+        return plan_digest(self._points_digest, self.config, rung)
 
     # --- driven by the adapter -------------------------------------------------------------
 
@@ -432,12 +434,7 @@ class Sweep:
             self._catchups = None
         self.phase = Phase.NEXT_POINT
         self._gc.release()  # a collection now, between points
-        self._on_row(row)
-        median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
-        self._progress(
-            f"point {len(self.rows)}/{self._order.rows} K={row.total_kv_read_tokens} "
-            f"B={row.batch_size} ({row.kv_seed_regime}{f', {row.ab} side' if row.ab else ''}): {median}"
-        )
+        self._on_row(row)  # the run logs a point's line at its own pace (sweep.progress)
 
     # --- the end -----------------------------------------------------------------------------
 

@@ -3,9 +3,11 @@
 A generation-2 collection inside a timed step is a wrong row (long sweeps saw them grow from
 0.4 s to 9 s). So, unless DYN_BENCH_KV_WARMUP_GC=off: after a rung's chains are built (or,
 with no chains, before the first point) what is alive is frozen, after a collection as vLLM's
-own freeze_gc_heap does (gc.freeze: later collections skip it, so the one between points is
-short; garbage alive at that moment is freed first, never frozen), collection is off while a
-point's requests are admitted and timed, and a collection runs between points, untimed.
+own freeze_gc_heap does (gc.freeze: later collections skip it; garbage alive at that moment
+is freed first, never frozen), collection is off while a point's requests are admitted and
+timed, and a collection runs between points, untimed, followed by a freeze of what survived
+it: each collection scans only what the point just measured left, never the rows and records
+of the points before (a sweep's cost per point stays flat however long it runs).
 
 At the end the engine's policy is put back: collection on or off as it was, and the sweep's
 freezes undone. Python thaws only everything at once, so the heap is unfrozen and, where the
@@ -69,11 +71,13 @@ class GcHold:
             self._tell("hold")
 
     def release(self) -> None:
-        """After a point: collect now, untimed, then collection as the engine had it."""
+        """After a point: collect now, untimed, and freeze what survived (the next collection
+        scans only what comes after), then collection as the engine had it."""
         if not self._held:
             return
         started = time.perf_counter()
         gc.collect()
+        gc.freeze()
         self.collection_seconds += time.perf_counter() - started
         self.collections += 1
         self._held = False

@@ -25,14 +25,14 @@ laid around the engine's CUDA-graph capture sizes (sweep.graphs), where step tim
            no prefix and on one chunk's (whole prefix blocks, at most half of what
            max_model_len leaves; new tokens past what it leaves clamped to that top). Every
            mixed point is one step within the budget, max_num_seqs and max_model_len, and
-           its rung within the pool (mixed_fits). None where the engine cannot measure
+           its rung within the pool (lay_mixed). None where the engine cannot measure
            mixed points (sweep.limits.mixed_refusal; `mixed_note` says why).
 
 Each axis is thinned to a cap of values (CAPS; "grid": {...} in the sweep's config sets
-them) on a log scale (`thin`): its first unit, its doubling tail and its limit are always
-kept, and C / C + 1 pairs are kept or dropped whole. The grid is a points file (schema v1,
-v2 where it holds mixed points), written beside the artifact for the user to edit and pass
-back.
+them, each within its bound, CAP_BOUNDS) on a log scale (`thin`): its first unit, its
+doubling tail and its limit are always kept, and C / C + 1 pairs are kept or dropped whole.
+The grid is a points file (schema v1, v2 where it holds mixed points), written beside the
+artifact for the user to edit and pass back.
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ from .points import (
 
 PREFILL_BATCHES = (1, 4)
 CAPS = {"decode_batches": 12, "kv_ladder": 6, "prefill_tokens": 16, "mixed": 3}
+# Each cap's bound: the decode grid is decode_batches x kv_ladder points (at most 65,536), the
+# prefill grid 2 batch sizes x 3 depths x prefill_tokens, the mixed grid 8 per mixed batch (its
+# ladder's 2 ends x 2 prefixes x 2 chunks: at most 512). Beyond them: write a points file.
+CAP_BOUNDS = {"decode_batches": 256, "kv_ladder": 256, "prefill_tokens": 256, "mixed": 64}
 POOL_SHARE = 0.8  # of the pool's tokens a rung's chains and shots may take (the rest: slack)
 
 
@@ -200,20 +204,19 @@ def mixed_deepest(batch: int, graphs: GraphConfig, limits: GridLimits) -> int:
     """The deepest decode part of `batch` requests a grid lays in a mixed point: each context
     with the steps a mixed point's decode requests run within max_model_len less the chains'
     margin, and its chains beside a chunk's shot (max_num_batched_tokens - B new tokens, a
-    block, the shadows' tails and catch-ups) within POOL_SHARE of the pool (rung_tokens)."""
+    block, the shadows' tails and catch-ups) within POOL_SHARE of the pool (rung_part)."""
     steps, block = mixed_decode_steps(limits.steady_steps), limits.block_size
     chunk = graphs.max_num_batched_tokens - batch
     pool = int(POOL_SHARE * limits.kv_cache_tokens) - 2 * batch * block - catchup_tokens(batch, limits) - chunk - block
     return batch * min(limits.max_model_len - CHAIN_DEPTH_MARGIN - steps - 1, pool // batch - steps - 1)
 
 
-def mixed_fits(point: MixedPoint, graphs: GraphConfig, limits: GridLimits, kept: list = ()) -> bool:
-    """Whether a grid may lay a mixed point beside the mixed points `kept` so far: its step
-    within the token budget and max_num_seqs; its decode part at 2B or deeper, its longest
-    request (context, admission token and the steps a mixed point's decode requests run) and
-    its prefill part's (prompt and sampled token, in whole prefix blocks) within max_model_len
-    less the chains' margin; and its rung (the kept points of its chain count, and it) within
-    POOL_SHARE of the pool (rung_tokens), as deepest_kv holds a decode rung."""
+def mixed_fits(point: MixedPoint, graphs: GraphConfig, limits: GridLimits) -> bool:
+    """Whether a mixed point alone is one step a grid may lay: its step within the token budget
+    and max_num_seqs; its decode part at 2B or deeper, its longest request (context, admission
+    token and the steps a mixed point's decode requests run) and its prefill part's (prompt and
+    sampled token, in whole prefix blocks) within max_model_len less the chains' margin. Its
+    rung is held to the pool by lay_mixed."""
     decode, prefill = point.decode, point.prefill
     if point.step_tokens > graphs.max_num_batched_tokens or point.batch_size > graphs.max_num_seqs:
         return False
@@ -222,31 +225,28 @@ def mixed_fits(point: MixedPoint, graphs: GraphConfig, limits: GridLimits, kept:
     except PointsFileError:
         return False
     longest = decode.tokens_spanned(mixed_decode_steps(limits.steady_steps))
-    if (
-        decode.total_kv_read_tokens < 2 * decode.batch_size
-        or max(longest, spanned) > limits.max_model_len - CHAIN_DEPTH_MARGIN
-    ):
-        return False
-    rung = [p for p in kept if mixed_chains(p) == mixed_chains(point)] + [point]
-    return rung_tokens(rung, limits) <= POOL_SHARE * limits.kv_cache_tokens
-
-
-def rung_tokens(rung: list[MixedPoint], limits: GridLimits) -> int:
-    """The most tokens a rung of mixed points holds at once: its chains (one per request of
-    the larger part, each as deep as the rung's deepest part: a decode request's context,
-    admission token and steps, or a prefix) and beside them its largest shot (the shadows'
-    tails of two blocks each and their catch-ups, the prefill part's new tokens and a block per
-    request)."""
-    steps, unit, block = mixed_decode_steps(limits.steady_steps), limits.prefix_unit, limits.block_size
-    depth = max(max(p.decode.tokens_spanned(steps), *p.prefill.prefixes(unit)) for p in rung)
-    shot = max(
-        2 * p.decode.batch_size * block
-        + catchup_tokens(p.decode.batch_size, limits)
-        + p.prefill.total_prefill_tokens
-        + p.prefill.batch_size * block
-        for p in rung
+    return (
+        decode.total_kv_read_tokens >= 2 * decode.batch_size
+        and max(longest, spanned) <= limits.max_model_len - CHAIN_DEPTH_MARGIN
     )
-    return mixed_chains(rung[0]) * depth + shot
+
+
+def rung_part(point: MixedPoint, limits: GridLimits) -> tuple[int, int]:
+    """What a mixed point asks of its rung's pool, in tokens: the depth of its chains (one per
+    request of the larger part: a decode request's context, admission token and steps, or a
+    prefix) and its shot beside them (the shadows' tails of two blocks each and their
+    catch-ups, the prefill part's new tokens and a block per request). A rung holds at most
+    its chain count x its deepest chain + its largest shot at once."""
+    steps, block = mixed_decode_steps(limits.steady_steps), limits.block_size
+    decode, prefill = point.decode, point.prefill
+    depth = max(decode.tokens_spanned(steps), *prefill.prefixes(limits.prefix_unit))
+    shot = (
+        2 * decode.batch_size * block
+        + catchup_tokens(decode.batch_size, limits)
+        + prefill.total_prefill_tokens
+        + prefill.batch_size * block
+    )
+    return depth, shot
 
 
 def catchup_tokens(batch: int, limits: GridLimits) -> int:
@@ -256,11 +256,23 @@ def catchup_tokens(batch: int, limits: GridLimits) -> int:
 
 
 def lay_mixed(candidates: list[MixedPoint], graphs: GraphConfig, limits: GridLimits) -> list[MixedPoint]:
-    """The candidates a grid lays, in their order: each once, where it fits beside those kept
-    before it (mixed_fits)."""
+    """The candidates a grid lays, in their order: each once, where it fits alone (mixed_fits)
+    and its rung (the kept points of its chain count, and it) stays within POOL_SHARE of the
+    pool (rung_part), as deepest_kv holds a decode rung. Per chain count the deepest chain
+    and the largest shot kept so far are kept, so each candidate costs the same."""
     kept: list[MixedPoint] = []
+    seen: set[MixedPoint] = set()
+    rungs: dict[int, tuple[int, int]] = {}  # chain count: (deepest chain, largest shot) kept
+    room = POOL_SHARE * limits.kv_cache_tokens
     for point in candidates:
-        if point not in kept and mixed_fits(point, graphs, limits, kept):
+        if point in seen or not mixed_fits(point, graphs, limits):
+            continue
+        chains = mixed_chains(point)
+        (depth, shot), (deepest, largest) = rung_part(point, limits), rungs.get(chains, (0, 0))
+        deepest, largest = max(deepest, depth), max(largest, shot)
+        if chains * deepest + largest <= room:
+            rungs[chains] = deepest, largest
+            seen.add(point)
             kept.append(point)
     return kept
 

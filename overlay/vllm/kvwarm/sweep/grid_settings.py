@@ -1,13 +1,13 @@
 """A generated grid's settings: the config's "grid" (true, or caps and capture sizes) checked
-before the engine loads, the axes it is laid around, and what it is laid from once the ranks
-agree on the pool (sweep.run)."""
+before the engine loads (each cap within its bound: sweep.grid.CAP_BOUNDS), the axes it is
+laid around, and what it is laid from once the ranks agree on the pool (sweep.run)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..record.shape import GraphConfig
-from .grid import CAPS
+from .grid import CAP_BOUNDS, CAPS
 from .settings import SettingsError
 
 
@@ -19,7 +19,8 @@ class GridLaying:
     caps: dict
     axes: GraphConfig
     pool: dict  # sweep.meetings.pool_record: the ranks' smallest
-    trace: object = None  # a served-step trace (record.trace.reader.Trace) for --grid-from
+    trace: object = None  # a served-step trace's headers (record.trace.reader.Trace) for --grid-from
+    shapes: object = None  # the shapes its steps ran, counted (sweep.trace_grid.Shapes)
     trace_caps: dict | None = None
     trace_skip_seconds: float = 0.0  # the trace's first seconds left out of it (--skip-seconds)
 
@@ -45,7 +46,21 @@ def check_grid(spec_grid) -> tuple[dict, list[int] | None]:
             f'"grid": {spec_grid!r}: the grid takes true, or caps among {", ".join(CAPS)} (positive integers) '
             'and "capture_sizes" (a list of positive integers)'
         )
+    check_bounds(asked, CAP_BOUNDS, f'"grid" ({spec_grid!r})')
     return {**CAPS, **asked}, sizes
+
+
+def check_bounds(asked: dict, bounds: dict, setting: str, why: dict | None = None) -> None:
+    """Each cap asked for within its bound, else SettingsError naming the cap, its bound and
+    the fix; `why`: per cap, what its bound holds (where it is more than the values of one axis)."""
+    over = [name for name in bounds if asked.get(name, 0) > bounds[name]]
+    if over:
+        name = over[0]
+        reason = f" ({why[name](asked[name])})" if why and name in why else ""
+        raise SettingsError(
+            f"{setting}: {name} {asked[name]} is beyond its bound {bounds[name]}{reason}; give {name} "
+            f"{bounds[name]} or less (a larger grid: write its points to a file and pass --points)"
+        )
 
 
 def grid_settings(spec_grid, graphs: GraphConfig) -> tuple[dict, GraphConfig]:

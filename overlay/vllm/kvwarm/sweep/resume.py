@@ -18,16 +18,16 @@ artifact (kvwarm.resume.replaced); so is a point of an A/B sweep with one side m
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
 from ..record.row_log import Logged, read_log
 from ..record.validate.match import Provenance, match, model_name
+from .plan import points_digest
 
 # What each of plan_inputs' fields is set by, for the refusal.
 SET_BY = {
@@ -150,12 +150,6 @@ def check_engine(artifact: dict, now: dict, where: str) -> None:
             f"{'; '.join(said)}. Resume with the engine arguments it ran with (config.engine_args.given in its "
             "sweep.json), or start the sweep again without --resume (or in another --out)"
         )
-
-
-def points_digest(points: list) -> str:
-    """The points a sweep measures, in its order (a grid's as laid)."""
-    named = [{"kind": type(p).__name__, **asdict(p)} for p in points]
-    return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()
 
 
 def check_points(artifact: dict, points: list, where: str) -> None:

@@ -4,13 +4,17 @@ The scheduler adapter builds a SweepRun when the engine's additional_config carr
 {"kvwarm_sweep": {"points": FILE, "out": DIR}}, so the sweep runs wherever the scheduler
 does: in the caller's process or in vLLM's engine-core process (`vllm serve`, or the
 sweep command with VLLM_ENABLE_V1_MULTIPROCESSING=1). The artifact is rewritten after
-every point, and on any failure with status "failed", the error and every row measured.
+every point, and on any failure with status "failed", the error and every row measured;
+a point's line is logged at most once per sweep.progress.LOG_SECONDS.
 Under data parallel each rank writes OUT/dp<R>/ and the ranks meet through an exchange
 (sweep.exchange.make_exchange), which also carries each write to the combined view
 OUT/sweep.json (record.combined) on rank 0's side. A generated grid (--grid) is laid once
 the ranks agree on the pool (sweep.controller), the same on every rank; rank 0 writes it.
 With "resume": true the run continues the sweep in its folder (sweep.resuming), with "ab":
 true it measures every point on real and fake KV (sweep.ab).
+A grid from a trace (--grid-from) is laid the same way: each rank reads the trace's shapes
+itself, line by line, and keeps only their counts (sweep.trace_grid.read_shapes), since the
+laying needs the pool the ranks agree on and sharing a laid grid would cross the exchange.
 With DYN_FPM_BENCHMARK_OUTPUT_PATH set, whichever rank ends up holding every rank's final
 artifact (rank 0 through the store, the last rank to finish through files, the only rank
 alone) writes Dynamo's self-benchmark artifact there (record.export.write.write_final).
@@ -31,7 +35,7 @@ from ..kv.state_mode import STATE_ENV, decide_state_mode, refusal_hint
 from ..record import vocabulary as v
 from ..record.export import write as dynamo_files
 from ..record.files import write_atomically
-from ..record.trace.reader import TraceError, read_trace
+from ..record.trace.reader import TraceError
 from .ab import AB_RECORD
 from .controller import Sweep
 from .dataset import ChainText, DatasetError
@@ -41,15 +45,16 @@ from .graphs import graph_config
 from .grid import GridLimits, decode_grid, mixed_grid, mixed_note, points_file, prefill_grid
 from .grid_settings import GridLaying, grid_settings, wants_grid
 from .inputs import EMPTY_HELD_OUT, SweepInputs, chain_depth_needed, read_inputs, tail_tokens, tokenizer_encode
-from .limits import SweepRefused, check_engine, check_points
-from .plan import SweepConfig, SweepSetup, plan_rungs
+from .limits import EngineLimits, GridFit, SweepRefused, check_engine, check_points
+from .plan import SweepConfig, SweepSetup, plan_rungs, points_digest
 from .points import DecodePoint, PointsFileError, PrefillPoint, takes_tails
+from .progress import PointLog
 from .provenance import loop_record, rank_layout, run_record, trailing_steps
-from .resume import POINTS_DIGEST, ResumeError, points_digest
+from .resume import POINTS_DIGEST, ResumeError
 from .resuming import Resuming
 from .settings import Settings, SettingsError, read_settings
 from .trace_grid import check_engine as check_trace_engine
-from .trace_grid import skip_first, trace_grid
+from .trace_grid import read_shapes, trace_grid
 from .writer import ArtifactWriteError, ArtifactWriter
 
 logger = init_logger(__name__)
@@ -90,6 +95,7 @@ class SweepRun:
         points = spec.get("points") or str(grid_path(spec["out"]))
         config = {"points": points, "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
+        self.points_log = PointLog(self.writer.progress)
         self.finished = False
         self.environ = environ
         self._stages_logged = 0  # the controller's stages in the record so far
@@ -161,14 +167,14 @@ class SweepRun:
         }
         if wants_grid(spec) or spec.get("grid_from"):
             caps, axes = grid_settings(spec.get("grid") or True, graphs)  # bad caps: refused before it serves
-            trace, skip = None, spec.get("grid_skip_seconds", 0.0)
-            if spec.get("grid_from"):  # read and held to this engine before it serves
-                trace = skip_first(read_trace(spec["grid_from"]), skip)
+            trace, found, skip = None, None, spec.get("grid_skip_seconds", 0.0)
+            if spec.get("grid_from"):  # read before it serves, held to this engine: its shapes kept, counted
+                trace, found = read_shapes(spec["grid_from"], skip)
                 check_trace_engine(trace, self.writer.run, self.layout.as_dict(), vllm_config.model_config.model)
 
             def lay_grid(pool: dict) -> SweepSetup:
                 steps = settings.point_steps + trailing
-                laying = GridLaying(steps, caps, axes, pool, trace, spec.get("grid_caps"), skip)
+                laying = GridLaying(steps, caps, axes, pool, trace, found, spec.get("grid_caps"), skip)
                 points = self._grid(scheduler, laying, state_mode)
                 self._points_known(points)
                 return self._setup(scheduler, inputs, points, reason, decision, encode, trailing)
@@ -259,18 +265,17 @@ class SweepRun:
             continuations=vllm_config.scheduler_config.enable_chunked_prefill is not False
             and self.layout.data_parallel_size == 1,
         )
-        points, note = [], mixed_note(limits)
+        note = mixed_note(limits)
         if trace is not None:
-            laid = trace_grid(trace, laying.axes, limits, laying.trace_caps)
+            laid = trace_grid(laying.shapes, laying.axes, limits, laying.trace_caps)
         else:
             axes, caps = laying.axes, laying.caps
             laid = prefill_grid(axes, limits, caps) + decode_grid(axes, limits, caps) + mixed_grid(axes, limits, caps)
-        for point in laid:
-            try:  # with the points kept so far: a deeper prefix deepens its rung-mates' chains
-                check_points([*points, point], vllm_config, kvm, GRID_FILE, pool["usable_blocks"], state_mode)
-            except PointsFileError:
-                continue  # beyond what this engine runs as one step
-            points.append(point)
+        # each point kept where it fits beside those kept before it (a deeper prefix deepens
+        # its rung-mates' chains); the others are beyond what this engine runs as one step
+        usable = pool["usable_blocks"]
+        fit = GridFit(EngineLimits.of(vllm_config, kvm, usable, state_mode, laying.decode_steps), GRID_FILE)
+        points = [point for point in laid if fit.add(point)]
         if not points:
             raise PointsFileError(
                 f"{GRID_FILE}: the generated grid holds no point this engine can run as one step (max_model_len "
@@ -320,6 +325,7 @@ class SweepRun:
     def _on_row(self, row) -> None:
         self._log_stages()
         self.writer.add_row(row, self.sweep.point_index)
+        self.points_log.row(row, len(self.writer.rows), self.writer.total)  # a line at most every LOG_SECONDS
 
     def finish(self) -> None:
         """After the controller is done: the final artifact."""

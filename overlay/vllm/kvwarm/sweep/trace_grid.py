@@ -42,8 +42,12 @@ resolved (`check_engine`), so the table made here is one `validate` accepts.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
-from dataclasses import dataclass, replace
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from ..record.shape import GraphConfig
 from ..record.trace.reader import MIXED, Step, Trace, TraceError, read_trace
@@ -59,6 +63,7 @@ from .grid import (
     mixed_note,
     thin,
 )
+from .grid_settings import check_bounds
 from .plan import CHAIN_DEPTH_MARGIN
 from .points import DecodePoint, MixedPoint, PrefillPoint
 from .settings import SettingsError
@@ -71,50 +76,81 @@ TRACE_CAPS = {
     "prefix_depths": 4,
     "mixed": 2,
 }
+# Each cap's bound: the decode grid is decode_batches x kv_ladder points (at most 65,536), the
+# prefill grid prefill_batches x prefill_tokens x prefix_depths (at most 65,536, twice with
+# continuations), and "mixed" caps each of the mixed points' five axes, so up to mixed^5
+# candidates (6: 7,776; 7 would be 16,807). Beyond them: write a points file.
+TRACE_CAP_BOUNDS = {
+    "decode_batches": 256,
+    "kv_ladder": 256,
+    "prefill_batches": 16,
+    "prefill_tokens": 256,
+    "prefix_depths": 16,
+    "mixed": 6,
+}
+MIXED_AXES = 5  # decode batch, context, prefill batch, step tokens, prefix depth
 
 
-@dataclass(frozen=True)
+@dataclass
 class Shapes:
-    decode: list[tuple[int, int]]  # (B, K) per decode step and per mixed step's decode part
-    prefill: list[tuple[int, int, int]]  # (B, N, P) per prefill step and per mixed step's prefill part
-    mixed: list[tuple[int, int, int, int, int]]  # (B, K, B, N, P) per mixed step
-    continued: list[tuple[int, int, int]]  # (B, N, P) of those prefill parts whose every chunk continues
-    mixed_continued: list[tuple[int, int, int, int, int]]  # the mixed steps among them
+    """The shapes a trace's steps ran, each with how many steps ran it (not the steps)."""
 
+    decode: Counter = field(default_factory=Counter)  # (B, K) per decode step and per mixed step's decode part
+    prefill: Counter = field(default_factory=Counter)  # (B, N, P) per prefill step and mixed step's prefill part
+    mixed: Counter = field(default_factory=Counter)  # (B, K, B, N, P) per mixed step
+    continued: Counter = field(default_factory=Counter)  # (B, N, P) of the prefill parts whose every chunk continues
+    mixed_continued: Counter = field(default_factory=Counter)  # the mixed steps among them
 
-def shapes(steps: list[Step]) -> Shapes:
-    decode, prefill, mixed, continued, mixed_continued = [], [], [], [], []
-    for s in steps:
+    def add(self, s: Step) -> None:
         if s.spec_tokens:  # a draft-token step is no table's shape
-            continue
+            return
         d = (s.decode_requests, s.decode_kv_tokens)
         p = (s.prefill_requests, s.prefill_new_tokens, s.prefill_prefix_tokens)
         if s.decode_requests:
-            decode.append(d)
+            self.decode[d] += 1
         if s.prefill_requests:
-            (continued if s.continues else prefill).append(p)
+            (self.continued if s.continues else self.prefill)[p] += 1
         if s.kind == MIXED:
-            (mixed_continued if s.continues else mixed).append((*d, *p))
-    return Shapes(decode, prefill, mixed, continued, mixed_continued)
+            (self.mixed_continued if s.continues else self.mixed)[(*d, *p)] += 1
 
 
-def spread(values: list[int], sizes: tuple[int, ...], lo: int, hi: int, cap: int) -> list[int]:
-    """An axis over `values` (each clamped to [lo, hi]): both ends, the capture sizes inside
-    with their C + 1 (pairs kept whole), then every value where they all fit in `cap`, else
-    quantiles of the values up to it."""
-    values = sorted(min(max(x, lo), hi) for x in values)
-    first, last = values[0], values[-1]
+def shapes(steps: Iterable[Step]) -> Shapes:
+    found = Shapes()
+    for s in steps:
+        found.add(s)
+    return found
+
+
+def _tally(counted: Iterable[tuple[int, int]]) -> Counter:
+    """(value, steps) pairs summed per value."""
+    tally = Counter()
+    for value, count in counted:
+        tally[value] += count
+    return tally
+
+
+def spread(values: Iterable[int] | Mapping[int, int], sizes: tuple[int, ...], lo: int, hi: int, cap: int) -> list[int]:
+    """An axis over `values` (each clamped to [lo, hi]; a list, or counts: value -> steps):
+    both ends, the capture sizes inside with their C + 1 (pairs kept whole), then every value
+    where they all fit in `cap`, else quantiles of the values (each counted as often as it
+    was run) up to it."""
+    counts = _tally(values.items() if isinstance(values, Mapping) else ((x, 1) for x in values))
+    counts = _tally((min(max(x, lo), hi), n) for x, n in counts.items())
+    distinct = sorted(counts)
+    first, last = distinct[0], distinct[-1]
     picked = {first, last}
     if sizes and last > first:
         laid = axis(tuple(sizes), last, floor=first)
         bounds = [x for x in laid.values if x in sizes or x - 1 in sizes]
         if bounds:
             picked |= set(thin(bounds, laid.pairs, max(2, cap - 2)))
-    if len(picked | set(values)) <= cap:
-        return sorted(picked | set(values))
+    if len(picked | set(distinct)) <= cap:
+        return sorted(picked | set(distinct))
     room = cap - len(picked)
-    for i in range(1, room + 1):
-        picked.add(values[round(i * (len(values) - 1) / (room + 1))])
+    below = list(itertools.accumulate(counts[x] for x in distinct))  # the values at or below each
+    total = below[-1]
+    for i in range(1, room + 1):  # the value at this place of the values in order
+        picked.add(distinct[bisect.bisect_right(below, round(i * (total - 1) / (room + 1)))])
     return sorted(picked)
 
 
@@ -129,10 +165,11 @@ def decode_points(found: Shapes, graphs: GraphConfig, limits: GridLimits, caps: 
     if not found.decode:
         return []
     widest = feasible_batch(graphs, limits)
-    batches = spread([b for b, _ in found.decode], graphs.decode_capture_sizes, 1, widest, caps["decode_batches"])
+    runs = _tally((b, n) for (b, _), n in found.decode.items())
+    batches = spread(runs, graphs.decode_capture_sizes, 1, widest, caps["decode_batches"])
     points = []
     for i, batch in enumerate(batches):
-        contexts = [round(k * batch / b) for b, k in found.decode if _near(batches, i, b)]
+        contexts = _tally((round(k * batch / b), n) for (b, k), n in found.decode.items() if _near(batches, i, b))
         deepest = deepest_kv(batch, limits)
         if contexts and deepest >= 2 * batch:
             points += [DecodePoint(k, batch) for k in spread(contexts, (), 2 * batch, deepest, caps["kv_ladder"])]
@@ -144,29 +181,32 @@ def _fits(point: PrefillPoint, limits: GridLimits) -> bool:
 
 
 def prefill_points(
-    found: list[tuple[int, int, int]], graphs: GraphConfig, limits: GridLimits, caps: dict, continuation: bool = False
+    found: Counter, graphs: GraphConfig, limits: GridLimits, caps: dict, continuation: bool = False
 ) -> list[PrefillPoint]:
-    """Prefill points over the (B, N, P) of `found`; `continuation`: continuation points,
-    each request's prefix at least one block (what a lead step computes)."""
+    """Prefill points over the (B, N, P) of `found` (each with its steps); `continuation`:
+    continuation points, each request's prefix at least one block (what a lead step computes)."""
     if not found:
         return []
     unit = limits.prefix_unit
-    batches = spread([b for b, _, _ in found], (), 1, graphs.max_num_seqs, caps["prefill_batches"])
+    batches = spread(
+        _tally((b, c) for (b, _, _), c in found.items()), (), 1, graphs.max_num_seqs, caps["prefill_batches"]
+    )
     points = []
     for i, batch in enumerate(batches):
-        near = [(n * batch / b, p / b / unit) for b, n, p in found if _near(batches, i, b)]
+        near = [(n * batch / b, p / b / unit, c) for (b, n, p), c in found.items() if _near(batches, i, b)]
         if not near or (continuation and not _leads_fit(batch, graphs, limits)):
             continue
         tokens = spread(
-            [round(n) for n, _ in near],
+            _tally((round(n), c) for n, _, c in near),
             graphs.prefill_capture_sizes,
             batch,
             graphs.max_num_batched_tokens,
             caps["prefill_tokens"],
         )
-        blocks = [max(u, continuation) for _, u in near]
-        shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
-        depths = set(spread([round(u) for u in blocks], (), shallow, deep, caps["prefix_depths"])) | {shallow, deep}
+        blocks = [(max(u, continuation), c) for _, u, c in near]
+        shallow, deep = math.floor(min(u for u, _ in blocks)), math.ceil(max(u for u, _ in blocks))
+        rounded = _tally((round(u), c) for u, c in blocks)
+        depths = set(spread(rounded, (), shallow, deep, caps["prefix_depths"])) | {shallow, deep}
         for n in tokens:
             laid = [PrefillPoint(n, u * unit * batch, batch, continuation) for u in sorted(depths)]
             fitting = [p for p in laid if _fits(p, limits)]
@@ -185,13 +225,13 @@ def _leads_fit(batch: int, graphs: GraphConfig, limits: GridLimits) -> bool:
 
 
 def mixed_points(
-    found: list[tuple[int, int, int, int, int]],
+    found: Counter,
     graphs: GraphConfig,
     limits: GridLimits,
     caps: dict,
     continuation: bool = False,
 ) -> list[MixedPoint]:
-    """Mixed points over the traced mixed steps `found` ((B, K, B, N, P) each): the decode
+    """Mixed points over the traced mixed steps `found` ((B, K, B, N, P), each with its steps): the decode
     parts' (B, K) axes crossed with the prefill parts' batch and prefix axes and the steps'
     tokens T = N + decode batch (a point's N is T less its decode batch: steps that fill the
     budget share T = max_num_batched_tokens), each spread over what the mixed steps ran within
@@ -204,25 +244,25 @@ def mixed_points(
     cap, unit, budget = caps["mixed"], limits.prefix_unit, graphs.max_num_batched_tokens
     room = limits.max_model_len - CHAIN_DEPTH_MARGIN  # a request's tokens, its sampled one among them
     decode = []
-    batches = spread([m[0] for m in found], (), 1, widest, cap)
+    batches = spread(_tally((m[0], c) for m, c in found.items()), (), 1, widest, cap)
     for i, batch in enumerate(batches):
-        contexts = [round(k * batch / b) for b, k, *_ in found if _near(batches, i, b)]
+        contexts = _tally((round(k * batch / b), c) for (b, k, *_), c in found.items() if _near(batches, i, b))
         deepest = mixed_deepest(batch, graphs, limits)
         if contexts and deepest >= 2 * batch:
             decode += [(batch, k) for k in spread(contexts, (), 2 * batch, deepest, cap)]
     candidates = []
-    batches = spread([m[2] for m in found], (), 1, graphs.max_num_seqs - 1, cap)
+    batches = spread(_tally((m[2], c) for m, c in found.items()), (), 1, graphs.max_num_seqs - 1, cap)
     for i, batch in enumerate(batches):
         # The step's tokens T (its chunk and its decodes), equal across prefill batch sizes:
         # the axis the predictor reads mixed rows along (record.validate.predict).
-        near = [(n + d, p / b / unit) for d, _, b, n, p in found if _near(batches, i, b)]
+        near = [(n + d, p / b / unit, c) for (d, _, b, n, p), c in found.items() if _near(batches, i, b)]
         if not near or (continuation and not _leads_fit(batch, graphs, limits)):
             continue
-        blocks = [max(u, continuation) for _, u in near]  # the ends rounded outwards, as prefill's
-        shallow, deep = math.floor(min(blocks)), math.ceil(max(blocks))
-        depths = spread([shallow, deep, *(round(u) for u in blocks)], (), shallow, deep, cap)
+        blocks = [(max(u, continuation), c) for _, u, c in near]  # the ends rounded outwards, as prefill's
+        shallow, deep = math.floor(min(u for u, _ in blocks)), math.ceil(max(u for u, _ in blocks))
+        depths = spread(_tally([(shallow, 1), (deep, 1), *((round(u), c) for u, c in blocks)]), (), shallow, deep, cap)
         beside = _decode_beside(decode, batch, graphs.max_num_seqs)
-        for t in spread([round(t) for t, _ in near], (), batch + 1, budget, cap):
+        for t in spread(_tally((round(t), c) for t, _, c in near), (), batch + 1, budget, cap):
             for u in depths:
                 for b, k in beside:
                     fill = t - b  # the chunk beside b decodes in a step of t tokens
@@ -243,18 +283,22 @@ def _decode_beside(decode: list[tuple[int, int]], batch: int, max_num_seqs: int)
 
 
 def caps_of(asked) -> dict:
-    """TRACE_CAPS with the ones asked for ("grid_caps": {name: positive int})."""
+    """TRACE_CAPS with the ones asked for ("grid_caps": {name: positive int}, each within its
+    bound: TRACE_CAP_BOUNDS)."""
     asked = asked or {}
     ok = isinstance(asked, dict) and set(asked) <= set(TRACE_CAPS)
     if not ok or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in asked.values()):
         raise SettingsError(f"grid caps {asked!r}: a JSON object of positive integers among {', '.join(TRACE_CAPS)}")
+    five = {
+        "mixed": lambda cap: f"it caps each of {MIXED_AXES} axes: up to {cap}^{MIXED_AXES} = {cap**MIXED_AXES:,} points"
+    }
+    check_bounds(asked, TRACE_CAP_BOUNDS, f'grid caps (--grid-caps, "grid_caps") {asked!r}', five)
     return {**TRACE_CAPS, **asked}
 
 
-def trace_grid(trace: Trace, graphs: GraphConfig, limits: GridLimits, asked_caps=None) -> list:
-    """Every point laid over the trace's shapes (prefill first, as a sweep runs them)."""
+def trace_grid(found: Shapes, graphs: GraphConfig, limits: GridLimits, asked_caps=None) -> list:
+    """Every point laid over a trace's shapes (prefill first, as a sweep runs them)."""
     caps = caps_of(asked_caps)
-    found = shapes(trace.steps)
     if limits.continuations:
         prefill = prefill_points(found.prefill, graphs, limits, caps)
         prefill += prefill_points(found.continued, graphs, limits, caps, continuation=True)
@@ -266,29 +310,37 @@ def trace_grid(trace: Trace, graphs: GraphConfig, limits: GridLimits, asked_caps
     return prefill + decode_points(found, graphs, limits, caps) + mixed
 
 
-def skip_first(trace: Trace, seconds) -> Trace:
-    """The trace without the steps that ended within its first `seconds` (--skip-seconds,
-    "grid_skip_seconds": a fresh server's warm-up, one short request of every length, which
-    would spread the prefill axes over prompts the deployment does not serve; validate
-    --skip-seconds leaves the same steps out)."""
+def read_shapes(trace_dir, seconds=0.0) -> tuple[Trace, Shapes]:
+    """A trace's headers, and the shapes of its steps but those that ended within its first
+    `seconds` (--skip-seconds, "grid_skip_seconds": a fresh server's warm-up, one short request
+    of every length, which would spread the prefill axes over prompts the deployment does not
+    serve; validate --skip-seconds leaves the same steps out). Read line by line: the trace's
+    steps are counted per shape, never held."""
     what = f'--skip-seconds ("grid_skip_seconds") {seconds!r}'
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds >= 0:
         raise SettingsError(f"{what}: give the seconds of the trace to leave out, 0 or more")
-    kept = [s for s in trace.steps if s.at >= seconds]
-    if trace.steps and not kept:
-        last = max(s.at for s in trace.steps)
+    found, last, kept = Shapes(), [0.0], [0]
+
+    def keep(step: Step) -> None:
+        last[0] = max(last[0], step.at)
+        if step.at >= seconds:
+            kept[0] += 1
+            found.add(step)
+
+    trace = read_trace(trace_dir, keep)
+    if not kept[0]:
         raise TraceError(
-            f"{what}: leaves none of the {len(trace.steps)} steps of {trace.root} (the last ended {last:.1f} s "
+            f"{what}: leaves none of the {trace.step_count} steps of {trace.root} (the last ended {last[0]:.1f} s "
             "into it); give fewer seconds"
         )
-    return replace(trace, steps=kept)
+    return trace, found
 
 
-def check_given(trace_dir: str, engine_args, skip_seconds=0.0) -> Trace:
-    """Before the engine loads: the trace read (less its first `skip_seconds`), and refused
-    where the command's engine arguments (vLLM's EngineArgs) already differ from what the trace
-    ran with."""
-    trace = skip_first(read_trace(trace_dir), skip_seconds)
+def check_given(trace_dir: str, engine_args, skip_seconds=0.0) -> tuple[Trace, Shapes]:
+    """Before the engine loads: the trace read (less its first `skip_seconds`: read_shapes),
+    and refused where the command's engine arguments (vLLM's EngineArgs) already differ from
+    what the trace ran with."""
+    trace, found = read_shapes(trace_dir, skip_seconds)
     ran = Provenance.of_trace(trace.header)
     given = {
         "model": model_name(engine_args.model),
@@ -309,7 +361,7 @@ def check_given(trace_dir: str, engine_args, skip_seconds=0.0) -> Trace:
             f"--grid-from {trace.root}: the trace ran another engine: {'; '.join(differ)}; sweep with the "
             f"arguments the trace ran with (its header's engine.given: {ran_given(trace)})"
         )
-    return trace
+    return trace, found
 
 
 def ran_given(trace: Trace) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -71,6 +72,7 @@ class Trace:
     torn: list[str] = field(default_factory=list)  # "file: line n", one per torn last line
     streams: list[Stream] = field(default_factory=list)
     dropped: list[Dropped] = field(default_factory=list)
+    step_count: int = 0  # the steps read (held in `steps` unless read_trace was given `keep`)
 
     @property
     def ranks(self) -> list[int]:
@@ -176,44 +178,50 @@ def _dropped(record: dict, stream: int, where: str) -> Dropped:
     return Dropped(stream, steps, untraced, float(start), float(end), where)
 
 
-def _read_file(path: Path, stream: Stream, trace: Trace) -> dict | None:
-    """The file's header (None for an empty file); its steps and dropped records appended to
-    the trace."""
+def _read_file(path: Path, stream: Stream, trace: Trace, keep: Callable[[Step], None]) -> dict | None:
+    """The file's header (None for an empty file); each of its steps handed to `keep` and its
+    dropped records appended to the trace, line by line (a torn line is known to be the last
+    once no line follows it)."""
+    header, torn, first = None, None, ""  # torn: the line number of a line that is not JSON
     try:
-        lines = path.read_text().split("\n")
+        with path.open() as lines:
+            for number, line in enumerate(lines, start=1):
+                line = line.removesuffix("\n")
+                if torn == 1:  # a first line that is not JSON, and more after it: not a trace
+                    _header(path, first, stream.rank)
+                if torn is not None:
+                    raise TraceError(
+                        f"{path}: line {torn} is not JSON, and is not the file's last line (a torn write can only "
+                        "be the last); the file was edited or damaged"
+                    )
+                if number == 1:
+                    if not _parses(line):  # died writing the header, or not a trace (if more follows)
+                        first, torn = line, 1
+                        continue
+                    header = _header(path, line, stream.rank)
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    torn = number
+                    continue
+                where = f"{path}: line {number}"
+                if isinstance(record, dict) and DROPPED in record and "step" not in record:
+                    trace.dropped.append(_dropped(record, stream.index, where))
+                    continue
+                keep(parse_step(record, stream.rank, where, header["schema_version"], stream.index))
+                trace.step_count += 1
     except (OSError, UnicodeDecodeError) as err:
         raise TraceError(f"{path}: cannot be read ({err}); pass a trace folder the recorder wrote") from None
-    if lines[-1] == "":
-        lines.pop()  # the newline that ends the last whole line
-    if not lines:
-        return None
-    if len(lines) == 1 and not _parses(lines[0]):  # died writing the header
-        trace.torn.append(f"{path}: line 1")
-        return None
-    header = _header(path, lines[0], stream.rank)
-    version = header["schema_version"]
-    for number, line in enumerate(lines[1:], start=2):
-        last = number == len(lines)
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            if last:
-                trace.torn.append(f"{path}: line {number}")
-                break
-            raise TraceError(
-                f"{path}: line {number} is not JSON, and is not the file's last line (a torn write can only "
-                "be the last); the file was edited or damaged"
-            ) from None
-        where = f"{path}: line {number}"
-        if isinstance(record, dict) and DROPPED in record and "step" not in record:
-            trace.dropped.append(_dropped(record, stream.index, where))
-            continue
-        trace.steps.append(parse_step(record, stream.rank, where, version, stream.index))
+    if torn is not None:
+        trace.torn.append(f"{path}: line {torn}")
     return header
 
 
-def read_trace(arg: str | Path) -> Trace:
-    """The trace in a folder (or the folder of one of its files)."""
+def read_trace(arg: str | Path, keep: Callable[[Step], None] | None = None) -> Trace:
+    """The trace in a folder (or the folder of one of its files). `keep`: each step is handed
+    to it as it is read and the trace holds none (`steps` stays empty), for a reader that keeps
+    only what it needs of a large trace (sweep.trace_grid)."""
     root = Path(arg)
     if root.is_file() and FILE_NAME.match(root.name):
         root = root.parent
@@ -230,7 +238,7 @@ def read_trace(arg: str | Path) -> Trace:
         stream = Stream(len(trace.streams), rank, launch, paths)
         trace.streams.append(stream)
         for path in paths:
-            header = _read_file(path, stream, trace)
+            header = _read_file(path, stream, trace, keep or trace.steps.append)
             trace.files.append(path)
             if header is None:
                 continue
@@ -252,7 +260,7 @@ def read_trace(arg: str | Path) -> Trace:
                 f"{stream.files[-1]}: rank {stream.rank}'s header says dp_size {header.get('dp_size')!r}, rank "
                 f"{min(trace.headers)}'s {trace.header.get('dp_size')!r}; keep one deployment's files in a trace folder"
             )
-    if not trace.steps:
+    if not trace.step_count:
         torn = f" (only a torn line: {trace.torn[0]})" if trace.torn else ""
         raise TraceError(
             f"{root}: an empty trace: headers but no step recorded{torn}; serve requests with the trace on, "

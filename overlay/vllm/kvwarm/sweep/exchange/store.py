@@ -19,7 +19,8 @@ the limits):
   summary/<R>    rank R's artifact less its rows, and how many rows and chunks it published
 
 Rank 0's combined view (sweep.exchange.view) reads the summaries and rows from a thread of
-its own and deletes the chunks it has read.
+its own, between rank 0's points (each `post` tells it a boundary has come), and deletes the
+chunks it has read.
 """
 
 from __future__ import annotations
@@ -277,6 +278,8 @@ class StoreExchange:
             self._seen, self._seen_at = {self.rank}, self._posted_at
             self._outbox.append(("set", self._key(self._seq, self.rank), {**record, "kind": kind, "rank": self.rank}))
             self._cond.notify_all()
+        if self.view is not None:  # every boundary lies between points: the view's turn
+            self.view.between_points()
 
     def post_failure(self, error: str) -> None:
         """The others' next boundary is the one after this rank's last post, whether or
@@ -305,9 +308,15 @@ class StoreExchange:
             if self.clock() - self._posted_at <= limit:
                 return None
             missing = [r for r in range(self.size) if r not in self._seen]
-        error = f"rank(s) {missing} did not reach boundary {self._seq} ({self._kind}) within {limit:.0f} s"
-        self.lost.update({r: error for r in missing})
+            error = f"rank(s) {missing} did not reach boundary {self._seq} ({self._kind}) within {limit:.0f} s"
+            self.lost.update({r: error for r in missing})  # under the lock: the view thread reads it
         raise RankFailed(error)
+
+    def given_up(self) -> dict[int, str]:
+        """The ranks that missed a boundary, with why (a copy: the view's thread reads it while
+        the engine's updates it)."""
+        with self._cond:
+            return dict(self.lost)
 
     def share(self, artifact: dict) -> None:
         """After each write of this rank's artifact: rank 0's combined view takes it; any

@@ -1,12 +1,21 @@
 """Rank 0's combined view under the store exchange (sweep.exchange.store): its own artifact and
 every other rank's, rebuilt from their summaries and the rows they published, written to
-OUT/sweep.json (record.combined) by a thread of its own, never inside `schedule()`. It reads
-the store every COLLECT_SECONDS (sooner after each of rank 0's own writes), takes each rank's
-new chunks of rows once and deletes them, and rewrites the view when something changed, paced
-so that rewriting a long sweep's view takes at most WRITE_SHARE of the time (sweep.pacing).
-Once the view is final (every rank done, or given up on: silent for the timeout after rank
-0's end, or missed a boundary) the exchange's `on_final` gets every rank's artifact, then the
-final view is written and the store closed.
+OUT/sweep.json (record.combined.RunningView) by a thread of its own, never inside `schedule()`.
+It reads the store every COLLECT_SECONDS (sooner after each of rank 0's own writes), takes
+each rank's new chunks of rows once and deletes them, and rewrites the view when something
+changed, paced so that rewriting a long sweep's view takes at most WRITE_SHARE of the time
+(sweep.pacing).
+
+While rank 0's sweep runs, the thread reads and writes only between rank 0's points: it waits
+for rank 0's next boundary (each meeting the controller posts, at the end of every point and
+before any timed step of the next), so its work never competes with rank 0's timed steps for
+the interpreter. A rewrite costs the encoding of the rows that arrived since the last one and
+the joining of the rest (RunningView), so it fits in that gap however long the sweep.
+
+A failure to read or write the view is logged and the view written again at its next turn: a
+convenience output never stops the measurement. Once the view is final (every rank done, or
+given up on: silent for the timeout after rank 0's end, or missed a boundary) the exchange's
+`on_final` gets every rank's artifact, then the final view is written and the store closed.
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ import threading
 from vllm.logger import init_logger
 
 from ...record import vocabulary as v
-from ...record.combined import given_up, write_view
+from ...record.combined import RunningView, given_up
 from ..pacing import Pacing
 from ..ranks import RankFailed
 from .records import rows_record, summary_record
@@ -24,29 +33,32 @@ from .records import rows_record, summary_record
 logger = init_logger(__name__)
 
 COLLECT_SECONDS = 0.5  # how often rank 0 reads the others' summaries
+BOUNDARY_SECONDS = 5.0  # how long a write waits for rank 0's next boundary before it tries again
 FETCH_BATCH = 16  # chunks read in one multi_get (each about records.CHUNK_BYTES)
 WRITE_SHARE = 0.1  # at most this share of the time goes to rewriting the view (but the final write)
 
 
 class CombinedView:
-    """Rank 0's combined view, over its StoreExchange (`store_call`, `nonce`, `lost`,
+    """Rank 0's combined view, over its StoreExchange (`store_call`, `nonce`, `given_up`,
     `unheard`, `close`, `on_final`)."""
 
     def __init__(self, exchange):
         self.exchange = exchange
-        self.own: dict | None = None
-        self.heads: dict[int, dict] = {}  # rank: its latest summary's artifact (less its rows)
-        self.rows: dict[int, tuple[list, list]] = {}  # rank: its results and skipped points so far
-        self.fake_rows: dict[int, tuple[list, list]] = {}  # rank: an A/B sweep's fake side's, alike
+        self.view = RunningView(exchange.size)
         self.fetched: dict[int, int] = {}  # rank: chunks read
         self.changed_at: dict[int, float] = {}  # rank: when its summary last changed
         self.refused: dict[str, str] = {}  # key: why its record was refused
         self.ended_at: float | None = None
-        self.combined: dict | None = None
+        self.status: str | None = None  # the view's as last written
+        self._own: dict | None = None  # rank 0's latest artifact, until the view takes its new rows
         self._raw: dict[int, bytes] = {}  # rank: its latest summary as read
+        self._version = 0  # counts what changed: rank 0's writes and the others' summaries
         self._written = None  # what the last write was made of
+        self._handed = False  # the final records went to on_final
+        self._failure: str | None = None  # the last write's failure, while it lasts
         self._pacing = Pacing(WRITE_SHARE)
         self._dirty = False
+        self._between = threading.Event()  # set at each of rank 0's boundaries
         self._cond = threading.Condition()
         self.collector = threading.Thread(target=self._collect, name="kvwarm-ranks-view", daemon=True)
         self.collector.start()
@@ -54,15 +66,25 @@ class CombinedView:
     def update(self, artifact: dict) -> None:
         """Rank 0's own artifact after each of its writes (from `schedule()`: no network)."""
         with self._cond:
-            self.own = artifact
+            self._own = artifact
             if artifact["status"] != v.RUNNING and self.ended_at is None:
                 self.ended_at = self.exchange.clock()
             self._dirty = True
             self._cond.notify_all()
 
+    def between_points(self) -> None:
+        """Rank 0 is at a boundary (from `schedule()`): no timed step runs until its next point
+        is admitted, the view's turn."""
+        self._between.set()
+
+    @property
+    def heads(self) -> dict[int, dict]:
+        """Every other rank's latest summary's artifact (less its rows), by rank."""
+        return {r: head for r, head in enumerate(self.view.heads) if r and head is not None}
+
     @property
     def final(self) -> bool:
-        return self.combined is not None and self.combined["status"] != v.RUNNING
+        return self.status not in (None, v.RUNNING)
 
     # --- reading the store ---------------------------------------------------------------------
 
@@ -70,6 +92,21 @@ class CombinedView:
         if self.refused.get(key) != str(err):
             self.refused[key] = str(err)
             logger.warning("[kvwarm sweep dp0] the combined view %s", err)
+
+    def _take_own(self) -> bool:
+        """Rank 0's rows added since the view last took them; whether rank 0 has written."""
+        with self._cond:
+            own, self._own = self._own, None
+        if own is not None:
+            head = {k: x for k, x in own.items() if k not in ("results", "skipped_points", v.AB_FAKE_SIDE)}
+            fake = own.get(v.AB_FAKE_SIDE) or {}  # an A/B sweep's: its rows say their side (`ab`)
+            new = [[], []]
+            for i, field in enumerate(("results", "skipped_points")):
+                for side, rows in ((self.view.table, own[field]), (self.view.fake, fake.get(field, []))):
+                    new[i] += rows[len(side.rows[0][i]) :]
+            self.view.take(0, head, *new)
+            self._version += 1
+        return self.view.heads[0] is not None
 
     def _gather(self) -> None:
         """Every other rank's latest summary, and the chunks of rows it names that are new."""
@@ -86,7 +123,7 @@ class CombinedView:
             except RankFailed as err:
                 self._refuse(key, err)
                 continue
-            table, fake = self.rows.setdefault(rank, ([], [])), self.fake_rows.setdefault(rank, ([], []))
+            results, skipped = [], []
             first = self.fetched.get(rank, 0)
             names = [f"kvwarm/rows/{rank}/{i}" for i in range(first, summary["chunks"])]
             for start in range(0, len(names), FETCH_BATCH):
@@ -97,39 +134,30 @@ class CombinedView:
                     except RankFailed as err:
                         self._refuse(name, err)
                         continue
-                    for i, field in enumerate(("results", "skipped_points")):
-                        for entry in chunk[field]:  # an A/B sweep's rows go to their side
-                            (fake if entry.get("ab") == v.AB_FAKE else table)[i].append(entry)
+                    results += chunk["results"]
+                    skipped += chunk["skipped_points"]
                 for name in batch:
                     exchange.store_call("delete_key", name)
             self.fetched[rank] = summary["chunks"]
-            self.heads[rank], self._raw[rank], self.changed_at[rank] = summary["artifact"], raw, now
+            self.view.take(rank, summary["artifact"], results, skipped)
+            self._raw[rank], self.changed_at[rank] = raw, now
+            self._version += 1
 
-    def _ranks(self) -> list[dict | None]:
-        ranks: list[dict | None] = [self.own]
-        for rank in range(1, self.exchange.size):
-            head = self.heads.get(rank)
-            results, skipped = self.rows.get(rank, ([], []))
-            fake = dict(zip(("results", "skipped_points"), self.fake_rows.get(rank, ([], []))))
-            side = {v.AB_FAKE_SIDE: fake} if any(fake.values()) else {}
-            ranks.append(None if head is None else {**head, "results": results, "skipped_points": skipped, **side})
-        return ranks
-
-    def _lost(self, ranks: list[dict | None]) -> dict[int, str]:
+    def _lost(self) -> dict[int, str]:
         """The ranks given up on: those that missed one of rank 0's boundaries, and, after
         rank 0's own end, those silent for the timeout since (or that cannot be heard at all)."""
         exchange = self.exchange
-        lost = {rank: f"rank 0 gave up on it: {why}" for rank, why in exchange.lost.items()}
+        lost = {rank: f"rank 0 gave up on it: {why}" for rank, why in exchange.given_up().items()}
         if self.ended_at is None:
             return lost
         now = exchange.clock()
         for rank in range(1, exchange.size):
-            artifact = ranks[rank]
-            if rank in lost or (artifact and artifact["status"] != v.RUNNING):
+            head = self.view.heads[rank]
+            if rank in lost or (head and head["status"] != v.RUNNING):
                 continue
             last = (
-                f"its last record: {artifact['status']}, {len(artifact['results'])} row(s)"
-                if artifact
+                f"its last record: {head['status']}, {len(self.view.rows[rank][0])} row(s)"
+                if head
                 else "it sent no record"
             )
             unheard = exchange.unheard()
@@ -146,46 +174,69 @@ class CombinedView:
 
     # --- writing the view ----------------------------------------------------------------------
 
-    def _write(self) -> None:
+    def _write(self) -> bool:
+        """Whether the view was written (not: nothing changed, or its pace holds it back)."""
+        if not self._take_own():
+            return False
         if self.exchange.unheard() is None:
             self._gather()
-        ranks = self._ranks()
-        lost = self._lost(ranks)
-        made_of = (id(self.own), self.own["status"], dict(self._raw), sorted(lost.items()))
+        lost = self._lost()
+        made_of = (self._version, sorted(lost.items()))
         if made_of == self._written:
-            return
-        statuses = [a["status"] if a else v.RUNNING for a in ranks]
+            return False
+        statuses = [head["status"] if head else v.RUNNING for head in self.view.heads]
         ending = all(s != v.RUNNING or r in lost for r, s in enumerate(statuses))
         if not ending and not self._pacing.due():
-            return  # a long sweep's view: written again once its last write is paid for
+            return False  # a long sweep's view: written again once its last write is paid for
         began = self._pacing.clock()
-        if ending:  # handed on first: whoever waits for the final view finds Dynamo's files there
-            self._hand_over(ranks, lost)
-        self.combined = write_view(self.exchange.root, ranks, lost)
+        if ending and not self._handed:  # handed on first: whoever waits for the final view finds Dynamo's files
+            self._handed = True
+            self._hand_over(lost)
+        self.status = self.view.write(self.exchange.root, lost)
         self._written = made_of
         self._pacing.wrote(began)
+        return True
+
+    def _turn(self) -> bool:
+        """Whether the view may be read and written now: rank 0's sweep has ended, or rank 0
+        has just reached a boundary (waited for, up to BOUNDARY_SECONDS)."""
+        if self.ended_at is not None:
+            return True
+        self._between.clear()  # a boundary from before this wait may be over by now
+        return self._between.wait(BOUNDARY_SECONDS)
 
     def _collect(self) -> None:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._dirty, timeout=COLLECT_SECONDS)
                 self._dirty = False
-                if self.own is None:
-                    continue
+            if not self._turn():
+                continue
             try:
-                self._write()
-            except Exception:
-                logger.exception(
-                    "[kvwarm sweep dp0] writing the combined view to %s failed; it stays as it was",
-                    self.exchange.root,
-                )
-                self.exchange.close()
-                return
+                wrote = self._write()
+            except Exception as err:  # noqa: BLE001  (the view is retried; the sweep goes on)
+                self._failed(err)
+                continue
+            if wrote and self._failure is not None:
+                logger.info("[kvwarm sweep dp0] the combined view at %s is written again", self.exchange.root)
+                self._failure = None
             if self.final:
                 self.exchange.close()
                 return
 
-    def _hand_over(self, ranks: list[dict | None], lost: dict[int, str]) -> None:
+    def _failed(self, err: Exception) -> None:
+        """A failed read or write of the view: logged (once while it keeps failing the same
+        way); the view stays as it was and is written again at the next turn."""
+        why = f"{type(err).__name__}: {err}"
+        if why != self._failure:
+            logger.exception(
+                "[kvwarm sweep dp0] writing the combined view to %s failed; the sweep goes on and the view is "
+                "written again at its next turn",
+                self.exchange.root,
+            )
+        self._failure = why
+
+    def _hand_over(self, lost: dict[int, str]) -> None:
         """Every rank's final record to `on_final`; a rank given up on while its own record
         still says running goes as failed with the reason, as the final view counts it (and as
         `export` from the command line reads it: record.export.input)."""
@@ -193,6 +244,6 @@ class CombinedView:
         if callback is None:
             return
         try:
-            callback(given_up(ranks, lost))
+            callback(given_up(self.view.artifacts(), lost))
         except Exception:
             logger.exception("[kvwarm sweep dp0] handing the final records on failed")
