@@ -2,7 +2,7 @@
 to its rung's deepest prefix and largest shot kept so far (sweep.limits.GridFit, sweep.grid.
 lay_mixed), and the points laid are exactly those the quadratic laying (check_points over every
 kept point for each new one) laid for the same inputs: tests/fixtures/grid-laying.json holds
-that laying's points, recorded from main at 66e0737. Every cap has a bound, the trace's mixed
+that laying's points (its `about` says from which tree). Every cap has a bound, the trace's mixed
 cap over its five axes, and one beyond it is refused by name before the model loads."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_a_generated_grid_lays_the_points_the_quadratic_laying_laid(tmp_path, mo
 
 
 def test_a_trace_grid_lays_the_points_the_quadratic_laying_laid(tmp_path):
-    """2,498 candidates over 6,000 traced steps (counted per shape), 1,837 kept in a pool of
+    """2,498 candidates over 6,000 traced steps (counted per shape), 1,950 kept in a pool of
     259 free blocks, as the quadratic laying kept them."""
     recorded = FIXTURE["trace"]
     sizes = (1, 2, 4, 8, 16, 32, 64)

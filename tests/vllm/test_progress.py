@@ -53,7 +53,7 @@ def test_a_sweep_in_a_server_logs_no_line_per_point(tmp_path, monkeypatch):
     assert scheduler.kvwarm_sweep.done and len(scheduler.kvwarm_sweep.rows) == 12
     lines = [m for m in said if m.startswith("point ")]
     assert len(lines) == 1 and lines[0].startswith("point 1/12 ") and "rows/min" in lines[0]
-    assert "sweep done: 12/12 point(s)" in said
+    assert "sweep done: 12/12 row(s)" in said
 
 
 def test_the_command_reads_a_running_artifact_less_often_as_it_grows(tmp_path, monkeypatch):

@@ -17,7 +17,7 @@ from vllm.kvwarm.sweep.exchange import view as view_module
 from vllm.kvwarm.sweep.exchange.store import StoreExchange
 
 
-def _artifact(rank: int, rows: list[PointRow], status: str = "running", size: int = 3) -> dict:
+def _artifact(rank: int, rows: list[PointRow], status: str = "running", size: int = 3, meta=None) -> dict:
     layout = {
         "data_parallel_size": size,
         "data_parallel_rank": rank,
@@ -26,7 +26,7 @@ def _artifact(rank: int, rows: list[PointRow], status: str = "running", size: in
         "expert_parallel": False,
     }
     run = {"started_at": f"2026-12-07T00:00:0{rank}Z", "finished_at": None}
-    return build_artifact(rows, KvwarmMeta(), {"points": "p.json"}, status, run=run, layout=layout)
+    return build_artifact(rows, meta or KvwarmMeta(), {"points": "p.json"}, status, run=run, layout=layout)
 
 
 def _row(k: int, b: int, ms: float) -> PointRow:
@@ -133,3 +133,37 @@ def test_a_change_to_rank_0s_record_is_written_whatever_the_records_identity(tmp
     until(lambda: rows_written() == 2, "the view stayed stale")
     rank_0.close()
     rank_1.close()
+
+
+def test_an_ab_sweeps_running_view_writes_both_sides_as_combine_does(tmp_path):
+    """Two ranks of an A/B sweep: each point's real row and its fake one (legacy, faster) arrive
+    in chunks; every write of the running view is combine's, the fake side in its own block and
+    the CSV holding both sides' rows."""
+
+    def sides(rank: int, n: int) -> list[PointRow]:
+        rows = []
+        for i in range(n):
+            real, fake = _row(10 * i, 1 + i % 2, 2.0 + i + rank), _row(10 * i, 1 + i % 2, 1.0 + i + rank)
+            real.ab, fake.ab = "real", "fake"
+            rows += [real, fake] if i % 2 else [fake, real]
+        return rows
+
+    def artifact(rank: int, rows: list[PointRow]) -> dict:
+        return _artifact(rank, rows, size=2, meta=KvwarmMeta(ab={"first": "alternate"}))
+
+    rows = {0: sides(0, 6), 1: sides(1, 5)}
+    running, taken = RunningView(2), {0: 0, 1: 0}
+    for step, (rank, upto) in enumerate([(1, 3), (0, 4), (1, 10), (0, 12)]):
+        new = rows[rank][taken[rank] : upto]
+        built = artifact(rank, rows[rank][:upto])
+        head = {k: x for k, x in built.items() if k not in ("results", "skipped_points", "ab_fake_side")}
+        chunk = artifact(rank, new)
+        running.take(rank, head, chunk["results"] + chunk["ab_fake_side"]["results"], [])
+        taken[rank] = upto
+        running.write(tmp_path / str(step))
+        whole = combine([artifact(r, rows[r][: taken[r]]) if taken[r] else None for r in range(2)])
+        assert (tmp_path / str(step) / "sweep.json").read_text() == json.dumps(whole, separators=COMPACT)
+        both = whole["results"] + whole["ab_fake_side"]["results"]
+        assert (tmp_path / str(step) / "sweep.csv").read_bytes() == results_csv(both)
+    assert len(whole["results"]) == 6 and len(whole["ab_fake_side"]["results"]) == 6
+    assert {r["ab"] for r in whole["ab_fake_side"]["results"]} == {"fake"}

@@ -11,6 +11,7 @@ import pytest
 from vllm.kvwarm.record.artifact import KvwarmMeta, PointRow, build_artifact, write_artifact
 from vllm.kvwarm.record.plot import write_plot
 from vllm.kvwarm.record.schema import validate
+from vllm.kvwarm.sweep.progress import ArtifactRows
 
 
 def _rows():
@@ -216,7 +217,7 @@ def test_the_command_stops_waiting_when_the_engine_core_dies_without_a_final_art
 
     engine_stand_in = SimpleNamespace(engine_core=SimpleNamespace(resources=resources))
     monkeypatch.setattr(sweep_command.time, "sleep", sleep)
-    assert sweep_command._wait(engine_stand_in, artifact) == "engine died"
+    assert sweep_command._wait(engine_stand_in, ArtifactRows(artifact, None, share=1.0), None) == "engine died"
     assert len(polls) == 3 and "engine core died before the sweep's artifact was final" in capsys.readouterr().err
 
 
@@ -241,4 +242,4 @@ def test_the_command_waits_through_a_missing_or_half_replaced_artifact(tmp_path,
 
     monkeypatch.setattr(sweep_command.time, "sleep", sleep)
     engine_stand_in = SimpleNamespace(engine_core=SimpleNamespace(resources=SimpleNamespace(engine_dead=False)))
-    assert sweep_command._wait(engine_stand_in, artifact) == "complete"
+    assert sweep_command._wait(engine_stand_in, ArtifactRows(artifact, None, share=1.0), None) == "complete"

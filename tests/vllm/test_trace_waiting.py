@@ -92,9 +92,9 @@ def test_a_sweeps_own_steps_and_empty_steps_read_no_queue(tmp_path, monkeypatch)
     given = []  # (the step's own requests, empty, queues given)
     scheduled = scheduler.kvwarm_trace.scheduled
 
-    def recorded(output, held, queues):
+    def recorded(scheduler, output, held, queues, enter):
         given.append((held, not output.total_num_scheduled_tokens, len(queues)))
-        return scheduled(output, held, queues)
+        return scheduled(scheduler, output, held, queues, enter)
 
     scheduler.kvwarm_trace.scheduled = recorded
     loop = EngineLoop(scheduler, False)

@@ -303,7 +303,7 @@ def _recorded(out: str, dp_size: int) -> dict | None:
         return None
 
 
-def _step(core, bar: Bar | None) -> str:
+def _step(core, bar: Bar | None = None) -> str:
     """In-process engine core: step it until the sweep is done (its rows on `bar`, where the
     command shows one). The adapter records a sweep failure itself (once); an engine failure
     outside the sweep's hooks is recorded here."""

@@ -93,13 +93,14 @@ class Bar:
 class ArtifactRows:
     """The rows of a running artifact another process writes (a rank's, or the combined view),
     read no more than READ_SHARE of the time; `planned`: the rows planned where the command
-    knows them (a points file), else the grid's points once the artifact records them."""
+    knows them (a points file), else the grid's points once the artifact records them.
+    `share`: of the time, what reading it may take at most (1: read at every call)."""
 
-    def __init__(self, path: Path, planned: int | None, ranks: int = 1):
+    def __init__(self, path: Path, planned: int | None, ranks: int = 1, share: float = READ_SHARE):
         self.path, self.planned, self.ranks = path, planned, ranks
         self.status: str | None = None
         self.done = 0
-        self._pacing = Pacing(READ_SHARE)
+        self._pacing = Pacing(share)
 
     def read(self) -> None:
         if not self._pacing.due():
