@@ -36,13 +36,25 @@ def test_a_point_line_is_logged_at_once_then_at_most_once_per_period():
     assert len(said) == 4
 
 
+def test_a_resumed_sweeps_rate_counts_only_the_rows_measured_in_this_boot():
+    """500 rows came from an earlier boot: 60 rows in this boot's first 60 s are 60 a minute,
+    not 560, and the time left follows from that."""
+    said, now = [], [0.0]
+    log = PointLog(said.append, every=30.0, clock=lambda: now[0])
+    row = PointRow(64, 2, "legacy", samples=[0.001], median_seconds=0.001)
+    for done in range(501, 561):
+        now[0] = float(done - 500)
+        log.row(row, done, 1000)
+    assert said[-1].endswith("531/1000 rows, 60 rows/min, about 7 min 49 s left")
+
+
 def test_a_sweep_in_a_server_logs_no_line_per_point(tmp_path, monkeypatch):
     """A real Scheduler's sweep of 12 points (fake KV) within one period logs the first point's
     line and its rungs' and end's, not twelve point lines."""
     monkeypatch.setenv("DYN_BENCH_KV_WARMUP", "off")
     monkeypatch.setattr(progress, "LOG_SECONDS", 3600.0)
     said = []
-    monkeypatch.setattr(ArtifactWriter, "progress", lambda self, message: said.append(message))
+    monkeypatch.setattr(ArtifactWriter, "progress", lambda self, message, left_too=True: said.append(message))
     points = tmp_path / "points.json"
     decode = [{"total_kv_read_tokens": 8 * (i + 1), "batch_size": 1 + i % 2} for i in range(12)]
     points.write_text(json.dumps({"schema_version": 1, "decode": decode}))

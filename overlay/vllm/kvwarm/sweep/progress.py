@@ -27,9 +27,12 @@ LOG_SECONDS = 30.0  # at most one point line per this many seconds
 READ_SHARE = 0.05  # the command's reading of a running artifact: at most this share of its time
 
 
-def rate_line(done: int, planned: int, seconds: float) -> str:
-    """Done and planned rows, the rate since the start and the time left at that rate."""
-    rate = done / seconds * 60 if seconds > 0 else 0.0
+def rate_line(done: int, planned: int, seconds: float, measured: int | None = None) -> str:
+    """Done and planned rows, the rate since the start and the time left at that rate;
+    `measured`: the rows of `done` measured in those seconds (default: all of them; fewer on a
+    resumed sweep, whose earlier rows took no time here)."""
+    measured = done if measured is None else measured
+    rate = measured / seconds * 60 if seconds > 0 else 0.0
     line = f"{done}/{planned} rows, {rate:.0f} rows/min"
     if 0 < done < planned and rate > 0:
         line += f", about {duration((planned - done) / rate * 60)} left"
@@ -50,9 +53,12 @@ class PointLog:
         self.started = clock()
         self.quiet = False  # the command shows a bar instead
         self._last: float | None = None
+        self._before: int | None = None  # rows done before the first this log saw (an earlier boot's)
 
     def row(self, row, done: int, planned: int) -> None:
         now = self.clock()
+        if self._before is None:
+            self._before = done - 1
         if self.quiet or (self._last is not None and now - self._last < self.every):
             return
         self._last = now
@@ -60,7 +66,7 @@ class PointLog:
         self._say(
             f"point {done}/{planned} K={row.total_kv_read_tokens} B={row.batch_size} ({row.kv_seed_regime}"
             f"{f', {row.ab} side' if getattr(row, 'ab', None) else ''}): "
-            f"{median}; {rate_line(done, planned, now - self.started)}"
+            f"{median}; {rate_line(done, planned, now - self.started, done - self._before)}"
         )
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ..record import vocabulary as v
 from ..record.artifact import PointRow
-from .resume import POINTS_DIGEST, Resumed, check_engine, check_plan, check_points, load_earlier, points_digest
+from .plan import points_digest
+from .resume import POINTS_DIGEST, Resumed, check_engine, check_plan, check_points, load_earlier
 from .writer import ArtifactWriter
 
 

@@ -95,7 +95,7 @@ class SweepRun:
         points = spec.get("points") or str(grid_path(spec["out"]))
         config = {"points": points, "model": vllm_config.model_config.model}
         self.writer = new_writer(spec["out"], config, environ, rank_out, self.layout)
-        self.points_log = PointLog(self.writer.progress)
+        self.points_log = PointLog(lambda line: self.writer.progress(line, left_too=False))
         self.finished = False
         self.environ = environ
         self._stages_logged = 0  # the controller's stages in the record so far

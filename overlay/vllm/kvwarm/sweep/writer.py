@@ -161,10 +161,11 @@ class ArtifactWriter:
             self._started = True
         write_atomically(out / v.ARTIFACT, self._encoded.dumps(head, self.rows))
 
-    def progress(self, message: str) -> None:
+    def progress(self, message: str, left_too: bool = True) -> None:
+        """A progress line; `left_too`: with the time left (a point's line says its own)."""
         done, here = len(self.rows), len(self.rows) - self._earlier
         left = ""
-        if 0 < here and done < self.total:
+        if left_too and 0 < here and done < self.total:
             per_row = (time.monotonic() - self.started) / here
             left = f", about {per_row * (self.total - done):.0f} s left"
         rank = f" dp{self.layout.data_parallel_rank}" if self.layout and self.layout.data_parallel_size > 1 else ""
