@@ -164,7 +164,9 @@ def _command(tmp_path, *extra: str) -> int:
     )
 
 
-def test_the_command_refuses_a_resume_before_the_engine_starts_and_leaves_the_record(tmp_path, capsys, monkeypatch):
+def test_the_command_refuses_a_resume_before_the_engine_starts_and_leaves_the_record(
+    tmp_path, capsys, monkeypatch, engine_cli
+):
     _points(tmp_path)
     assert _command(tmp_path) == 2  # nothing there yet
     assert "holds no sweep to resume" in capsys.readouterr().err and not (tmp_path / "out").exists()
@@ -206,7 +208,7 @@ def test_the_command_refuses_a_resume_before_the_engine_starts_and_leaves_the_re
     assert (tmp_path / "out" / "sweep.json").read_bytes() == record  # never rewritten by a refusal
 
 
-def test_the_command_says_a_complete_sweep_has_nothing_to_resume(tmp_path, capsys):
+def test_the_command_says_a_complete_sweep_has_nothing_to_resume(tmp_path, capsys, engine_cli):
     _points(tmp_path)
     _drive(_launch(tmp_path))
     record = (tmp_path / "out" / "sweep.json").read_bytes()
