@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import threading
 import time
@@ -35,6 +34,7 @@ from kvwarm_testing.multi_rank import (
     write_points,
 )
 from kvwarm_testing.plugin import rank_out
+from vllm.kvwarm.record.row_log import read_log
 
 pytestmark = pytest.mark.multirank
 
@@ -362,9 +362,9 @@ def test_a_rank_killed_mid_sweep_is_named_by_the_survivor_which_keeps_every_row(
     assert own["error"].startswith("RankFailed: rank(s) [1] did not reach boundary")
     assert own["error"].endswith(f"within {KILL_TIMEOUT} s")
     assert stopped < KILL_TIMEOUT + 5  # a poll of the artifact a second
-    # every point rank 0 finished (its progress lines) is in its artifact
-    finished = [int(n) for n in re.findall(r"\[kvwarm sweep dp0\] point (\d+)/", log.read_text())]
-    assert finished and len(own["results"]) + len(own["skipped_points"]) == max(finished) >= 8
+    # every point rank 0 finished (a line of its rows.jsonl, written as each ends) is in its artifact
+    finished = read_log(rank_artifact(out, 0, own_folders=True).parent / "rows.jsonl").rows
+    assert len(own["results"]) + len(own["skipped_points"]) == len(finished) >= 8
     assert combined["status"] == "failed"
     assert [(r["rank"], r["status"]) for r in combined["ranks"]] == [(0, "failed"), (1, "failed")]
     assert combined["ranks"][1]["error"].startswith("rank 0 gave up on it: rank(s) [1] did not reach boundary")
