@@ -341,15 +341,18 @@ def test_a_rank_killed_mid_sweep_is_named_by_the_survivor_which_keeps_every_row(
     env = _env(inputs, **timeouts, **OWN_FOLDERS)
     with api_server(args, env, log) as server:
         deadline = time.monotonic() + 600
+        # rank 1's rows as they end (its rows.jsonl: its sweep.json is rewritten at a pace,
+        # and a sweep of tiny points would be nearly done before it showed 8)
+        rows_1 = rank_artifact(out, 1, own_folders=True).parent / "rows.jsonl"
         while True:
             rank_1 = read_json(rank_artifact(out, 1, own_folders=True)) or {"status": "running", "results": []}
             assert rank_1["status"] == "running", {  # a rank that ended early: say how
                 key: rank_1.get(key) for key in ("status", "error", "skipped_points")
             } | {"rows": len(rank_1["results"])}
-            if len(rank_1["results"]) >= 8:
+            if rows_1.exists() and len(read_log(rows_1).rows) >= 8:
                 break
             assert time.monotonic() < deadline, "rank 1 measured no 8 points"
-            time.sleep(0.1)
+            time.sleep(0.05)
         victim = engine_core_pid(server.pid, 1)
         os.kill(victim, signal.SIGSTOP)
         time.sleep(FREEZE_SECONDS)
