@@ -337,6 +337,18 @@ def all_results(artifact: dict) -> list[dict]:
     return [*artifact["results"], *(artifact.get(v.AB_FAKE_SIDE) or {}).get("results", [])]
 
 
+def row_lists(artifact: dict) -> tuple[list, list, list, list]:
+    """An artifact's results and skipped points, then an A/B sweep's fake side's (empty where
+    it has none): what a rank hands on as they grow."""
+    fake = artifact.get(v.AB_FAKE_SIDE) or {}
+    return artifact["results"], artifact["skipped_points"], fake.get("results", []), fake.get("skipped_points", [])
+
+
+def without_rows(artifact: dict) -> dict:
+    """An artifact less its rows (both sides')."""
+    return {k: x for k, x in artifact.items() if k not in ("results", "skipped_points", v.AB_FAKE_SIDE)}
+
+
 def write_artifact(out_dir: str | Path, artifact: dict) -> list[Path]:
     """sweep.json and sweep.csv of a final artifact, checked against the schema first (a
     running one is sweep.writer's: compact, unchecked, without its CSV)."""

@@ -35,7 +35,7 @@ from pathlib import Path
 from torch.distributed import TCPStore
 from vllm.logger import init_logger
 
-from ...record import vocabulary as v
+from ...record.artifact import row_lists, without_rows
 from ..ranks import DEFAULT_TIMEOUT, RankFailed
 from ..settings import RANK_START_TIMEOUT_ENV, RANK_SYNC_ENV, RANK_SYNC_PORT_ENV, RANK_TIMEOUT_ENV
 from .records import FAILURE, chunks, decode, encode, meeting_record
@@ -324,16 +324,10 @@ class StoreExchange:
         if self.view is not None:
             self.view.update(artifact)
             return
-        fake = artifact.get(v.AB_FAKE_SIDE) or {}  # an A/B sweep's: its rows say their side (`ab`)
-        lists = (
-            artifact["results"],
-            artifact["skipped_points"],
-            fake.get("results", []),
-            fake.get("skipped_points", []),
-        )
+        lists = row_lists(artifact)  # an A/B sweep's fake side's rows say their side (`ab`)
         new = [rows[n:] for rows, n in zip(lists, self._shared)]
         self._shared = tuple(len(rows) for rows in lists)
-        head = {k: x for k, x in artifact.items() if k not in ("results", "skipped_points", v.AB_FAKE_SIDE)}
+        head = without_rows(artifact)
         with self._cond:
             self._outbox += [("rows", *new[:2]), ("rows", *new[2:]), ("summary", head, len(lists[0]), len(lists[1]))]
             self._cond.notify_all()

@@ -25,6 +25,7 @@ import threading
 from vllm.logger import init_logger
 
 from ...record import vocabulary as v
+from ...record.artifact import row_lists, without_rows
 from ...record.combined import RunningView, given_up
 from ..pacing import Pacing
 from ..ranks import RankFailed
@@ -97,14 +98,10 @@ class CombinedView:
         """Rank 0's rows added since the view last took them; whether rank 0 has written."""
         with self._cond:
             own, self._own = self._own, None
-        if own is not None:
-            head = {k: x for k, x in own.items() if k not in ("results", "skipped_points", v.AB_FAKE_SIDE)}
-            fake = own.get(v.AB_FAKE_SIDE) or {}  # an A/B sweep's: its rows say their side (`ab`)
-            new = [[], []]
-            for i, field in enumerate(("results", "skipped_points")):
-                for side, rows in ((self.view.table, own[field]), (self.view.fake, fake.get(field, []))):
-                    new[i] += rows[len(side.rows[0][i]) :]
-            self.view.take(0, head, *new)
+        if own is not None:  # an A/B sweep's fake side's rows say their side (`ab`)
+            taken = [len(rows) for side in (self.view.table, self.view.fake) for rows in side.rows[0]]
+            results, skipped, fake_results, fake_skipped = (rows[n:] for rows, n in zip(row_lists(own), taken))
+            self.view.take(0, without_rows(own), results + fake_results, skipped + fake_skipped)
             self._version += 1
         return self.view.heads[0] is not None
 
