@@ -182,7 +182,7 @@ class GridFit:
     def __init__(self, limits: EngineLimits, source: str):
         self.limits, self.source = limits, source
         self.kept: list = []
-        self._rungs: dict[tuple, tuple[int, int]] = {}  # rung: (its chains' depth, its largest shot)
+        self._rungs: dict[tuple[bool, int], tuple[int, int]] = {}  # (mixed, chains): (depth, largest shot)
 
     def add(self, point) -> bool:
         """Whether `point` is kept (it fits beside the kept ones, which it then joins)."""
@@ -196,7 +196,7 @@ class GridFit:
             if part is not None:
                 _check_prefixed([part], limits, source)
                 _check_continuations([part], limits.vllm_config, limits.unit, source)
-                depth, shot = _shot(part, limits, source)
+                depth, shot = _shot(part, limits, source)  # a mixed point's part: its step's checks alone
             if mixed:
                 depth, shot = mixed_point_needs(
                     point, limits.layouts, limits.unit, limits.decode_steps, limits.state_mode, limits.max_model_len
@@ -204,7 +204,8 @@ class GridFit:
         except PointsFileError:
             return False
         if part is not None:
-            rung, chains = (("mixed", mixed_chains(point)), mixed_chains(point)) if mixed else (part.batch_size,) * 2
+            chains = mixed_chains(point) if mixed else part.batch_size
+            rung = (mixed, chains)
             held_depth, held_shot = self._rungs.get(rung, (0, 0))
             depth, shot = max(held_depth, depth), max(held_shot, shot)
             if limits.chains(chains, depth) + shot > limits.free:
