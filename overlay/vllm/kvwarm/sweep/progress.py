@@ -33,10 +33,15 @@ def rate_line(done: int, planned: int, seconds: float, measured: int | None = No
     resumed sweep, whose earlier rows took no time here)."""
     measured = done if measured is None else measured
     rate = measured / seconds * 60 if seconds > 0 else 0.0
-    line = f"{done}/{planned} rows, {rate:.0f} rows/min"
-    if 0 < done < planned and rate > 0:
-        line += f", about {duration((planned - done) / rate * 60)} left"
-    return line
+    return f"{done}/{planned} rows, {rate:.0f} rows/min" + time_left(done, planned, measured, seconds)
+
+
+def time_left(done: int, planned: int, measured: int, seconds: float) -> str:
+    """ ", about <time> left" at the rate of `measured` rows in `seconds` ("" where the sweep
+    is done or no rate is known yet)."""
+    if not (0 < done < planned and measured > 0 and seconds > 0):
+        return ""
+    return f", about {duration((planned - done) * seconds / measured)} left"
 
 
 def duration(seconds: float) -> str:
@@ -65,7 +70,7 @@ class PointLog:
         median = f"{row.median_seconds * 1e3:.2f} ms" if row.median_seconds is not None else row.kv_seed_regime
         self._say(
             f"point {done}/{planned} K={row.total_kv_read_tokens} B={row.batch_size} ({row.kv_seed_regime}"
-            f"{f', {row.ab} side' if getattr(row, 'ab', None) else ''}): "
+            f"{f', {row.ab} side' if row.ab else ''}): "
             f"{median}; {rate_line(done, planned, now - self.started, done - self._before)}"
         )
 

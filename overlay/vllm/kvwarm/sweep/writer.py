@@ -29,6 +29,7 @@ from ..record.encoded import EncodedRows
 from ..record.files import write_atomically
 from ..record.row_log import RowLog
 from .pacing import Pacing
+from .progress import time_left
 from .provenance import RankLayout
 from .rows import NOISY_SPREAD
 
@@ -164,9 +165,6 @@ class ArtifactWriter:
     def progress(self, message: str, left_too: bool = True) -> None:
         """A progress line; `left_too`: with the time left (a point's line says its own)."""
         done, here = len(self.rows), len(self.rows) - self._earlier
-        left = ""
-        if left_too and 0 < here and done < self.total:
-            per_row = (time.monotonic() - self.started) / here
-            left = f", about {per_row * (self.total - done):.0f} s left"
+        left = time_left(done, self.total, here, time.monotonic() - self.started) if left_too else ""
         rank = f" dp{self.layout.data_parallel_rank}" if self.layout and self.layout.data_parallel_size > 1 else ""
         logger.info("[kvwarm sweep%s] %s%s", rank, message, left)
