@@ -28,6 +28,24 @@ def run_in_temp_dir(run: Callable[[Path], None]) -> None:
         run(Path(tmp))
 
 
+def kvwarm_engine(model: Path, **engine_args):
+    """vLLM's LLMEngine over `model` in this process under the sweep's adapter for the CPU
+    engine's loop, as the benchmarks run it: seeded, eager, float32, prefix caching on;
+    `engine_args` (EngineArgs' fields) add to those or replace them."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    shared = {
+        "model": str(model),
+        "dtype": "float32",
+        "seed": 0,
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "scheduler_cls": "vllm.kvwarm.scheduler.KvWarmScheduler",
+    }
+    return LLMEngine.from_engine_args(EngineArgs(**{**shared, **engine_args}))
+
+
 def is_steady_step(scheduler, output) -> bool:
     """Whether a step (the scheduler's output for it, asked before update_from_output) is
     steady decoding: requests scheduled, none new, each decoding one token past its prompt."""

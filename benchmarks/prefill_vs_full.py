@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import kvwarm_engine, release_label, run_in_temp_dir  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
 
 from kvwarm_build.sessions import quick_mode
@@ -98,27 +98,18 @@ def main() -> None:
 
 
 def run(tmp: Path) -> None:
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.sweep.dataset import ChainText, load_halves
     from vllm.kvwarm.sweep.points import PrefillPoint
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     points = [PrefillPoint(n, p, BATCH) for n, p in LADDER]
     model = tiny_models.make_small_llama(tmp / "small-llama")
     collection, held_out, _ = load_halves(tiny_models.write_sharegpt(tmp / "sharegpt.json"))
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model),
-            dtype="float32",
-            seed=0,
-            enforce_eager=True,
-            block_size=BLOCK,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=BATCHED_TOKENS,
-            max_num_seqs=2 * BATCH,
-            enable_prefix_caching=True,
-            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
-        )
+    engine = kvwarm_engine(
+        model,
+        block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        max_num_seqs=2 * BATCH,
     )
     core = engine.engine_core.engine_core
     scheduler = core.scheduler

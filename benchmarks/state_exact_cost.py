@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import kvwarm_engine, release_label, run_in_temp_dir  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
 
 from kvwarm_build.sessions import quick_mode
@@ -213,32 +213,24 @@ def main() -> None:
 
 
 def run(tmp: Path) -> None:
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.kv.catchup import state_block_size
     from vllm.kvwarm.kv.layout import group_layouts
     from vllm.kvwarm.kv.state_mode import STATE_ENV, decide_state_mode
     from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
     from vllm.kvwarm.sweep.points import DecodePoint
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     release = release_label()
     tiny = tiny_models
     model = tiny.make_tiny_qwen3_next(tmp / "tiny-qwen3-next")
     conversations, _ = load_dataset(tiny.write_sharegpt(tmp / "sharegpt.json"))
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model),
-            dtype="bfloat16",
-            mamba_ssm_cache_dtype="float32",
-            mamba_cache_mode="align",
-            seed=0,
-            enforce_eager=True,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=BATCHED_TOKENS,
-            max_num_seqs=2 * max(BATCHES),
-            enable_prefix_caching=True,
-            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
-        )
+    engine = kvwarm_engine(
+        model,
+        dtype="bfloat16",
+        mamba_ssm_cache_dtype="float32",
+        mamba_cache_mode="align",
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        max_num_seqs=2 * max(BATCHES),
     )
     log = StepLog(engine.engine_core.engine_core)
     tokenizer = engine.get_tokenizer()

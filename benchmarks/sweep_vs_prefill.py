@@ -33,7 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-from _engine import is_steady_step, release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import (  # importing it sets the engine's environment
+    is_steady_step,
+    kvwarm_engine,
+    release_label,
+    run_in_temp_dir,
+)
 from kvwarm_testing import tiny_models
 
 from kvwarm_build.sessions import quick_mode
@@ -163,28 +168,19 @@ def main() -> None:
 
 
 def run(tmp: Path) -> None:
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
     from vllm.kvwarm.sweep.plan import plan_rungs
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     release = release_label()
     points = ladder()
     model = tiny_models.make_small_llama(tmp / "small-llama")
     conversations, _ = load_dataset(tiny_models.write_sharegpt(tmp / "sharegpt.json"))
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model),
-            dtype="float32",
-            seed=0,
-            enforce_eager=True,
-            block_size=BLOCK,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=BATCHED_TOKENS,
-            max_num_seqs=2 * BATCH,
-            enable_prefix_caching=True,
-            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
-        )
+    engine = kvwarm_engine(
+        model,
+        block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        max_num_seqs=2 * BATCH,
     )
     clock = StepClock(engine.engine_core.engine_core)
     tokenizer = engine.get_tokenizer()

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from _engine import release_label, run_in_temp_dir  # importing it sets the engine's environment
+from _engine import kvwarm_engine, release_label, run_in_temp_dir  # importing it sets the engine's environment
 from kvwarm_testing import tiny_models
 
 from kvwarm_build.sessions import quick_mode
@@ -283,26 +283,17 @@ def main() -> None:
 
 
 def run(tmp: Path) -> None:
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.kvwarm.sweep.dataset import ChainText, load_dataset
-    from vllm.v1.engine.llm_engine import LLMEngine
 
     release = release_label()
     model = tiny_models.make_tiny_qwen3_moe(tmp / "tiny-moe")
     dataset = tiny_models.write_sharegpt(tmp / "sharegpt.json", conversations=256)
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model),
-            dtype="float32",
-            seed=0,
-            enforce_eager=True,
-            block_size=BLOCK,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_batched_tokens=BATCHED_TOKENS,
-            max_num_seqs=MAX_SEQS,
-            enable_prefix_caching=True,
-            scheduler_cls="vllm.kvwarm.scheduler.KvWarmScheduler",
-        )
+    engine = kvwarm_engine(
+        model,
+        block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_batched_tokens=BATCHED_TOKENS,
+        max_num_seqs=MAX_SEQS,
     )
     steps, draws = Steps(engine.engine_core.engine_core), DrawClock()
     tokenizer = engine.get_tokenizer()
